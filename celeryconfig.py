@@ -1,0 +1,84 @@
+"""Celery settings for Charlie workers, beat and producers.
+
+Every setting says why: the database is the source of truth, so the broker only has to deliver
+ticks at least once, and a phase task is safe to run twice, concurrently, late or never
+(see ../shared/design/CELERY-NOTES.md and INVARIANTS.md I2, I4).
+"""
+
+from datetime import timedelta
+
+from charlie import broker
+from charlie.config import settings
+
+_s = settings()
+
+broker_url = _s.broker_url
+if _s.is_embedded_broker:
+    broker.register()
+    broker_transport_options = broker.transport_options(
+        _s.broker_dir, _s.embedded_poll_interval
+    )
+else:
+    broker_transport_options = {
+        # Far above any tick: an unacknowledged Redis message is re-delivered after this, even
+        # while a worker still runs it. Ticks are bounded well below it; long waits are stored
+        # in the database, never as countdowns.
+        "visibility_timeout": 6 * 3600,
+        # Workers have stopped consuming after a silent Redis reconnect (celery#8030).
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
+
+# Nothing calls .get(): the database holds every outcome.
+result_backend = None
+task_ignore_result = True
+
+task_serializer = "json"
+accept_content = ["json"]
+
+# Acknowledge after the task ran, and give a message back when its worker dies, so a killed
+# worker's tick is redelivered where the broker can; the database counts attempts, so a message
+# that kills its worker every time stops after CHARLIE_MAX_ATTEMPTS (poison messages).
+task_acks_late = True
+task_reject_on_worker_lost = True
+# One message at a time per process: a prefetched tick would sit behind a slow model call.
+worker_prefetch_multiplier = 1
+# After a broker reconnect, late-ack tasks may be redelivered while still running; stop them.
+worker_cancel_long_running_tasks_on_connection_loss = True
+broker_connection_retry_on_startup = True
+
+# One queue; phase tasks and tool invocations share it so a busy turn cannot starve the loop.
+task_default_queue = "charlie"
+
+# Flower shows the loop as it runs (I21): each phase is its own task name.
+worker_send_task_events = _s.task_events
+task_send_sent_event = _s.task_events
+
+# Hard limit on any single task: ticks are short; model calls and tools renew leases, and a
+# stuck one is killed here rather than holding a worker forever.
+task_time_limit = 3600
+task_soft_time_limit = 3300
+
+worker_hijack_root_logger = False
+worker_redirect_stdouts = False
+
+beat_schedule_filename = str(_s.home / "celerybeat-schedule")
+_every = timedelta(seconds=_s.sweep_interval)
+beat_schedule = {
+    # `expires` drops a sweep that waited in the queue past its interval: a newer one follows.
+    "charlie-sweep-stalled": {
+        "task": "charlie.sweep.stalled_runs",
+        "schedule": _every,
+        "options": {"expires": _s.sweep_interval * 2},
+    },
+    "charlie-sweep-tool-calls": {
+        "task": "charlie.sweep.tool_calls",
+        "schedule": _every,
+        "options": {"expires": _s.sweep_interval * 2},
+    },
+    "charlie-sweep-timeouts": {
+        "task": "charlie.sweep.task_timeouts",
+        "schedule": _every,
+        "options": {"expires": _s.sweep_interval * 2},
+    },
+}

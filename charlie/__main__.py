@@ -1,0 +1,3 @@
+from charlie.cli import main
+
+main()

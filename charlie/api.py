@@ -1,0 +1,321 @@
+"""The Python API producers use: submit, get_task, wait, cancel, transcript."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from charlie import scheduler
+from charlie.domain import JSON, Phase, TaskStatus
+from charlie.models import validate_model_spec
+from charlie.runtime import get_runtime
+from charlie.scheduler import TaskNotFound
+from charlie.store.engine import read
+from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
+
+log = logging.getLogger("charlie.api")
+
+TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_METADATA_BYTES = 64 * 1024
+
+
+class InvalidSubmission(ValueError):
+    """The submission was refused before anything was written."""
+
+
+class PayloadTooLarge(InvalidSubmission):
+    pass
+
+
+class UnknownToolError(InvalidSubmission):
+    pass
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    id: str
+    status: TaskStatus
+    result: Any
+    error: Any
+    parent_id: str | None
+    model: str
+    prompt: str
+    metadata: JSON
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    phase: Phase | None
+    turn: int
+    model_calls: int
+    model_repeats: int
+    usage: dict[str, int]
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+
+@dataclass(frozen=True)
+class TranscriptEntry:
+    seq: int
+    turn: int
+    kind: str
+    call_id: str | None
+    payload: JSON
+    outcome: str | None
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    call_id: str
+    turn: int
+    index: int
+    name: str
+    arguments: JSON
+    effect: str
+    state: str
+    outcome: str | None
+    result: Any
+    queued_at: datetime | None
+    dispatch_version: int | None
+    started_at: datetime | None
+    started_by: str | None
+    settled_at: datetime | None
+    settled_by: str | None
+    finish_order: int | None
+    duration_ms: float | None
+    attempts: int
+    handle: str | None
+    late_reports: int
+
+
+def _normalise_model(model: str) -> str:
+    validate_model_spec(model)
+    provider, _, name = model.partition(":")
+    if provider == "scripted":
+        # Workers may run elsewhere in the tree: record the script's absolute path.
+        return f"scripted:{Path(name).resolve()}"
+    return model
+
+
+def submit(
+    prompt: str,
+    *,
+    model: str,
+    tools: list[str] | None = None,
+    task_id: str | None = None,
+    timeout: float | None = None,
+    metadata: JSON | None = None,
+) -> str:
+    """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
+    id again returns it without starting a second run."""
+    rt = get_runtime()
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidSubmission("prompt must be a non-empty string")
+    size = len(prompt.encode())
+    if size > rt.settings.max_prompt_bytes:
+        raise PayloadTooLarge(
+            f"prompt is {size} bytes; the limit is {rt.settings.max_prompt_bytes} "
+            "(CHARLIE_MAX_PROMPT_BYTES)"
+        )
+    model = _normalise_model(model)
+    if tools is not None:
+        if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
+            raise InvalidSubmission("tools must be a list of tool names")
+        unknown = [t for t in tools if rt.tools.get(t) is None]
+        if unknown:
+            raise UnknownToolError(
+                f"unknown tool(s) {', '.join(unknown)}; registered: {', '.join(rt.tools.names())}"
+                " (user tools register through CHARLIE_TOOL_MODULES)"
+            )
+    if task_id is not None and not TASK_ID.match(task_id):
+        raise InvalidSubmission(
+            f"task id {task_id!r} must be 1-128 characters of letters, digits and ._:-"
+        )
+    if timeout is not None and timeout <= 0:
+        raise InvalidSubmission(f"timeout must be positive seconds, got {timeout}")
+    if metadata is not None:
+        try:
+            encoded = json.dumps(metadata)
+        except (TypeError, ValueError) as exc:
+            raise InvalidSubmission(f"metadata must be JSON-serialisable: {exc}") from exc
+        if not isinstance(metadata, dict):
+            raise InvalidSubmission("metadata must be a JSON object")
+        if len(encoded) > MAX_METADATA_BYTES:
+            raise PayloadTooLarge(f"metadata is {len(encoded)} bytes; the limit is 64 KiB")
+    submitted = scheduler.submit(
+        rt.engine,
+        prompt=prompt,
+        model=model,
+        tools=tools,
+        task_id=task_id,
+        timeout=timeout,
+        metadata=metadata,
+    )
+    if submitted.created and not rt.publisher.tick(
+        submitted.execution_id, Phase.LOAD_CONTEXT, 0
+    ):
+        log.warning(
+            "task %s is saved but its first tick could not be published (broker down?); "
+            "beat's sweep will start it",
+            submitted.task_id,
+        )
+    return submitted.task_id
+
+
+def get_task(task_id: str) -> TaskInfo:
+    rt = get_runtime()
+    t, e = tasks.c, executions.c
+    with read(rt.engine) as conn:
+        row = conn.execute(
+            select(
+                tasks,
+                e.phase.label("x_phase"),
+                e.turn.label("x_turn"),
+                e.model_calls.label("x_model_calls"),
+                e.model_repeats.label("x_model_repeats"),
+            )
+            .select_from(tasks.outerjoin(executions, e.task_id == t.id))
+            .where(t.id == task_id)
+        ).first()
+    if row is None:
+        raise TaskNotFound(task_id)
+    return TaskInfo(
+        id=row.id,
+        status=TaskStatus(row.status),
+        result=row.result,
+        error=row.error,
+        parent_id=row.parent_id,
+        model=row.model,
+        prompt=row.prompt,
+        metadata=row.metadata or {},
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        phase=Phase(row.x_phase) if row.x_phase else None,
+        turn=row.x_turn or 0,
+        model_calls=row.x_model_calls or 0,
+        model_repeats=row.x_model_repeats or 0,
+        usage={
+            "input_tokens": row.input_tokens,
+            "output_tokens": row.output_tokens,
+            "reasoning_tokens": row.reasoning_tokens,
+        },
+    )
+
+
+def wait(task_id: str, timeout: float = 300.0, poll: float = 0.1) -> TaskInfo:
+    """Block until the task is terminal; raises TimeoutError with its last status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = get_task(task_id)
+        if info.terminal:
+            return info
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"task {task_id} still {info.status.value} (phase {info.phase}) after {timeout} s"
+            )
+        time.sleep(poll)
+        poll = min(poll * 1.5, 1.0)
+
+
+def cancel(task_id: str) -> bool:
+    """Cancel a task and its children. The run stops at its next boundary and the model is not
+    called for it again (I18). False when it was already terminal."""
+    from charlie.sweeps import poke_tasks
+
+    rt = get_runtime()
+    changed = scheduler.cancel(rt.engine, task_id)
+    poke_tasks(rt, changed)
+    return task_id in changed
+
+
+def transcript(task_id: str) -> list[TranscriptEntry]:
+    """The ordered transcript; a tool result carries its call's outcome."""
+    rt = get_runtime()
+    i = transcript_items.c
+    with read(rt.engine) as conn:
+        xid = _execution_id(conn, task_id)
+        rows = conn.execute(
+            select(i.seq, i.turn, i.kind, i.call_id, i.payload)
+            .where(i.execution_id == xid)
+            .order_by(i.seq)
+        ).all()
+    return [
+        TranscriptEntry(
+            r.seq,
+            r.turn,
+            r.kind,
+            r.call_id,
+            r.payload,
+            r.payload.get("outcome") if r.kind == "tool_result" else None,
+        )
+        for r in rows
+    ]
+
+
+def calls(task_id: str) -> list[CallRecord]:
+    """The pending-tool records of a task, in turn and call order, with their evidence."""
+    rt = get_runtime()
+    c = tool_calls.c
+    with read(rt.engine) as conn:
+        xid = _execution_id(conn, task_id)
+        rows = conn.execute(
+            select(tool_calls).where(c.execution_id == xid).order_by(c.turn, c.idx)
+        ).all()
+    return [
+        CallRecord(
+            r.call_id,
+            r.turn,
+            r.idx,
+            r.name,
+            r.arguments,
+            r.effect,
+            r.state,
+            r.outcome,
+            r.result,
+            r.queued_at,
+            r.dispatch_version,
+            r.started_at,
+            r.started_by,
+            r.settled_at,
+            r.settled_by,
+            r.finish_order,
+            r.duration_ms,
+            r.attempts,
+            r.handle,
+            r.late_reports,
+        )
+        for r in rows
+    ]
+
+
+def history(task_id: str) -> list[dict[str, Any]]:
+    """Every transition of the task's run (I21): from, to, when, which worker, how long."""
+    rt = get_runtime()
+    tr = transitions.c
+    with read(rt.engine) as conn:
+        xid = _execution_id(conn, task_id)
+        rows = conn.execute(
+            select(tr.from_phase, tr.to_phase, tr.version, tr.at, tr.worker, tr.duration_ms, tr.note)
+            .where(tr.execution_id == xid)
+            .order_by(tr.id)
+        ).all()
+    return [dict(r._mapping) for r in rows]
+
+
+def _execution_id(conn: Any, task_id: str) -> str:
+    xid = conn.execute(
+        select(executions.c.id).where(executions.c.task_id == task_id)
+    ).scalar_one_or_none()
+    if xid is None:
+        raise TaskNotFound(task_id)
+    return str(xid)

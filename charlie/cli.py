@@ -1,0 +1,240 @@
+"""The ``charlie`` command."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from typing import Any
+
+import click
+
+from charlie.config import settings
+
+
+def _fail(message: str) -> None:
+    click.echo(f"charlie: {message}", err=True)
+    sys.exit(2)
+
+
+def _fmt_time(value: datetime | None) -> str:
+    return value.strftime("%H:%M:%S.%f")[:-3] if value else "-"
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@click.group()
+@click.version_option(package_name="charlie")
+def main() -> None:
+    """Charlie: durable agent tasks on Celery."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def worker(ctx: click.Context) -> None:
+    """Run a Celery worker with Charlie's configuration (extra arguments go to Celery)."""
+    from charlie.app import app
+
+    args = list(ctx.args)
+    argv = ["worker", "--loglevel", "INFO"]
+    if not any(a in ("-c", "--concurrency") or a.startswith("--concurrency=") for a in args):
+        argv += ["--concurrency", "2"]
+    if settings().is_embedded_broker:
+        # The embedded broker has no fanout between hosts worth gossiping over.
+        argv += ["--without-gossip", "--without-mingle"]
+    app.worker_main(argv + args)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def beat(ctx: click.Context) -> None:
+    """Run Celery beat, which drives the recovery sweeps. Run exactly one."""
+    from charlie.app import app
+
+    app.start(["beat", "--loglevel", "INFO", *ctx.args])
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--model", "-m", required=True, help="scripted:PATH, openai:NAME, ...")
+@click.option("--tool", "tools", multiple=True, help="A tool the model may use (repeatable).")
+@click.option("--task-id", default=None, help="Your own id; submitting it again is a no-op.")
+@click.option("--timeout", type=float, default=None, help="Seconds before the task times out.")
+@click.option("--workspace", default=None, help="Directory the task's tools work in.")
+@click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
+def submit(
+    prompt: str,
+    model: str,
+    tools: tuple[str, ...],
+    task_id: str | None,
+    timeout: float | None,
+    workspace: str | None,
+    wait_: bool,
+) -> None:
+    """Submit a task and print its id."""
+    from charlie import api
+
+    metadata = {"workspace": workspace} if workspace else None
+    try:
+        tid = api.submit(
+            prompt,
+            model=model,
+            tools=list(tools) or None,
+            task_id=task_id,
+            timeout=timeout,
+            metadata=metadata,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    click.echo(tid)
+    if wait_:
+        info = api.wait(tid, timeout=timeout or 3600)
+        click.echo(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
+        sys.exit(0 if info.status.value == "succeeded" else 1)
+
+
+@main.command()
+@click.argument("task_id")
+def status(task_id: str) -> None:
+    """Show a task's status, result and usage."""
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    try:
+        info = api.get_task(task_id)
+    except TaskNotFound as exc:
+        _fail(str(exc))
+    rows = [
+        ("task", info.id),
+        ("status", info.status.value),
+        ("phase", info.phase.value if info.phase else "-"),
+        ("turn", str(info.turn)),
+        ("model", info.model),
+        ("parent", info.parent_id or "-"),
+        ("created", str(info.created_at)),
+        ("started", str(info.started_at or "-")),
+        ("finished", str(info.finished_at or "-")),
+        ("model calls", f"{info.model_calls} ({info.model_repeats} repeated after a crash)"),
+        (
+            "tokens",
+            "in {input_tokens}, out {output_tokens}, reasoning {reasoning_tokens}".format(
+                **info.usage
+            ),
+        ),
+        ("result", _short(info.result, 400) if info.result is not None else "-"),
+        ("error", _short(info.error, 400) if info.error is not None else "-"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:>12}  {value}")
+
+
+def render_transcript(task_id: str) -> list[str]:
+    from charlie import api
+
+    entries = api.transcript(task_id)
+    by_call = {(c.turn, c.call_id): c for c in api.calls(task_id)}
+    lines = []
+    for entry in entries:
+        kind, payload = entry.kind, entry.payload
+        if kind == "tool_result":
+            continue  # shown on its call's row
+        if kind == "tool_call":
+            call = by_call.get((entry.turn, entry.call_id or ""))
+            outcome = call.outcome if call else None
+            took = f"{call.duration_ms:.0f}ms" if call and call.duration_ms is not None else "-"
+            result = _short(call.result, 70) if call and call.result is not None else ""
+            lines.append(
+                f"{entry.seq:>4} t{entry.turn} tool  {payload.get('name')}"
+                f"({_short(payload.get('raw_arguments', ''), 60)}) "
+                f"-> {outcome or call.state if call else '?'} [{took}] {result}"
+            )
+        elif kind == "input":
+            lines.append(f"{entry.seq:>4} t{entry.turn} {payload.get('role'):<5} "
+                         f"{_short(payload.get('content'), 90)}")
+        else:
+            text = payload.get("content") or payload.get("summary") or ""
+            lines.append(f"{entry.seq:>4} t{entry.turn} {kind:<5} {_short(text, 100)}")
+    return lines
+
+
+@main.command()
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def show(task_id: str, as_json: bool) -> None:
+    """Show a task's transcript: each tool call with its result, outcome and timings."""
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    try:
+        if as_json:
+            doc = {
+                "task": api.get_task(task_id).__dict__,
+                "transcript": [e.__dict__ for e in api.transcript(task_id)],
+                "calls": [c.__dict__ for c in api.calls(task_id)],
+                "transitions": api.history(task_id),
+            }
+            click.echo(json.dumps(doc, default=str, indent=2))
+            return
+        info = api.get_task(task_id)
+        lines = render_transcript(task_id)
+    except TaskNotFound as exc:
+        _fail(str(exc))
+    click.echo(f"task {info.id}: {info.status.value} (phase {info.phase}, turn {info.turn})")
+    for line in lines:
+        click.echo(line)
+    u = info.usage
+    click.echo(
+        f"tokens: in {u['input_tokens']}, out {u['output_tokens']}, "
+        f"reasoning {u['reasoning_tokens']}; model calls {info.model_calls}"
+    )
+
+
+@main.command()
+@click.argument("task_id")
+def cancel(task_id: str) -> None:
+    """Cancel a task (and its children)."""
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    try:
+        changed = api.cancel(task_id)
+    except TaskNotFound as exc:
+        _fail(str(exc))
+    click.echo("canceled" if changed else "already finished")
+
+
+@main.group()
+def db() -> None:
+    """Database schema commands."""
+
+
+@db.command()
+def upgrade() -> None:
+    """Apply Alembic migrations to CHARLIE_DATABASE_URL."""
+    from charlie.store.engine import upgrade as do_upgrade
+
+    s = settings()
+    s.home.mkdir(parents=True, exist_ok=True)
+    do_upgrade(s.database_url)
+    click.echo("database is at the current schema")
+
+
+@main.command()
+@click.option("--timeout", type=float, default=120.0)
+def demo(timeout: float) -> None:
+    """Run a whole agent task on this machine, no servers needed."""
+    from charlie.demo.run import run_demo
+
+    sys.exit(run_demo(timeout=timeout))
+
+
+try:
+    from charlie.devbox.cli import devbox as _devbox
+
+    main.add_command(_devbox)
+except ImportError:  # pragma: no cover - the devbox ships with the package
+    pass

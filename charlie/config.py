@@ -1,0 +1,119 @@
+"""Settings, read once from the environment, with the embedded defaults.
+
+Everything operators tune lives here so that a worker, beat and a producer started with the same
+environment agree on where the database and the broker are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number") from exc
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a whole number") from exc
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    broker_url: str
+    tool_modules: tuple[str, ...] = ()
+    #: I14: at most this many new tool dispatches per tick.
+    dispatch_batch: int = 8
+    #: I5: a lease a worker holds on an execution or a tool call while it works; renewed by a
+    #: heartbeat every third of it, so a killed worker's lease lapses within this many seconds.
+    lease_seconds: float = 6.0
+    #: how often beat runs the sweeps.
+    sweep_interval: float = 2.0
+    #: I4: a run that is ready but has not moved for this long gets its tick published again.
+    stall_seconds: float = 5.0
+    #: poison messages: a tick or a tool invocation claimed this many times without finishing
+    #: ends the run in report_failure (or the call as interrupted) instead of looping.
+    max_attempts: int = 5
+    #: default per-call deadline when a tool declares none.
+    tool_deadline: float = 300.0
+    #: tool results larger than this are truncated (and say so) before they enter the transcript.
+    max_result_bytes: int = 256 * 1024
+    #: prompts larger than this are refused at submit.
+    max_prompt_bytes: int = 1024 * 1024
+    #: how many times report_terminal retries a transient scheduler write inside one tick before
+    #: it stores a wake-up time and lets the sweep come back.
+    report_retries: int = 4
+    #: the embedded broker's polling interval (seconds).
+    embedded_poll_interval: float = 0.02
+    task_events: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def is_embedded_broker(self) -> bool:
+        return self.broker_url.startswith("charliefs://")
+
+    @property
+    def broker_dir(self) -> Path:
+        return self.home / "broker"
+
+    @property
+    def workspaces_dir(self) -> Path:
+        return self.home / "workspaces"
+
+
+def load_settings() -> Settings:
+    home = Path(os.environ.get("CHARLIE_HOME", ".charlie")).resolve()
+    database_url = os.environ.get("CHARLIE_DATABASE_URL") or f"sqlite:///{home / 'charlie.db'}"
+    broker_url = os.environ.get("CHARLIE_BROKER_URL") or "charliefs://"
+    modules = tuple(
+        m.strip() for m in os.environ.get("CHARLIE_TOOL_MODULES", "").split(",") if m.strip()
+    )
+    events_raw = os.environ.get("CHARLIE_TASK_EVENTS")
+    task_events = (
+        events_raw.lower() in ("1", "true", "yes", "on")
+        if events_raw
+        else not broker_url.startswith("charliefs://")
+    )
+    return Settings(
+        home=home,
+        database_url=database_url,
+        broker_url=broker_url,
+        tool_modules=modules,
+        dispatch_batch=_env_int("CHARLIE_DISPATCH_BATCH", 8),
+        lease_seconds=_env_float("CHARLIE_LEASE_SECONDS", 6.0),
+        sweep_interval=_env_float("CHARLIE_SWEEP_INTERVAL", 2.0),
+        stall_seconds=_env_float("CHARLIE_STALL_SECONDS", 5.0),
+        max_attempts=_env_int("CHARLIE_MAX_ATTEMPTS", 5),
+        tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
+        max_result_bytes=_env_int("CHARLIE_MAX_RESULT_BYTES", 256 * 1024),
+        max_prompt_bytes=_env_int("CHARLIE_MAX_PROMPT_BYTES", 1024 * 1024),
+        report_retries=_env_int("CHARLIE_REPORT_RETRIES", 4),
+        embedded_poll_interval=_env_float("CHARLIE_EMBEDDED_POLL_INTERVAL", 0.02),
+        task_events=task_events,
+    )
+
+
+@cache
+def settings() -> Settings:
+    """The process's settings; read once, since every process is configured by its environment."""
+    return load_settings()

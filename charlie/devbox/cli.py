@@ -1,0 +1,105 @@
+"""``devbox`` click group: ``charlie devbox serve`` (or ``python -m charlie.devbox serve``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits
+from charlie.devbox.server import DevboxServer
+
+
+def _default_root() -> Path:
+    # next to the rest of Charlie's state unless told otherwise
+    return Path(os.environ.get("CHARLIE_HOME", ".charlie")) / "devbox"
+
+
+@click.group(name="devbox")
+def devbox() -> None:
+    """The devbox: where agent commands run and workspaces live (it holds no run truth)."""
+
+
+@devbox.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8765, show_default=True, type=int, help="0 picks a free port.")
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="CHARLIE_DEVBOX_ROOT",
+    default=None,
+    help="Directory for workspaces and command records [env CHARLIE_DEVBOX_ROOT; "
+    "default $CHARLIE_HOME/devbox].",
+)
+@click.option(
+    "--token",
+    envvar="CHARLIE_DEVBOX_TOKEN",
+    default=None,
+    help="Bearer token clients must send [env CHARLIE_DEVBOX_TOKEN; prefer the env var, "
+    "since arguments are visible in ps].",
+)
+@click.option("--allow", multiple=True, help="Only these programs may run (repeatable).")
+@click.option(
+    "--deny",
+    multiple=True,
+    help=f"Programs refused (repeatable; replaces the default {', '.join(DEFAULT_DENY)}).",
+)
+@click.option("--command-timeout", type=float, default=600.0, show_default=True)
+@click.option("--output-bytes", type=int, default=MIB, show_default=True)
+@click.option("--workspace-bytes", type=int, default=200 * MIB, show_default=True)
+@click.option("-v", "--verbose", is_flag=True, help="Log every request.")
+def serve(
+    host: str,
+    port: int,
+    root: Path | None,
+    token: str | None,
+    allow: tuple[str, ...],
+    deny: tuple[str, ...],
+    command_timeout: float,
+    output_bytes: int,
+    workspace_bytes: int,
+    verbose: bool,
+) -> None:
+    """Serve the devbox HTTP API until SIGTERM or Ctrl-C."""
+    if not token:
+        raise click.UsageError("refusing to start without a token: set CHARLIE_DEVBOX_TOKEN")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    policy = CommandPolicy(
+        allow=list(allow) if allow else None, deny=list(deny) if deny else list(DEFAULT_DENY)
+    )
+    limits = Limits(
+        output_bytes=output_bytes,
+        command_timeout=command_timeout,
+        workspace_bytes=workspace_bytes,
+    )
+    try:
+        server = DevboxServer(root or _default_root(), token, host, port, policy, limits)
+    except (RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    _stop_on_sigterm(server)
+    # tests and supervisors read this line to learn the port when --port 0
+    click.echo(f"devbox listening on {server.url} root={server.root}", err=False)
+    if server.lost_on_start:
+        click.echo(f"marked {len(server.lost_on_start)} command(s) lost after restart")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def _stop_on_sigterm(server: DevboxServer) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        # shutdown() waits for serve_forever to return, so it cannot run on the serving thread
+        threading.Thread(target=server.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, handler)

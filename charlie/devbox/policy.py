@@ -1,0 +1,176 @@
+"""What the devbox lets a command do: which programs may run, with which environment, how long
+and how much output; and how large a workspace may grow.
+
+The policy is a guard rail against an agent's obvious mistakes, not a sandbox: commands run as
+the devbox's own user, and a determined shell string can always reach a denied program
+(``eval``, ``$(...)``, an interpreter). Isolation belongs to the machine or container the devbox
+runs in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from charlie.devbox.errors import ApiError
+
+MIB = 1024 * 1024
+
+#: programs refused unless the operator configures otherwise: they change the machine or the
+#: user, which no agent task should do.
+DEFAULT_DENY: tuple[str, ...] = (
+    "sudo",
+    "su",
+    "doas",
+    "shutdown",
+    "reboot",
+    "halt",
+    "poweroff",
+    "mkfs",
+)
+
+#: words after which the shell expects another command name (``if make; then sudo ...``).
+_SHELL_PREFIX_WORDS = frozenset({"if", "then", "else", "elif", "do", "while", "until", "!", "{"})
+#: reserved words that are not programs and after which no command name follows directly.
+_SHELL_OTHER_WORDS = frozenset({"fi", "done", "esac", "}", "for", "case", "select", "in"})
+#: programs that run their arguments as another program, so that program is checked too.
+_WRAPPERS = frozenset({"env", "exec", "nohup", "command", "nice", "timeout", "time", "xargs"})
+#: sudo-like wrappers are denied themselves by default, but if allowed they still wrap.
+_WRAPPERS_ALSO = frozenset({"sudo", "doas", "stdbuf", "setsid"})
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+_SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits the devbox enforces on every workspace and command."""
+
+    #: each of a command's stdout and stderr is kept up to this many bytes; the rest is dropped.
+    output_bytes: int = MIB
+    #: the longest a command may run; a request may ask for less, never more.
+    command_timeout: float = 600.0
+    #: a workspace (its .git included) may not grow past this through file writes and patches.
+    workspace_bytes: int = 200 * MIB
+    #: the largest file read_file returns.
+    read_bytes: int = MIB
+    #: the largest JSON request body accepted.
+    request_bytes: int = 64 * MIB
+    #: how long a git operation (clone, commit, diff) may take.
+    git_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class CommandPolicy:
+    """Which programs may run, matched on the basename of each command word.
+
+    ``allow=None`` allows everything not denied; a list allows only those names. ``deny`` always
+    wins.
+    """
+
+    allow: list[str] | None = None
+    deny: list[str] = field(default_factory=lambda: list(DEFAULT_DENY))
+
+    def check(self, names: Iterable[str]) -> None:
+        """Raise 403 naming the first program the policy refuses."""
+        deny = set(self.deny)
+        allow = None if self.allow is None else set(self.allow)
+        for raw in names:
+            name = os.path.basename(raw)
+            if name in deny:
+                raise ApiError(403, f"command {name!r} is denied by the devbox policy")
+            if allow is not None and name not in allow:
+                raise ApiError(403, f"command {name!r} is not in the devbox allow list")
+
+
+def argv_command_names(argv: Sequence[str]) -> list[str]:
+    """The programs an argv runs: argv[0], and what a wrapper like ``env`` or ``nohup`` runs."""
+    return _command_names(list(argv), shell=False)
+
+
+def shell_command_names(shell: str) -> list[str]:
+    """The programs a shell string runs, as far as a lexer can tell without executing it.
+
+    Newlines count as command separators even inside quotes: that may check a quoted word as a
+    program, which errs on the side of refusing.
+    """
+    lexer = shlex.shlex(shell.replace("\n", " ; "), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError as exc:
+        raise ApiError(400, f"cannot parse shell command: {exc}") from exc
+    return _command_names(tokens, shell=True)
+
+
+def _command_names(tokens: list[str], *, shell: bool) -> list[str]:
+    names: list[str] = []
+    expect_command = True
+    in_wrapper = False
+    skip_target = False
+    for token in tokens:
+        if shell and token and set(token) <= set("();&|<>"):
+            if set(token) & set("<>"):
+                skip_target = True  # a redirection: the next word is a file, not a program
+            else:
+                expect_command, in_wrapper = True, False  # a separator starts a new command
+            continue
+        if skip_target:
+            skip_target = False
+            continue
+        if not expect_command or (shell and token in _SHELL_PREFIX_WORDS):
+            continue
+        if shell and token in _SHELL_OTHER_WORDS:
+            expect_command = False
+            continue
+        if _ASSIGNMENT.match(token) or (in_wrapper and _is_wrapper_argument(token)):
+            continue
+        names.append(token)
+        in_wrapper = os.path.basename(token) in _WRAPPERS | _WRAPPERS_ALSO
+        expect_command = in_wrapper
+    return names
+
+
+def _is_wrapper_argument(token: str) -> bool:
+    """Options and durations a wrapper takes before the program it runs (``timeout -s 9 5``)."""
+    return token.startswith("-") or token.replace(".", "", 1).rstrip("smhd").isdigit()
+
+
+def is_secret_name(name: str) -> bool:
+    """True for environment names the devbox never hands from its own environment to a command."""
+    upper = name.upper()
+    return upper.startswith("CHARLIE_") or any(marker in upper for marker in _SECRET_MARKERS)
+
+
+def command_env(workspace: str, requested: Mapping[str, str]) -> dict[str, str]:
+    """A minimal environment for a command: PATH, HOME=workspace and LANG from the devbox, plus
+    what the request asked for. Nothing else of the devbox's environment (where its token and
+    any credentials live) reaches the command.
+    """
+    env = {
+        "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workspace,
+        "LANG": os.environ.get("LANG") or "C.UTF-8",
+        "GIT_TERMINAL_PROMPT": "0",
+    }
+    env = {k: v for k, v in env.items() if not is_secret_name(k)}
+    env.update(requested)
+    return env
+
+
+def validate_env(raw: object) -> dict[str, str]:
+    """The request's ``env`` as a str->str mapping, or 400."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ApiError(400, "env must be an object of string values")
+    env: dict[str, str] = {}
+    for key, value in raw.items():
+        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ApiError(400, f"env name {key!r} is not a valid variable name")
+        if not isinstance(value, str) or "\x00" in value:
+            raise ApiError(400, f"env value for {key!r} must be a string without NUL")
+        env[key] = value
+    return env

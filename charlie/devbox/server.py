@@ -1,0 +1,419 @@
+"""The devbox HTTP server: JSON over HTTP so workers on other machines can reach it.
+
+Routes (every one needs ``Authorization: Bearer <token>``)::
+
+    PUT  /workspaces/{id}                  create or return a workspace (idempotent)
+    GET  /workspaces/{id}                  describe it
+    POST /workspaces/{id}/commands         start a command -> execution id, at once
+    GET  /commands/{execution_id}?tail=N   status, exit code and output tails
+    POST /commands/{execution_id}/cancel   kill its process group
+    GET  /workspaces/{id}/files?path=      read a file
+    PUT  /workspaces/{id}/files?path=      write a file
+    GET  /workspaces/{id}/list?path=       list a directory
+    POST /workspaces/{id}/patch            git apply a unified diff
+    GET  /workspaces/{id}/diff             git diff HEAD plus untracked names
+    POST /workspaces/{id}/commit           commit with an idempotency key
+    GET  /workspaces/{id}/commits?idempotency_key=K   the commit carrying that key, if any
+    GET  /health                           liveness
+
+Errors are ``{"error": message}`` with the HTTP status saying what kind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import IO, Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from charlie.devbox.commands import CommandRunner, StartRequest
+from charlie.devbox.errors import ApiError
+from charlie.devbox.paths import resolve_inside
+from charlie.devbox.policy import (
+    CommandPolicy,
+    Limits,
+    argv_command_names,
+    command_env,
+    shell_command_names,
+    validate_env,
+)
+from charlie.devbox.workspaces import Workspaces
+
+log = logging.getLogger(__name__)
+
+JSONDict = dict[str, Any]
+_DEFAULT_TAIL = 64 * 1024
+_KEY = re.compile(r"\S{1,200}")
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    params: tuple[str, ...]
+    query: dict[str, str]
+    body: JSONDict
+
+
+Handler = Callable[["Devbox", Request], JSONDict]
+
+
+class Devbox:
+    """The devbox's operations, independent of HTTP: one instance per root directory."""
+
+    def __init__(self, root: Path, policy: CommandPolicy, limits: Limits) -> None:
+        self.root = root
+        self.policy = policy
+        self.limits = limits
+        self.workspaces = Workspaces(root, limits)
+        self.commands = CommandRunner(root, limits.output_bytes)
+
+    # -- workspaces ----------------------------------------------------------------------------
+
+    def put_workspace(self, req: Request) -> JSONDict:
+        return self.workspaces.ensure(req.params[0], req.body)
+
+    def get_workspace(self, req: Request) -> JSONDict:
+        return self.workspaces.describe(req.params[0])
+
+    # -- commands ------------------------------------------------------------------------------
+
+    def start_command(self, req: Request) -> JSONDict:
+        workspace_id = req.params[0]
+        workspace = self.workspaces.path(workspace_id)
+        argv, shell = _command(req.body)
+        self.policy.check(
+            shell_command_names(shell) if shell is not None else argv_command_names(argv)
+        )
+        cwd = resolve_inside(workspace, _opt_str(req.body, "cwd") or ".", allow_root=True)
+        if not cwd.is_dir():
+            raise ApiError(400, f"cwd {req.body.get('cwd')!r} is not a directory in the workspace")
+        env = command_env(str(workspace), validate_env(req.body.get("env")))
+        return self.commands.start(
+            StartRequest(
+                workspace_id=workspace_id,
+                workspace_path=workspace,
+                argv=argv if shell is None else ["/bin/sh", "-c", shell],
+                shell=shell,
+                cwd=cwd,
+                env=env,
+                timeout=self._timeout(req.body.get("timeout")),
+            )
+        )
+
+    def _timeout(self, raw: object) -> float:
+        """The request may lower the devbox's command timeout, never raise it."""
+        limit = self.limits.command_timeout
+        if raw is None:
+            return limit
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or raw <= 0:
+            raise ApiError(400, f"timeout must be a positive number of seconds, not {raw!r}")
+        return min(float(raw), limit)
+
+    def command_status(self, req: Request) -> JSONDict:
+        return self.commands.status(req.params[0], self._tail(req.query))
+
+    def cancel_command(self, req: Request) -> JSONDict:
+        return self.commands.cancel(req.params[0], self._tail(req.query))
+
+    def _tail(self, query: dict[str, str]) -> int:
+        raw = query.get("tail")
+        if raw is None:
+            return _DEFAULT_TAIL
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ApiError(400, f"tail must be a whole number of bytes, not {raw!r}") from None
+        if value < 0:
+            raise ApiError(400, "tail must not be negative")
+        return min(value, self.limits.output_bytes + 1024)
+
+    # -- files and git -------------------------------------------------------------------------
+
+    def read_file(self, req: Request) -> JSONDict:
+        return self.workspaces.read_file(req.params[0], _query_path(req.query))
+
+    def write_file(self, req: Request) -> JSONDict:
+        content = req.body.get("content")
+        if not isinstance(content, str):
+            raise ApiError(400, 'body must be {"content": string}')
+        return self.workspaces.write_file(req.params[0], _query_path(req.query), content)
+
+    def list_files(self, req: Request) -> JSONDict:
+        return self.workspaces.list_files(req.params[0], req.query.get("path", "."))
+
+    def apply_patch(self, req: Request) -> JSONDict:
+        diff = req.body.get("diff")
+        if not isinstance(diff, str):
+            raise ApiError(400, 'body must be {"diff": unified diff string}')
+        return self.workspaces.apply_patch(req.params[0], diff)
+
+    def diff(self, req: Request) -> JSONDict:
+        return self.workspaces.diff(req.params[0])
+
+    def commit(self, req: Request) -> JSONDict:
+        message = req.body.get("message")
+        if not isinstance(message, str) or not message.strip():
+            raise ApiError(400, "commit needs a non-empty 'message'")
+        key = _key(req.body.get("idempotency_key"))
+        return self.workspaces.commit(req.params[0], message, key)
+
+    def find_commit(self, req: Request) -> JSONDict:
+        return self.workspaces.find_commit(req.params[0], _key(req.query.get("idempotency_key")))
+
+    def health(self, req: Request) -> JSONDict:
+        return {"ok": True}
+
+
+#: (method, path pattern, handler); ``{}`` matches one path segment passed in ``params``.
+ROUTES: list[tuple[str, tuple[str, ...], Handler]] = [
+    ("GET", ("health",), Devbox.health),
+    ("PUT", ("workspaces", "{}"), Devbox.put_workspace),
+    ("GET", ("workspaces", "{}"), Devbox.get_workspace),
+    ("POST", ("workspaces", "{}", "commands"), Devbox.start_command),
+    ("GET", ("commands", "{}"), Devbox.command_status),
+    ("POST", ("commands", "{}", "cancel"), Devbox.cancel_command),
+    ("GET", ("workspaces", "{}", "files"), Devbox.read_file),
+    ("PUT", ("workspaces", "{}", "files"), Devbox.write_file),
+    ("GET", ("workspaces", "{}", "list"), Devbox.list_files),
+    ("POST", ("workspaces", "{}", "patch"), Devbox.apply_patch),
+    ("GET", ("workspaces", "{}", "diff"), Devbox.diff),
+    ("POST", ("workspaces", "{}", "commit"), Devbox.commit),
+    ("GET", ("workspaces", "{}", "commits"), Devbox.find_commit),
+]
+
+
+def route(method: str, segments: list[str]) -> tuple[Handler, tuple[str, ...]]:
+    """The handler and its path parameters, or 404/405."""
+    methods: set[str] = set()
+    for route_method, pattern, handler in ROUTES:
+        if len(pattern) != len(segments):
+            continue
+        if not all(p == "{}" or p == s for p, s in zip(pattern, segments, strict=True)):
+            continue
+        if route_method == method:
+            params = tuple(s for p, s in zip(pattern, segments, strict=True) if p == "{}")
+            return handler, params
+        methods.add(route_method)
+    if methods:
+        raise ApiError(405, f"{method} not allowed here; use {', '.join(sorted(methods))}")
+    raise ApiError(404, f"no such route: /{'/'.join(segments)}")
+
+
+def _command(body: JSONDict) -> tuple[list[str], str | None]:
+    argv, shell = body.get("argv"), body.get("shell")
+    if (argv is None) == (shell is None):
+        raise ApiError(400, "give exactly one of 'argv' (a list of strings) or 'shell' (a string)")
+    if shell is not None:
+        if not isinstance(shell, str) or not shell.strip() or "\x00" in shell:
+            raise ApiError(400, "'shell' must be a non-empty string")
+        return [], shell
+    if (
+        not isinstance(argv, list)
+        or not argv
+        or not all(isinstance(a, str) and "\x00" not in a for a in argv)
+        or not argv[0]
+    ):
+        raise ApiError(400, "'argv' must be a non-empty list of strings")
+    return list(argv), None
+
+
+def _opt_str(body: JSONDict, key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{key!r} must be a string")
+    return value
+
+
+def _query_path(query: dict[str, str]) -> str:
+    path = query.get("path")
+    if not path:
+        raise ApiError(400, "give the file as ?path=<relative path>")
+    return path
+
+
+def _key(raw: object) -> str:
+    if not isinstance(raw, str) or not _KEY.fullmatch(raw):
+        raise ApiError(400, "idempotency_key must be 1-200 characters without whitespace")
+    return raw
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # set after construction; typed here so the handler can reach them
+    devbox: Devbox
+    token: str
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _HTTPServer
+    protocol_version = "HTTP/1.1"  # keep-alive for httpx; every response has Content-Length
+    server_version = "CharlieDevbox/1"
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_PUT(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_DELETE(self) -> None:
+        self._handle()
+
+    def _handle(self) -> None:
+        try:
+            self._authorize()
+            url = urlsplit(self.path)
+            segments = [unquote(s) for s in url.path.strip("/").split("/") if s]
+            handler, params = route(self.command, segments)
+            query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+            body = self._body()
+            self._send(200, handler(self.server.devbox, Request(self.command, params, query, body)))
+        except ApiError as exc:
+            self._send(exc.status, {"error": exc.message})
+        except Exception as exc:  # the devbox must answer, not drop the connection
+            log.exception("devbox: %s %s failed", self.command, self.path)
+            self._send(500, {"error": f"internal devbox error: {type(exc).__name__}: {exc}"})
+
+    def _authorize(self) -> None:
+        header = self.headers.get("Authorization", "")
+        scheme, _, supplied = header.partition(" ")
+        expected = self.server.token
+        # compare_digest so the time taken does not reveal how much of the token matched
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            supplied.strip().encode(), expected.encode()
+        ):
+            self.close_connection = True  # the body, if any, is not read
+            raise ApiError(401, "missing or wrong devbox token (Authorization: Bearer <token>)")
+
+    def _body(self) -> JSONDict:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length == 0:
+            return {}
+        if length > self.server.devbox.limits.request_bytes:
+            self.close_connection = True
+            raise ApiError(
+                413,
+                f"request body of {length} bytes is over the devbox limit of "
+                f"{self.server.devbox.limits.request_bytes}",
+            )
+        rfile: IO[bytes] = self.rfile
+        raw = rfile.read(length)
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ApiError(400, f"body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "body must be a JSON object")
+        return data
+
+    def _send(self, status: int, payload: JSONDict) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # the request line only; headers (and so the token) are never logged
+        log.debug("devbox %s - %s", self.address_string(), format % args)
+
+
+class DevboxServer:
+    """A devbox serving ``root`` over HTTP.
+
+    Construction binds the socket (so ``url`` is known with ``port=0``), takes an exclusive lock
+    on ``root`` (two devboxes on one root would mark each other's commands lost) and recovers:
+    every command a previous devbox left ``running`` is reported ``lost``.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        policy: CommandPolicy | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        if not token:
+            raise ValueError("the devbox needs a token")
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock_root(self.root)
+        try:
+            self.devbox = Devbox(self.root, policy or CommandPolicy(), limits or Limits())
+            self.lost_on_start = self.devbox.commands.recover()
+            self._http = _HTTPServer((host, port), _Handler)
+        except BaseException:
+            self._lock_file.close()
+            raise
+        self._http.devbox = self.devbox
+        self._http.token = token
+        self._thread: threading.Thread | None = None
+        self._serving = False
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        shown = f"[{host}]" if ":" in str(host) else str(host)
+        return f"http://{shown}:{port}"
+
+    def start(self) -> DevboxServer:
+        """Serve from a background thread; returns at once."""
+        self._thread = threading.Thread(target=self.serve_forever, name="devbox-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until ``stop()`` is called from another one."""
+        self._serving = True
+        self._http.serve_forever(poll_interval=0.2)
+
+    def stop(self) -> None:
+        """Stop serving, kill running commands (recorded ``lost``) and release the root."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._serving:
+            self._http.shutdown()
+        self._http.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.devbox.commands.shutdown()
+        self._lock_file.close()
+
+    def __enter__(self) -> DevboxServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _lock_root(root: Path) -> IO[str]:
+    """Hold an exclusive lock on root for the devbox's lifetime; the kernel drops it on death."""
+    handle = open(root / ".devbox.lock", "a+")  # noqa: SIM115 - held open until stop()
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RuntimeError(f"another devbox is already serving {root}") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle

@@ -1,0 +1,336 @@
+"""Workspaces: git checkouts under ``root/workspaces/<id>`` and the file and git operations on
+them.
+
+A workspace is built in a scratch directory and renamed into place, so a devbox killed
+mid-clone leaves no half workspace under the id. The spec it was created from is kept in its
+``.git`` directory (inside the same rename), which makes ``ensure`` idempotent: the same spec
+returns the existing workspace, a different one is a conflict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from charlie.devbox import git
+from charlie.devbox.errors import ApiError
+from charlie.devbox.paths import (
+    check_workspace_id,
+    relative_parts,
+    resolve_inside,
+    tree_bytes,
+)
+from charlie.devbox.policy import Limits
+
+_SPEC_FILE = "charlie-workspace.json"
+
+
+class Workspaces:
+    def __init__(self, root: Path, limits: Limits) -> None:
+        self.dir = root / "workspaces"
+        self.scratch = root / "tmp"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self.limits = limits
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, workspace_id: str) -> threading.Lock:
+        """One lock per workspace: creation, writes, patches and commits do not interleave."""
+        with self._locks_guard:
+            return self._locks.setdefault(workspace_id, threading.Lock())
+
+    def path(self, workspace_id: str) -> Path:
+        """The existing workspace's directory, or 404."""
+        path = self.dir / check_workspace_id(workspace_id)
+        if not (path / ".git").is_dir():
+            raise ApiError(404, f"no workspace {workspace_id!r}")
+        return path
+
+    # -- create and describe -------------------------------------------------------------------
+
+    def ensure(self, workspace_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        spec = _spec(body)
+        check_workspace_id(workspace_id)
+        with self.lock(workspace_id):
+            target = self.dir / workspace_id
+            if (target / ".git").is_dir():
+                existing = _read_spec(target)
+                if existing != spec:
+                    raise ApiError(
+                        409,
+                        f"workspace {workspace_id!r} exists with a different spec "
+                        f"({json.dumps(existing, sort_keys=True)})",
+                    )
+                return self.describe(workspace_id)
+            build = Path(tempfile.mkdtemp(prefix=f"ws-{workspace_id}-", dir=self.scratch))
+            try:
+                self._build(build / "w", spec)
+                (build / "w" / ".git" / _SPEC_FILE).write_text(json.dumps(spec, sort_keys=True))
+                os.replace(build / "w", target)
+            finally:
+                shutil.rmtree(build, ignore_errors=True)
+        return self.describe(workspace_id)
+
+    def describe(self, workspace_id: str) -> dict[str, Any]:
+        path = self.path(workspace_id)
+        t = self.limits.git_timeout
+        return {
+            "workspace_id": workspace_id,
+            "path": str(path),
+            "head": git.head(path, t),
+            "branch": git.current_branch(path, t),
+        }
+
+    def _build(self, dest: Path, spec: dict[str, Any]) -> None:
+        t = self.limits.git_timeout
+        if spec.get("copy_from") is not None:
+            self._build_copy(dest, spec)
+        elif spec["repo"] is None:
+            dest.mkdir()
+            git.run_git(["init", "-q", "-b", spec["branch"] or "main"], dest, timeout=t)
+            # an initial commit gives HEAD a value, so diff and commit behave as on a clone
+            git.run_git(["commit", "-q", "--allow-empty", "-m", "Empty workspace"], dest, timeout=t)
+        else:
+            git.run_git(
+                ["clone", "-q", "--", spec["repo"], str(dest)],
+                self.scratch,
+                timeout=t,
+                status_on_error=422,
+            )
+        self._checkout(dest, spec)
+
+    def _build_copy(self, dest: Path, spec: dict[str, Any]) -> None:
+        source = Path(spec["copy_from"])
+        if not source.is_dir():
+            raise ApiError(422, f"copy_from {str(source)!r} is not a directory on the devbox")
+        t = self.limits.git_timeout
+        shutil.copytree(source, dest, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+        git.run_git(["init", "-q", "-b", spec["branch"] or "main"], dest, timeout=t)
+        git.run_git(["add", "-A"], dest, timeout=t)
+        git.run_git(
+            ["commit", "-q", "--allow-empty", "-m", f"Copy of {source.name}"], dest, timeout=t
+        )
+
+    def _checkout(self, dest: Path, spec: dict[str, Any]) -> None:
+        """Put the clone on the requested branch and/or base commit."""
+        t = self.limits.git_timeout
+        branch, base = spec.get("branch"), spec.get("base_commit")
+        if base is not None:
+            git.run_git(
+                ["rev-parse", "--verify", "-q", f"{base}^{{commit}}"],
+                dest,
+                timeout=t,
+                status_on_error=422,
+            )
+        if branch is None and base is None:
+            return
+        if branch is None:
+            git.run_git(["checkout", "-q", "--detach", base], dest, timeout=t, status_on_error=422)
+            return
+        start = base
+        if start is None:
+            remote = f"refs/remotes/origin/{branch}"
+            has_remote = git.run_git(
+                ["rev-parse", "--verify", "-q", remote], dest, timeout=t, check=False
+            )
+            start = remote if has_remote.returncode == 0 else None
+        args = ["checkout", "-q", "-B", branch] + ([start] if start else [])
+        git.run_git(args, dest, timeout=t, status_on_error=422)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def read_file(self, workspace_id: str, rel: str) -> dict[str, Any]:
+        target = resolve_inside(self.path(workspace_id), rel)
+        if not target.exists():
+            raise ApiError(404, f"no file {rel!r} in workspace {workspace_id!r}")
+        if not target.is_file():
+            raise ApiError(400, f"{rel!r} is not a regular file")
+        size = target.stat().st_size
+        if size > self.limits.read_bytes:
+            raise ApiError(
+                413,
+                f"{rel!r} is {size} bytes, over the devbox read limit of "
+                f"{self.limits.read_bytes} bytes; read part of it with a command instead",
+            )
+        data = target.read_bytes()
+        try:
+            content, binary = data.decode("utf-8"), False
+        except UnicodeDecodeError:
+            content, binary = data.decode("utf-8", errors="replace"), True
+        return {"path": rel, "content": content, "size": size, "binary": binary}
+
+    def write_file(self, workspace_id: str, rel: str, content: str) -> dict[str, Any]:
+        workspace = self.path(workspace_id)
+        target = resolve_inside(workspace, rel)
+        if relative_parts(workspace, target)[0] == ".git":
+            raise ApiError(400, f"path {rel!r} is inside .git; the devbox does not write there")
+        if target.is_dir():
+            raise ApiError(400, f"{rel!r} is a directory")
+        data = content.encode("utf-8")
+        with self.lock(workspace_id):
+            old = target.stat().st_size if target.is_file() else 0
+            self._check_room(workspace, workspace_id, len(data) - old)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(target, data)
+        return {"path": rel, "size": len(data)}
+
+    def _check_room(self, workspace: Path, workspace_id: str, growth: int) -> None:
+        used = tree_bytes(workspace)
+        if growth > 0 and used + growth > self.limits.workspace_bytes:
+            raise ApiError(
+                413,
+                f"workspace {workspace_id!r} would grow to {used + growth} bytes, over its "
+                f"disk limit of {self.limits.workspace_bytes} bytes",
+            )
+
+    def list_files(self, workspace_id: str, rel: str) -> dict[str, Any]:
+        workspace = self.path(workspace_id)
+        target = resolve_inside(workspace, rel or ".", allow_root=True)
+        if not target.is_dir():
+            raise ApiError(404 if not target.exists() else 400, f"{rel!r} is not a directory")
+        at_root = target == Path(os.path.realpath(workspace))
+        entries = []
+        for entry in sorted(os.scandir(target), key=lambda e: e.name):
+            if at_root and entry.name == ".git":
+                continue  # git's own data, not the agent's files
+            entries.append(_entry(entry))
+        return {"path": rel or ".", "entries": entries}
+
+    # -- git operations ------------------------------------------------------------------------
+
+    def apply_patch(self, workspace_id: str, diff: str) -> dict[str, Any]:
+        workspace = self.path(workspace_id)
+        t = self.limits.git_timeout
+        if not diff.strip():
+            raise ApiError(400, "the patch is empty")
+        with self.lock(workspace_id):
+            self._check_room(workspace, workspace_id, len(diff.encode("utf-8")))
+            numstat = git.run_git(
+                ["apply", "--numstat", "-"], workspace, timeout=t, input_text=diff, check=False
+            )
+            if numstat.returncode != 0:
+                raise ApiError(422, f"patch is not a valid diff: {numstat.stderr.strip()}")
+            done = git.run_git(
+                ["apply", "--whitespace=nowarn", "-"],
+                workspace,
+                timeout=t,
+                input_text=diff,
+                check=False,
+            )
+            if done.returncode != 0:
+                raise ApiError(422, f"patch does not apply: {done.stderr.strip()}")
+        files = [line.split("\t", 2)[2] for line in numstat.stdout.splitlines() if "\t" in line]
+        return {"applied": True, "files": files}
+
+    def diff(self, workspace_id: str) -> dict[str, Any]:
+        workspace = self.path(workspace_id)
+        t = self.limits.git_timeout
+        base = "HEAD" if git.head(workspace, t) else git.EMPTY_TREE
+        done = git.run_git(["diff", "--no-ext-diff", "--no-color", base], workspace, timeout=t)
+        untracked = git.run_git(
+            ["ls-files", "--others", "--exclude-standard", "-z"], workspace, timeout=t
+        )
+        text, truncated = done.stdout, False
+        limit = self.limits.output_bytes
+        if len(text.encode("utf-8")) > limit:
+            text = text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
+            text += f"\n[diff truncated at {limit} bytes]\n"
+            truncated = True
+        names = [name for name in untracked.stdout.split("\x00") if name]
+        return {"diff": text, "untracked": names, "truncated": truncated}
+
+    def commit(self, workspace_id: str, message: str, key: str) -> dict[str, Any]:
+        """Commit everything with the key as a trailer, once: a retry finds the first commit.
+
+        ``--allow-empty`` so a commit is recorded (and findable by key) even when the tree did
+        not change, which keeps "did my commit happen?" a yes/no question for reconcile.
+        """
+        workspace = self.path(workspace_id)
+        t = self.limits.git_timeout
+        with self.lock(workspace_id):
+            existing = git.find_commit(workspace, key, t)
+            if existing is not None:
+                return {"commit": existing, "created": False}
+            git.run_git(["add", "-A"], workspace, timeout=t)
+            git.run_git(
+                ["commit", "-q", "--no-verify", "--allow-empty", "-F", "-"],
+                workspace,
+                timeout=t,
+                input_text=git.commit_message(message, key),
+            )
+            sha = git.head(workspace, t)
+        return {"commit": sha, "created": True}
+
+    def find_commit(self, workspace_id: str, key: str) -> dict[str, Any]:
+        workspace = self.path(workspace_id)
+        return {"commit": git.find_commit(workspace, key, self.limits.git_timeout)}
+
+
+def _spec(body: dict[str, Any]) -> dict[str, Any]:
+    """The normalized creation spec; what idempotent re-creation compares."""
+    if "repo" not in body and "copy_from" not in body:
+        raise ApiError(
+            400,
+            "give 'repo' (a path or URL, or null for an empty workspace) or "
+            "'copy_from' (a directory on the devbox)",
+        )
+    spec: dict[str, Any] = {}
+    for key in ("repo", "copy_from", "branch", "base_commit"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or not value or "\x00" in value):
+            raise ApiError(400, f"{key!r} must be a non-empty string or null")
+        spec[key] = value
+    if spec["repo"] is not None and spec["copy_from"] is not None:
+        raise ApiError(400, "give either 'repo' or 'copy_from', not both")
+    if spec["repo"] is not None and spec["repo"].startswith("-"):
+        raise ApiError(400, f"repo {spec['repo']!r} may not start with '-'")
+    if spec["copy_from"] is not None:
+        spec["copy_from"] = os.path.realpath(spec["copy_from"])
+    if spec["repo"] is None and spec["copy_from"] is None and spec["base_commit"] is not None:
+        raise ApiError(400, "'base_commit' needs a 'repo' to take it from")
+    return spec
+
+
+def _read_spec(path: Path) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads((path / ".git" / _SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+def _write_atomic(target: Path, data: bytes) -> None:
+    """Replace the file whole, keeping its mode, so a reader never sees half a write."""
+    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.charlie-tmp")
+    try:
+        tmp.write_bytes(data)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _entry(entry: os.DirEntry[str]) -> dict[str, Any]:
+    if entry.is_symlink():
+        kind = "symlink"
+    elif entry.is_dir(follow_symlinks=False):
+        kind = "dir"
+    elif entry.is_file(follow_symlinks=False):
+        kind = "file"
+    else:
+        kind = "other"
+    try:
+        size = entry.stat(follow_symlinks=False).st_size if kind == "file" else None
+    except OSError:
+        size = None
+    return {"name": entry.name, "type": kind, "size": size}

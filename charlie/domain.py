@@ -1,0 +1,195 @@
+"""The vocabulary of a run: phases, statuses, outcomes and the typed records phases work on.
+
+Nothing here imports Celery or SQLAlchemy: these are the values the functional core reads and
+returns, and the shell (store, tick, tools) translates them to rows and messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+JSON = dict[str, Any]
+
+
+class Phase(enum.StrEnum):
+    """I1: the phase an execution row is in is the instruction the next tick follows."""
+
+    LOAD_CONTEXT = "load_context"
+    CALL_MODEL = "call_model"
+    DISPATCH_TOOLS = "dispatch_tools"
+    AWAIT_TOOLS = "await_tools"
+    ADVANCE_TURN = "advance_turn"
+    REPORT_TERMINAL = "report_terminal"
+    REPORT_FAILURE = "report_failure"
+    DONE = "done"
+
+
+#: phases that end a run: a canceled or timed-out task is not diverted from them (I18).
+ENDING_PHASES = frozenset({Phase.REPORT_TERMINAL, Phase.REPORT_FAILURE, Phase.DONE})
+
+
+class TaskStatus(enum.StrEnum):
+    """I18: the scheduler's lifecycle of a task."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING = "waiting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELED = "canceled"
+    TIMED_OUT = "timed_out"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset(
+    {TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.CANCELED, TaskStatus.TIMED_OUT}
+)
+
+
+class ItemKind(enum.StrEnum):
+    INPUT = "input"
+    MESSAGE = "message"
+    REASONING = "reasoning"
+    TOOL_CALL = "tool_call"
+    TOOL_RESULT = "tool_result"
+    FINAL = "final"
+
+
+class CallState(enum.StrEnum):
+    PENDING = "pending"
+    STARTED = "started"
+    SETTLED = "settled"
+
+
+class Outcome(enum.StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    INTERRUPTED = "interrupted"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELED = "canceled"
+
+
+class Effect(enum.StrEnum):
+    """What a tool does to the world; decides what recovery may do with an interrupted call."""
+
+    READ = "read"
+    WRITE = "write"
+    WAIT = "wait"
+
+
+@dataclass(frozen=True)
+class TaskView:
+    id: str
+    prompt: str
+    model: str
+    tools: list[str] | None
+    metadata: JSON
+    status: TaskStatus
+    parent_id: str | None
+    timeout_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Item:
+    """A transcript item as committed: the model-visible chronology (I6)."""
+
+    seq: int
+    turn: int
+    kind: ItemKind
+    call_id: str | None
+    payload: JSON
+
+
+@dataclass(frozen=True)
+class NewItem:
+    kind: ItemKind
+    payload: JSON
+    call_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CallView:
+    """A tool call's pending-tool record, as a phase sees it."""
+
+    call_id: str
+    turn: int
+    index: int
+    name: str
+    arguments: JSON
+    state: CallState
+    outcome: Outcome | None
+    result: JSON | None
+    queued_at: datetime | None
+    started_at: datetime | None
+    settled_at: datetime | None
+    deadline_at: datetime | None
+
+
+@dataclass(frozen=True)
+class NewCall:
+    """A tool call the model asked for. A call that can never run (unknown tool, invalid
+    arguments) is born settled with an error outcome, so it still gets exactly one result (I8)."""
+
+    call_id: str
+    index: int
+    name: str
+    arguments: JSON
+    effect: Effect
+    resumable: bool
+    settled: tuple[Outcome, JSON] | None = None
+
+
+@dataclass(frozen=True)
+class Settlement:
+    call_id: str
+    outcome: Outcome
+    result: JSON
+
+
+@dataclass(frozen=True)
+class RunView:
+    """Everything a phase may read: the execution row, its task, and what the phase asked for."""
+
+    execution_id: str
+    phase: Phase
+    version: int
+    turn: int
+    state: JSON
+    attempts: int
+    task: TaskView
+    now: datetime
+    items: list[Item] = field(default_factory=list)
+    calls: list[CallView] = field(default_factory=list)
+
+
+@dataclass
+class Transition:
+    """What a phase decided: written by the shell in one transaction (I1), published after."""
+
+    to: Phase | None
+    """The next phase; ``None`` means stay in this phase without a new version (a wait)."""
+    state: JSON | None = None
+    items: list[NewItem] = field(default_factory=list)
+    calls: list[NewCall] = field(default_factory=list)
+    queue_calls: list[tuple[str, datetime]] = field(default_factory=list)
+    """Calls to mark queued for dispatch, with their deadlines; each gets an invoke message."""
+    settle: list[Settlement] = field(default_factory=list)
+    finish_order: dict[str, int] = field(default_factory=dict)
+    next_turn: bool = False
+    task_status: TaskStatus | None = None
+    wake_at: datetime | None = None
+    publish_next: bool = True
+    note: str | None = None
+    model_calls: int = 0
+    model_repeats: int = 0
+    usage: JSON | None = None
+
+    @classmethod
+    def wait(cls, wake_at: datetime | None = None, note: str | None = None) -> Transition:
+        return cls(to=None, wake_at=wake_at, publish_next=False, note=note)

@@ -1,0 +1,117 @@
+"""Transitions the tick makes around a phase: stopping a canceled or timed-out task (I18),
+failing a run whose phase raised (I17), and ending a poison message. Pure, like the phases."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+from charlie.domain import (
+    ENDING_PHASES,
+    CallState,
+    ItemKind,
+    NewItem,
+    Outcome,
+    Phase,
+    RunView,
+    Settlement,
+    TaskStatus,
+    Transition,
+)
+from charlie.models.base import render_tool_result
+
+TOOL_PHASES = frozenset({Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN})
+
+
+def stop_reason(view: RunView) -> TaskStatus | None:
+    """The lifecycle outcome that stops this run at this boundary, if any."""
+    if view.phase in ENDING_PHASES:
+        return None
+    status = view.task.status
+    if status in (TaskStatus.CANCELED, TaskStatus.TIMED_OUT):
+        return status
+    if view.task.timeout_at is not None and view.task.timeout_at <= view.now:
+        return TaskStatus.TIMED_OUT
+    if status.terminal:  # failed or succeeded elsewhere: nothing more to do
+        return status
+    return None
+
+
+def stop(view: RunView, reason: TaskStatus) -> Transition:
+    """Stop at the boundary: open calls of the turn settle ``canceled`` and every call of the
+    turn gets its result item, so no call is left without one (I8); the model is not called."""
+    settle = []
+    items = []
+    if view.phase in TOOL_PHASES:
+        for call in sorted(view.calls, key=lambda c: c.index):
+            if call.state is CallState.SETTLED:
+                assert call.outcome is not None
+                outcome, result = call.outcome, call.result
+            else:
+                outcome, result = Outcome.CANCELED, {"reason": f"task {reason.value}"}
+                settle.append(Settlement(call.call_id, outcome, result))
+            items.append(
+                NewItem(
+                    ItemKind.TOOL_RESULT,
+                    {
+                        "name": call.name,
+                        "outcome": outcome.value,
+                        "result": result,
+                        "content": render_tool_result(outcome, result),
+                    },
+                    call_id=call.call_id,
+                )
+            )
+    return Transition(
+        to=Phase.REPORT_TERMINAL,
+        state={**view.state, "stop": reason.value},
+        settle=settle,
+        items=items,
+        note=f"stopped at boundary: task {reason.value}",
+    )
+
+
+def error_state(view: RunView, exc: BaseException, kind: str = "exception") -> dict[str, Any]:
+    tb = "".join(traceback.format_exception(exc))
+    return {
+        "phase": view.phase.value,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": tb[-8000:],
+        "attempt": view.attempts,
+        "kind": kind,
+        "evidence": getattr(exc, "evidence", None),
+    }
+
+
+def fail(view: RunView, exc: BaseException) -> Transition:
+    """I17: a phase raised; store the structured error and report it as a phase of its own."""
+    error = error_state(view, exc)
+    return Transition(
+        to=Phase.REPORT_FAILURE,
+        state={**view.state, "error": error},
+        note=f"{error['type']} in {view.phase.value}: {error['message'][:200]}",
+    )
+
+
+def poison(view: RunView, max_attempts: int) -> Transition:
+    """A tick claimed too many times without finishing: its worker keeps dying."""
+    error = {
+        "phase": view.phase.value,
+        "type": "PoisonMessage",
+        "message": (
+            f"phase {view.phase.value} (version {view.version}) was claimed {view.attempts} "
+            f"times without completing (limit {max_attempts}); its worker likely died each time"
+        ),
+        "traceback": None,
+        "attempt": view.attempts,
+        "kind": "poison",
+    }
+    if view.phase is Phase.REPORT_FAILURE:
+        # Even reporting keeps dying: end the run; the shell marks the task failed directly.
+        return Transition(to=Phase.DONE, state={**view.state, "poison": error}, note="poison")
+    return Transition(
+        to=Phase.REPORT_FAILURE,
+        state={**view.state, "error": error},
+        note=error["message"],
+    )

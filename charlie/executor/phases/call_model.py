@@ -1,0 +1,138 @@
+"""call_model: ask the model for the next turn and persist what it returned.
+
+The call runs outside any transaction (I5); its output is committed before anything acts on it,
+so a crash before the commit repeats only this call (I3), and the repeat is counted.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from charlie.domain import (
+    Effect,
+    ItemKind,
+    NewCall,
+    NewItem,
+    Outcome,
+    Phase,
+    RunView,
+    TaskStatus,
+    Transition,
+)
+from charlie.executor.ports import PhaseDeps
+from charlie.models.base import ModelError, ModelRequest, TransientModelError
+from charlie.tools.registry import ToolRegistry
+
+NEEDS = frozenset({"items"})
+
+
+def _unique_call_id(call_id: str, seen: set[str]) -> str:
+    candidate, n = call_id, 1
+    while candidate in seen:
+        n += 1
+        candidate = f"{call_id}#{n}"
+    seen.add(candidate)
+    return candidate
+
+
+def plan_call(index: int, item: NewItem, allowed: list[str] | None, tools: ToolRegistry) -> NewCall:
+    """A model's tool call as a pending-tool record; one that can never run is born settled
+    with an error result, so it still gets exactly one result (I8, I15)."""
+    assert item.call_id is not None
+    name = str(item.payload.get("name"))
+    arguments = item.payload.get("arguments")
+    definition = tools.get(name)
+
+    def failed(message: str) -> NewCall:
+        return NewCall(
+            item.call_id or "",
+            index,
+            name,
+            arguments or {},
+            effect=definition.effect if definition else Effect.READ,
+            resumable=False,
+            settled=(Outcome.ERROR, {"error": message}),
+        )
+
+    if definition is None or (allowed is not None and name not in allowed):
+        available = ", ".join(t.name for t in tools.enabled(allowed)) or "none"
+        return failed(f"unknown tool {name!r}; the tools available are: {available}")
+    if arguments is None:
+        raw = str(item.payload.get("raw_arguments", ""))[:500]
+        return failed(f"the arguments for {name!r} are not a JSON object: {raw!r}")
+    problem = definition.validate(arguments)
+    if problem:
+        return failed(problem)
+    return NewCall(
+        item.call_id, index, name, arguments, definition.effect, resumable=definition.resumable
+    )
+
+
+def run(view: RunView, deps: PhaseDeps) -> Transition:
+    task = view.task
+    model = deps.model_for(task.model)
+    enabled = deps.tools.enabled(task.tools)
+    request = ModelRequest(
+        task_id=task.id,
+        execution_id=view.execution_id,
+        turn=view.turn,
+        items=view.items,
+        tools=[t.spec() for t in enabled],
+    )
+    retries = int(view.state.get("model_retries", 0))
+    try:
+        response = model.complete(request)
+    except TransientModelError as exc:
+        if retries + 1 >= deps.limits.model_retries:
+            raise ModelError(
+                f"model {task.model} kept failing after {retries + 1} attempts: {exc}",
+                evidence=exc.evidence,
+            ) from exc
+        delay = exc.retry_after if exc.retry_after is not None else min(60.0, 2.0**retries)
+        # A long wait is stored as a wake-up time for the sweep, never slept in a tick.
+        return Transition(
+            to=None,
+            state={**view.state, "model_retries": retries + 1, "last_model_error": str(exc)},
+            wake_at=view.now + timedelta(seconds=delay),
+            publish_next=False,
+            note=f"model transient failure, retry in {delay:.1f}s",
+        )
+
+    items: list[NewItem] = []
+    calls: list[NewCall] = []
+    seen: set[str] = set()
+    for item in response.output:
+        if item.kind is ItemKind.TOOL_CALL:
+            call_id = _unique_call_id(item.call_id or f"call_{len(calls)}", seen)
+            item = NewItem(item.kind, item.payload, call_id=call_id)
+            calls.append(plan_call(len(calls), item, task.tools, deps.tools))
+        items.append(item)
+
+    state = {k: v for k, v in view.state.items() if k not in ("model_retries", "last_model_error")}
+    usage = response.usage.as_dict()
+    repeats = max(0, view.attempts - 1)
+    if calls:
+        return Transition(
+            to=Phase.DISPATCH_TOOLS,
+            state=state,
+            items=items,
+            calls=calls,
+            model_calls=1,
+            model_repeats=repeats,
+            usage=usage,
+        )
+    # The final answer: its last message becomes the durable final item (I16).
+    messages = [i for i in items if i.kind is ItemKind.MESSAGE]
+    final_text = str(messages[-1].payload.get("content", "")) if messages else ""
+    if messages:
+        items.remove(messages[-1])
+    items.append(NewItem(ItemKind.FINAL, {"content": final_text}))
+    return Transition(
+        to=Phase.REPORT_TERMINAL,
+        state=state,
+        items=items,
+        model_calls=1,
+        model_repeats=repeats,
+        usage=usage,
+        task_status=TaskStatus.RUNNING,
+    )

@@ -1,0 +1,40 @@
+"""dispatch_tools: queue at most K never-started calls of this turn for invocation (I11, I14).
+
+The shell marks them queued, with their deadlines, in the transition's transaction and publishes
+one invoke message per call after the commit. Calls left over wait for the next dispatch tick.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from charlie.domain import CallState, Effect, Phase, RunView, TaskStatus, Transition
+from charlie.executor.ports import PhaseDeps
+
+NEEDS = frozenset({"calls"})
+
+
+def run(view: RunView, deps: PhaseDeps) -> Transition:
+    waiting = sorted(
+        (c for c in view.calls if c.state is CallState.PENDING and c.queued_at is None),
+        key=lambda c: c.index,
+    )
+    batch = waiting[: max(1, deps.limits.dispatch_batch)]
+    queue = []
+    waits_on_work = False
+    for call in batch:
+        definition = deps.tools.get(call.name)
+        seconds = (
+            definition.deadline
+            if definition and definition.deadline is not None
+            else deps.limits.tool_deadline
+        )
+        queue.append((call.call_id, view.now + timedelta(seconds=seconds)))
+        waits_on_work |= bool(definition and definition.effect is Effect.WAIT)
+    more = len(waiting) > len(batch)
+    return Transition(
+        to=Phase.DISPATCH_TOOLS if more else Phase.AWAIT_TOOLS,
+        queue_calls=queue,
+        task_status=TaskStatus.WAITING if waits_on_work else None,
+        note=f"queued {len(batch)}, {len(waiting) - len(batch)} left",
+    )

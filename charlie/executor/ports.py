@@ -1,0 +1,43 @@
+"""What phases may call out to. The shell supplies real adapters; unit tests supply fakes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from charlie.domain import TaskStatus
+from charlie.models.base import Model
+from charlie.tools.registry import ToolRegistry
+
+
+class TransientSchedulerError(Exception):
+    """A scheduler write that may succeed if tried again (a dropped connection, a lock)."""
+
+
+class SchedulerPort(Protocol):
+    def finish(
+        self, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None
+    ) -> bool:
+        """Record a terminal status. Returns False when the task was already terminal or is
+        gone: a benign outcome, not a new result (I16). Raises TransientSchedulerError."""
+        ...
+
+
+@dataclass(frozen=True)
+class PhaseLimits:
+    dispatch_batch: int = 8
+    tool_deadline: float = 300.0
+    report_retries: int = 4
+    report_backoff: float = 0.05
+    model_retries: int = 8
+
+
+@dataclass
+class PhaseDeps:
+    model_for: Callable[[str], Model]
+    tools: ToolRegistry
+    scheduler: SchedulerPort
+    limits: PhaseLimits = field(default_factory=PhaseLimits)
+    sleep: Callable[[float], None] = time.sleep

@@ -1,0 +1,223 @@
+"""One tick: claim → boundary → phase → commit → publish (I1, I2, I5, I17, I18).
+
+Phases without slow I/O run inside the claim's transaction. ``call_model`` and the report
+phases claim in one short transaction, work outside any transaction while a heartbeat renews the
+lease, and commit in a second one that succeeds only if the lease is still theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+from sqlalchemy import Connection, update
+
+from charlie import faults
+from charlie.domain import Phase, RunView, TaskStatus, Transition
+from charlie.executor import boundary
+from charlie.executor.phases import needs, run_phase
+from charlie.runtime import Runtime
+from charlie.store import runs
+from charlie.store.engine import write
+from charlie.store.schema import tasks
+
+log = logging.getLogger("charlie.tick")
+
+SLOW_PHASES = frozenset({Phase.CALL_MODEL, Phase.REPORT_TERMINAL, Phase.REPORT_FAILURE})
+
+TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done"]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView | None:
+    task = runs.load_task(conn, claim.task_id)
+    if task is None:
+        return None
+    wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
+    return RunView(
+        execution_id=claim.execution_id,
+        phase=claim.phase,
+        version=claim.version,
+        turn=claim.turn,
+        state=claim.state,
+        attempts=claim.attempts,
+        task=task,
+        now=now,
+        items=runs.load_items(conn, claim.execution_id) if "items" in wanted else [],
+        calls=runs.load_calls(conn, claim.execution_id, claim.turn) if "calls" in wanted else [],
+    )
+
+
+def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
+    """What the tick does instead of the phase, if anything."""
+    if view.attempts > rt.settings.max_attempts:
+        return boundary.poison(view, rt.settings.max_attempts)
+    reason = boundary.stop_reason(view)
+    if reason is not None:
+        return boundary.stop(view, reason)
+    return None
+
+
+@contextmanager
+def _heartbeat(rt: Runtime, claim: runs.Claim) -> Iterator[None]:
+    """Renew the lease while slow work runs (I5); a killed worker stops renewing it."""
+    stop = threading.Event()
+    interval = rt.settings.lease_seconds / 3
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
+            try:
+                with write(rt.engine) as conn:
+                    if not runs.renew_execution_lease(
+                        conn, claim.execution_id, claim.version, rt.worker, until
+                    ):
+                        return
+            except Exception:
+                log.warning("lease heartbeat failed", exc_info=True)
+
+    thread = threading.Thread(target=beat, name=f"lease-{claim.execution_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _compute(rt: Runtime, view: RunView) -> Transition:
+    try:
+        return run_phase(view, rt.phase_deps())
+    except Exception as exc:
+        if view.phase is Phase.REPORT_FAILURE:
+            # Reporting a failure failed: come back later rather than fail the failure.
+            log.exception("report_failure raised", extra=_ctx(view))
+            return Transition(
+                to=None,
+                wake_at=view.now + timedelta(seconds=min(60, 2**view.attempts)),
+                publish_next=False,
+                note=f"report_failure raised {type(exc).__name__}",
+            )
+        log.exception("phase raised; moving to report_failure", extra=_ctx(view))
+        return boundary.fail(view, exc)
+
+
+def _ctx(view: RunView) -> dict[str, object]:
+    return {
+        "execution_id": view.execution_id,
+        "task_id": view.task.id,
+        "phase": view.phase.value,
+        "version": view.version,
+    }
+
+
+def _commit(
+    rt: Runtime,
+    conn: Connection,
+    claim: runs.Claim,
+    view: RunView,
+    transition: Transition,
+    started: float,
+) -> bool:
+    error = None
+    if transition.to is Phase.REPORT_FAILURE and transition.state:
+        error = transition.state.get("error")
+    ok = runs.commit_transition(
+        conn,
+        claim,
+        transition,
+        owner=rt.worker,
+        now=utcnow(),
+        duration_ms=(time.perf_counter() - started) * 1000,
+        error=error,
+    )
+    if ok and transition.to is Phase.DONE and transition.state and "poison" in transition.state:
+        conn.execute(
+            update(tasks)
+            .where(tasks.c.id == view.task.id, tasks.c.status.in_(runs.ACTIVE))
+            .values(
+                status=TaskStatus.FAILED.value,
+                error=transition.state["poison"],
+                finished_at=utcnow(),
+            )
+        )
+    return ok
+
+
+def _publish(rt: Runtime, claim: runs.Claim, view: RunView, transition: Transition) -> None:
+    faults.hit("tick.after_commit", phase=claim.phase.value, task_id=view.task.id)
+    messages: list[tuple[str, tuple[object, ...]]] = []
+    for call_id, _deadline in transition.queue_calls:
+        messages.append(("charlie.tool.invoke", (claim.execution_id, claim.turn, call_id, "start")))
+    if transition.to is not None and transition.publish_next and transition.to is not Phase.DONE:
+        messages.append(
+            (f"charlie.phase.{transition.to.value}", (claim.execution_id, claim.version + 1))
+        )
+    if messages:
+        try:
+            rt.publisher.many(messages)
+        except Exception:
+            log.exception("publish failed after commit; the sweep will re-publish")
+
+
+def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> TickResult:
+    started = time.perf_counter()
+    now = utcnow()
+    slow = phase in SLOW_PHASES
+    with write(rt.engine) as conn:
+        claim = runs.claim_execution(
+            conn, execution_id, phase, version, rt.worker, now, rt.settings.lease_seconds
+        )
+        if claim is None:
+            log.debug("stale tick %s %s v%s", execution_id, phase.value, version)
+            return "stale"
+        view = _view(conn, claim, now)
+        if view is None:
+            log.error("execution %s has no task row", execution_id)
+            return "stale"
+        decided = _decide_at_boundary(rt, view)
+        if not slow or decided is not None:
+            transition = decided or _compute(rt, view)
+            if not _commit(rt, conn, claim, view, transition, started):
+                return "lost_lease"
+            slow = False
+    if slow:
+        faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
+        # The claim committed; from here until the commit no transaction is open (I5).
+        with _heartbeat(rt, claim):
+            transition = _compute(rt, view)
+        faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
+        with write(rt.engine) as conn:
+            if not _commit(rt, conn, claim, view, transition, started):
+                log.warning("lease lost during %s; discarding its result", phase.value)
+                return "lost_lease"
+    _publish(rt, claim, view, transition)
+    if transition.to is None:
+        _recheck_after_wait(rt, claim)
+        return "waiting"
+    log.info(
+        "transition %s -> %s",
+        phase.value,
+        transition.to.value,
+        extra={**_ctx(view), "to": transition.to.value, "note": transition.note},
+    )
+    return "done" if transition.to is Phase.DONE else "moved"
+
+
+def _recheck_after_wait(rt: Runtime, claim: runs.Claim) -> None:
+    """A tool may have settled the turn's last call while this await tick held the lease; its
+    tick was then refused as busy. Look again now that the lease is released."""
+    if claim.phase is not Phase.AWAIT_TOOLS:
+        return
+    with write(rt.engine) as conn:
+        unsettled = runs.count_unsettled(conn, claim.execution_id, claim.turn)
+    if unsettled == 0:
+        rt.publisher.tick(claim.execution_id, claim.phase, claim.version)

@@ -1,0 +1,25 @@
+"""Model clients behind one interface: scripted (turns from a file) and OpenAI-compatible HTTP."""
+
+from charlie.models.base import (
+    Model,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    ToolSpec,
+    TransientModelError,
+    Usage,
+)
+from charlie.models.resolve import UnknownModelError, resolve_model, validate_model_spec
+
+__all__ = [
+    "Model",
+    "ModelError",
+    "ModelRequest",
+    "ModelResponse",
+    "ToolSpec",
+    "TransientModelError",
+    "UnknownModelError",
+    "Usage",
+    "resolve_model",
+    "validate_model_spec",
+]

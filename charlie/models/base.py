@@ -1,0 +1,138 @@
+"""The model interface the call_model phase depends on.
+
+Transcript item payloads (``charlie.domain.Item.payload``) are the wire-neutral form every client
+maps to and from:
+
+- ``input``:       ``{"role": "system" | "user", "content": str}``
+- ``message``:     ``{"role": "assistant", "content": str}`` plus optional ``"raw"`` (provider item)
+- ``reasoning``:   ``{"summary": str | None, "raw": {...}}`` (the provider's item, passed back as is)
+- ``tool_call``:   ``{"name": str, "arguments": dict | None, "raw_arguments": str}``
+  (``call_id`` is on the item; ``arguments`` is ``None`` when the raw string was not JSON)
+- ``tool_result``: ``{"name": str, "outcome": str, "result": JSON, "content": str}``
+  (``content`` is what the model is shown; see :func:`render_tool_result`)
+- ``final``:       ``{"content": str}``
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from charlie.domain import JSON, Item, ItemKind, NewItem, Outcome
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: JSON
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    task_id: str
+    execution_id: str
+    turn: int
+    #: I6: the context plus the transcript as committed at the end of the previous turn.
+    items: list[Item]
+    tools: list[ToolSpec]
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class ModelResponse:
+    """The model's output items in the order it produced them.
+
+    Kinds are ``message``, ``reasoning`` and ``tool_call`` (with ``call_id``). A response with no
+    ``tool_call`` item is the final answer; its last message becomes the ``final`` item.
+    """
+
+    output: list[NewItem]
+    usage: Usage = field(default_factory=Usage)
+
+    @property
+    def tool_calls(self) -> list[NewItem]:
+        return [item for item in self.output if item.kind is ItemKind.TOOL_CALL]
+
+
+class ModelError(Exception):
+    """A model failure that retrying will not fix (bad request, auth, context too long,
+    unusable output). Fails the run with ``evidence`` (e.g. the response body)."""
+
+    def __init__(self, message: str, *, evidence: Any = None) -> None:
+        super().__init__(message)
+        self.evidence = evidence
+
+
+class TransientModelError(Exception):
+    """A failure worth retrying later (429, 5xx, connection). ``retry_after`` is in seconds."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, evidence: Any = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.evidence = evidence
+
+
+class Model(Protocol):
+    """One model endpoint. ``complete`` is called outside any transaction (I5) and may be
+    repeated after a crash before its output was committed (I3), so it must not act on the
+    world itself."""
+
+    spec: str
+
+    def complete(self, request: ModelRequest) -> ModelResponse: ...
+
+
+def tool_call_item(call_id: str, name: str, raw_arguments: str | dict[str, Any]) -> NewItem:
+    """Build a ``tool_call`` item, keeping the raw argument string the model sent."""
+    if isinstance(raw_arguments, dict):
+        arguments: dict[str, Any] | None = raw_arguments
+        raw = json.dumps(raw_arguments)
+    else:
+        raw = raw_arguments
+        try:
+            parsed = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            parsed = None
+        arguments = parsed if isinstance(parsed, dict) else None
+    return NewItem(
+        ItemKind.TOOL_CALL,
+        {"name": name, "arguments": arguments, "raw_arguments": raw},
+        call_id=call_id,
+    )
+
+
+def render_tool_result(outcome: Outcome, result: Any) -> str:
+    """The text a model is shown for a tool outcome: plain about what is and is not known."""
+    if outcome is Outcome.OK:
+        return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    detail = result if isinstance(result, dict) else {"detail": result}
+    if outcome is Outcome.INTERRUPTED:
+        return (
+            "INTERRUPTED: this tool call was started (at "
+            f"{detail.get('started_at')} by {detail.get('started_by')}) but its worker stopped "
+            "before a result was recorded. Charlie cannot tell whether it took effect, and did "
+            "not run it again. Check the state before repeating it."
+        )
+    if outcome is Outcome.DEADLINE_EXCEEDED:
+        return (
+            f"DEADLINE EXCEEDED: no result within {detail.get('deadline_seconds')} s. The work "
+            "may still be running or may have finished; it was not canceled."
+        )
+    if outcome is Outcome.CANCELED:
+        return "CANCELED: the task was canceled before this call finished."
+    return f"ERROR: {detail.get('error', detail)}"

@@ -1,0 +1,401 @@
+"""Clients for OpenAI-compatible endpoints: ``openai:NAME`` (Chat Completions) and
+``openai-responses:NAME`` (Responses).
+
+Configuration is read from the environment when a client is built:
+
+- ``CHARLIE_MODEL_BASE_URL`` (default ``https://api.openai.com/v1``), ``CHARLIE_MODEL_API_KEY``;
+- per model, ``CHARLIE_MODEL_<NAME>_BASE_URL`` and ``CHARLIE_MODEL_<NAME>_API_KEY``, where
+  ``<NAME>`` is the model name upper-cased with every other character than A-Z and 0-9 turned to
+  ``_`` (``gpt-4.1-mini`` -> ``CHARLIE_MODEL_GPT_4_1_MINI_API_KEY``);
+- ``CHARLIE_MODEL_TIMEOUT``: the read timeout in seconds (default 120; connecting gets 10);
+- ``CHARLIE_MODEL_MAX_ATTEMPTS``: HTTP attempts per ``complete`` call (default 5).
+
+Retries: 408, 409, 429 and 5xx answers and connection or timeout errors are retried with
+exponential backoff and full jitter, or after the server's ``Retry-After`` (``retry-after-ms``,
+seconds or an HTTP date). A wait is slept inside the call only while it is short (``max_sleep``,
+5 s); a longer one, or running out of attempts, raises :class:`TransientModelError` with
+``retry_after`` so the executor stores a wake-up time instead of sleeping in a tick. Other answers
+(400, 401, 403, 404, 413, 422, a 429 for exhausted quota, ...) raise :class:`ModelError` with the
+status and the first 4 KiB of the body as evidence.
+
+The API key goes only into the ``Authorization`` header of the requests: it is redacted from every
+message, evidence and log line, and evidence never holds request headers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import httpx
+
+from charlie.domain import JSON
+from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
+from charlie.models.openai_chat import MalformedResponse, chat_request_body, parse_chat_completion
+from charlie.models.openai_responses import parse_response, responses_request_body
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+DEFAULT_READ_TIMEOUT = 120.0
+CONNECT_TIMEOUT = 10.0
+DEFAULT_MAX_ATTEMPTS = 5
+#: the longest backoff slept inside ``complete``; a longer one is handed to the executor.
+DEFAULT_MAX_SLEEP = 5.0
+DEFAULT_BACKOFF_BASE = 0.5
+DEFAULT_BACKOFF_CAP = 60.0
+EVIDENCE_BODY_BYTES = 4096
+REDACTED = "[REDACTED]"
+USER_AGENT = "charlie/0.1"
+
+#: 408 and 409 are retried as the OpenAI SDKs do (a request timeout, a lock conflict).
+RETRYABLE_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
+#: a 429 with one of these error codes will not pass by waiting.
+UNRETRYABLE_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached"})
+
+
+def env_name(model: str) -> str:
+    """The ``<NAME>`` in ``CHARLIE_MODEL_<NAME>_BASE_URL`` for a model name."""
+    return re.sub(r"[^A-Za-z0-9]", "_", model).upper()
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    base_url: str = DEFAULT_BASE_URL
+    api_key: str | None = field(default=None, repr=False)
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    connect_timeout: float = CONNECT_TIMEOUT
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+
+    @classmethod
+    def from_env(cls, model: str, environ: Mapping[str, str] | None = None) -> EndpointConfig:
+        env = os.environ if environ is None else environ
+        prefix = f"CHARLIE_MODEL_{env_name(model)}_"
+
+        def pick(key: str) -> str | None:
+            for name in (prefix + key, "CHARLIE_MODEL_" + key):
+                value = env.get(name, "").strip()
+                if value:
+                    return value
+            return None
+
+        base_url = (pick("BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        if not base_url.startswith(("http://", "https://")):
+            raise ModelError(
+                f"model base URL {base_url!r} for {model!r} is not an http:// or https:// URL"
+            )
+        timeout = _env_number("CHARLIE_MODEL_TIMEOUT", env, DEFAULT_READ_TIMEOUT)
+        attempts = _env_number("CHARLIE_MODEL_MAX_ATTEMPTS", env, DEFAULT_MAX_ATTEMPTS)
+        if attempts != int(attempts):
+            raise ModelError(f"CHARLIE_MODEL_MAX_ATTEMPTS={attempts!r} is not a whole number")
+        return cls(
+            base_url=base_url,
+            api_key=pick("API_KEY"),
+            read_timeout=timeout,
+            max_attempts=int(attempts),
+        )
+
+
+def _env_number(name: str, env: Mapping[str, str], default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ModelError(f"{name}={raw!r} is not a positive number")
+    return value
+
+
+def parse_retry_after(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
+    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            value = float(millis) / 1000
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value):
+            return max(0.0, value)
+    raw = headers.get("retry-after")
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        pass
+    else:
+        return max(0.0, value) if math.isfinite(value) else None
+    try:
+        when = parsedate_to_datetime(raw)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+
+
+def _error_detail(text: str) -> tuple[str | None, str | None]:
+    """The provider's error ``(code, message)`` from an OpenAI-style error body."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None, None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(error, str):
+        return None, error
+    if not isinstance(error, dict):
+        return None, None
+    code = error.get("code") or error.get("type")
+    message = error.get("message")
+    return (
+        code if isinstance(code, str) else None,
+        message if isinstance(message, str) else None,
+    )
+
+
+@dataclass
+class _Failure:
+    message: str
+    evidence: JSON
+    status: int | None = None
+    retry_after: float | None = None
+    retryable: bool = True
+
+
+class OpenAIModel:
+    """One model behind an OpenAI-compatible endpoint; subclasses pick the API."""
+
+    path = ""
+
+    def __init__(
+        self,
+        spec: str,
+        name: str,
+        config: EndpointConfig,
+        *,
+        max_sleep: float = DEFAULT_MAX_SLEEP,
+        backoff_base: float = DEFAULT_BACKOFF_BASE,
+        backoff_cap: float = DEFAULT_BACKOFF_CAP,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.spec = spec
+        self.name = name
+        self.config = config
+        self.max_sleep = max_sleep
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+        self._http: httpx.Client | None = None
+        self._http_pid = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r}, base_url={self.config.base_url!r})"
+
+    # -- the API-specific parts ---------------------------------------------------------------
+
+    def build(self, request: ModelRequest) -> JSON:
+        raise NotImplementedError
+
+    def parse(self, data: Any) -> ModelResponse:
+        raise NotImplementedError
+
+    # -- the Model protocol -------------------------------------------------------------------
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        body = self.build(request)
+        data, text = self._post(body, request)
+        try:
+            response = self.parse(data)
+        except MalformedResponse as exc:
+            raise ModelError(
+                self.redact(f"{self.spec}: unusable model output: {exc}"),
+                evidence={"status": 200, "body": self._truncate(text)},
+            ) from None
+        log.debug(
+            "model answered",
+            extra=self._extra(request, usage=response.usage.as_dict()),
+        )
+        return response
+
+    def close(self) -> None:
+        with self._lock:
+            if self._http is not None and self._http_pid == os.getpid():
+                self._http.close()
+            self._http = None
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _client(self) -> httpx.Client:
+        """One connection pool per process: a pool inherited across a fork is left alone."""
+        with self._lock:
+            if self._http is None or self._http_pid != os.getpid():
+                self._http = httpx.Client(
+                    timeout=httpx.Timeout(
+                        self.config.read_timeout, connect=self.config.connect_timeout
+                    ),
+                    headers={"User-Agent": USER_AGENT},
+                )
+                self._http_pid = os.getpid()
+            return self._http
+
+    def _headers(self) -> dict[str, str]:
+        if not self.config.api_key:
+            return {}
+        return {"Authorization": f"Bearer {self.config.api_key}"}
+
+    def redact(self, text: str) -> str:
+        key = self.config.api_key
+        return text.replace(key, REDACTED) if key else text
+
+    def _truncate(self, text: str) -> str:
+        data = self.redact(text).encode("utf-8", "replace")
+        return data[:EVIDENCE_BODY_BYTES].decode("utf-8", "ignore")
+
+    def _extra(self, request: ModelRequest, **more: Any) -> dict[str, Any]:
+        return {"task_id": request.task_id, "turn": request.turn, "model": self.spec, **more}
+
+    def _backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, min(cap, base * 2^(attempt-1)))."""
+        ceiling = min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1))
+        return self._rng.uniform(0, ceiling)
+
+    def _attempt(self, body: JSON) -> tuple[Any, str] | _Failure:
+        url = self.config.base_url + self.path
+        try:
+            response = self._client().post(url, json=body, headers=self._headers())
+        except httpx.TransportError as exc:  # timeouts, connection and protocol errors
+            what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
+            detail = self.redact(f"{type(exc).__name__}: {exc}")
+            return _Failure(f"request {what} ({detail})", {"error": detail})
+        text = response.text
+        status = response.status_code
+        if 200 <= status < 300:
+            try:
+                return response.json(), text
+            except ValueError:
+                raise ModelError(
+                    f"{self.spec}: HTTP {status} with a body that is not JSON",
+                    evidence={"status": status, "body": self._truncate(text)},
+                ) from None
+        evidence: JSON = {"status": status, "body": self._truncate(text)}
+        request_id = response.headers.get("x-request-id")
+        if request_id:
+            evidence["request_id"] = request_id
+        code, message = _error_detail(text)
+        summary = f"HTTP {status}" + (f" {code}" if code else "")
+        if message:
+            summary += ": " + self.redact(message[:500])
+        if status in RETRYABLE_STATUSES and code not in UNRETRYABLE_CODES:
+            return _Failure(summary, evidence, status, parse_retry_after(response.headers))
+        if code == "context_length_exceeded":
+            summary = "context length exceeded: " + summary
+        return _Failure(summary, evidence, status, retryable=False)
+
+    def _post(self, body: JSON, request: ModelRequest) -> tuple[Any, str]:
+        attempts = self.config.max_attempts
+        for attempt in range(1, attempts + 1):
+            outcome = self._attempt(body)
+            if not isinstance(outcome, _Failure):
+                return outcome
+            failure = outcome
+            extra = self._extra(request, attempt=attempt, status=failure.status)
+            if not failure.retryable:
+                log.warning("model call refused: %s", failure.message, extra=extra)
+                raise ModelError(f"{self.spec}: {failure.message}", evidence=failure.evidence)
+            evidence = {**failure.evidence, "attempts": attempt}
+            if attempt >= attempts:
+                log.warning("model call failed; no attempts left: %s", failure.message, extra=extra)
+                raise TransientModelError(
+                    f"{self.spec}: {failure.message} (gave up after {attempt} attempts)",
+                    retry_after=failure.retry_after,
+                    evidence=evidence,
+                )
+            wait = failure.retry_after
+            if wait is None:
+                wait = self._backoff(attempt)
+            if wait > self.max_sleep:
+                log.warning(
+                    "model call failed; retry in %.1f s is left to the executor: %s",
+                    wait,
+                    failure.message,
+                    extra={**extra, "wait": wait},
+                )
+                raise TransientModelError(
+                    f"{self.spec}: {failure.message} (retry in {wait:.1f} s)",
+                    retry_after=wait,
+                    evidence=evidence,
+                )
+            log.warning(
+                "model call failed; retrying in %.2f s: %s",
+                wait,
+                failure.message,
+                extra={**extra, "wait": wait},
+            )
+            self._sleep(wait)
+        raise AssertionError("unreachable: max_attempts is at least 1")
+
+
+class OpenAIChatModel(OpenAIModel):
+    """``openai:NAME``: ``POST {base}/chat/completions``."""
+
+    path = "/chat/completions"
+
+    def build(self, request: ModelRequest) -> JSON:
+        return chat_request_body(self.name, request)
+
+    def parse(self, data: Any) -> ModelResponse:
+        return parse_chat_completion(data)
+
+
+class OpenAIResponsesModel(OpenAIModel):
+    """``openai-responses:NAME``: ``POST {base}/responses``, stateless (``store: false``)."""
+
+    path = "/responses"
+
+    def build(self, request: ModelRequest) -> JSON:
+        return responses_request_body(self.name, request)
+
+    def parse(self, data: Any) -> ModelResponse:
+        return parse_response(data)
+
+
+CLIENTS: dict[str, type[OpenAIModel]] = {
+    "openai": OpenAIChatModel,
+    "openai-responses": OpenAIResponsesModel,
+}
+
+
+def client_for(
+    provider: str,
+    name: str,
+    spec: str,
+    *,
+    environ: Mapping[str, str] | None = None,
+    **options: Any,
+) -> OpenAIModel:
+    """The client for ``provider:name``, configured from the environment now.
+
+    ``options`` go to :class:`OpenAIModel` (``max_sleep``, ``backoff_base``, ``backoff_cap``,
+    ``sleep``, ``rng``)."""
+    try:
+        cls = CLIENTS[provider]
+    except KeyError:
+        raise ModelError(f"unknown OpenAI provider {provider!r} in {spec!r}") from None
+    return cls(spec, name, EndpointConfig.from_env(name, environ), **options)

@@ -1,0 +1,41 @@
+"""Model specs (``scripted:PATH``, ``openai:NAME``, ``openai-responses:NAME``) to clients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from charlie.models.base import Model
+from charlie.models.scripted import ScriptedModel, load_script
+
+PROVIDERS = ("scripted", "openai", "openai-responses")
+
+
+class UnknownModelError(ValueError):
+    pass
+
+
+def _split(spec: str) -> tuple[str, str]:
+    provider, sep, name = spec.partition(":")
+    if not sep or not name or provider not in PROVIDERS:
+        raise UnknownModelError(
+            f"unknown model {spec!r}: expected one of "
+            + ", ".join(f"{p}:NAME" for p in PROVIDERS)
+            + " (scripted takes a path to a JSON file of turns)"
+        )
+    return provider, name
+
+
+def validate_model_spec(spec: str) -> None:
+    """Refuse a model spec that cannot work, before a task is written."""
+    provider, name = _split(spec)
+    if provider == "scripted":
+        load_script(Path(name))
+
+
+def resolve_model(spec: str) -> Model:
+    provider, name = _split(spec)
+    if provider == "scripted":
+        return ScriptedModel(spec, Path(name))
+    from charlie.models.openai import client_for  # an optional import: httpx only when used
+
+    return client_for(provider, name, spec)

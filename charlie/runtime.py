@@ -1,0 +1,130 @@
+"""A process's runtime: settings, engine, identity, publisher and adapters.
+
+Built once per process (and again in each forked pool child); this and the Celery app are the
+only process-wide state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine
+
+from charlie.config import Settings, settings
+from charlie.domain import Phase
+from charlie.executor.ports import PhaseDeps, PhaseLimits
+from charlie.models import Model, resolve_model
+from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine
+from charlie.tools.registry import REGISTRY, ToolRegistry
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+log = logging.getLogger("charlie.runtime")
+
+
+class Publisher:
+    """Publishes ticks and invocations. Called only after the commit that makes them valid;
+    a failure here loses a message, which the sweep finds again (I4)."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def tick(self, execution_id: str, phase: Phase, version: int) -> bool:
+        return self._send(f"charlie.phase.{phase.value}", (execution_id, version))
+
+    def invoke(self, execution_id: str, turn: int, call_id: str, mode: str = "start") -> bool:
+        return self._send("charlie.tool.invoke", (execution_id, turn, call_id, mode))
+
+    def many(self, messages: Iterable[tuple[str, tuple[object, ...]]]) -> None:
+        with self.app.producer_or_acquire() as producer:
+            for name, args in messages:
+                self._send(name, args, producer=producer)
+
+    def _send(self, name: str, args: tuple[object, ...], producer: object = None) -> bool:
+        try:
+            self.app.send_task(name, args=args, producer=producer)
+            return True
+        except Exception:
+            log.exception("publish failed; the sweep will re-publish", extra={"task": name})
+            return False
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: Engine
+    worker: str
+    publisher: Publisher
+    tools: ToolRegistry
+    _models: dict[str, Model] = field(default_factory=dict)
+
+    def model_for(self, spec: str) -> Model:
+        model = self._models.get(spec)
+        if model is None:
+            model = self._models[spec] = resolve_model(spec)
+        return model
+
+    def phase_deps(self) -> PhaseDeps:
+        from charlie.scheduler import DbScheduler
+
+        s = self.settings
+        return PhaseDeps(
+            model_for=self.model_for,
+            tools=self.tools,
+            scheduler=DbScheduler(self.engine),
+            limits=PhaseLimits(
+                dispatch_batch=s.dispatch_batch,
+                tool_deadline=s.tool_deadline,
+                report_retries=s.report_retries,
+            ),
+        )
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def import_tool_modules(modules: Iterable[str]) -> None:
+    import charlie.tools  # noqa: F401  (the built-ins)
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ImportError(
+                f"CHARLIE_TOOL_MODULES names {name!r}, which cannot be imported: {exc}"
+            ) from exc
+
+
+def get_runtime() -> Runtime:
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            from charlie.app import app
+
+            s = settings()
+            s.home.mkdir(parents=True, exist_ok=True)
+            ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)
+            import_tool_modules(s.tool_modules)
+            _runtime = Runtime(
+                settings=s,
+                engine=get_engine(s.database_url),
+                worker=f"{socket.gethostname()}:{os.getpid()}",
+                publisher=Publisher(app),
+                tools=REGISTRY,
+            )
+        return _runtime
+
+
+def reset_after_fork() -> None:
+    global _runtime
+    dispose_after_fork()
+    _runtime = None

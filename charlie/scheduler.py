@@ -1,0 +1,201 @@
+"""The scheduler: owns the task lifecycle (I18) and is the only writer of terminal statuses.
+
+queued → running ⇄ waiting → succeeded | failed | canceled | timed_out. Every terminal write is a
+compare-and-set from an active status, so writing it twice, late or concurrently is benign.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, insert, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from charlie import faults
+from charlie.domain import JSON, Phase, TaskStatus
+from charlie.executor.ports import TransientSchedulerError
+from charlie.store.engine import read, write
+from charlie.store.runs import ACTIVE
+from charlie.store.schema import executions, tasks
+
+
+class TaskNotFound(LookupError):
+    def __init__(self, task_id: str) -> None:
+        super().__init__(f"no task with id {task_id!r}")
+        self.task_id = task_id
+
+
+class TaskConflict(ValueError):
+    """A task id reused for different work: idempotency covers the same submission only."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    task_id: str
+    execution_id: str
+    created: bool
+
+
+def submit(
+    engine: Engine,
+    *,
+    prompt: str,
+    model: str,
+    tools: list[str] | None,
+    task_id: str | None,
+    timeout: float | None,
+    metadata: JSON | None,
+    parent_id: str | None = None,
+    parent_call_id: str | None = None,
+) -> Submitted:
+    """Write the task and its execution in one transaction; idempotent on ``task_id``."""
+    task_id = task_id or uuid.uuid4().hex
+    now = utcnow()
+    execution_id = f"x-{task_id}"
+    try:
+        with write(engine) as conn:
+            conn.execute(
+                insert(tasks).values(
+                    id=task_id,
+                    parent_id=parent_id,
+                    parent_call_id=parent_call_id,
+                    prompt=prompt,
+                    model=model,
+                    tools=tools,
+                    metadata=metadata or {},
+                    status=TaskStatus.QUEUED.value,
+                    timeout_at=now + timedelta(seconds=timeout) if timeout else None,
+                    created_at=now,
+                    input_tokens=0,
+                    output_tokens=0,
+                    reasoning_tokens=0,
+                )
+            )
+            conn.execute(
+                insert(executions).values(
+                    id=execution_id,
+                    task_id=task_id,
+                    phase=Phase.LOAD_CONTEXT.value,
+                    version=0,
+                    state={},
+                    turn=0,
+                    next_seq=0,
+                    updated_at=now,
+                    attempts=0,
+                    model_calls=0,
+                    model_repeats=0,
+                    created_at=now,
+                )
+            )
+    except IntegrityError:
+        with read(engine) as conn:
+            row = conn.execute(
+                select(tasks.c.prompt, tasks.c.model, tasks.c.parent_id).where(
+                    tasks.c.id == task_id
+                )
+            ).first()
+            if row is None:
+                raise
+            if row.prompt != prompt or row.model != model:
+                raise TaskConflict(
+                    f"task id {task_id!r} already names a task with a different prompt or model"
+                ) from None
+            xid = conn.execute(
+                select(executions.c.id).where(executions.c.task_id == task_id)
+            ).scalar_one()
+        return Submitted(task_id, xid, created=False)
+    return Submitted(task_id, execution_id, created=True)
+
+
+def finish(
+    engine: Engine, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None
+) -> bool:
+    """Record a terminal status; False when the task was already terminal or is gone (I16)."""
+    assert status.terminal
+    faults.hit("scheduler.finish", task_id=task_id, status=status.value)
+    now = utcnow()
+    try:
+        with write(engine) as conn:
+            done = conn.execute(
+                update(tasks)
+                .where(tasks.c.id == task_id, tasks.c.status.in_(ACTIVE))
+                .values(status=status.value, result=result, error=error, finished_at=now)
+            )
+            return done.rowcount == 1
+    except OperationalError as exc:
+        raise TransientSchedulerError(f"scheduler write for task {task_id} failed: {exc}") from exc
+
+
+class DbScheduler:
+    """The scheduler port the report phases use."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def finish(
+        self, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None
+    ) -> bool:
+        try:
+            return finish(self.engine, task_id, status, result=result, error=error)
+        except faults.InjectedFault as exc:
+            raise TransientSchedulerError(str(exc)) from exc
+
+
+def descendants(engine: Engine, task_id: str) -> list[str]:
+    found, frontier = [], [task_id]
+    with read(engine) as conn:
+        while frontier:
+            rows = conn.execute(select(tasks.c.id).where(tasks.c.parent_id.in_(frontier)))
+            frontier = [r.id for r in rows]
+            found.extend(frontier)
+    return found
+
+
+def cancel(engine: Engine, task_id: str) -> list[str]:
+    """Cancel a task and its children; returns the ids whose status changed. The executor stops
+    each at its next tick boundary (I18)."""
+    ids = [task_id, *descendants(engine, task_id)]
+    now = utcnow()
+    with write(engine) as conn:
+        if conn.execute(select(tasks.c.id).where(tasks.c.id == task_id)).first() is None:
+            raise TaskNotFound(task_id)
+        rows = conn.execute(
+            update(tasks)
+            .where(tasks.c.id.in_(ids), tasks.c.status.in_(ACTIVE))
+            .values(
+                status=TaskStatus.CANCELED.value,
+                cancel_requested_at=now,
+                finished_at=now,
+                error={"reason": "canceled"},
+            )
+            .returning(tasks.c.id)
+        )
+        return [r.id for r in rows]
+
+
+def expire(engine: Engine, task_ids: list[str]) -> list[str]:
+    """Time out tasks whose timeout has passed (the sweep passes candidates)."""
+    now = utcnow()
+    with write(engine) as conn:
+        rows = conn.execute(
+            update(tasks)
+            .where(
+                tasks.c.id.in_(task_ids),
+                tasks.c.status.in_(ACTIVE),
+                tasks.c.timeout_at < now,
+            )
+            .values(
+                status=TaskStatus.TIMED_OUT.value,
+                finished_at=now,
+                error={"reason": "timed out"},
+            )
+            .returning(tasks.c.id)
+        )
+        return [r.id for r in rows]

@@ -1,0 +1,162 @@
+"""Core statements for the pending-tool records: mark started (I9), settle (I12), late reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import Connection, and_, select, update
+
+from charlie.domain import CallState
+from charlie.store.schema import tool_calls
+
+Mode = Literal["start", "resume", "reconcile"]
+
+
+@dataclass(frozen=True)
+class ClaimedCall:
+    execution_id: str
+    turn: int
+    call_id: str
+    name: str
+    arguments: dict[str, Any]
+    resumable: bool
+    started_at: datetime | None
+    started_by: str | None
+    handle: str | None
+    attempts: int
+    deadline_at: datetime | None
+
+
+def _key(execution_id: str, turn: int, call_id: str) -> Any:
+    c = tool_calls.c
+    return and_(c.execution_id == execution_id, c.turn == turn, c.call_id == call_id)
+
+
+def claim_call(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    mode: Mode,
+    owner: str,
+    now: datetime,
+    lease_seconds: float,
+) -> ClaimedCall | None:
+    """``start``: pending → started, committed before the handler runs (I9).
+    ``resume``/``reconcile``: take over a started call whose lease lapsed (I10).
+    ``None``: not claimable (already started, settled, or someone live holds it)."""
+    c = tool_calls.c
+    until = now + timedelta(seconds=lease_seconds)
+    stmt = update(tool_calls).where(_key(execution_id, turn, call_id))
+    if mode == "start":
+        stmt = stmt.where(c.state == CallState.PENDING.value, c.queued_at.is_not(None)).values(
+            state=CallState.STARTED.value, started_at=now, started_by=owner
+        )
+    else:
+        stmt = stmt.where(c.state == CallState.STARTED.value, c.lease_until < now)
+        if mode == "resume":
+            stmt = stmt.where(c.resumable.is_(True))
+    stmt = stmt.values(lease_owner=owner, lease_until=until, attempts=c.attempts + 1).returning(
+        c.name,
+        c.arguments,
+        c.resumable,
+        c.started_at,
+        c.started_by,
+        c.handle,
+        c.attempts,
+        c.deadline_at,
+    )
+    row = conn.execute(stmt).first()
+    if row is None:
+        return None
+    return ClaimedCall(
+        execution_id,
+        turn,
+        call_id,
+        row.name,
+        row.arguments,
+        row.resumable,
+        row.started_at,
+        row.started_by,
+        row.handle,
+        row.attempts,
+        row.deadline_at,
+    )
+
+
+def renew_call_lease(
+    conn: Connection, call: ClaimedCall, owner: str, until: datetime
+) -> bool:
+    c = tool_calls.c
+    stmt = (
+        update(tool_calls)
+        .where(
+            _key(call.execution_id, call.turn, call.call_id),
+            c.state == CallState.STARTED.value,
+            c.lease_owner == owner,
+        )
+        .values(lease_until=until)
+    )
+    return conn.execute(stmt).rowcount == 1
+
+
+def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:
+    conn.execute(
+        update(tool_calls)
+        .where(_key(call.execution_id, call.turn, call.call_id))
+        .values(handle=handle)
+    )
+
+
+def settle_call(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    outcome: str,
+    result: Any,
+    owner: str,
+    now: datetime,
+    duration_ms: float | None = None,
+) -> bool:
+    """The first result wins (I12): only an unsettled call takes an outcome. On False the
+    caller records a late report instead."""
+    c = tool_calls.c
+    done = conn.execute(
+        update(tool_calls)
+        .where(_key(execution_id, turn, call_id), c.state != CallState.SETTLED.value)
+        .values(
+            state=CallState.SETTLED.value,
+            outcome=outcome,
+            result=result,
+            settled_at=now,
+            settled_by=owner,
+            lease_owner=None,
+            lease_until=None,
+            duration_ms=duration_ms,
+        )
+    )
+    return done.rowcount == 1
+
+
+def record_late_report(
+    conn: Connection, execution_id: str, turn: int, call_id: str, outcome: str, result: Any
+) -> None:
+    c = tool_calls.c
+    conn.execute(
+        update(tool_calls)
+        .where(_key(execution_id, turn, call_id))
+        .values(
+            late_reports=c.late_reports + 1,
+            late_result={"outcome": outcome, "result": result},
+        )
+    )
+
+
+def call_state(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:
+    row = conn.execute(
+        select(tool_calls.c.state).where(_key(execution_id, turn, call_id))
+    ).first()
+    return row.state if row else None

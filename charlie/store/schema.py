@@ -1,0 +1,195 @@
+"""The tables, as typed SQLAlchemy 2.x models.
+
+The hot path (ticks, tool invocations, sweeps) uses Core statements against ``Model.__table__``;
+the ORM classes are here for their types, for Alembic and for readable ad-hoc queries.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every backend (SQLite stores naive text; PostgreSQL timestamptz)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r} given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+JSONDoc = JSON().with_variant(JSONB(), "postgresql")
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSONDoc}
+
+
+class Task(Base):
+    """The scheduler's record: owns the lifecycle (I18)."""
+
+    __tablename__ = "tasks"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    parent_id: Mapped[str | None] = mapped_column(
+        String(128), ForeignKey("tasks.id"), index=True, default=None
+    )
+    parent_call_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    prompt: Mapped[str] = mapped_column(Text)
+    model: Mapped[str] = mapped_column(String(500))
+    tools: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONDoc, default=dict)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    result: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    error: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    timeout_at: Mapped[datetime | None] = mapped_column(index=True, default=None)
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(default=None)
+    created_at: Mapped[datetime]
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    input_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Execution(Base):
+    """A run: one persisted state machine (I1). ``version`` guards every transition (I2)."""
+
+    __tablename__ = "executions"
+    __table_args__ = (
+        Index("ix_executions_phase_lease", "phase", "lease_until"),
+        Index("ix_executions_wake_at", "wake_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    task_id: Mapped[str] = mapped_column(String(128), ForeignKey("tasks.id"), unique=True)
+    phase: Mapped[str] = mapped_column(String(32))
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[dict[str, Any]] = mapped_column(JSONDoc, default=dict)
+    turn: Mapped[int] = mapped_column(Integer, default=0)
+    next_seq: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    #: when the row last moved; the stalled-run sweep compares against it (I4).
+    updated_at: Mapped[datetime]
+    #: when a sweep last re-published this row; throttles sweeps so two beats do not double-act.
+    swept_at: Mapped[datetime | None] = mapped_column(default=None)
+    wake_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: claims of the current (phase, version) that did not commit: the poison-message counter.
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    model_calls: Mapped[int] = mapped_column(Integer, default=0)
+    model_repeats: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime]
+
+
+class TranscriptItem(Base):
+    """I6: one chronology, dense ``seq`` per execution."""
+
+    __tablename__ = "transcript_items"
+    __table_args__ = (UniqueConstraint("execution_id", "seq", name="uq_transcript_seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    execution_id: Mapped[str] = mapped_column(String(128), ForeignKey("executions.id"))
+    seq: Mapped[int] = mapped_column(Integer)
+    turn: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))
+    call_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSONDoc)
+    created_at: Mapped[datetime]
+
+
+class ToolCall(Base):
+    """The pending-tool record: intent, dispatch state and the one authoritative outcome."""
+
+    __tablename__ = "tool_calls"
+    __table_args__ = (
+        UniqueConstraint("execution_id", "turn", "call_id", name="uq_tool_call"),
+        Index("ix_tool_calls_state_lease", "state", "lease_until"),
+        Index("ix_tool_calls_state_deadline", "state", "deadline_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    execution_id: Mapped[str] = mapped_column(String(128), ForeignKey("executions.id"))
+    call_id: Mapped[str] = mapped_column(String(200))
+    turn: Mapped[int] = mapped_column(Integer)
+    idx: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(200))
+    arguments: Mapped[dict[str, Any]] = mapped_column(JSONDoc)
+    effect: Mapped[str] = mapped_column(String(8))
+    resumable: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[str] = mapped_column(String(10))
+    queued_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: the execution version of the tick that queued this call (I14 evidence).
+    dispatch_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    started_by: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), default=None)
+    lease_until: Mapped[datetime | None] = mapped_column(default=None)
+    #: how many times a worker claimed this call (first start, resumes, reconciles).
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    deadline_at: Mapped[datetime | None] = mapped_column(default=None)
+    outcome: Mapped[str | None] = mapped_column(String(20), default=None)
+    result: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    settled_at: Mapped[datetime | None] = mapped_column(default=None)
+    settled_by: Mapped[str | None] = mapped_column(String(200), default=None)
+    finish_order: Mapped[int | None] = mapped_column(Integer, default=None)
+    #: a handle on work outside Charlie: a command's execution id, a child task id.
+    handle: Mapped[str | None] = mapped_column(String(200), default=None)
+    late_reports: Mapped[int] = mapped_column(Integer, default=0)
+    late_result: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    swept_at: Mapped[datetime | None] = mapped_column(default=None)
+    duration_ms: Mapped[float | None] = mapped_column(Float, default=None)
+
+
+class TransitionRecord(Base):
+    """I21: every transition is evidence."""
+
+    __tablename__ = "transitions"
+    __table_args__ = (Index("ix_transitions_execution", "execution_id", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    execution_id: Mapped[str] = mapped_column(String(128), ForeignKey("executions.id"))
+    from_phase: Mapped[str] = mapped_column(String(32))
+    to_phase: Mapped[str] = mapped_column(String(32))
+    version: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime]
+    worker: Mapped[str] = mapped_column(String(200))
+    duration_ms: Mapped[float] = mapped_column(Float)
+    note: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+tasks = Task.__table__
+executions = Execution.__table__
+transcript_items = TranscriptItem.__table__
+tool_calls = ToolCall.__table__
+transitions = TransitionRecord.__table__

@@ -1,0 +1,283 @@
+"""Beat sweeps: find work whose message was lost, whose worker died, whose deadline passed.
+
+Each sweep is bounded (at most ``LIMIT`` rows a run) and idempotent. Sweeps never execute a phase
+or a tool: they re-publish messages, or settle a call whose outcome is already decided
+(``interrupted``, ``deadline_exceeded``). Every action on a row is a compare-and-set, on
+``swept_at`` or on the call's state, so two beats started by mistake, or two overlapping runs of
+one sweep, act at most once per row per stall period.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, exists, or_, select, update
+
+from charlie import scheduler
+from charlie.app import app
+from charlie.domain import CallState, Outcome, Phase
+from charlie.runtime import Runtime, get_runtime
+from charlie.store import calls as call_store
+from charlie.store.engine import read, write
+from charlie.store.schema import executions, tasks, tool_calls
+from charlie.tools.invoke import poke_if_turn_settled
+
+log = logging.getLogger("charlie.sweep")
+
+LIMIT = 500
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
+    return or_(column.is_(None), column < now - stall)
+
+
+def sweep_stalled_runs(rt: Runtime) -> int:
+    """I4: re-publish the tick of runs that are due but not moving: a dead worker's lapsed
+    lease, a commit whose publish was lost, a stored wake-up time that has come."""
+    now = utcnow()
+    stall = timedelta(seconds=rt.settings.stall_seconds)
+    e, c = executions.c, tool_calls.c
+    turn_open = exists().where(
+        c.execution_id == e.id, c.turn == e.turn, c.state != CallState.SETTLED.value
+    )
+    due = or_(
+        and_(e.lease_until.is_not(None), e.lease_until < now),
+        and_(e.lease_owner.is_(None), e.wake_at.is_not(None), e.wake_at <= now),
+        and_(
+            e.lease_owner.is_(None),
+            e.wake_at.is_(None),
+            e.updated_at < now - stall,
+            or_(e.phase != Phase.AWAIT_TOOLS.value, ~turn_open),
+        ),
+    )
+    with read(rt.engine) as conn:
+        rows = conn.execute(
+            select(e.id, e.phase, e.version)
+            .where(e.phase != Phase.DONE.value, _throttle(e.swept_at, now, stall), due)
+            .limit(LIMIT)
+        ).all()
+    published = 0
+    for row in rows:
+        with write(rt.engine) as conn:
+            won = conn.execute(
+                update(executions)
+                .where(
+                    e.id == row.id,
+                    e.version == row.version,
+                    _throttle(e.swept_at, now, stall),
+                )
+                .values(swept_at=now)
+            ).rowcount
+        if won and rt.publisher.tick(row.id, Phase(row.phase), row.version):
+            published += 1
+            log.info(
+                "re-published stalled tick",
+                extra={"execution_id": row.id, "phase": row.phase, "version": row.version},
+            )
+    return published
+
+
+def _deadline_result(started_at: datetime | None, queued_at: datetime | None, deadline: datetime) -> dict[str, Any]:
+    return {
+        "deadline_seconds": (deadline - queued_at).total_seconds() if queued_at else None,
+        "deadline_at": deadline.isoformat(),
+        "started_at": started_at.isoformat() if started_at else None,
+        "note": "the work was not canceled and may still finish",
+    }
+
+
+def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
+    """I10, I11, I13: lost invoke messages, calls whose worker died, calls past deadline."""
+    now = utcnow()
+    stall = timedelta(seconds=rt.settings.stall_seconds)
+    c = tool_calls.c
+    counts = {"republished": 0, "resumed": 0, "reconciling": 0, "interrupted": 0, "deadline": 0}
+    touched: set[tuple[str, int]] = set()
+    with read(rt.engine) as conn:
+        overdue = conn.execute(
+            select(c.execution_id, c.turn, c.call_id, c.started_at, c.queued_at, c.deadline_at)
+            .where(c.state != CallState.SETTLED.value, c.deadline_at < now)
+            .limit(LIMIT)
+        ).all()
+        lost = conn.execute(
+            select(c.execution_id, c.turn, c.call_id)
+            .where(
+                c.state == CallState.PENDING.value,
+                c.queued_at < now - stall,
+                _throttle(c.swept_at, now, stall),
+            )
+            .limit(LIMIT)
+        ).all()
+        orphaned = conn.execute(
+            select(
+                c.execution_id,
+                c.turn,
+                c.call_id,
+                c.name,
+                c.resumable,
+                c.attempts,
+                c.started_at,
+                c.started_by,
+                c.lease_owner,
+                c.lease_until,
+                c.handle,
+            )
+            .where(
+                c.state == CallState.STARTED.value,
+                c.lease_until < now,
+                _throttle(c.swept_at, now, stall),
+            )
+            .limit(LIMIT)
+        ).all()
+
+    for row in overdue:
+        with write(rt.engine) as conn:
+            assert row.deadline_at is not None
+            if call_store.settle_call(
+                conn,
+                row.execution_id,
+                row.turn,
+                row.call_id,
+                Outcome.DEADLINE_EXCEEDED.value,
+                _deadline_result(row.started_at, row.queued_at, row.deadline_at),
+                f"sweep@{rt.worker}",
+                now,
+            ):
+                counts["deadline"] += 1
+                touched.add((row.execution_id, row.turn))
+
+    def take(row: Any) -> bool:
+        with write(rt.engine) as conn:
+            return bool(
+                conn.execute(
+                    update(tool_calls)
+                    .where(
+                        c.execution_id == row.execution_id,
+                        c.turn == row.turn,
+                        c.call_id == row.call_id,
+                        _throttle(c.swept_at, now, stall),
+                    )
+                    .values(swept_at=now)
+                ).rowcount
+            )
+
+    for row in lost:
+        if take(row) and rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "start"):
+            counts["republished"] += 1
+
+    for row in orphaned:
+        definition = rt.tools.get(row.name)
+        exhausted = row.attempts >= rt.settings.max_attempts
+        if row.resumable and not exhausted:
+            if take(row) and rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "resume"):
+                counts["resumed"] += 1
+            continue
+        if definition is not None and definition.reconcile is not None and not exhausted:
+            if take(row) and rt.publisher.invoke(
+                row.execution_id, row.turn, row.call_id, "reconcile"
+            ):
+                counts["reconciling"] += 1
+            continue
+        evidence = {
+            "started_at": row.started_at.isoformat() if row.started_at else None,
+            "started_by": row.started_by,
+            "lease_owner": row.lease_owner,
+            "lease_until": row.lease_until.isoformat() if row.lease_until else None,
+            "attempts": row.attempts,
+            "handle": row.handle,
+            "reason": (
+                f"its worker died {row.attempts} times" if exhausted else "its worker stopped"
+            ),
+        }
+        with write(rt.engine) as conn:
+            # Only a call still started with a lapsed lease: never one a live worker holds.
+            done = conn.execute(
+                update(tool_calls)
+                .where(
+                    c.execution_id == row.execution_id,
+                    c.turn == row.turn,
+                    c.call_id == row.call_id,
+                    c.state == CallState.STARTED.value,
+                    c.lease_until < now,
+                )
+                .values(
+                    state=CallState.SETTLED.value,
+                    outcome=Outcome.INTERRUPTED.value,
+                    result=evidence,
+                    settled_at=now,
+                    settled_by=f"sweep@{rt.worker}",
+                    lease_owner=None,
+                )
+            ).rowcount
+        if done:
+            counts["interrupted"] += 1
+            touched.add((row.execution_id, row.turn))
+            log.warning(
+                "call interrupted",
+                extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
+            )
+    for execution_id, turn in touched:
+        poke_if_turn_settled(rt, execution_id, turn)
+    return counts
+
+
+def sweep_task_timeouts(rt: Runtime) -> int:
+    """I18: time out tasks past their timeout, with their children; each run stops at its next
+    boundary, which this publishes now rather than waiting for its tools."""
+    now = utcnow()
+    t = tasks.c
+    with read(rt.engine) as conn:
+        due = [
+            r.id
+            for r in conn.execute(
+                select(t.id)
+                .where(t.status.in_(("queued", "running", "waiting")), t.timeout_at < now)
+                .limit(LIMIT)
+            )
+        ]
+    if not due:
+        return 0
+    expired = scheduler.expire(rt.engine, due)
+    stopped = list(expired)
+    for task_id in expired:
+        stopped += scheduler.cancel(rt.engine, task_id) if scheduler.descendants(
+            rt.engine, task_id
+        ) else []
+    poke_tasks(rt, stopped)
+    return len(expired)
+
+
+def poke_tasks(rt: Runtime, task_ids: list[str]) -> None:
+    """Publish the current tick of these tasks' runs so they reach a boundary now."""
+    if not task_ids:
+        return
+    e = executions.c
+    with read(rt.engine) as conn:
+        rows = conn.execute(
+            select(e.id, e.phase, e.version).where(
+                e.task_id.in_(task_ids), e.phase != Phase.DONE.value
+            )
+        ).all()
+    for row in rows:
+        rt.publisher.tick(row.id, Phase(row.phase), row.version)
+
+
+@app.task(name="charlie.sweep.stalled_runs", ignore_result=True)
+def stalled_runs() -> int:
+    return sweep_stalled_runs(get_runtime())
+
+
+@app.task(name="charlie.sweep.tool_calls", ignore_result=True)
+def tool_call_sweep() -> dict[str, int]:
+    return sweep_tool_calls(get_runtime())
+
+
+@app.task(name="charlie.sweep.task_timeouts", ignore_result=True)
+def task_timeouts() -> int:
+    return sweep_task_timeouts(get_runtime())

@@ -1,0 +1,65 @@
+"""What a tool handler may know about the call it serves, and the errors it may raise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from charlie.domain import JSON, Outcome
+
+
+class ToolError(Exception):
+    """A tool failure to show the model as an ``error`` result (I15), with optional details."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.details = details
+
+    def as_result(self) -> JSON:
+        return {"error": str(self), **self.details}
+
+
+class WorkspaceEscape(ToolError):
+    pass
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """A reconcile hook's finding about a call found started without a result (I10)."""
+
+    outcome: Outcome
+    result: Any
+
+
+@dataclass
+class ToolContext:
+    task_id: str
+    execution_id: str
+    call_id: str
+    turn: int
+    workspace: Path
+    #: the task's metadata (what the producer attached at submit).
+    metadata: JSON
+    #: True when this is a resumable wait dispatched again after a crash (I10).
+    resumed: bool
+    #: a handle recorded by an earlier attempt of this call (a child task id, a command id).
+    handle: str | None
+    _record_handle: Callable[[str], None] = field(repr=False)
+
+    def record_handle(self, handle: str) -> None:
+        """Durably record a handle on outside work before waiting on it, so a resumed attempt
+        observes that same work (I19, I20)."""
+        self._record_handle(handle)
+        self.handle = handle
+
+    def resolve(self, path: str) -> Path:
+        """A path inside the workspace; anything that resolves outside it is refused."""
+        root = self.workspace.resolve()
+        candidate = (root / path).resolve()
+        if candidate != root and root not in candidate.parents:
+            raise WorkspaceEscape(
+                f"path {path!r} is outside the task's workspace", workspace=str(root)
+            )
+        return candidate

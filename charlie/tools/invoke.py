@@ -1,0 +1,195 @@
+"""Invoking one tool call: mark started (I9) → run the handler → settle, first result wins (I12).
+
+The handler runs outside any transaction while a heartbeat renews the call's lease (I5). A
+worker killed mid-handler leaves the call started with a lapsing lease; the sweep then settles
+it ``interrupted`` (I10), or re-dispatches it here in ``resume`` mode if the tool is a
+resumable wait, or in ``reconcile`` mode if the tool can find out what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from charlie import faults
+from charlie.domain import JSON, Outcome, Phase
+from charlie.runtime import Runtime
+from charlie.store import calls, runs
+from charlie.store.calls import ClaimedCall, Mode
+from charlie.store.engine import read, write
+from charlie.tools.context import Reconciled, ToolContext, ToolError
+from charlie.tools.registry import ToolDef
+
+log = logging.getLogger("charlie.tool")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
+    configured = metadata.get("workspace")
+    path = Path(configured) if configured else rt.settings.workspaces_dir / task_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cap_result(result: Any, limit: int) -> Any:
+    """Oversized results are cut, and say so, rather than refused: the call still settles."""
+    text = json.dumps(result, default=str, ensure_ascii=False)
+    if len(text.encode()) <= limit:
+        return json.loads(text)
+    return {
+        "truncated": True,
+        "original_bytes": len(text.encode()),
+        "head": text.encode()[: limit // 2].decode(errors="ignore"),
+    }
+
+
+@contextmanager
+def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> Iterator[None]:
+    stop = threading.Event()
+    interval = rt.settings.lease_seconds / 3
+
+    def beat() -> None:
+        while not stop.wait(interval):
+            until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
+            try:
+                with write(rt.engine) as conn:
+                    if not calls.renew_call_lease(conn, call, rt.worker, until):
+                        return
+            except Exception:
+                log.warning("call lease heartbeat failed", exc_info=True)
+
+    thread = threading.Thread(target=beat, name=f"call-lease-{call.call_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _run_handler(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
+    kwargs = dict(call.arguments)
+    if definition.context_param:
+        kwargs[definition.context_param] = ctx
+    try:
+        return Outcome.OK, definition.handler(**kwargs)
+    except ToolError as exc:
+        return Outcome.ERROR, exc.as_result()
+    except Exception as exc:
+        # I15: a tool that raises is a result the model sees, not a failed run.
+        return Outcome.ERROR, {
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": "".join(traceback.format_exception(exc))[-4000:],
+        }
+
+
+def _reconcile(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
+    assert definition.reconcile is not None
+    evidence = _evidence(call)
+    try:
+        found = definition.reconcile(**{**call.arguments, **_ctx_kw(definition, ctx)})
+    except Exception as exc:
+        found = None
+        evidence["reconcile_error"] = f"{type(exc).__name__}: {exc}"
+    if isinstance(found, Reconciled):
+        result = found.result if isinstance(found.result, dict) else {"result": found.result}
+        return found.outcome, {**result, "reconciled": True, "evidence": evidence}
+    return Outcome.INTERRUPTED, {**evidence, "reconciled": False}
+
+
+def _ctx_kw(definition: ToolDef, ctx: ToolContext) -> dict[str, Any]:
+    return {definition.context_param: ctx} if definition.context_param else {}
+
+
+def _evidence(call: ClaimedCall) -> JSON:
+    return {
+        "started_at": call.started_at.isoformat() if call.started_at else None,
+        "started_by": call.started_by,
+        "attempts": call.attempts,
+        "handle": call.handle,
+    }
+
+
+def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) -> str:
+    now = utcnow()
+    with write(rt.engine) as conn:
+        call = calls.claim_call(
+            conn, execution_id, turn, call_id, mode, rt.worker, now, rt.settings.lease_seconds
+        )
+        if call is None:
+            log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
+            return "not_claimable"
+        task_id = execution_id[2:] if execution_id.startswith("x-") else execution_id
+        task = runs.load_task(conn, task_id)
+    # Dispatch-started is committed (I9). From here on a crash leaves evidence, not a duplicate.
+    extra = {"execution_id": execution_id, "call_id": call_id, "tool": call.name, "mode": mode}
+    faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call_id)
+    started = time.perf_counter()
+    definition = rt.tools.get(call.name)
+    if task is None or definition is None:
+        outcome, result = Outcome.ERROR, {"error": f"tool {call.name!r} is not registered here"}
+    else:
+
+        def keep_handle(handle: str) -> None:
+            with write(rt.engine) as c:
+                calls.record_handle(c, call, handle)
+
+        ctx = ToolContext(
+            task_id=task.id,
+            execution_id=execution_id,
+            call_id=call_id,
+            turn=turn,
+            workspace=workspace_for(rt, task.id, task.metadata),
+            metadata=task.metadata,
+            resumed=mode == "resume",
+            handle=call.handle,
+            _record_handle=keep_handle,
+        )
+        with _call_heartbeat(rt, call):
+            if mode == "reconcile":
+                outcome, result = _reconcile(definition, call, ctx)
+            else:
+                outcome, result = _run_handler(definition, call, ctx)
+    faults.hit("tool.before_settle", tool=call.name, call_id=call_id)
+    result = cap_result(result, rt.settings.max_result_bytes)
+    duration = (time.perf_counter() - started) * 1000
+    with write(rt.engine) as conn:
+        settled = calls.settle_call(
+            conn,
+            execution_id,
+            turn,
+            call_id,
+            outcome.value,
+            result,
+            rt.worker,
+            utcnow(),
+            duration,
+        )
+        if not settled:
+            # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it.
+            calls.record_late_report(conn, execution_id, turn, call_id, outcome.value, result)
+    log.info("call settled" if settled else "late report", extra={**extra, "outcome": outcome})
+    if settled:
+        poke_if_turn_settled(rt, execution_id, turn)
+    return "settled" if settled else "late"
+
+
+def poke_if_turn_settled(rt: Runtime, execution_id: str, turn: int) -> None:
+    """Whoever settles the last call of the turn publishes the await tick (I7)."""
+    with read(rt.engine) as conn:
+        if runs.count_unsettled(conn, execution_id, turn) != 0:
+            return
+        position = runs.execution_position(conn, execution_id)
+    if position is not None and position[0] is Phase.AWAIT_TOOLS:
+        rt.publisher.tick(execution_id, position[0], position[1])

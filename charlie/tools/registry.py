@@ -1,0 +1,218 @@
+"""The tool registry: ``@charlie.tool`` turns a typed function into a tool the model can call.
+
+The JSON Schema of a tool's arguments comes from its signature, so what the model is told and
+what is validated before the handler runs are the same thing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Union, get_args, get_origin, overload
+
+import jsonschema
+
+from charlie.domain import JSON, Effect
+from charlie.models.base import ToolSpec
+from charlie.tools.context import ToolContext
+
+Handler = Callable[..., Any]
+Reconcile = Callable[..., Any]
+
+
+class ToolDefinitionError(TypeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ToolDef:
+    name: str
+    handler: Handler
+    description: str
+    parameters: JSON
+    effect: Effect
+    deadline: float | None
+    #: I10: only waits that observe existing work may be dispatched again after a crash.
+    resumable: bool
+    #: I10: called instead of the handler for a call found started without a result; returns
+    #: ``Reconciled(outcome, result)`` or ``None`` when it cannot tell.
+    reconcile: Reconcile | None
+    context_param: str | None
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.description, self.parameters)
+
+    def validate(self, arguments: JSON) -> str | None:
+        """The first problem with ``arguments``, as a sentence for the model, or ``None``."""
+        validator = jsonschema.Draft202012Validator(self.parameters)
+        errors = sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
+        if not errors:
+            return None
+        first = errors[0]
+        where = ".".join(str(p) for p in first.path) or "arguments"
+        return f"invalid arguments for tool {self.name!r}: {where}: {first.message}"
+
+
+def _schema_for(annotation: Any, owner: str, param: str) -> JSON:
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return {}
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        nullable = len(members) != len(get_args(annotation))
+        if len(members) == 1:
+            inner = _schema_for(members[0], owner, param)
+            return {"anyOf": [inner, {"type": "null"}]} if nullable else inner
+        schemas = [_schema_for(m, owner, param) for m in members]
+        if nullable:
+            schemas.append({"type": "null"})
+        return {"anyOf": schemas}
+    if origin is Literal:
+        return {"enum": list(get_args(annotation))}
+    if origin in (list, tuple, set, frozenset) or annotation in (list, tuple):
+        args = get_args(annotation)
+        return {"type": "array", "items": _schema_for(args[0], owner, param) if args else {}}
+    if origin is dict or annotation is dict:
+        return {"type": "object"}
+    simple = {str: "string", int: "integer", float: "number", bool: "boolean"}
+    if annotation in simple:
+        return {"type": simple[annotation]}
+    raise ToolDefinitionError(
+        f"tool {owner!r}: parameter {param!r} has type {annotation!r}, which has no JSON Schema "
+        "(use str, int, float, bool, list[...], dict, Literal[...] or X | None)"
+    )
+
+
+def build_tool(
+    fn: Handler,
+    *,
+    name: str | None = None,
+    effect: Effect | str = Effect.READ,
+    deadline: float | None = None,
+    resumable: bool = False,
+    reconcile: Reconcile | None = None,
+    description: str | None = None,
+) -> ToolDef:
+    tool_name = name or fn.__name__
+    effect = Effect(effect)
+    if resumable and effect is not Effect.WAIT:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: only effect='wait' tools may be resumable (I10): a resumable "
+            "tool is dispatched again after a crash, which is safe only for observing work"
+        )
+    hints = typing.get_type_hints(fn)
+    properties: dict[str, JSON] = {}
+    required: list[str] = []
+    context_param = None
+    for pname, param in inspect.signature(fn).parameters.items():
+        annotation = hints.get(pname, param.annotation)
+        if annotation is ToolContext:
+            context_param = pname
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(f"tool {tool_name!r}: *args/**kwargs cannot be described")
+        schema = _schema_for(annotation, tool_name, pname)
+        if param.default is inspect.Parameter.empty:
+            required.append(pname)
+        elif param.default is not None:
+            schema = {**schema, "default": param.default}
+        properties[pname] = schema
+    parameters: JSON = {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+    doc = inspect.getdoc(fn) or ""
+    return ToolDef(
+        name=tool_name,
+        handler=fn,
+        description=description or doc.split("\n\n")[0].replace("\n", " ") or tool_name,
+        parameters=parameters,
+        effect=effect,
+        deadline=deadline,
+        resumable=resumable,
+        reconcile=reconcile,
+        context_param=context_param,
+    )
+
+
+class ToolRegistry:
+    """Tools by name. Like Celery's task registry, it is filled at import time."""
+
+    def __init__(self) -> None:
+        self._tools: dict[str, ToolDef] = {}
+
+    def add(self, definition: ToolDef) -> ToolDef:
+        existing = self._tools.get(definition.name)
+        if existing is not None and existing.handler is not definition.handler:
+            raise ToolDefinitionError(f"a tool named {definition.name!r} is already registered")
+        self._tools[definition.name] = definition
+        return definition
+
+    def get(self, name: str) -> ToolDef | None:
+        return self._tools.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def enabled(self, allowed: list[str] | None) -> list[ToolDef]:
+        if allowed is None:
+            return [self._tools[n] for n in self.names()]
+        return [self._tools[n] for n in allowed if n in self._tools]
+
+
+#: The process's registry: the built-ins plus whatever CHARLIE_TOOL_MODULES registers.
+REGISTRY = ToolRegistry()
+
+
+@overload
+def tool(fn: Handler) -> Handler: ...
+@overload
+def tool(
+    fn: None = None,
+    *,
+    name: str | None = None,
+    effect: Effect | str = Effect.READ,
+    deadline: float | None = None,
+    resumable: bool = False,
+    reconcile: Reconcile | None = None,
+    description: str | None = None,
+) -> Callable[[Handler], Handler]: ...
+def tool(
+    fn: Handler | None = None,
+    *,
+    name: str | None = None,
+    effect: Effect | str = Effect.READ,
+    deadline: float | None = None,
+    resumable: bool = False,
+    reconcile: Reconcile | None = None,
+    description: str | None = None,
+) -> Handler | Callable[[Handler], Handler]:
+    """Register a function as a tool.
+
+    ``effect`` says what recovery may do with an interrupted call: ``read`` and ``write`` calls
+    found started without a result settle as ``interrupted`` (I10) unless ``reconcile`` can tell
+    what happened; ``wait`` tools declared ``resumable=True`` are dispatched again with the same
+    call identity. ``deadline`` is in seconds (I13). A parameter annotated ``ToolContext``
+    receives the call's context instead of a model argument.
+    """
+
+    def register(f: Handler) -> Handler:
+        REGISTRY.add(
+            build_tool(
+                f,
+                name=name,
+                effect=effect,
+                deadline=deadline,
+                resumable=resumable,
+                reconcile=reconcile,
+                description=description,
+            )
+        )
+        return f
+
+    return register(fn) if fn is not None else register

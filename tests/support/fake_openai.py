@@ -1,0 +1,309 @@
+"""A real HTTP server that speaks enough of the OpenAI API to test the clients against.
+
+It listens on 127.0.0.1 (a free port), serves ``POST /v1/chat/completions`` and
+``POST /v1/responses``, records every request (path, headers, JSON body) and answers each from a
+queue of scripted :class:`Reply` objects, in order, whatever the path. With an empty queue it
+answers 418, which the clients treat as a non-retryable error, so a test that sends more requests
+than it scripted fails loudly.
+
+    server = FakeOpenAI().start()
+    server.enqueue(rate_limited(retry_after="0"), chat_text("hello"))
+    ... client with CHARLIE_MODEL_BASE_URL=server.url ...
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Recorded:
+    path: str
+    headers: dict[str, str]
+    body: Any
+    raw: bytes
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    #: a JSON value, a ``str``/``bytes`` sent as is, or a function of the recorded request.
+    body: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+    #: seconds to wait before answering (to outlast the client's read timeout).
+    delay: float = 0.0
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        recorded = Recorded(
+            path=self.path,
+            headers={k.lower(): v for k, v in self.headers.items()},
+            body=body,
+            raw=raw,
+        )
+        fake = self.server.fake
+        with fake.lock:
+            fake.requests.append(recorded)
+            reply = fake.queue.popleft() if fake.queue else None
+        if reply is None:
+            reply = Reply(418, {"error": {"message": f"fake: nothing scripted for {self.path}"}})
+        if self.path not in ("/v1/chat/completions", "/v1/responses"):
+            reply = Reply(404, {"error": {"message": f"fake: no route {self.path}"}})
+        if reply.delay:
+            time.sleep(reply.delay)
+        content = reply.body(recorded) if callable(reply.body) else reply.body
+        if isinstance(content, str):
+            data = content.encode()
+        elif isinstance(content, bytes):
+            data = content
+        else:
+            data = json.dumps(content).encode()
+        try:
+            self.send_response(reply.status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # the client gave up waiting (a timeout test)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    fake: FakeOpenAI
+
+
+class FakeOpenAI:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: list[Recorded] = []
+        self.queue: deque[Reply] = deque()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "start() the server first"
+        return int(self._server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        """The base URL clients use: ``http://127.0.0.1:PORT/v1``."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self) -> FakeOpenAI:
+        server = _Server(("127.0.0.1", 0), _Handler)
+        server.fake = self
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+        self._thread = None
+
+    def enqueue(self, *replies: Reply) -> None:
+        with self.lock:
+            self.queue.extend(replies)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.queue.clear()
+
+    @property
+    def bodies(self) -> list[Any]:
+        return [r.body for r in self.requests]
+
+    def __enter__(self) -> FakeOpenAI:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- scripted replies ------------------------------------------------------------------------
+
+
+def usage_chat(prompt: int = 10, completion: int = 5, reasoning: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }
+
+
+def chat_completion(message: dict[str, Any], usage: dict[str, Any] | None = None) -> Reply:
+    finish = "tool_calls" if message.get("tool_calls") else "stop"
+    return Reply(
+        body={
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "fake",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "usage": usage if usage is not None else usage_chat(),
+        }
+    )
+
+
+def chat_text(text: str, usage: dict[str, Any] | None = None) -> Reply:
+    return chat_completion({"role": "assistant", "content": text}, usage)
+
+
+def chat_tool_calls(
+    calls: list[tuple[str | None, str, str]],
+    text: str | None = None,
+    usage: dict[str, Any] | None = None,
+) -> Reply:
+    """Parallel tool calls; each is ``(id or None, name, raw argument string)``."""
+    tool_calls = []
+    for call_id, name, arguments in calls:
+        call: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        if call_id is not None:
+            call["id"] = call_id
+        tool_calls.append(call)
+    return chat_completion({"role": "assistant", "content": text, "tool_calls": tool_calls}, usage)
+
+
+def empty_choices() -> Reply:
+    return Reply(body={"id": "chatcmpl-fake", "object": "chat.completion", "choices": []})
+
+
+def usage_responses(inp: int = 10, out: int = 5, reasoning: int = 0) -> dict[str, Any]:
+    return {
+        "input_tokens": inp,
+        "output_tokens": out,
+        "total_tokens": inp + out,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+    }
+
+
+def reasoning_item(
+    item_id: str, summary: str | None = None, encrypted: str = "gAAAA-opaque"
+) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [{"type": "summary_text", "text": summary}] if summary else [],
+        "encrypted_content": encrypted,
+    }
+
+
+def message_item(item_id: str, text: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    }
+
+
+def function_call_item(item_id: str, call_id: str | None, name: str, arguments: str) -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "type": "function_call",
+        "id": item_id,
+        "status": "completed",
+        "name": name,
+        "arguments": arguments,
+    }
+    if call_id is not None:
+        item["call_id"] = call_id
+    return item
+
+
+def response(
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+    status: str = "completed",
+) -> Reply:
+    return Reply(
+        body={
+            "id": "resp_fake",
+            "object": "response",
+            "status": status,
+            "model": "fake",
+            "output": output,
+            "usage": usage if usage is not None else usage_responses(),
+        }
+    )
+
+
+def error(status: int, message: str, code: str | None = None, **headers: str) -> Reply:
+    return Reply(
+        status,
+        {"error": {"message": message, "type": "invalid_request_error", "code": code}},
+        headers={k.replace("_", "-"): v for k, v in headers.items()},
+    )
+
+
+def rate_limited(retry_after: str | None = None) -> Reply:
+    headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    return Reply(
+        429,
+        {"error": {"message": "Rate limit reached", "type": "requests", "code": "rate_limit"}},
+        headers=headers,
+    )
+
+
+def server_error(status: int = 500) -> Reply:
+    return Reply(status, {"error": {"message": "The server had an error", "type": "server_error"}})
+
+
+def context_length_error() -> Reply:
+    return error(
+        400,
+        "This model's maximum context length is 128000 tokens. However, your messages resulted "
+        "in 130000 tokens. Please reduce the length of the messages.",
+        code="context_length_exceeded",
+    )
+
+
+def slow(reply: Reply, seconds: float) -> Reply:
+    return Reply(reply.status, reply.body, dict(reply.headers), delay=seconds)
+
+
+def echoing_auth(status: int) -> Reply:
+    """An error body that quotes the request's Authorization header back (as a careless proxy
+    might), to prove the client redacts the key."""
+
+    def body(request: Recorded) -> dict[str, Any]:
+        auth = request.headers.get("authorization", "")
+        return {"error": {"message": f"Incorrect API key provided: {auth}", "code": "bad_key"}}
+
+    return Reply(status, body)
+
