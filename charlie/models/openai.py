@@ -95,13 +95,17 @@ class EndpointConfig:
             raise ModelError(
                 f"model base URL {base_url!r} for {model!r} is not an http:// or https:// URL"
             )
+        api_key = pick("API_KEY")
+        if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
+            # said without the key: it would not survive a header, and could leak from the error
+            raise ModelError(f"the API key for {model!r} has characters a header cannot carry")
         timeout = _env_number("CHARLIE_MODEL_TIMEOUT", env, DEFAULT_READ_TIMEOUT)
         attempts = _env_number("CHARLIE_MODEL_MAX_ATTEMPTS", env, DEFAULT_MAX_ATTEMPTS)
         if attempts != int(attempts):
             raise ModelError(f"CHARLIE_MODEL_MAX_ATTEMPTS={attempts!r} is not a whole number")
         return cls(
             base_url=base_url,
-            api_key=pick("API_KEY"),
+            api_key=api_key,
             read_timeout=timeout,
             max_attempts=int(attempts),
         )
@@ -280,7 +284,7 @@ class OpenAIModel:
         url = self.config.base_url + self.path
         try:
             response = self._client().post(url, json=body, headers=self._headers())
-        except httpx.TransportError as exc:  # timeouts, connection and protocol errors
+        except httpx.RequestError as exc:  # timeouts, connection, protocol and decoding errors
             what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
             detail = self.redact(f"{type(exc).__name__}: {exc}")
             return _Failure(f"request {what} ({detail})", {"error": detail})

@@ -25,6 +25,7 @@ from charlie.models.base import (
     tool_call_item,
 )
 from charlie.models.openai import OpenAIChatModel, OpenAIResponsesModel, client_for
+from charlie.models.resolve import resolve_model
 
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:  # tests/ is not a package; make tests.support importable anyway
@@ -112,11 +113,23 @@ def env(monkeypatch: pytest.MonkeyPatch, fake: FakeOpenAI) -> pytest.MonkeyPatch
     return monkeypatch
 
 
+_made: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def make(spec: str, **options: Any) -> Any:
     provider, _, name = spec.partition(":")
     options.setdefault("backoff_base", 0.01)
     options.setdefault("rng", random.Random(7))
-    return client_for(provider, name, spec, **options)
+    model = client_for(provider, name, spec, **options)
+    _made.append(model)
+    return model
 
 
 def request(items: list[Item] | None = None, turn: int = 0, tools: bool = True) -> ModelRequest:
@@ -166,11 +179,16 @@ def test_client_for_picks_the_api_and_reads_the_environment(fake: FakeOpenAI) ->
     chat = make("openai:gpt-4.1-mini")
     responses = make("openai-responses:o4-mini")
     assert isinstance(chat, OpenAIChatModel) and chat.spec == "openai:gpt-4.1-mini"
-    assert isinstance(responses, OpenAIResponsesModel) and responses.spec == "openai-responses:o4-mini"
+    assert (
+        isinstance(responses, OpenAIResponsesModel) and responses.spec == "openai-responses:o4-mini"
+    )
     assert chat.config.base_url == fake.url
     assert chat.config.read_timeout == 120 and chat.config.connect_timeout == 10
     assert chat.config.max_attempts == 5
     assert KEY not in repr(chat) and KEY not in repr(chat.config)
+    resolved = resolve_model("openai-responses:o4-mini")
+    assert isinstance(resolved, OpenAIResponsesModel)
+    _made.append(resolved)
 
 
 def test_per_model_overrides_win(fake: FakeOpenAI, env: pytest.MonkeyPatch) -> None:
@@ -404,7 +422,11 @@ def test_responses_request_replays_reasoning_and_maps_output(fake: FakeOpenAI) -
         NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": "Editing.", "raw": msg2}),
         NewItem(
             ItemKind.TOOL_CALL,
-            {"name": "grep", "arguments": {"pattern": "bug"}, "raw_arguments": '{"pattern": "bug"}'},
+            {
+                "name": "grep",
+                "arguments": {"pattern": "bug"},
+                "raw_arguments": '{"pattern": "bug"}',
+            },
             call_id="call_x",
         ),
         NewItem(
@@ -436,7 +458,12 @@ def test_responses_round_trip_passes_reasoning_back(fake: FakeOpenAI) -> None:
 
     assert fake.requests[1].body["input"][2:] == [
         {"type": "reasoning", "summary": rs["summary"], "encrypted_content": "opaque-blob"},
-        {"type": "function_call", "call_id": "call_9", "name": "read_file", "arguments": '{"path":"x"}'},
+        {
+            "type": "function_call",
+            "call_id": "call_9",
+            "name": "read_file",
+            "arguments": '{"path":"x"}',
+        },
         {"type": "function_call_output", "call_id": "call_9", "output": "hi"},
     ]
     assert [i.payload["content"] for i in second.output] == ["It says hi."]

@@ -118,7 +118,9 @@ class FakeOpenAI:
         server = _Server(("127.0.0.1", 0), _Handler)
         server.fake = self
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
         return self
 
@@ -233,7 +235,9 @@ def message_item(item_id: str, text: str) -> dict[str, Any]:
     }
 
 
-def function_call_item(item_id: str, call_id: str | None, name: str, arguments: str) -> dict[str, Any]:
+def function_call_item(
+    item_id: str, call_id: str | None, name: str, arguments: str
+) -> dict[str, Any]:
     item: dict[str, Any] = {
         "type": "function_call",
         "id": item_id,
@@ -306,4 +310,3 @@ def echoing_auth(status: int) -> Reply:
         return {"error": {"message": f"Incorrect API key provided: {auth}", "code": "bad_key"}}
 
     return Reply(status, body)
-
