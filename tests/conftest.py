@@ -1,0 +1,131 @@
+"""Test set-up shared by unit, integration and recovery tests.
+
+Integration and recovery tests share one real cluster per session (see support/cluster.py); the
+test process talks to the same database and broker through Charlie's public API. Which backend
+is under test is printed in the header and decided by CHARLIE_TEST_DATABASE_URL /
+CHARLIE_TEST_BROKER_URL (unset: SQLite + the embedded broker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.cluster import (
+    Backend,
+    Cluster,
+    cluster_env,
+    detect_backend,
+    flush_redis,
+    recreate_postgres_database,
+)
+
+BACKEND, BACKEND_PROBLEM = detect_backend()
+_HOME = Path(tempfile.mkdtemp(prefix="charlie-test-"))
+_ENV = cluster_env(_HOME, BACKEND)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The test process must see the cluster's settings before charlie reads its environment.
+    for key in [k for k in os.environ if k.startswith("CHARLIE_") and not k.startswith("CHARLIE_TEST_")]:
+        del os.environ[key]
+    os.environ.update(_ENV)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    line = f"charlie backend: {BACKEND.name} (home {_HOME})"
+    if BACKEND_PROBLEM:
+        line += f"; cluster tests will be skipped: {BACKEND_PROBLEM}"
+    return line
+
+
+@pytest.fixture(scope="session")
+def backend() -> Backend:
+    return BACKEND
+
+
+@pytest.fixture(scope="session")
+def cluster_session() -> Iterator[Cluster]:
+    if BACKEND_PROBLEM:
+        pytest.skip(BACKEND_PROBLEM)
+    if BACKEND.database_url and BACKEND.database_url.startswith("postgresql"):
+        recreate_postgres_database(BACKEND.database_url)
+    if BACKEND.broker_url and BACKEND.broker_url.startswith("redis"):
+        flush_redis(BACKEND.broker_url)
+    from charlie.config import settings
+    from charlie.store.engine import upgrade
+
+    upgrade(settings().database_url)
+    if BACKEND.broker_url and BACKEND.broker_url.startswith("amqp"):
+        from charlie.app import app
+
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge("charlie")
+    cluster = Cluster(home=_HOME, backend=BACKEND, settings_env=dict(_ENV))
+    cluster.set_faults({})
+    cluster.ensure(workers=2, beat=True)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster(cluster_session: Cluster, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The session's cluster, with two live workers and a beat, and no faults armed."""
+    cluster_session.set_faults({})
+    cluster_session.ensure(workers=2, beat=True)
+    yield cluster_session
+    cluster_session.set_faults({})
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        print(cluster_session.logs())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Callable[..., tuple[str, Path]]:
+    """Write a scripted-model file; returns (model spec, path of its call ledger)."""
+
+    def make(turns: list[dict[str, Any]]) -> tuple[str, Path]:
+        ledger = tmp_path / f"model-ledger-{uuid.uuid4().hex[:8]}.jsonl"
+        path = tmp_path / f"script-{uuid.uuid4().hex[:8]}.json"
+        path.write_text(json.dumps({"turns": turns, "ledger": str(ledger)}))
+        return f"scripted:{path}", ledger
+
+    return make
+
+
+def model_calls(ledger: Path) -> list[dict[str, Any]]:
+    if not ledger.exists():
+        return []
+    return [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    return ws

@@ -1,0 +1,218 @@
+"""A real Charlie cluster for tests: worker processes and beat over a real broker and database.
+
+Workers run as separate process groups, so a test can SIGKILL one whole worker (main process and
+pool children) the way a machine dies. Backends:
+
+- embedded (default): SQLite + Charlie's filesystem broker under a temporary CHARLIE_HOME;
+- servers: set CHARLIE_TEST_DATABASE_URL (PostgreSQL) and CHARLIE_TEST_BROKER_URL (Redis or
+  RabbitMQ). The database named in the URL is dropped and created again for the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    database_url: str | None
+    broker_url: str | None
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None
+
+
+def _reachable(url: str, default_port: int) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or default_port), 2):
+            return True
+    except OSError:
+        return False
+
+
+def detect_backend() -> tuple[Backend, str | None]:
+    """The backend to test and, if it cannot be used here, why."""
+    db = os.environ.get("CHARLIE_TEST_DATABASE_URL")
+    broker = os.environ.get("CHARLIE_TEST_BROKER_URL")
+    if not db and not broker:
+        return Backend("sqlite+embedded", None, None), None
+    backend = Backend(
+        f"{(db or 'sqlite').split(':')[0]}+{(broker or 'embedded').split(':')[0]}", db, broker
+    )
+    if db and db.startswith("postgresql") and not _reachable(db, 5432):
+        return backend, f"PostgreSQL at {db} is not reachable (start it: see README, docker compose up -d postgres)"
+    if broker and broker.startswith("redis") and not _reachable(broker, 6379):
+        return backend, f"Redis at {broker} is not reachable (start it: see README, docker compose up -d redis)"
+    if broker and broker.startswith("amqp") and not _reachable(broker, 5672):
+        return backend, f"RabbitMQ at {broker} is not reachable"
+    return backend, None
+
+
+def recreate_postgres_database(url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    target = make_url(url)
+    admin = create_engine(
+        target.set(database="postgres").render_as_string(hide_password=False),
+        isolation_level="AUTOCOMMIT",
+    )
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{target.database}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{target.database}"'))
+    admin.dispose()
+
+
+def flush_redis(url: str) -> None:
+    import redis
+
+    redis.Redis.from_url(url).flushdb()
+
+
+@dataclass
+class Cluster:
+    home: Path
+    backend: Backend
+    settings_env: dict[str, str]
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    beats: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _serial: int = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLIE_")}
+        env.update(self.settings_env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        return env
+
+    @property
+    def faults_path(self) -> Path:
+        return Path(self.settings_env["CHARLIE_FAULTS"])
+
+    @property
+    def ledger_path(self) -> Path:
+        return Path(self.settings_env["CHARLIE_TEST_LEDGER"])
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        log = open(self.home / log_name, "ab")
+        return subprocess.Popen(
+            [sys.executable, "-m", "charlie", *args],
+            env=self.env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: SIGKILL takes all of it
+        )
+
+    def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+        self._serial += 1
+        name = f"w{self._serial}"
+        proc = self._spawn(
+            ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "--pool", "prefork"],
+            f"worker-{name}.log",
+        )
+        self.workers.append(proc)
+        return proc
+
+    def start_beat(self) -> subprocess.Popen[bytes]:
+        self._serial += 1
+        schedule = self.home / f"beat-{self._serial}.schedule"
+        proc = self._spawn(["beat", "--schedule", str(schedule)], f"beat-{self._serial}.log")
+        self.beats.append(proc)
+        return proc
+
+    def alive_workers(self) -> list[subprocess.Popen[bytes]]:
+        return [w for w in self.workers if w.poll() is None]
+
+    def ensure(self, workers: int = 2, beat: bool = True) -> None:
+        self.workers = self.alive_workers()
+        while len(self.workers) < workers:
+            self.start_worker()
+        self.beats = [b for b in self.beats if b.poll() is None]
+        if beat and not self.beats:
+            self.start_beat()
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL a whole worker: its main process and its pool children."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+    def kill_pid_group(self, pid: int) -> None:
+        """SIGKILL the worker whose process group contains ``pid``."""
+        pgid = os.getpgid(pid)
+        os.killpg(pgid, signal.SIGKILL)
+        for proc in self.workers:
+            if proc.pid == pgid:
+                proc.wait(timeout=10)
+
+    def set_faults(self, faults: dict[str, Any]) -> None:
+        counter = self.faults_path.with_suffix(".count")
+        if counter.exists():
+            counter.unlink()
+        self.faults_path.write_text(json.dumps(faults))
+
+    def fault_count(self, point: str) -> int:
+        counter = self.faults_path.with_suffix(".count")
+        if not counter.exists():
+            return 0
+        return int(json.loads(counter.read_text() or "{}").get(point, 0))
+
+    def stop(self) -> None:
+        for proc in self.workers + self.beats:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 10
+        for proc in self.workers + self.beats:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def logs(self) -> str:
+        out = []
+        for path in sorted(self.home.glob("*.log")):
+            out.append(f"==== {path.name}\n{path.read_text(errors='replace')[-6000:]}")
+        return "\n".join(out)
+
+
+def cluster_env(home: Path, backend: Backend) -> dict[str, str]:
+    env = {
+        "CHARLIE_HOME": str(home),
+        "CHARLIE_TOOL_MODULES": "tests.support.tools",
+        "CHARLIE_TEST_LEDGER": str(home / "tool-ledger.jsonl"),
+        "CHARLIE_FAULTS": str(home / "faults.json"),
+        # Short leases and sweeps so recovery happens within a test's patience.
+        "CHARLIE_LEASE_SECONDS": "2",
+        "CHARLIE_STALL_SECONDS": "2",
+        "CHARLIE_SWEEP_INTERVAL": "0.5",
+        "CHARLIE_MAX_ATTEMPTS": "3",
+        "CHARLIE_DISPATCH_BATCH": "4",
+        "CHARLIE_TASK_EVENTS": "0",
+    }
+    if backend.database_url:
+        env["CHARLIE_DATABASE_URL"] = backend.database_url
+    if backend.broker_url:
+        env["CHARLIE_BROKER_URL"] = backend.broker_url
+    return env

@@ -1,0 +1,86 @@
+"""Tools the test workers load (CHARLIE_TOOL_MODULES=tests.support.tools).
+
+Side effects are recorded in a ledger file outside Charlie's tables, so tests can count how many
+times a handler really ran, whatever Charlie's records say.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from charlie.tools import Reconciled, ToolContext, ToolError, tool
+from charlie.domain import Outcome
+
+
+def ledger_path() -> Path:
+    return Path(os.environ["CHARLIE_TEST_LEDGER"])
+
+
+def record(event: str, **fields: object) -> None:
+    with open(ledger_path(), "a") as f:
+        f.write(json.dumps({"event": event, "pid": os.getpid(), "t": time.time(), **fields}))
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_ledger() -> list[dict[str, object]]:
+    path = ledger_path()
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@tool(effect="read", deadline=60)
+def sleep_then(seconds: float, value: str, ctx: ToolContext) -> str:
+    """Sleep, then return ``value`` (a read that takes a while)."""
+    record("sleep_then.start", task=ctx.task_id, call=ctx.call_id, value=value)
+    time.sleep(seconds)
+    record("sleep_then.end", task=ctx.task_id, call=ctx.call_id, value=value)
+    return value
+
+
+@tool(effect="read", deadline=1.0)
+def outlive_deadline(seconds: float, ctx: ToolContext) -> str:
+    """Takes longer than its one-second deadline."""
+    time.sleep(seconds)
+    record("outlive_deadline.end", task=ctx.task_id, call=ctx.call_id)
+    return "finished late"
+
+
+@tool(effect="read")
+def boom(message: str) -> str:
+    """Always raises."""
+    raise RuntimeError(message)
+
+
+@tool(effect="write", deadline=60)
+def ledger_write(key: str, ctx: ToolContext, hold: float = 0.0) -> dict[str, object]:
+    """A write whose every real execution is recorded; ``hold`` keeps it running afterwards."""
+    record("write", task=ctx.task_id, call=ctx.call_id, key=key)
+    time.sleep(hold)
+    return {"written": key}
+
+
+def _find_write(key: str, ctx: ToolContext, hold: float = 0.0) -> Reconciled | None:
+    for entry in read_ledger():
+        if entry.get("event") == "write" and entry.get("key") == key:
+            return Reconciled(Outcome.OK, {"written": key, "found_by": "read-back"})
+    return Reconciled(Outcome.ERROR, {"error": f"no write for {key} happened; safe to retry"})
+
+
+@tool(effect="write", deadline=60, reconcile=_find_write)
+def idempotent_write(key: str, ctx: ToolContext, hold: float = 0.0) -> dict[str, object]:
+    """A write with a read-back reconcile hook, keyed by ``key``."""
+    record("write", task=ctx.task_id, call=ctx.call_id, key=key)
+    time.sleep(hold)
+    return {"written": key}
+
+
+@tool(effect="read")
+def fail_politely(reason: str) -> str:
+    """Raises a ToolError with details."""
+    raise ToolError(reason, hint="try something else")
