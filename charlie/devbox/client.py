@@ -114,6 +114,9 @@ class CommitResult:
 
 class DevboxClient:
     def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+        if not token or not all(33 <= ord(ch) < 127 for ch in token):
+            # checked here because httpx would put the header value in its error message
+            raise ValueError("devbox token must be non-empty printable ASCII without spaces")
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(
             base_url=self.base_url,

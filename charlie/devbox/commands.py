@@ -225,6 +225,7 @@ class CommandRunner:
 
     def _watch(self, run: _Running, meta: dict[str, Any]) -> None:
         timed_out = False
+        exit_code: int | None
         try:
             exit_code = run.proc.wait(timeout=run.timeout)
         except subprocess.TimeoutExpired:
@@ -240,6 +241,8 @@ class CommandRunner:
             run.stderr.thread.join()
         with run.lock:
             status, reason = self._outcome(run, timed_out)
+        if status == LOST:
+            exit_code = None  # the code is our own SIGKILL, not anything the command did
         meta.update(
             status=status,
             exit_code=exit_code,

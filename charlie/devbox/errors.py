@@ -1,4 +1,4 @@
-"""The one error type the devbox server raises inside a request; the HTTP layer turns it into JSON."""
+"""The error the devbox raises inside a request; the HTTP layer turns it into JSON."""
 
 from __future__ import annotations
 

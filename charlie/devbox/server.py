@@ -273,11 +273,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         try:
             self._authorize()
+            # the body is read before routing so an error answer leaves the connection clean
+            body = self._body()
             url = urlsplit(self.path)
             segments = [unquote(s) for s in url.path.strip("/").split("/") if s]
             handler, params = route(self.command, segments)
             query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-            body = self._body()
             self._send(200, handler(self.server.devbox, Request(self.command, params, query, body)))
         except ApiError as exc:
             self._send(exc.status, {"error": exc.message})
@@ -297,8 +298,15 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(401, "missing or wrong devbox token (Authorization: Bearer <token>)")
 
     def _body(self) -> JSONDict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length == 0:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self.close_connection = True
+            raise ApiError(400, "invalid Content-Length") from None
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise ApiError(411, "send the body with a Content-Length, not chunked")
+        if length <= 0:
             return {}
         if length > self.server.devbox.limits.request_bytes:
             self.close_connection = True
@@ -307,8 +315,7 @@ class _Handler(BaseHTTPRequestHandler):
                 f"request body of {length} bytes is over the devbox limit of "
                 f"{self.server.devbox.limits.request_bytes}",
             )
-        rfile: IO[bytes] = self.rfile
-        raw = rfile.read(length)
+        raw = self.rfile.read(length)
         try:
             data = json.loads(raw)
         except ValueError as exc:
@@ -370,7 +377,8 @@ class DevboxServer:
     @property
     def url(self) -> str:
         host, port = self._http.server_address[:2]
-        shown = f"[{host}]" if ":" in str(host) else str(host)
+        name = host.decode() if isinstance(host, bytes) else str(host)
+        shown = f"[{name}]" if ":" in name else name
         return f"http://{shown}:{port}"
 
     def start(self) -> DevboxServer:

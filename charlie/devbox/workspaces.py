@@ -122,7 +122,8 @@ class Workspaces:
     def _checkout(self, dest: Path, spec: dict[str, Any]) -> None:
         """Put the clone on the requested branch and/or base commit."""
         t = self.limits.git_timeout
-        branch, base = spec.get("branch"), spec.get("base_commit")
+        branch: str | None = spec.get("branch")
+        base: str | None = spec.get("base_commit")
         if base is not None:
             git.run_git(
                 ["rev-parse", "--verify", "-q", f"{base}^{{commit}}"],
@@ -133,6 +134,7 @@ class Workspaces:
         if branch is None and base is None:
             return
         if branch is None:
+            assert base is not None
             git.run_git(["checkout", "-q", "--detach", base], dest, timeout=t, status_on_error=422)
             return
         start = base
