@@ -72,6 +72,7 @@ def cluster_session() -> Iterator[Cluster]:
     cluster = Cluster(home=_HOME, backend=BACKEND, settings_env=dict(_ENV))
     cluster.set_faults({})
     cluster.ensure(workers=2, beat=True)
+    cluster.supervise()
     yield cluster
     cluster.stop()
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,11 @@ class Cluster:
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     beats: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _serial: int = 0
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _supervisor: threading.Thread | None = None
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    want_workers: int = 2
+    restarts: int = 0
 
     @property
     def env(self) -> dict[str, str]:
@@ -140,12 +146,31 @@ class Cluster:
         return [w for w in self.workers if w.poll() is None]
 
     def ensure(self, workers: int = 2, beat: bool = True) -> None:
-        self.workers = self.alive_workers()
-        while len(self.workers) < workers:
-            self.start_worker()
-        self.beats = [b for b in self.beats if b.poll() is None]
-        if beat and not self.beats:
-            self.start_beat()
+        with self._lock:
+            self.want_workers = workers
+            self.workers = self.alive_workers()
+            while len(self.workers) < workers:
+                self.start_worker()
+            self.beats = [b for b in self.beats if b.poll() is None]
+            if beat and not self.beats:
+                self.start_beat()
+
+    def supervise(self) -> None:
+        """Restart dead workers, as systemd or Kubernetes would: a killed worker is replaced
+        within about half a second, so recovery comes from the sweep, not from the test."""
+
+        def loop() -> None:
+            while not self._stopping.wait(0.3):
+                with self._lock:
+                    dead = [w for w in self.workers if w.poll() is not None]
+                    if dead:
+                        self.restarts += len(dead)
+                        self.workers = self.alive_workers()
+                        while len(self.workers) < self.want_workers:
+                            self.start_worker()
+
+        self._supervisor = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._supervisor.start()
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL a whole worker: its main process and its pool children."""
@@ -176,6 +201,9 @@ class Cluster:
         return int(json.loads(counter.read_text() or "{}").get(point, 0))
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         for proc in self.workers + self.beats:
             if proc.poll() is None:
                 try:

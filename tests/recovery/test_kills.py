@@ -1,0 +1,191 @@
+"""Recovery: real worker processes SIGKILLed at the points each invariant is about.
+
+Every kill here is SIGKILL to a worker's whole process group (its main process and pool
+children), either from the test, aimed at the pid that a ledger says is doing the work, or from
+a fault point inside the worker, which fires exactly where the invariant is at stake.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import charlie
+from charlie import api
+from charlie.domain import Phase, TaskStatus
+from tests.conftest import model_calls, wait_for
+from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.support.cluster import Cluster
+from tests.support.tools import read_ledger
+
+pytestmark = [pytest.mark.recovery, pytest.mark.timeout(180)]
+
+
+def test_kill_during_model_call_repeats_only_that_call(cluster: Cluster, script) -> None:
+    """I3: a worker killed during a model call: the run continues elsewhere, only that call
+    repeats, and the repeat is counted on the run."""
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "x"}}]},
+            {"say": "thinking slowly", "sleep": 3, "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("kill during model", model=model)
+    calls = wait_for(lambda: [c for c in model_calls(ledger) if c["turn"] == 1])
+    cluster.kill_pid_group(calls[0]["pid"])
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert turns.count(0) == 1  # the committed turn was not redone
+    assert turns.count(1) == 2  # only the uncommitted call repeated
+    assert info.model_calls == 2 and info.model_repeats == 1
+    assert len(read_ledger_for(task_id, "sleep_then.end")) == 1  # the settled tool did not rerun
+
+
+def read_ledger_for(task_id: str, event: str) -> list[dict[str, object]]:
+    return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
+
+
+def test_kill_inside_a_write_tool_settles_interrupted_and_never_reruns(
+    cluster: Cluster, script
+) -> None:
+    """I9, I10: a write tool killed after dispatch-started (and after its side effect) settles
+    `interrupted` with its evidence, is never invoked again, and the model sees it."""
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "k-interrupt", "hold": 30}}]},
+            {"say": "I will check whether the write happened."},
+        ]
+    )
+    task_id = charlie.submit("kill in write", model=model)
+    writes = wait_for(lambda: read_ledger_for(task_id, "write"))
+    call = api.calls(task_id)[0]
+    assert call.state == "started" and call.started_by  # I9: marked before acting
+    cluster.kill_pid_group(int(writes[0]["pid"]))
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    call = api.calls(task_id)[0]
+    assert call.outcome == "interrupted"
+    assert call.result["started_by"] == call.started_by
+    assert call.result["started_at"]
+    assert len(read_ledger_for(task_id, "write")) == 1  # never run again
+    result = next(i for i in charlie.transcript(task_id) if i.kind == "tool_result")
+    assert result.outcome == "interrupted" and "INTERRUPTED" in result.payload["content"]
+    assert len(model_calls(ledger)) == 2
+    assert_every_call_has_one_result(task_id)
+
+
+def test_interrupted_call_with_reconcile_hook_settles_with_what_it_finds(
+    cluster: Cluster, script
+) -> None:
+    """I10: a tool with a read-back reconcile hook: recovery calls the hook, not the handler."""
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "idempotent_write", "arguments": {"key": "k-reconcile", "hold": 30}}]},
+            {"say": "done"},
+        ]
+    )
+    task_id = charlie.submit("reconcile", model=model)
+    writes = wait_for(lambda: read_ledger_for(task_id, "write"))
+    cluster.kill_pid_group(int(writes[0]["pid"]))
+
+    assert charlie.wait(task_id, timeout=90).status is TaskStatus.SUCCEEDED
+    call = api.calls(task_id)[0]
+    assert call.outcome == "ok"
+    assert call.result["reconciled"] is True and call.result["found_by"] == "read-back"
+    assert len(read_ledger_for(task_id, "write")) == 1
+
+
+def test_kill_after_commit_before_publish_is_found_by_the_sweep(
+    cluster: Cluster, script
+) -> None:
+    """I4: a transition committed but its next tick never published: the sweep moves it."""
+    cluster.set_faults(
+        {"tick.after_commit": {"action": "kill", "times": 1, "match": {"phase": "call_model"}}}
+    )
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}]},
+            {"say": "after the sweep"},
+        ]
+    )
+    task_id = charlie.submit("lost publish", model=model)
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tick.after_commit") == 1
+    assert len(model_calls(ledger)) == 2  # the committed model output was not redone
+    assert info.model_repeats == 0
+
+
+def test_kill_during_report_terminal_does_not_call_the_model_again(
+    cluster: Cluster, script
+) -> None:
+    """I16: a worker killed in report_terminal: the answer was durable; it is reported once and
+    the model is not called again."""
+    cluster.set_faults(
+        {"tick.before_work": {"action": "kill", "times": 1, "match": {"phase": "report_terminal"}}}
+    )
+    model, ledger = script([{"say": "the durable answer"}])
+    task_id = charlie.submit("kill in report", model=model)
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED
+    assert info.result["answer"] == "the durable answer"
+    assert cluster.fault_count("tick.before_work") == 1
+    assert len(model_calls(ledger)) == 1
+    assert info.model_calls == 1
+
+
+def test_deadline_settles_and_late_completion_is_a_late_report(cluster: Cluster, script) -> None:
+    """I13, I12: a tool past its deadline settles deadline_exceeded, the run moves on, and its
+    later completion is recorded as a late report that changes nothing."""
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "d", "name": "outlive_deadline", "arguments": {"seconds": 4}}]},
+            {"say": "moved on"},
+        ]
+    )
+    task_id = charlie.submit("deadline", model=model)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED
+    call = api.calls(task_id)[0]
+    assert call.outcome == "deadline_exceeded"
+    result = next(i for i in charlie.transcript(task_id) if i.kind == "tool_result")
+    assert "DEADLINE EXCEEDED" in result.payload["content"]
+    wait_for(lambda: api.calls(task_id)[0].late_reports == 1, timeout=30)
+    late = api.calls(task_id)[0]
+    assert late.outcome == "deadline_exceeded"  # first result wins
+    assert len(model_calls(ledger)) == 2
+
+
+def test_timeout_while_a_tool_runs(cluster: Cluster, script) -> None:
+    """I18: a task past its timeout while a tool runs ends timed_out; no more model calls."""
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "s", "name": "sleep_then", "arguments": {"seconds": 6, "value": "v"}}]},
+            {"say": "must not happen"},
+        ]
+    )
+    task_id = charlie.submit("time out", model=model, timeout=2)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.TIMED_OUT
+    wait_for(lambda: api.get_task(task_id).phase is Phase.DONE, timeout=30)
+    assert api.calls(task_id)[0].outcome == "canceled"
+    assert len(model_calls(ledger)) == 1
+    assert_every_call_has_one_result(task_id)
+
+
+def test_poison_tick_stops_after_bounded_attempts(cluster: Cluster, script) -> None:
+    """A tick that kills its worker every time ends the run in report_failure with the evidence
+    (the cluster allows 3 attempts), instead of looping forever."""
+    cluster.set_faults(
+        {"tick.before_work": {"action": "kill", "times": 50, "match": {"phase": "call_model"}}}
+    )
+    model, ledger = script([{"say": "never answered"}])
+    task_id = charlie.submit("poison", model=model)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.FAILED
+    assert info.error["type"] == "PoisonMessage"
+    assert info.error["phase"] == "call_model"
+    assert cluster.fault_count("tick.before_work") == 3
+    assert model_calls(ledger) == []
