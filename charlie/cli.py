@@ -132,35 +132,6 @@ def status(task_id: str) -> None:
         click.echo(f"{key:>12}  {value}")
 
 
-def render_transcript(task_id: str) -> list[str]:
-    from charlie import api
-
-    entries = api.transcript(task_id)
-    by_call = {(c.turn, c.call_id): c for c in api.calls(task_id)}
-    lines = []
-    for entry in entries:
-        kind, payload = entry.kind, entry.payload
-        if kind == "tool_result":
-            continue  # shown on its call's row
-        if kind == "tool_call":
-            call = by_call.get((entry.turn, entry.call_id or ""))
-            outcome = call.outcome if call else None
-            took = f"{call.duration_ms:.0f}ms" if call and call.duration_ms is not None else "-"
-            result = _short(call.result, 70) if call and call.result is not None else ""
-            lines.append(
-                f"{entry.seq:>4} t{entry.turn} tool  {payload.get('name')}"
-                f"({_short(payload.get('raw_arguments', ''), 60)}) "
-                f"-> {outcome or call.state if call else '?'} [{took}] {result}"
-            )
-        elif kind == "input":
-            lines.append(f"{entry.seq:>4} t{entry.turn} {payload.get('role'):<5} "
-                         f"{_short(payload.get('content'), 90)}")
-        else:
-            text = payload.get("content") or payload.get("summary") or ""
-            lines.append(f"{entry.seq:>4} t{entry.turn} {kind:<5} {_short(text, 100)}")
-    return lines
-
-
 @main.command()
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -168,6 +139,7 @@ def show(task_id: str, as_json: bool) -> None:
     """Show a task's transcript: each tool call with its result, outcome and timings."""
     from charlie import api
     from charlie.scheduler import TaskNotFound
+    from charlie.views import transcript_rows
 
     try:
         if as_json:
@@ -180,7 +152,7 @@ def show(task_id: str, as_json: bool) -> None:
             click.echo(json.dumps(doc, default=str, indent=2))
             return
         info = api.get_task(task_id)
-        lines = render_transcript(task_id)
+        lines = [line for _, line in transcript_rows(task_id)]
     except TaskNotFound as exc:
         _fail(str(exc))
     click.echo(f"task {info.id}: {info.status.value} (phase {info.phase}, turn {info.turn})")

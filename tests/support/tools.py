@@ -84,3 +84,9 @@ def idempotent_write(key: str, ctx: ToolContext, hold: float = 0.0) -> dict[str,
 def fail_politely(reason: str) -> str:
     """Raises a ToolError with details."""
     raise ToolError(reason, hint="try something else")
+
+
+@tool(effect="read")
+def big_result(size: int) -> str:
+    """Returns ``size`` bytes."""
+    return "y" * size

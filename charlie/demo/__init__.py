@@ -1,0 +1,1 @@
+"""`charlie demo`: a release engineer's task on a bundled sample repository."""

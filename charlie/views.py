@@ -1,0 +1,47 @@
+"""Charlie's own views of a run: the transcript with each tool call and its result as one row."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from charlie import api
+
+
+def short(value: Any, limit: int = 100) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def transcript_rows(task_id: str, *, after_seq: int = -1) -> list[tuple[int, str]]:
+    """(seq, line) rows; a tool call's row shows its outcome and timing once it has a result."""
+    entries = api.transcript(task_id)
+    by_call = {(c.turn, c.call_id): c for c in api.calls(task_id)}
+    results = {(e.turn, e.call_id) for e in entries if e.kind == "tool_result"}
+    rows: list[tuple[int, str]] = []
+    for entry in entries:
+        if entry.seq <= after_seq or entry.kind == "tool_result":
+            continue
+        payload = entry.payload
+        if entry.kind == "tool_call":
+            key = (entry.turn, entry.call_id or "")
+            if key not in results:
+                break  # shown once the turn has settled, so rows never change after printing
+            call = by_call.get(key)
+            outcome = (call.outcome or call.state) if call else "?"
+            took = f"{call.duration_ms:.0f} ms" if call and call.duration_ms is not None else "-"
+            result = short(call.result, 80) if call and call.result is not None else ""
+            line = (
+                f"  ↳ {payload.get('name')}({short(payload.get('raw_arguments', ''), 60)})"
+                f"  [{outcome}, {took}]  {result}"
+            )
+        elif entry.kind == "input":
+            line = f"{payload.get('role')}: {short(payload.get('content'), 100)}"
+        elif entry.kind == "final":
+            line = f"final: {payload.get('content')}"
+        else:
+            text = payload.get("content") or payload.get("summary") or ""
+            line = f"{entry.kind}: {short(text, 120)}"
+        rows.append((entry.seq, f"{entry.seq:>3} t{entry.turn}  {line}"))
+    return rows
