@@ -15,9 +15,7 @@ _s = settings()
 broker_url = _s.broker_url
 if _s.is_embedded_broker:
     broker.register()
-    broker_transport_options = broker.transport_options(
-        _s.broker_dir, _s.embedded_poll_interval
-    )
+    broker_transport_options = broker.transport_options(_s.broker_dir, _s.embedded_poll_interval)
 else:
     broker_transport_options = {
         # Far above any tick: an unacknowledged Redis message is re-delivered after this, even

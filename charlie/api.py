@@ -160,9 +160,7 @@ def submit(
         timeout=timeout,
         metadata=metadata,
     )
-    if submitted.created and not rt.publisher.tick(
-        submitted.execution_id, Phase.LOAD_CONTEXT, 0
-    ):
+    if submitted.created and not rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0):
         log.warning(
             "task %s is saved but its first tick could not be published (broker down?); "
             "beat's sweep will start it",
@@ -305,7 +303,9 @@ def history(task_id: str) -> list[dict[str, Any]]:
     with read(rt.engine) as conn:
         xid = _execution_id(conn, task_id)
         rows = conn.execute(
-            select(tr.from_phase, tr.to_phase, tr.version, tr.at, tr.worker, tr.duration_ms, tr.note)
+            select(
+                tr.from_phase, tr.to_phase, tr.version, tr.at, tr.worker, tr.duration_ms, tr.note
+            )
             .where(tr.execution_id == xid)
             .order_by(tr.id)
         ).all()

@@ -16,9 +16,9 @@ correctness comes from the database and the beat sweep (I4), never from redelive
 from __future__ import annotations
 
 import os
-from queue import Empty
 import uuid
 from pathlib import Path
+from queue import Empty
 from time import monotonic
 from typing import Any
 
@@ -30,12 +30,12 @@ from kombu.utils.json import dumps, loads
 SCHEME = "charliefs"
 
 
-class Channel(filesystem.Channel):  # type: ignore[misc]
+class Channel(filesystem.Channel):
     _backlog: dict[str, list[str]]
 
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
         folder = self.data_folder_out
-        final = f"{int(round(monotonic() * 1000)):015d}_{uuid.uuid4().hex}.{queue}.msg"
+        final = f"{round(monotonic() * 1000):015d}_{uuid.uuid4().hex}.{queue}.msg"
         tmp = os.path.join(folder, f"tmp-{uuid.uuid4().hex}")
         try:
             with open(tmp, "wb", buffering=0) as f:
@@ -72,7 +72,7 @@ class Channel(filesystem.Channel):  # type: ignore[misc]
         return sum(1 for n in os.listdir(self.data_folder_in) if n.endswith(suffix))
 
 
-class Transport(filesystem.Transport):  # type: ignore[misc]
+class Transport(filesystem.Transport):
     Channel = Channel
     driver_type = "charliefs"
     driver_name = "charliefs"

@@ -83,7 +83,9 @@ def sweep_stalled_runs(rt: Runtime) -> int:
     return published
 
 
-def _deadline_result(started_at: datetime | None, queued_at: datetime | None, deadline: datetime) -> dict[str, Any]:
+def _deadline_result(
+    started_at: datetime | None, queued_at: datetime | None, deadline: datetime
+) -> dict[str, Any]:
     return {
         "deadline_seconds": (deadline - queued_at).total_seconds() if queued_at else None,
         "deadline_at": deadline.isoformat(),
@@ -136,21 +138,21 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             .limit(LIMIT)
         ).all()
 
-    for row in overdue:
+    for late in overdue:
         with write(rt.engine) as conn:
-            assert row.deadline_at is not None
+            assert late.deadline_at is not None
             if call_store.settle_call(
                 conn,
-                row.execution_id,
-                row.turn,
-                row.call_id,
+                late.execution_id,
+                late.turn,
+                late.call_id,
                 Outcome.DEADLINE_EXCEEDED.value,
-                _deadline_result(row.started_at, row.queued_at, row.deadline_at),
+                _deadline_result(late.started_at, late.queued_at, late.deadline_at),
                 f"sweep@{rt.worker}",
                 now,
             ):
                 counts["deadline"] += 1
-                touched.add((row.execution_id, row.turn))
+                touched.add((late.execution_id, late.turn))
 
     def take(row: Any) -> bool:
         with write(rt.engine) as conn:
@@ -167,8 +169,10 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 ).rowcount
             )
 
-    for row in lost:
-        if take(row) and rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "start"):
+    for lost_row in lost:
+        if take(lost_row) and rt.publisher.invoke(
+            lost_row.execution_id, lost_row.turn, lost_row.call_id, "start"
+        ):
             counts["republished"] += 1
 
     for row in orphaned:
@@ -246,9 +250,11 @@ def sweep_task_timeouts(rt: Runtime) -> int:
     expired = scheduler.expire(rt.engine, due)
     stopped = list(expired)
     for task_id in expired:
-        stopped += scheduler.cancel(rt.engine, task_id) if scheduler.descendants(
-            rt.engine, task_id
-        ) else []
+        stopped += (
+            scheduler.cancel(rt.engine, task_id)
+            if scheduler.descendants(rt.engine, task_id)
+            else []
+        )
     poke_tasks(rt, stopped)
     return len(expired)
 

@@ -35,7 +35,9 @@ _ENV = cluster_env(_HOME, BACKEND)
 
 def pytest_configure(config: pytest.Config) -> None:
     # The test process must see the cluster's settings before charlie reads its environment.
-    for key in [k for k in os.environ if k.startswith("CHARLIE_") and not k.startswith("CHARLIE_TEST_")]:
+    for key in [
+        k for k in os.environ if k.startswith("CHARLIE_") and not k.startswith("CHARLIE_TEST_")
+    ]:
         del os.environ[key]
     os.environ.update(_ENV)
 

@@ -26,17 +26,26 @@ PROMPT = (
 
 
 def _start_worker(home: Path) -> subprocess.Popen[bytes]:
-    log = open(home / "demo-worker.log", "ab")
-    return subprocess.Popen(
-        [
-            sys.executable, "-m", "charlie", "worker", "-c", "2", "-B",
-            "--schedule", str(home / "demo-beat-schedule"), "--loglevel", "WARNING",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=os.environ.copy(),
-    )
+    with open(home / "demo-worker.log", "ab") as log:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "charlie",
+                "worker",
+                "-c",
+                "2",
+                "-B",
+                "--schedule",
+                str(home / "demo-beat-schedule"),
+                "--loglevel",
+                "WARNING",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ.copy(),
+        )
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -57,8 +66,10 @@ def run_demo(timeout: float = 120.0) -> int:
     task_id = f"demo-{uuid.uuid4().hex[:8]}"
     workspace = s.home / "demo" / task_id / "confparse"
     shutil.copytree(HERE / "sample_repo", workspace)
-    click.echo(f"Charlie demo — home {s.home}, database {s.database_url.split('://')[0]}, "
-               f"broker {s.broker_url.split('://')[0]}")
+    click.echo(
+        f"Charlie demo — home {s.home}, database {s.database_url.split('://')[0]}, "
+        f"broker {s.broker_url.split('://')[0]}"
+    )
     click.echo(f"workspace: {workspace}")
     worker = _start_worker(s.home)
     try:
@@ -83,12 +94,10 @@ def run_demo(timeout: float = 120.0) -> int:
                 click.echo("the worker exited; see demo-worker.log", err=True)
                 return 1
             time.sleep(0.2)
-        for seq, line in transcript_rows(task_id, after_seq=shown):
+        for _, line in transcript_rows(task_id, after_seq=shown):
             click.echo(line)
         info = api.get_task(task_id)
-        elapsed = (
-            (info.finished_at - info.created_at).total_seconds() if info.finished_at else None
-        )
+        elapsed = (info.finished_at - info.created_at).total_seconds() if info.finished_at else None
         click.echo(
             f"\ntask {task_id}: {info.status.value}"
             + (f" in {elapsed:.1f} s" if elapsed is not None else "")

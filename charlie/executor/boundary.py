@@ -96,7 +96,11 @@ def fail(view: RunView, exc: BaseException) -> Transition:
 
 def poison(view: RunView, max_attempts: int) -> Transition:
     """A tick claimed too many times without finishing: its worker keeps dying."""
-    error = {
+    message = (
+        f"phase {view.phase.value} (version {view.version}) was claimed {view.attempts} "
+        f"times without completing (limit {max_attempts}); its worker likely died each time"
+    )
+    error: dict[str, Any] = {
         "phase": view.phase.value,
         "type": "PoisonMessage",
         "message": (
@@ -113,5 +117,5 @@ def poison(view: RunView, max_attempts: int) -> Transition:
     return Transition(
         to=Phase.REPORT_FAILURE,
         state={**view.state, "error": error},
-        note=error["message"],
+        note=message,
     )

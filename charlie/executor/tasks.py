@@ -21,7 +21,7 @@ def _phase_task(phase: Phase) -> Task:
 
     tick.__name__ = phase.value
     tick.__doc__ = f"Run the {phase.value} phase of one execution at one version."
-    return app.task(name=f"charlie.phase.{phase.value}", ignore_result=True)(tick)  # type: ignore[no-any-return]
+    return app.task(name=f"charlie.phase.{phase.value}", ignore_result=True)(tick)
 
 
 PHASE_TASKS = {phase: _phase_task(phase) for phase in Phase if phase is not Phase.DONE}

@@ -5,7 +5,7 @@ maps to and from:
 
 - ``input``:       ``{"role": "system" | "user", "content": str}``
 - ``message``:     ``{"role": "assistant", "content": str}`` plus optional ``"raw"`` (provider item)
-- ``reasoning``:   ``{"summary": str | None, "raw": {...}}`` (the provider's item, passed back as is)
+- ``reasoning``:   ``{"summary": str | None, "raw": {...}}`` (the provider item, replayed as is)
 - ``tool_call``:   ``{"name": str, "arguments": dict | None, "raw_arguments": str}``
   (``call_id`` is on the item; ``arguments`` is ``None`` when the raw string was not JSON)
 - ``tool_result``: ``{"name": str, "outcome": str, "result": JSON, "content": str}``

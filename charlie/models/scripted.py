@@ -103,9 +103,7 @@ class ScriptedModel:
             raise RuntimeError(str(turn["raise"]))
         output: list[NewItem] = []
         if turn.get("reasoning"):
-            output.append(
-                NewItem(ItemKind.REASONING, {"summary": turn["reasoning"], "raw": None})
-            )
+            output.append(NewItem(ItemKind.REASONING, {"summary": turn["reasoning"], "raw": None}))
         if turn.get("say") is not None:
             output.append(NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": turn["say"]}))
         for number, call in enumerate(turn.get("tool_calls", [])):

@@ -86,9 +86,7 @@ def claim_call(
     )
 
 
-def renew_call_lease(
-    conn: Connection, call: ClaimedCall, owner: str, until: datetime
-) -> bool:
+def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: datetime) -> bool:
     c = tool_calls.c
     stmt = (
         update(tool_calls)
@@ -156,7 +154,5 @@ def record_late_report(
 
 
 def call_state(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:
-    row = conn.execute(
-        select(tool_calls.c.state).where(_key(execution_id, turn, call_id))
-    ).first()
+    row = conn.execute(select(tool_calls.c.state).where(_key(execution_id, turn, call_id))).first()
     return row.state if row else None

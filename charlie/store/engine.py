@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -164,4 +163,3 @@ def reset_process_state_for_tests() -> None:
 
 
 __all__ = ["dispose_after_fork", "ensure_schema", "get_engine", "read", "upgrade", "write"]
-

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, and_, func, insert, or_, select, update
 
 from charlie.domain import (
     JSON,
@@ -93,7 +93,7 @@ def renew_execution_lease(
     return conn.execute(stmt).rowcount == 1
 
 
-def task_view(row: Row[Any]) -> TaskView:
+def task_view(row: Any) -> TaskView:
     return TaskView(
         id=row.id,
         prompt=row.prompt,
@@ -126,7 +126,7 @@ def load_items(conn: Connection, execution_id: str) -> list[Item]:
     return [Item(r.seq, r.turn, ItemKind(r.kind), r.call_id, r.payload) for r in rows]
 
 
-def call_view(r: Row[Any]) -> CallView:
+def call_view(r: Any) -> CallView:
     return CallView(
         call_id=r.call_id,
         turn=r.turn,
@@ -162,9 +162,7 @@ CALL_COLUMNS = (
 def load_calls(conn: Connection, execution_id: str, turn: int) -> list[CallView]:
     c = tool_calls.c
     rows = conn.execute(
-        select(*CALL_COLUMNS)
-        .where(c.execution_id == execution_id, c.turn == turn)
-        .order_by(c.idx)
+        select(*CALL_COLUMNS).where(c.execution_id == execution_id, c.turn == turn).order_by(c.idx)
     )
     return [call_view(r) for r in rows]
 
@@ -281,9 +279,7 @@ def commit_transition(
             )
         )
     for call_id, order in transition.finish_order.items():
-        conn.execute(
-            update(tool_calls).where(key, c.call_id == call_id).values(finish_order=order)
-        )
+        conn.execute(update(tool_calls).where(key, c.call_id == call_id).values(finish_order=order))
     if transition.task_status is not None or transition.usage:
         t = tasks.c
         task_values: dict[str, Any] = {}

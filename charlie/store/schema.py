@@ -7,7 +7,7 @@ the ORM classes are here for their types, for Alembic and for readable ad-hoc qu
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     JSON,
@@ -18,6 +18,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -188,8 +189,9 @@ class TransitionRecord(Base):
     note: Mapped[str | None] = mapped_column(Text, default=None)
 
 
-tasks = Task.__table__
-executions = Execution.__table__
-transcript_items = TranscriptItem.__table__
-tool_calls = ToolCall.__table__
-transitions = TransitionRecord.__table__
+# The Core tables the hot path uses (the ORM classes above are their typed description).
+tasks = cast(Table, Task.__table__)
+executions = cast(Table, Execution.__table__)
+transcript_items = cast(Table, TranscriptItem.__table__)
+tool_calls = cast(Table, ToolCall.__table__)
+transitions = cast(Table, TransitionRecord.__table__)

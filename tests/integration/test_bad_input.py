@@ -36,7 +36,11 @@ def task_count() -> int:
     [
         ({"model": "gpt-4"}, UnknownModelError, "unknown model 'gpt-4'"),
         ({"model": "scripted:/nonexistent/turns.json"}, ScriptError, "cannot read"),
-        ({"model": "MODEL", "tools": ["read_file", "launch_rockets"]}, UnknownToolError, "launch_rockets"),
+        (
+            {"model": "MODEL", "tools": ["read_file", "launch_rockets"]},
+            UnknownToolError,
+            "launch_rockets",
+        ),
         ({"model": "MODEL", "task_id": "bad id!"}, InvalidSubmission, "task id"),
         ({"model": "MODEL", "timeout": -1}, InvalidSubmission, "timeout"),
         ({"model": "MODEL", "metadata": {"x": object()}}, InvalidSubmission, "JSON"),
@@ -78,7 +82,10 @@ def test_unknown_task_id(cluster_session: Cluster) -> None:
         charlie.transcript("missing-task")
     cli = subprocess.run(
         [sys.executable, "-m", "charlie", "status", "missing-task"],
-        capture_output=True, text=True, cwd=REPO, env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=os.environ.copy(),
     )
     assert cli.returncode == 2
     assert "no task with id 'missing-task'" in cli.stderr
@@ -94,7 +101,11 @@ def test_tool_path_escaping_the_workspace_is_a_tool_error(
             {
                 "tool_calls": [
                     {"id": "up", "name": "read_file", "arguments": {"path": "../secret.txt"}},
-                    {"id": "abs", "name": "write_file", "arguments": {"path": "/tmp/charlie-escape", "content": "x"}},
+                    {
+                        "id": "abs",
+                        "name": "write_file",
+                        "arguments": {"path": "/tmp/charlie-escape", "content": "x"},
+                    },
                     {"id": "link", "name": "read_file", "arguments": {"path": "innocent"}},
                 ]
             },
@@ -116,8 +127,8 @@ def test_dead_broker_at_submit_loses_nothing(cluster: Cluster, script) -> None:
     model, _ = script([{"say": "started by the sweep"}])
     env = {**os.environ, "CHARLIE_BROKER_URL": "redis://127.0.0.1:1/0"}
     code = (
-        "import charlie; print(charlie.submit('dead broker', model=%r, task_id='dead-broker-1'))"
-        % model
+        f"import charlie; print(charlie.submit('dead broker', model={model!r}, "
+        "task_id='dead-broker-1'))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=60

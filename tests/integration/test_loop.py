@@ -32,7 +32,9 @@ def assert_every_call_has_one_result(task_id: str) -> None:
     # ...and before the next model item: results of turn t come before any item of turn t+1.
     for turn, call_id in calls:
         result_seq = next(
-            i.seq for i in items if i.kind == "tool_result" and i.call_id == call_id and i.turn == turn
+            i.seq
+            for i in items
+            if i.kind == "tool_result" and i.call_id == call_id and i.turn == turn
         )
         later_model = [
             i.seq
@@ -46,11 +48,20 @@ def test_whole_task_reads_writes_and_answers(cluster: Cluster, script, workspace
     (workspace / "notes.txt").write_text("alpha\n")
     model, ledger = script(
         [
-            {"say": "look", "tool_calls": [{"id": "r", "name": "read_file", "arguments": {"path": "notes.txt"}}]},
+            {
+                "say": "look",
+                "tool_calls": [
+                    {"id": "r", "name": "read_file", "arguments": {"path": "notes.txt"}}
+                ],
+            },
             {
                 "say": "write",
                 "tool_calls": [
-                    {"id": "w", "name": "write_file", "arguments": {"path": "out/x.txt", "content": "beta"}},
+                    {
+                        "id": "w",
+                        "name": "write_file",
+                        "arguments": {"path": "out/x.txt", "content": "beta"},
+                    },
                     {"id": "l", "name": "list_files", "arguments": {}},
                 ],
             },
@@ -72,7 +83,7 @@ def test_whole_task_reads_writes_and_answers(cluster: Cluster, script, workspace
     assert_every_call_has_one_result(task_id)
     # I21: every transition is recorded with its worker and duration.
     history = api.history(task_id)
-    assert [h["to_phase"] for h in history][0] == "call_model"
+    assert history[0]["to_phase"] == "call_model"
     assert history[-1]["to_phase"] == "done"
     assert all(h["worker"] and h["duration_ms"] >= 0 for h in history)
 
@@ -83,9 +94,21 @@ def test_results_enter_in_call_order_not_finish_order(cluster: Cluster, script) 
         [
             {
                 "tool_calls": [
-                    {"id": "slow", "name": "sleep_then", "arguments": {"seconds": 1.5, "value": "A"}},
-                    {"id": "mid", "name": "sleep_then", "arguments": {"seconds": 0.7, "value": "B"}},
-                    {"id": "fast", "name": "sleep_then", "arguments": {"seconds": 0.0, "value": "C"}},
+                    {
+                        "id": "slow",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 1.5, "value": "A"},
+                    },
+                    {
+                        "id": "mid",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 0.7, "value": "B"},
+                    },
+                    {
+                        "id": "fast",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 0.0, "value": "C"},
+                    },
                 ]
             },
             {"say": "ok"},
@@ -155,9 +178,7 @@ def test_fan_out_is_bounded_per_tick(cluster: Cluster, script) -> None:
 
 def test_stale_and_duplicated_ticks_change_nothing(cluster: Cluster, script) -> None:
     """I2: duplicates of the current tick and stale ticks of past versions are no-ops."""
-    model, ledger = script(
-        [{"say": "slow thought", "sleep": 1.5, "tool_calls": []}]
-    )
+    model, ledger = script([{"say": "slow thought", "sleep": 1.5, "tool_calls": []}])
     task_id = charlie.submit("dupes", model=model)
     rt = get_runtime()
     xid = f"x-{task_id}"
@@ -252,7 +273,12 @@ def test_cancel_before_start(cluster: Cluster, script) -> None:
     rt = get_runtime()
     # The task is durable but its first tick not yet delivered, as if the publish were slow.
     submitted = scheduler.submit(
-        rt.engine, prompt="cancel me", model=model, tools=None, task_id=tid(), timeout=None,
+        rt.engine,
+        prompt="cancel me",
+        model=model,
+        tools=None,
+        task_id=tid(),
+        timeout=None,
         metadata=None,
     )
     assert charlie.cancel(submitted.task_id) is True
@@ -269,7 +295,15 @@ def test_cancel_mid_run_while_a_tool_runs(cluster: Cluster, script) -> None:
     the open call settles canceled, and the tool's later completion is a late report (I12)."""
     model, ledger = script(
         [
-            {"tool_calls": [{"id": "long", "name": "sleep_then", "arguments": {"seconds": 3, "value": "late"}}]},
+            {
+                "tool_calls": [
+                    {
+                        "id": "long",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 3, "value": "late"},
+                    }
+                ]
+            },
             {"say": "must not happen"},
         ]
     )

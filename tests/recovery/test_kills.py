@@ -25,7 +25,11 @@ def test_kill_during_model_call_repeats_only_that_call(cluster: Cluster, script)
     repeats, and the repeat is counted on the run."""
     model, ledger = script(
         [
-            {"tool_calls": [{"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "x"}}]},
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "x"}}
+                ]
+            },
             {"say": "thinking slowly", "sleep": 3, "tool_calls": []},
         ]
     )
@@ -53,7 +57,15 @@ def test_kill_inside_a_write_tool_settles_interrupted_and_never_reruns(
     `interrupted` with its evidence, is never invoked again, and the model sees it."""
     model, ledger = script(
         [
-            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "k-interrupt", "hold": 30}}]},
+            {
+                "tool_calls": [
+                    {
+                        "id": "w",
+                        "name": "ledger_write",
+                        "arguments": {"key": "k-interrupt", "hold": 30},
+                    }
+                ]
+            },
             {"say": "I will check whether the write happened."},
         ]
     )
@@ -82,7 +94,15 @@ def test_interrupted_call_with_reconcile_hook_settles_with_what_it_finds(
     """I10: a tool with a read-back reconcile hook: recovery calls the hook, not the handler."""
     model, _ = script(
         [
-            {"tool_calls": [{"id": "w", "name": "idempotent_write", "arguments": {"key": "k-reconcile", "hold": 30}}]},
+            {
+                "tool_calls": [
+                    {
+                        "id": "w",
+                        "name": "idempotent_write",
+                        "arguments": {"key": "k-reconcile", "hold": 30},
+                    }
+                ]
+            },
             {"say": "done"},
         ]
     )
@@ -97,16 +117,18 @@ def test_interrupted_call_with_reconcile_hook_settles_with_what_it_finds(
     assert len(read_ledger_for(task_id, "write")) == 1
 
 
-def test_kill_after_commit_before_publish_is_found_by_the_sweep(
-    cluster: Cluster, script
-) -> None:
+def test_kill_after_commit_before_publish_is_found_by_the_sweep(cluster: Cluster, script) -> None:
     """I4: a transition committed but its next tick never published: the sweep moves it."""
     cluster.set_faults(
         {"tick.after_commit": {"action": "kill", "times": 1, "match": {"phase": "call_model"}}}
     )
     model, ledger = script(
         [
-            {"tool_calls": [{"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}]},
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
             {"say": "after the sweep"},
         ]
     )
@@ -162,7 +184,11 @@ def test_timeout_while_a_tool_runs(cluster: Cluster, script) -> None:
     """I18: a task past its timeout while a tool runs ends timed_out; no more model calls."""
     model, ledger = script(
         [
-            {"tool_calls": [{"id": "s", "name": "sleep_then", "arguments": {"seconds": 6, "value": "v"}}]},
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 6, "value": "v"}}
+                ]
+            },
             {"say": "must not happen"},
         ]
     )

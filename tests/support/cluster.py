@@ -10,6 +10,7 @@ pool children) the way a machine dies. Backends:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,7 +41,9 @@ class Backend:
 def _reachable(url: str, default_port: int) -> bool:
     parsed = urlparse(url)
     try:
-        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or default_port), 2):
+        with socket.create_connection(
+            (parsed.hostname or "127.0.0.1", parsed.port or default_port), 2
+        ):
             return True
     except OSError:
         return False
@@ -56,9 +59,15 @@ def detect_backend() -> tuple[Backend, str | None]:
         f"{(db or 'sqlite').split(':')[0]}+{(broker or 'embedded').split(':')[0]}", db, broker
     )
     if db and db.startswith("postgresql") and not _reachable(db, 5432):
-        return backend, f"PostgreSQL at {db} is not reachable (start it: see README, docker compose up -d postgres)"
+        return (
+            backend,
+            f"PostgreSQL at {db} is not reachable (README: docker compose up -d postgres)",
+        )
     if broker and broker.startswith("redis") and not _reachable(broker, 6379):
-        return backend, f"Redis at {broker} is not reachable (start it: see README, docker compose up -d redis)"
+        return (
+            backend,
+            f"Redis at {broker} is not reachable (README: docker compose up -d redis)",
+        )
     if broker and broker.startswith("amqp") and not _reachable(broker, 5672):
         return backend, f"RabbitMQ at {broker} is not reachable"
     return backend, None
@@ -115,15 +124,15 @@ class Cluster:
         return Path(self.settings_env["CHARLIE_TEST_LEDGER"])
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
-        log = open(self.home / log_name, "ab")
-        return subprocess.Popen(
-            [sys.executable, "-m", "charlie", *args],
-            env=self.env,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: SIGKILL takes all of it
-        )
+        with open(self.home / log_name, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "charlie", *args],
+                env=self.env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: SIGKILL takes all of it
+            )
 
     def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
         self._serial += 1
@@ -174,10 +183,8 @@ class Cluster:
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL a whole worker: its main process and its pool children."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=10)
 
     def kill_pid_group(self, pid: int) -> None:
@@ -206,10 +213,8 @@ class Cluster:
             self._supervisor.join()
         for proc in self.workers + self.beats:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                # TERM to the main process: it shuts its own pool down.
+                proc.send_signal(signal.SIGTERM)
         deadline = time.time() + 10
         for proc in self.workers + self.beats:
             try:

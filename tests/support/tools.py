@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from charlie.tools import Reconciled, ToolContext, ToolError, tool
 from charlie.domain import Outcome
+from charlie.tools import Reconciled, ToolContext, ToolError, tool
 
 
 def ledger_path() -> Path:

@@ -20,8 +20,13 @@ from charlie.domain import (
     TaskView,
 )
 from charlie.executor import boundary
-from charlie.executor.phases import advance_turn, await_tools, call_model, dispatch_tools
-from charlie.executor.phases import report_terminal
+from charlie.executor.phases import (
+    advance_turn,
+    await_tools,
+    call_model,
+    dispatch_tools,
+    report_terminal,
+)
 from charlie.executor.ports import PhaseDeps, PhaseLimits, TransientSchedulerError
 from charlie.models.base import ModelRequest, ModelResponse, TransientModelError, tool_call_item
 from charlie.tools.registry import ToolRegistry, build_tool
@@ -65,7 +70,9 @@ class FakeScheduler:
         self.accept = accept
         self.calls: list[tuple[str, TaskStatus, Any]] = []
 
-    def finish(self, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None) -> bool:
+    def finish(
+        self, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None
+    ) -> bool:
         self.calls.append((task_id, status, result))
         if self.failures:
             self.failures -= 1
@@ -73,7 +80,9 @@ class FakeScheduler:
         return self.accept
 
 
-def deps(model: FakeModel | None = None, scheduler: FakeScheduler | None = None, **limits: Any) -> PhaseDeps:
+def deps(
+    model: FakeModel | None = None, scheduler: FakeScheduler | None = None, **limits: Any
+) -> PhaseDeps:
     m = model or FakeModel(ModelResponse(output=[]))
     return PhaseDeps(
         model_for=lambda spec: m,
@@ -84,9 +93,17 @@ def deps(model: FakeModel | None = None, scheduler: FakeScheduler | None = None,
     )
 
 
-def view(phase: Phase, *, calls: list[CallView] | None = None, items: list[Item] | None = None,
-         state: dict[str, Any] | None = None, status: TaskStatus = TaskStatus.RUNNING,
-         timeout_at: datetime | None = None, tools: list[str] | None = None, attempts: int = 1) -> RunView:
+def view(
+    phase: Phase,
+    *,
+    calls: list[CallView] | None = None,
+    items: list[Item] | None = None,
+    state: dict[str, Any] | None = None,
+    status: TaskStatus = TaskStatus.RUNNING,
+    timeout_at: datetime | None = None,
+    tools: list[str] | None = None,
+    attempts: int = 1,
+) -> RunView:
     return RunView(
         execution_id="x-t",
         phase=phase,
@@ -101,23 +118,44 @@ def view(phase: Phase, *, calls: list[CallView] | None = None, items: list[Item]
     )
 
 
-def call(call_id: str, index: int, *, state: CallState = CallState.PENDING, queued: bool = False,
-         outcome: Outcome | None = None, settled_at: datetime | None = None,
-         deadline_at: datetime | None = None, name: str = "read") -> CallView:
-    return CallView(call_id, 1, index, name, {"path": call_id}, state, outcome,
-                    {"v": call_id} if outcome else None, NOW if queued else None, None,
-                    settled_at, deadline_at)
+def call(
+    call_id: str,
+    index: int,
+    *,
+    state: CallState = CallState.PENDING,
+    queued: bool = False,
+    outcome: Outcome | None = None,
+    settled_at: datetime | None = None,
+    deadline_at: datetime | None = None,
+    name: str = "read",
+) -> CallView:
+    return CallView(
+        call_id,
+        1,
+        index,
+        name,
+        {"path": call_id},
+        state,
+        outcome,
+        {"v": call_id} if outcome else None,
+        NOW if queued else None,
+        None,
+        settled_at,
+        deadline_at,
+    )
 
 
 def test_call_model_persists_calls_and_validates_them() -> None:
-    response = ModelResponse(output=[
-        NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": "hi"}),
-        tool_call_item("a", "read", {"path": "x"}),
-        tool_call_item("b", "nope", {}),
-        tool_call_item("c", "read", {"path": 3}),
-        tool_call_item("d", "read", "{broken"),
-        tool_call_item("a", "read", {"path": "dup"}),
-    ])
+    response = ModelResponse(
+        output=[
+            NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": "hi"}),
+            tool_call_item("a", "read", {"path": "x"}),
+            tool_call_item("b", "nope", {}),
+            tool_call_item("c", "read", {"path": 3}),
+            tool_call_item("d", "read", "{broken"),
+            tool_call_item("a", "read", {"path": "dup"}),
+        ]
+    )
     t = call_model.run(view(Phase.CALL_MODEL), deps(FakeModel(response)))
     assert t.to is Phase.DISPATCH_TOOLS and t.model_calls == 1
     ids = [c.call_id for c in t.calls]
@@ -133,7 +171,9 @@ def test_call_model_persists_calls_and_validates_them() -> None:
 
 
 def test_call_model_final_answer_becomes_the_final_item() -> None:
-    response = ModelResponse(output=[NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": "done"})])
+    response = ModelResponse(
+        output=[NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": "done"})]
+    )
     t = call_model.run(view(Phase.CALL_MODEL, attempts=2), deps(FakeModel(response)))
     assert t.to is Phase.REPORT_TERMINAL
     assert [i.kind for i in t.items] == [ItemKind.FINAL]
@@ -144,11 +184,15 @@ def test_call_model_final_answer_becomes_the_final_item() -> None:
 def test_call_model_disallowed_tool_is_an_error_result() -> None:
     response = ModelResponse(output=[tool_call_item("a", "wait", {"task": "x"})])
     t = call_model.run(view(Phase.CALL_MODEL, tools=["read"]), deps(FakeModel(response)))
-    assert t.calls[0].settled is not None and "unknown tool 'wait'" in t.calls[0].settled[1]["error"]
+    assert (
+        t.calls[0].settled is not None and "unknown tool 'wait'" in t.calls[0].settled[1]["error"]
+    )
 
 
 def test_call_model_transient_error_waits_with_a_wake_up_time() -> None:
-    t = call_model.run(view(Phase.CALL_MODEL), deps(FakeModel(TransientModelError("429", retry_after=90))))
+    t = call_model.run(
+        view(Phase.CALL_MODEL), deps(FakeModel(TransientModelError("429", retry_after=90)))
+    )
     assert t.to is None and t.wake_at == NOW + timedelta(seconds=90)
     assert t.state["model_retries"] == 1 and not t.publish_next
 
@@ -190,7 +234,10 @@ def test_dispatching_a_wait_marks_the_task_waiting() -> None:
 
 def test_await_settles_deadlines_and_waits_for_the_rest() -> None:
     past, future = NOW - timedelta(seconds=1), NOW + timedelta(seconds=30)
-    calls = [call("late", 0, queued=True, deadline_at=past), call("open", 1, queued=True, deadline_at=future)]
+    calls = [
+        call("late", 0, queued=True, deadline_at=past),
+        call("open", 1, queued=True, deadline_at=future),
+    ]
     t = await_tools.run(view(Phase.AWAIT_TOOLS, calls=calls), deps())
     assert t.to is None and t.wake_at == future
     assert [(s.call_id, s.outcome) for s in t.settle] == [("late", Outcome.DEADLINE_EXCEEDED)]
@@ -200,9 +247,27 @@ def test_await_settles_deadlines_and_waits_for_the_rest() -> None:
 
 def test_advance_orders_results_by_call_not_by_finish() -> None:
     calls = [
-        call("first", 0, state=CallState.SETTLED, outcome=Outcome.OK, settled_at=NOW + timedelta(seconds=3)),
-        call("second", 1, state=CallState.SETTLED, outcome=Outcome.INTERRUPTED, settled_at=NOW + timedelta(seconds=1)),
-        call("third", 2, state=CallState.SETTLED, outcome=Outcome.OK, settled_at=NOW + timedelta(seconds=2)),
+        call(
+            "first",
+            0,
+            state=CallState.SETTLED,
+            outcome=Outcome.OK,
+            settled_at=NOW + timedelta(seconds=3),
+        ),
+        call(
+            "second",
+            1,
+            state=CallState.SETTLED,
+            outcome=Outcome.INTERRUPTED,
+            settled_at=NOW + timedelta(seconds=1),
+        ),
+        call(
+            "third",
+            2,
+            state=CallState.SETTLED,
+            outcome=Outcome.OK,
+            settled_at=NOW + timedelta(seconds=2),
+        ),
     ]
     t = advance_turn.run(view(Phase.ADVANCE_TURN, calls=calls), deps())
     assert [i.call_id for i in t.items] == ["first", "second", "third"]
@@ -212,7 +277,10 @@ def test_advance_orders_results_by_call_not_by_finish() -> None:
 
 
 def test_advance_refuses_a_partial_turn() -> None:
-    calls = [call("a", 0, state=CallState.SETTLED, outcome=Outcome.OK), call("b", 1, state=CallState.STARTED)]
+    calls = [
+        call("a", 0, state=CallState.SETTLED, outcome=Outcome.OK),
+        call("b", 1, state=CallState.STARTED),
+    ]
     t = advance_turn.run(view(Phase.ADVANCE_TURN, calls=calls), deps())
     assert t.to is Phase.AWAIT_TOOLS and not t.items
 
@@ -220,7 +288,9 @@ def test_advance_refuses_a_partial_turn() -> None:
 def test_report_terminal_retries_then_reports() -> None:
     final = [Item(5, 2, ItemKind.FINAL, None, {"content": "answer"})]
     sched = FakeScheduler(failures=2)
-    t = report_terminal.run(view(Phase.REPORT_TERMINAL, items=final), deps(scheduler=sched, report_retries=4))
+    t = report_terminal.run(
+        view(Phase.REPORT_TERMINAL, items=final), deps(scheduler=sched, report_retries=4)
+    )
     assert t.to is Phase.DONE and len(sched.calls) == 3
     assert sched.calls[-1][1] is TaskStatus.SUCCEEDED and sched.calls[-1][2]["answer"] == "answer"
 
@@ -228,19 +298,25 @@ def test_report_terminal_retries_then_reports() -> None:
 def test_report_terminal_stores_a_wake_up_when_retries_run_out() -> None:
     final = [Item(5, 2, ItemKind.FINAL, None, {"content": "answer"})]
     t = report_terminal.run(
-        view(Phase.REPORT_TERMINAL, items=final), deps(scheduler=FakeScheduler(failures=9), report_retries=3)
+        view(Phase.REPORT_TERMINAL, items=final),
+        deps(scheduler=FakeScheduler(failures=9), report_retries=3),
     )
     assert t.to is None and t.wake_at is not None and t.state["report_attempts"] == 3
 
 
 def test_report_terminal_already_terminal_is_benign() -> None:
     final = [Item(5, 2, ItemKind.FINAL, None, {"content": "answer"})]
-    t = report_terminal.run(view(Phase.REPORT_TERMINAL, items=final), deps(scheduler=FakeScheduler(accept=False)))
+    t = report_terminal.run(
+        view(Phase.REPORT_TERMINAL, items=final), deps(scheduler=FakeScheduler(accept=False))
+    )
     assert t.to is Phase.DONE and t.state["accepted"] is False
 
 
 def test_boundary_stops_canceled_and_timed_out_runs() -> None:
-    calls = [call("done", 0, state=CallState.SETTLED, outcome=Outcome.OK), call("open", 1, state=CallState.STARTED)]
+    calls = [
+        call("done", 0, state=CallState.SETTLED, outcome=Outcome.OK),
+        call("open", 1, state=CallState.STARTED),
+    ]
     v = view(Phase.AWAIT_TOOLS, calls=calls, status=TaskStatus.CANCELED)
     assert boundary.stop_reason(v) is TaskStatus.CANCELED
     t = boundary.stop(v, TaskStatus.CANCELED)

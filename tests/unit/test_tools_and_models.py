@@ -17,8 +17,13 @@ from charlie.tools.registry import ToolDefinitionError, build_tool
 
 
 def test_schema_comes_from_the_signature() -> None:
-    def search(query: str, ctx: ToolContext, limit: int = 5, mode: Literal["a", "b"] = "a",
-               tags: list[str] | None = None) -> str:
+    def search(
+        query: str,
+        ctx: ToolContext,
+        limit: int = 5,
+        mode: Literal["a", "b"] = "a",
+        tags: list[str] | None = None,
+    ) -> str:
         """Search things.
 
         More text."""
@@ -74,13 +79,28 @@ def test_workspace_confinement(tmp_path: Path) -> None:
 def test_scripted_model_plays_turns(tmp_path: Path) -> None:
     path = tmp_path / "s.json"
     ledger = tmp_path / "ledger"
-    path.write_text(json.dumps({"ledger": str(ledger), "turns": [
-        {"say": "a", "reasoning": "why", "tool_calls": [{"id": "1", "name": "t", "arguments": {"x": "{task_id}"}}]},
-        {"say": "done"},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "ledger": str(ledger),
+                "turns": [
+                    {
+                        "say": "a",
+                        "reasoning": "why",
+                        "tool_calls": [{"id": "1", "name": "t", "arguments": {"x": "{task_id}"}}],
+                    },
+                    {"say": "done"},
+                ],
+            }
+        )
+    )
     model = resolve_model(f"scripted:{path}")
     first = model.complete(ModelRequest("T1", "x", 0, [], []))
-    assert [i.kind for i in first.output] == [ItemKind.REASONING, ItemKind.MESSAGE, ItemKind.TOOL_CALL]
+    assert [i.kind for i in first.output] == [
+        ItemKind.REASONING,
+        ItemKind.MESSAGE,
+        ItemKind.TOOL_CALL,
+    ]
     assert first.tool_calls[0].payload["arguments"] == {"x": "T1"}
     assert model.complete(ModelRequest("T1", "x", 1, [], [])).tool_calls == []
     with pytest.raises(ModelError, match="has 2 turns"):
@@ -107,5 +127,7 @@ def test_bad_model_specs_are_refused_with_clear_errors(tmp_path: Path) -> None:
 def test_uncertain_outcomes_are_rendered_plainly() -> None:
     text = render_tool_result(Outcome.INTERRUPTED, {"started_at": "T", "started_by": "w1"})
     assert "cannot tell whether it took effect" in text and "w1" in text
-    assert "may still be running" in render_tool_result(Outcome.DEADLINE_EXCEEDED, {"deadline_seconds": 5})
+    assert "may still be running" in render_tool_result(
+        Outcome.DEADLINE_EXCEEDED, {"deadline_seconds": 5}
+    )
     assert render_tool_result(Outcome.OK, {"a": 1}) == '{"a": 1}'
