@@ -1,0 +1,10 @@
+# The Charlie image used by docker-compose.yml for workers, beat, Flower and migrations.
+FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md celeryconfig.py ./
+COPY charlie ./charlie
+RUN pip install --no-cache-dir .
+RUN useradd --create-home charlie && mkdir -p /data && chown charlie /data
+USER charlie
+ENV CHARLIE_HOME=/data
