@@ -97,7 +97,7 @@ class CallRecord:
     late_reports: int
 
 
-def _normalise_model(model: str) -> str:
+def normalise_model(model: str) -> str:
     validate_model_spec(model)
     provider, _, name = model.partition(":")
     if provider == "scripted":
@@ -126,7 +126,7 @@ def submit(
             f"prompt is {size} bytes; the limit is {rt.settings.max_prompt_bytes} "
             "(CHARLIE_MAX_PROMPT_BYTES)"
         )
-    model = _normalise_model(model)
+    model = normalise_model(model)
     if tools is not None:
         if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
             raise InvalidSubmission("tools must be a list of tool names")

@@ -209,7 +209,12 @@ def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> Tick
         transition.to.value,
         extra={**_ctx(view), "to": transition.to.value, "note": transition.note},
     )
-    return "done" if transition.to is Phase.DONE else "moved"
+    if transition.to is Phase.DONE:
+        from charlie.tools.invoke import poke_waiters
+
+        poke_waiters(rt, view.task.id)
+        return "done"
+    return "moved"
 
 
 def _recheck_after_wait(rt: Runtime, claim: runs.Claim) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, select, update
+from sqlalchemy import Connection, and_, or_, select, update
 
 from charlie.domain import CallState
 from charlie.store.schema import tool_calls
@@ -54,10 +54,16 @@ def claim_call(
         stmt = stmt.where(c.state == CallState.PENDING.value, c.queued_at.is_not(None)).values(
             state=CallState.STARTED.value, started_at=now, started_by=owner
         )
+    elif mode == "resume":
+        # A parked wait (no owner) may be observed at any time; a held one only once its
+        # holder's lease has lapsed.
+        stmt = stmt.where(
+            c.state == CallState.STARTED.value,
+            c.resumable.is_(True),
+            or_(c.lease_owner.is_(None), c.lease_until < now),
+        )
     else:
         stmt = stmt.where(c.state == CallState.STARTED.value, c.lease_until < now)
-        if mode == "resume":
-            stmt = stmt.where(c.resumable.is_(True))
     stmt = stmt.values(lease_owner=owner, lease_until=until, attempts=c.attempts + 1).returning(
         c.name,
         c.arguments,
@@ -98,6 +104,24 @@ def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: dat
         .values(lease_until=until)
     )
     return conn.execute(stmt).rowcount == 1
+
+
+def park_call(
+    conn: Connection, call: ClaimedCall, owner: str, handle: str, poll_at: datetime
+) -> bool:
+    """A resumable wait that is still waiting: keep it started, drop the owner, and let the
+    sweep observe it again at ``poll_at``. A normal return, so the crash counter resets."""
+    c = tool_calls.c
+    done = conn.execute(
+        update(tool_calls)
+        .where(
+            _key(call.execution_id, call.turn, call.call_id),
+            c.state == CallState.STARTED.value,
+            c.lease_owner == owner,
+        )
+        .values(handle=handle, lease_owner=None, lease_until=poll_at, attempts=0, swept_at=None)
+    )
+    return done.rowcount == 1
 
 
 def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:

@@ -137,6 +137,7 @@ class ToolCall(Base):
         UniqueConstraint("execution_id", "turn", "call_id", name="uq_tool_call"),
         Index("ix_tool_calls_state_lease", "state", "lease_until"),
         Index("ix_tool_calls_state_deadline", "state", "deadline_at"),
+        Index("ix_tool_calls_handle", "handle"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

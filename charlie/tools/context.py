@@ -18,11 +18,21 @@ class ToolError(Exception):
         self.details = details
 
     def as_result(self) -> JSON:
-        return {"error": str(self), **self.details}
+        return {**self.details, "error": str(self)}
 
 
 class WorkspaceEscape(ToolError):
     pass
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Returned by a resumable wait that is still waiting: the call stays open under the same
+    identity and is observed again after ``poll_after`` seconds, or sooner when poked (a child
+    task finishing pokes its parent's wait). Waiting this way holds no worker process."""
+
+    handle: str
+    poll_after: float = 2.0
 
 
 @dataclass(frozen=True)

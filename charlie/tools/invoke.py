@@ -19,13 +19,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+
 from charlie import faults
-from charlie.domain import JSON, Outcome, Phase
+from charlie.domain import JSON, CallState, Outcome, Phase
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import read, write
-from charlie.tools.context import Reconciled, ToolContext, ToolError
+from charlie.store.schema import tool_calls
+from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import ToolDef
 
 log = logging.getLogger("charlie.tool")
@@ -162,6 +165,10 @@ def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) 
             else:
                 outcome, result = _run_handler(definition, call, ctx)
     faults.hit("tool.before_settle", tool=call.name, call_id=call_id)
+    if isinstance(result, Pending):
+        if outcome is Outcome.OK and definition is not None and definition.resumable:
+            return _park(rt, call, result)
+        outcome, result = Outcome.ERROR, {"error": f"{call.name!r} is not a resumable wait"}
     result = cap_result(result, rt.settings.max_result_bytes)
     duration = (time.perf_counter() - started) * 1000
     with write(rt.engine) as conn:
@@ -183,6 +190,27 @@ def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) 
     if settled:
         poke_if_turn_settled(rt, execution_id, turn)
     return "settled" if settled else "late"
+
+
+def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
+    poll_at = utcnow() + timedelta(seconds=max(0.1, pending.poll_after))
+    with write(rt.engine) as conn:
+        parked = calls.park_call(conn, call, rt.worker, pending.handle, poll_at)
+    log.debug("wait parked", extra={"call_id": call.call_id, "handle": pending.handle})
+    return "parked" if parked else "lost_lease"
+
+
+def poke_waiters(rt: Runtime, task_id: str) -> None:
+    """A task finished: observe the parked waits on it now rather than at their next poll."""
+    c = tool_calls.c
+    with read(rt.engine) as conn:
+        rows = conn.execute(
+            select(c.execution_id, c.turn, c.call_id).where(
+                c.handle == task_id, c.state == CallState.STARTED.value, c.resumable.is_(True)
+            )
+        ).all()
+    for row in rows:
+        rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "resume")
 
 
 def poke_if_turn_settled(rt: Runtime, execution_id: str, turn: int) -> None:

@@ -215,3 +215,33 @@ def test_poison_tick_stops_after_bounded_attempts(cluster: Cluster, script) -> N
     assert info.error["phase"] == "call_model"
     assert cluster.fault_count("tick.before_work") == 3
     assert model_calls(ledger) == []
+
+
+def test_kill_inside_a_resumable_wait_observes_the_same_child(cluster: Cluster, script) -> None:
+    """I10, I19: a worker killed inside a resumable wait: the wait is dispatched again with the
+    same call identity and observes the same, single child."""
+    from tests.integration.test_delegation import parent_turns
+
+    cluster.set_faults(
+        {"tool.after_started": {"action": "kill", "times": 1, "match": {"tool": "wait_for_task"}}}
+    )
+    child_model, child_ledger = script([{"say": "compatible", "sleep": 1}])
+    model, _ = script(parent_turns(child_model))
+    parent = charlie.submit("kill in wait", model=model)
+    info = charlie.wait(parent, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tool.after_started") == 1
+    wait_call = next(c for c in api.calls(parent) if c.call_id == "w1")
+    assert wait_call.outcome == "ok" and wait_call.handle == f"{parent}.d1"
+    assert wait_call.result["result"]["answer"] == "compatible"
+    from charlie.runtime import get_runtime
+    from charlie.scheduler import descendants
+
+    assert descendants(get_runtime().engine, parent) == [f"{parent}.d1"]  # one child
+    child_calls = model_calls(child_ledger)
+    assert {c["task_id"] for c in child_calls} == {f"{parent}.d1"}
+    # The kill took the whole worker, which may have been running the child's model call too:
+    # that call may repeat (I3), and every repeat is counted.
+    child = api.get_task(f"{parent}.d1")
+    assert len(child_calls) == child.model_calls + child.model_repeats
+    assert len([c for c in api.calls(parent) if c.name == "delegate"]) == 1

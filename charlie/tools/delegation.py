@@ -1,0 +1,106 @@
+"""Delegation: ``delegate`` starts one child task; ``wait_for_task`` is the resumable wait on it.
+
+The child's id is derived from the parent task and the delegating call, so a delegate call run
+again (or reconciled) after a crash finds the same child instead of starting a second (I19).
+The wait parks between observations instead of holding a worker process, and the child pokes
+its waiters when it finishes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from charlie.domain import JSON, Outcome, Phase
+from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
+from charlie.tools.registry import tool
+
+POLL_SECONDS = 2.0
+
+
+def child_task_id(ctx: ToolContext) -> str:
+    return f"{ctx.task_id}.{ctx.call_id}"[:128]
+
+
+def _child_exists(ctx: ToolContext, **_: Any) -> Reconciled:
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    child = child_task_id(ctx)
+    try:
+        api.get_task(child)
+    except TaskNotFound:
+        return Reconciled(
+            Outcome.ERROR, {"error": "the child task was not created; delegate again to start it"}
+        )
+    return Reconciled(Outcome.OK, {"task_id": child, "created": True})
+
+
+@tool(effect="write", deadline=60, reconcile=_child_exists)
+def delegate(
+    prompt: str, ctx: ToolContext, model: str | None = None, tools: list[str] | None = None
+) -> JSON:
+    """Start a child task for a narrow, self-contained piece of work and return its task id.
+
+    Wait for its result with wait_for_task. The child uses this task's model unless ``model``
+    is given, and works in the same workspace."""
+    from charlie import api, scheduler
+    from charlie.runtime import get_runtime
+    from charlie.store import runs
+    from charlie.store.engine import read
+
+    rt = get_runtime()
+    with read(rt.engine) as conn:
+        parent = runs.load_task(conn, ctx.task_id)
+    if parent is None:
+        raise ToolError(f"parent task {ctx.task_id} is gone")
+    try:
+        spec = api.normalise_model(model) if model else parent.model
+        if tools is not None:
+            unknown = [t for t in tools if rt.tools.get(t) is None]
+            if unknown:
+                raise ValueError(f"unknown tool(s): {', '.join(unknown)}")
+    except ValueError as exc:
+        raise ToolError(f"cannot delegate: {exc}") from None
+    metadata: JSON = {"delegated_by": {"task_id": ctx.task_id, "call_id": ctx.call_id}}
+    if "workspace" in parent.metadata:
+        metadata["workspace"] = parent.metadata["workspace"]
+    submitted = scheduler.submit(
+        rt.engine,
+        prompt=prompt,
+        model=spec,
+        tools=tools,
+        task_id=child_task_id(ctx),
+        timeout=None,
+        metadata=metadata,
+        parent_id=ctx.task_id,
+        parent_call_id=ctx.call_id,
+    )
+    if submitted.created:
+        rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0)
+    return {"task_id": submitted.task_id, "created": submitted.created}
+
+
+@tool(effect="wait", resumable=True, deadline=3600)
+def wait_for_task(task_id: str, ctx: ToolContext) -> JSON | Pending:
+    """Wait for a task (usually a delegated child) to finish and return its result."""
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    try:
+        info = api.get_task(task_id)
+    except TaskNotFound:
+        raise ToolError(f"no task with id {task_id!r}") from None
+    if ctx.handle is None:
+        # Durable before anything else: a resumed wait observes this same task (I19).
+        ctx.record_handle(task_id)
+    if not info.terminal:
+        return Pending(handle=task_id, poll_after=POLL_SECONDS)
+    outcome = {
+        "task_id": task_id,
+        "status": info.status.value,
+        "result": info.result,
+        "task_error": info.error,
+    }
+    if info.status.value != "succeeded":
+        raise ToolError(f"task {task_id} ended {info.status.value}", **outcome)
+    return outcome
