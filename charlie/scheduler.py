@@ -161,11 +161,21 @@ def descendants(engine: Engine, task_id: str) -> list[str]:
 def cancel(engine: Engine, task_id: str) -> list[str]:
     """Cancel a task and its children; returns the ids whose status changed. The executor stops
     each at its next tick boundary (I18)."""
-    ids = [task_id, *descendants(engine, task_id)]
-    now = utcnow()
-    with write(engine) as conn:
+    with read(engine) as conn:
         if conn.execute(select(tasks.c.id).where(tasks.c.id == task_id)).first() is None:
             raise TaskNotFound(task_id)
+    return _cancel_ids(engine, [task_id, *descendants(engine, task_id)])
+
+
+def cancel_descendants(engine: Engine, task_id: str) -> list[str]:
+    """Cancel a finished task's children (a parent that timed out no longer waits for them)."""
+    children = descendants(engine, task_id)
+    return _cancel_ids(engine, children) if children else []
+
+
+def _cancel_ids(engine: Engine, ids: list[str]) -> list[str]:
+    now = utcnow()
+    with write(engine) as conn:
         rows = conn.execute(
             update(tasks)
             .where(tasks.c.id.in_(ids), tasks.c.status.in_(ACTIVE))

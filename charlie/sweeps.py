@@ -20,9 +20,9 @@ from charlie.app import app
 from charlie.domain import CallState, Outcome, Phase
 from charlie.runtime import Runtime, get_runtime
 from charlie.store import calls as call_store
+from charlie.store import runs
 from charlie.store.engine import read, write
 from charlie.store.schema import executions, tasks, tool_calls
-from charlie.tools.invoke import poke_if_turn_settled
 
 log = logging.getLogger("charlie.sweep")
 
@@ -64,23 +64,29 @@ def sweep_stalled_runs(rt: Runtime) -> int:
         ).all()
     published = 0
     for row in rows:
-        with write(rt.engine) as conn:
-            won = conn.execute(
-                update(executions)
-                .where(
-                    e.id == row.id,
-                    e.version == row.version,
-                    _throttle(e.swept_at, now, stall),
-                )
-                .values(swept_at=now)
-            ).rowcount
-        if won and rt.publisher.tick(row.id, Phase(row.phase), row.version):
+        if _republish(rt, row.id, Phase(row.phase), row.version, now, stall):
             published += 1
-            log.info(
-                "re-published stalled tick",
-                extra={"execution_id": row.id, "phase": row.phase, "version": row.version},
-            )
     return published
+
+
+def _republish(
+    rt: Runtime, execution_id: str, phase: Phase, version: int, now: datetime, stall: timedelta
+) -> bool:
+    """Publish a run's current tick if this sweeper wins the row for this stall period."""
+    e = executions.c
+    with write(rt.engine) as conn:
+        won = conn.execute(
+            update(executions)
+            .where(e.id == execution_id, e.version == version, _throttle(e.swept_at, now, stall))
+            .values(swept_at=now)
+        ).rowcount
+    if not won:
+        return False
+    log.info(
+        "re-published tick",
+        extra={"execution_id": execution_id, "phase": phase.value, "version": version},
+    )
+    return rt.publisher.tick(execution_id, phase, version)
 
 
 def _deadline_result(
@@ -227,7 +233,11 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
             )
     for execution_id, turn in touched:
-        poke_if_turn_settled(rt, execution_id, turn)
+        with read(rt.engine) as conn:
+            position = runs.execution_position(conn, execution_id)
+            open_calls = runs.count_unsettled(conn, execution_id, turn)
+        if position and position[0] is Phase.AWAIT_TOOLS and open_calls == 0:
+            _republish(rt, execution_id, position[0], position[1], now, stall)
     return counts
 
 
@@ -250,11 +260,7 @@ def sweep_task_timeouts(rt: Runtime) -> int:
     expired = scheduler.expire(rt.engine, due)
     stopped = list(expired)
     for task_id in expired:
-        stopped += (
-            scheduler.cancel(rt.engine, task_id)
-            if scheduler.descendants(rt.engine, task_id)
-            else []
-        )
+        stopped += scheduler.cancel_descendants(rt.engine, task_id)
     poke_tasks(rt, stopped)
     return len(expired)
 

@@ -1,0 +1,112 @@
+"""Sweeps: two beats at once must not act twice on one row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select, update
+
+from charlie import scheduler
+from charlie.domain import CallState, Phase
+from charlie.store.engine import get_engine, upgrade, write
+from charlie.store.schema import executions, tool_calls
+from tests.support.cluster import REPO, Backend, recreate_postgres_database
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def private_database(backend: Backend, tmp_path: Path) -> str:
+    """A database of the backend under test that the cluster's own beat does not sweep."""
+    if backend.database_url and backend.database_url.startswith("postgresql"):
+        url = backend.database_url.rsplit("/", 1)[0] + "/charlie_test_beats"
+        recreate_postgres_database(url)
+    else:
+        url = f"sqlite:///{tmp_path / 'beats.db'}"
+    upgrade(url)
+    return url
+
+
+def test_two_beats_at_once_act_once_per_row(private_database: str) -> None:
+    engine = get_engine(private_database)
+    long_ago = datetime.now(UTC) - timedelta(minutes=5)
+    runs, calls = [], []
+    for n in range(20):
+        submitted = scheduler.submit(
+            engine,
+            prompt="p",
+            model="scripted:/x.json",
+            tools=None,
+            task_id=f"beats-{uuid.uuid4().hex[:8]}",
+            timeout=None,
+            metadata=None,
+        )
+        runs.append(submitted.execution_id)
+        with write(engine) as conn:
+            # A run whose tick was lost long ago, holding one call whose worker died.
+            conn.execute(
+                update(executions)
+                .where(executions.c.id == submitted.execution_id)
+                .values(
+                    phase=Phase.AWAIT_TOOLS.value if n % 2 else Phase.CALL_MODEL.value,
+                    updated_at=long_ago,
+                )
+            )
+            conn.execute(
+                tool_calls.insert().values(
+                    execution_id=submitted.execution_id,
+                    call_id=f"c{n}",
+                    turn=0,
+                    idx=0,
+                    name="ledger_write",
+                    arguments={"key": "k"},
+                    effect="write",
+                    resumable=False,
+                    state=CallState.STARTED.value,
+                    queued_at=long_ago,
+                    started_at=long_ago,
+                    started_by="dead-worker",
+                    lease_owner="dead-worker",
+                    lease_until=long_ago,
+                    attempts=1,
+                    late_reports=0,
+                )
+            )
+            calls.append((submitted.execution_id, f"c{n}"))
+    env = {**os.environ, "CHARLIE_DATABASE_URL": private_database}
+    start_at = time.time() + 3
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.support.sweeper", str(start_at), str(i)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    interrupted = sum(o["calls"]["interrupted"] for o in outputs)
+    assert interrupted == len(calls)  # every dead call settled, once
+    ticks = Counter(tuple(s[1:]) for o in outputs for s in o["sent"] if s[0] == "tick")
+    assert all(n == 1 for n in ticks.values()), ticks
+    assert {t[0] for t in ticks} >= {r for i, r in enumerate(runs) if i % 2 == 0}
+    with engine.connect() as conn:
+        rows = conn.execute(select(tool_calls.c.outcome, tool_calls.c.settled_by)).all()
+    assert all(r.outcome == "interrupted" for r in rows)
+    # Both sweepers really ran, each settled only the rows it won.
+    assert {r.settled_by.split("@")[1] for r in rows} <= {"sweeper-0", "sweeper-1"}
