@@ -45,8 +45,12 @@ worker_prefetch_multiplier = 1
 worker_cancel_long_running_tasks_on_connection_loss = True
 broker_connection_retry_on_startup = True
 
-# One queue; phase tasks and tool invocations share it so a busy turn cannot starve the loop.
+# Phase ticks and tool invocations share one queue, so a busy turn cannot starve the loop.
+# Sweeps have their own: recovery must not wait behind the backlog it is there to clear.
+# `charlie worker` consumes both; operators may also run a small worker for sweeps alone.
 task_default_queue = "charlie"
+SWEEP_QUEUE = "charlie.sweeps"
+task_routes = {"charlie.sweep.*": {"queue": SWEEP_QUEUE}}
 
 # Flower shows the loop as it runs (I21): each phase is its own task name.
 worker_send_task_events = _s.task_events
@@ -62,21 +66,22 @@ worker_redirect_stdouts = False
 
 beat_schedule_filename = str(_s.home / "celerybeat-schedule")
 _every = timedelta(seconds=_s.sweep_interval)
+# A sweep still queued after this is dropped: a newer one is behind it.
+_expires = max(10.0, _s.sweep_interval * 5)
 beat_schedule = {
-    # `expires` drops a sweep that waited in the queue past its interval: a newer one follows.
-    "charlie-sweep-stalled": {
+        "charlie-sweep-stalled": {
         "task": "charlie.sweep.stalled_runs",
         "schedule": _every,
-        "options": {"expires": _s.sweep_interval * 2},
+        "options": {"expires": _expires},
     },
     "charlie-sweep-tool-calls": {
         "task": "charlie.sweep.tool_calls",
         "schedule": _every,
-        "options": {"expires": _s.sweep_interval * 2},
+        "options": {"expires": _expires},
     },
     "charlie-sweep-timeouts": {
         "task": "charlie.sweep.task_timeouts",
         "schedule": _every,
-        "options": {"expires": _s.sweep_interval * 2},
+        "options": {"expires": _expires},
     },
 }

@@ -43,6 +43,8 @@ def worker(ctx: click.Context) -> None:
     argv = ["worker", "--loglevel", "INFO"]
     if not any(a in ("-c", "--concurrency") or a.startswith("--concurrency=") for a in args):
         argv += ["--concurrency", "2"]
+    if not any(a in ("-Q", "--queues") or a.startswith("--queues=") for a in args):
+        argv += ["--queues", "charlie,charlie.sweeps"]
     if settings().is_embedded_broker:
         # The embedded broker has no fanout between hosts worth gossiping over.
         argv += ["--without-gossip", "--without-mingle"]

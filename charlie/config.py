@@ -42,9 +42,9 @@ class Settings:
     dispatch_batch: int = 8
     #: I5: a lease a worker holds on an execution or a tool call while it works; renewed by a
     #: heartbeat every third of it, so a killed worker's lease lapses within this many seconds.
-    lease_seconds: float = 6.0
+    lease_seconds: float = 5.0
     #: how often beat runs the sweeps.
-    sweep_interval: float = 2.0
+    sweep_interval: float = 1.0
     #: I4: a run that is ready but has not moved for this long gets its tick published again.
     stall_seconds: float = 5.0
     #: poison messages: a tick or a tool invocation claimed this many times without finishing
@@ -100,8 +100,8 @@ def load_settings() -> Settings:
         broker_url=broker_url,
         tool_modules=modules,
         dispatch_batch=_env_int("CHARLIE_DISPATCH_BATCH", 8),
-        lease_seconds=_env_float("CHARLIE_LEASE_SECONDS", 6.0),
-        sweep_interval=_env_float("CHARLIE_SWEEP_INTERVAL", 2.0),
+        lease_seconds=_env_float("CHARLIE_LEASE_SECONDS", 5.0),
+        sweep_interval=_env_float("CHARLIE_SWEEP_INTERVAL", 1.0),
         stall_seconds=_env_float("CHARLIE_STALL_SECONDS", 5.0),
         max_attempts=_env_int("CHARLIE_MAX_ATTEMPTS", 5),
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
