@@ -25,12 +25,15 @@ from tests.support.cluster import (
     cluster_env,
     detect_backend,
     flush_redis,
+    free_port,
     recreate_postgres_database,
 )
+from tests.support.fake_openai import FakeOpenAI
 
 BACKEND, BACKEND_PROBLEM = detect_backend()
 _HOME = Path(tempfile.mkdtemp(prefix="charlie-test-"))
-_ENV = cluster_env(_HOME, BACKEND)
+_MODEL_PORT = free_port()
+_ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -95,6 +98,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     report = yield
     setattr(item, f"rep_{report.when}", report)
     return report
+
+
+@pytest.fixture(scope="session")
+def model_server_session() -> Iterator[FakeOpenAI]:
+    """A real OpenAI-compatible HTTP server on 127.0.0.1 that the cluster's workers call."""
+    server = FakeOpenAI(port=_MODEL_PORT).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def model_server(model_server_session: FakeOpenAI) -> FakeOpenAI:
+    model_server_session.reset()
+    return model_server_session
 
 
 @pytest.fixture

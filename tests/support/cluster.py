@@ -230,7 +230,17 @@ class Cluster:
         return "\n".join(out)
 
 
-def cluster_env(home: Path, backend: Backend) -> dict[str, str]:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+#: The key the workers send to the fake model server; tests check it never leaks.
+FAKE_MODEL_KEY = "sk-charlie-test-0123456789"
+
+
+def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> dict[str, str]:
     env = {
         "CHARLIE_HOME": str(home),
         "CHARLIE_TOOL_MODULES": "tests.support.tools",
@@ -244,6 +254,10 @@ def cluster_env(home: Path, backend: Backend) -> dict[str, str]:
         "CHARLIE_DISPATCH_BATCH": "4",
         "CHARLIE_TASK_EVENTS": "0",
     }
+    if model_port is not None:
+        env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
+        env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY
+        env["CHARLIE_MODEL_TIMEOUT"] = "10"
     if backend.database_url:
         env["CHARLIE_DATABASE_URL"] = backend.database_url
     if backend.broker_url:

@@ -97,7 +97,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class FakeOpenAI:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
+        #: 0 picks a free port; a fixed one lets worker processes be configured before start().
+        self.requested_port = port
         self.lock = threading.Lock()
         self.requests: list[Recorded] = []
         self.queue: deque[Reply] = deque()
@@ -115,7 +117,7 @@ class FakeOpenAI:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> FakeOpenAI:
-        server = _Server(("127.0.0.1", 0), _Handler)
+        server = _Server(("127.0.0.1", self.requested_port), _Handler)
         server.fake = self
         self._server = server
         self._thread = threading.Thread(
