@@ -72,8 +72,14 @@ def cluster_session() -> Iterator[Cluster]:
     if BACKEND.broker_url and BACKEND.broker_url.startswith("amqp"):
         from charlie.app import app
 
+        # Leftovers of an earlier run would be stale ticks: harmless, but slow to drain.
         with app.connection_for_write() as conn:
-            conn.default_channel.queue_purge("charlie")
+            for queue in ("charlie", "charlie.sweeps"):
+                try:
+                    conn.default_channel.queue_purge(queue)
+                except Exception:  # the queue does not exist yet
+                    conn.close()
+                    conn.connect()
     cluster = Cluster(home=_HOME, backend=BACKEND, settings_env=dict(_ENV))
     cluster.set_faults({})
     cluster.ensure(workers=2, beat=True)
