@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import select
 
 from charlie import scheduler
-from charlie.domain import JSON, Phase, TaskStatus
+from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
 from charlie.models import validate_model_spec
 from charlie.runtime import get_runtime
 from charlie.scheduler import TaskNotFound
@@ -23,7 +23,7 @@ from charlie.store.schema import executions, tasks, tool_calls, transcript_items
 
 log = logging.getLogger("charlie.api")
 
-TASK_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+TASK_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_TASK_ID - 1}}}$")
 MAX_METADATA_BYTES = 64 * 1024
 
 
@@ -138,7 +138,7 @@ def submit(
             )
     if task_id is not None and not TASK_ID.match(task_id):
         raise InvalidSubmission(
-            f"task id {task_id!r} must be 1-128 characters of letters, digits and ._:-"
+            f"task id {task_id!r} must be 1-{MAX_TASK_ID} characters of letters, digits and ._:-"
         )
     if timeout is not None and timeout <= 0:
         raise InvalidSubmission(f"timeout must be positive seconds, got {timeout}")

@@ -13,6 +13,21 @@ from typing import Any
 
 JSON = dict[str, Any]
 
+#: Task ids are at most this long, so that the execution id (a prefix + the task id) fits its
+#: column.
+MAX_TASK_ID = 120
+
+
+def execution_id_for(task_id: str) -> str:
+    """A task has exactly one execution; its id is derived, so it never needs a lookup."""
+    return f"x-{task_id}"
+
+
+def task_id_of(execution_id: str) -> str:
+    if not execution_id.startswith("x-"):
+        raise ValueError(f"{execution_id!r} is not an execution id")
+    return execution_id[2:]
+
 
 class Phase(enum.StrEnum):
     """I1: the phase an execution row is in is the instruction the next tick follows."""

@@ -15,7 +15,7 @@ from sqlalchemy import Engine, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
-from charlie.domain import JSON, Phase, TaskStatus
+from charlie.domain import JSON, Phase, TaskStatus, execution_id_for
 from charlie.executor.ports import TransientSchedulerError
 from charlie.store.engine import read, write
 from charlie.store.runs import ACTIVE
@@ -58,7 +58,7 @@ def submit(
     """Write the task and its execution in one transaction; idempotent on ``task_id``."""
     task_id = task_id or uuid.uuid4().hex
     now = utcnow()
-    execution_id = f"x-{task_id}"
+    execution_id = execution_id_for(task_id)
     try:
         with write(engine) as conn:
             conn.execute(

@@ -8,17 +8,27 @@ its waiters when it finishes.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Any
 
-from charlie.domain import JSON, Outcome, Phase
+from charlie.domain import JSON, MAX_TASK_ID, Outcome, Phase
 from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import tool
+
+TASK_ID_CHARS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 POLL_SECONDS = 2.0
 
 
 def child_task_id(ctx: ToolContext) -> str:
-    return f"{ctx.task_id}.{ctx.call_id}"[:128]
+    """``<parent>.<call id>``, deterministic so that a repeated delegate finds the same child;
+    hashed when that would be too long, never truncated into a collision."""
+    child = f"{ctx.task_id}.{ctx.call_id}"
+    if len(child) <= MAX_TASK_ID and TASK_ID_CHARS.match(child):
+        return child
+    digest = hashlib.sha256(child.encode()).hexdigest()[:24]
+    return f"{ctx.task_id[: MAX_TASK_ID - 26]}.{digest}"
 
 
 def _child_exists(ctx: ToolContext, **_: Any) -> Reconciled:

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import select
 
 from charlie import faults
-from charlie.domain import JSON, CallState, Outcome, Phase
+from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
@@ -133,8 +133,7 @@ def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) 
         if call is None:
             log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
             return "not_claimable"
-        task_id = execution_id[2:] if execution_id.startswith("x-") else execution_id
-        task = runs.load_task(conn, task_id)
+        task = runs.load_task(conn, task_id_of(execution_id))
     # Dispatch-started is committed (I9). From here on a crash leaves evidence, not a duplicate.
     extra = {"execution_id": execution_id, "call_id": call_id, "tool": call.name, "mode": mode}
     faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call_id)

@@ -131,3 +131,20 @@ def test_uncertain_outcomes_are_rendered_plainly() -> None:
         Outcome.DEADLINE_EXCEEDED, {"deadline_seconds": 5}
     )
     assert render_tool_result(Outcome.OK, {"a": 1}) == '{"a": 1}'
+
+
+def test_child_ids_are_deterministic_and_fit() -> None:
+    from charlie.api import TASK_ID
+    from charlie.tools.delegation import child_task_id
+
+    short = make_ctx(Path("."))
+    assert child_task_id(short) == "t.c"
+    long_parent = ToolContext(
+        "p" * 119, "x", "call/1", 0, Path("."), {}, False, None, lambda h: None
+    )
+    other_call = ToolContext(
+        "p" * 119, "x", "call/2", 0, Path("."), {}, False, None, lambda h: None
+    )
+    a, b = child_task_id(long_parent), child_task_id(other_call)
+    assert a != b and a == child_task_id(long_parent)
+    assert TASK_ID.match(a) and len(a) <= 120
