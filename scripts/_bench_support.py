@@ -1,0 +1,119 @@
+"""Loaded into Charlie's benchmark workers through ``CHARLIE_TOOL_MODULES=_bench_support``.
+
+It registers the benchmark's instant tool and, when ``BENCH_STATS_DIR`` is set, counts in every
+worker process the Celery tasks it ran and the SQL statements it sent (an SQLAlchemy
+``before_cursor_execute`` listener on every engine), by task name. Each process rewrites
+``BENCH_STATS_DIR/<pid>.json`` a few times a second, so ``scripts/bench.py`` can take snapshots
+and difference them, even across a worker that was SIGKILLed.
+
+Counted: statements that go through a cursor (SQLite's ``BEGIN IMMEDIATE`` included); not
+counted: the driver's implicit BEGIN, COMMIT and the pool's pre-ping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from typing import Any
+
+from celery.signals import task_postrun, task_prerun
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from charlie.tools import tool
+
+
+@tool(effect="read", deadline=60)
+def bench_echo(value: str = "") -> str:
+    """Return ``value`` at once: the benchmark's instant tool."""
+    return value
+
+
+STATS_DIR = os.environ.get("BENCH_STATS_DIR")
+FLUSH_SECONDS = 0.1
+OUTSIDE_TASKS = "-"
+
+
+class _Counter:
+    """Per-process counts: task name -> [tasks run, statements sent].
+
+    A prefork child runs one task at a time, so the task running now is process-wide: the
+    statements of a lease heartbeat thread count for the task whose lease it renews."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[str, list[int]] = {}
+        self.current = OUTSIDE_TASKS
+        self.dirty = False
+
+    def task_started(self, name: str) -> None:
+        self.current = name
+        with self.lock:
+            self.counts.setdefault(name, [0, 0])[0] += 1
+            self.dirty = True
+
+    def task_finished(self) -> None:
+        self.current = OUTSIDE_TASKS
+
+    def statement(self) -> None:
+        with self.lock:
+            self.counts.setdefault(self.current, [0, 0])[1] += 1
+            self.dirty = True
+
+    def flush(self) -> None:
+        assert STATS_DIR is not None
+        with self.lock:
+            if not self.dirty:
+                return
+            doc = json.dumps({"pid": os.getpid(), "counts": self.counts})
+            self.dirty = False
+        path = os.path.join(STATS_DIR, f"{os.getpid()}.json")
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(doc)
+        os.replace(tmp, path)
+
+
+_counter = _Counter()
+
+
+def _on_prerun(task: Any = None, **_: Any) -> None:
+    _counter.task_started(getattr(task, "name", None) or "?")
+
+
+def _on_postrun(**_: Any) -> None:
+    _counter.task_finished()
+
+
+def _on_statement(*_: Any) -> None:
+    _counter.statement()
+
+
+def _flush_forever(counter: _Counter) -> None:
+    tick = threading.Event()
+    while not tick.wait(FLUSH_SECONDS):
+        with contextlib.suppress(OSError):
+            counter.flush()
+
+
+def _start_flusher() -> None:
+    flusher = threading.Thread(target=_flush_forever, args=(_counter,), daemon=True)
+    flusher.start()
+
+
+def _after_fork_in_child() -> None:
+    # A child forked after this module was imported starts from zero, under its own pid.
+    global _counter
+    _counter = _Counter()
+    _start_flusher()
+
+
+if STATS_DIR:
+    os.makedirs(STATS_DIR, exist_ok=True)
+    task_prerun.connect(_on_prerun, weak=False)
+    task_postrun.connect(_on_postrun, weak=False)
+    event.listen(Engine, "before_cursor_execute", _on_statement)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    _start_flusher()

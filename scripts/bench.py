@@ -1,0 +1,1153 @@
+#!/usr/bin/env python
+"""Charlie's benchmark: what a transition and a turn cost, side by side with the floor (issue 6).
+
+    python scripts/bench.py                  # every reachable backend, 3 trials
+    python scripts/bench.py --quick          # a smoke run: 1 trial, small sizes
+    python scripts/bench.py --backend postgres --only transitions,floor --trials 5
+
+For each backend (SQLite + the embedded broker in a fresh CHARLIE_HOME; PostgreSQL + Redis on
+127.0.0.1, database ``charlie_bench`` and Redis db 14, both wiped first), it starts one Charlie
+worker (``charlie worker -c 2 --pool prefork``: 2 worker processes) and ``charlie beat`` with
+the default settings and measures:
+
+transitions
+    scripted tasks of T turns, each turn one instant tool call and an instant model, for 1 run
+    and for 50 concurrent runs. A transition is a row of the ``transitions`` table; the rate is
+    rows / (last transition - first submit); ms/transition is 1000 / rate (for one run, the
+    latency of a transition; for 50, its amortised cost). Per-turn overhead: from the commit of
+    a model response (call_model -> dispatch_tools) to the start of the next model call's tick
+    (the next call_model transition's time minus its duration).
+floor
+    a bare Celery chain (``scripts/_bench_floor.py``), in the same run on the same broker and
+    database with the same Celery settings, whose every link locks one row, updates it, commits
+    and publishes the next link. Charlie / floor compares transitions/s with links/s, trial by
+    trial (trials interleave Charlie and floor runs).
+fanout
+    one turn of 100 instant tool calls: model response to next model call, and SQL statements
+    per tool call, counted inside the workers (``scripts/_bench_support.py``).
+recovery
+    SIGKILL of the whole worker while model calls are in flight (a scripted model that sleeps),
+    a new worker started at once; time from the kill to the run moving again (the retried model
+    call's tick starting), with the default lease and sweep settings and beat running.
+scale
+    N queued tasks (one turn each) drained by a fresh worker: transitions/s against the 50-run
+    figure, the worker's resident memory (sum over its process group), database bytes per task.
+
+Every child process runs in its own process group and is killed on exit, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parent
+SCENARIOS = ("transitions", "floor", "fanout", "recovery", "scale")
+PG_ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres"}
+PG_DATABASE = "charlie_bench"
+PG_URL = f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
+REDIS_URL = "redis://127.0.0.1:6379/14"
+TOOL = "bench_echo"
+RANGE = "\u2013"  # an en dash, between a minimum and a maximum
+NONE = "-"
+TERMINAL = ("succeeded", "failed", "canceled", "timed_out")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    label: str
+    database_url: str | None  # None: SQLite under CHARLIE_HOME
+    broker_url: str | None  # None: the embedded broker
+
+    @property
+    def embedded(self) -> bool:
+        return self.broker_url is None
+
+    def env(self, home: Path) -> dict[str, str]:
+        env = {"CHARLIE_HOME": str(home)}
+        if self.database_url:
+            env["CHARLIE_DATABASE_URL"] = self.database_url
+        if self.broker_url:
+            env["CHARLIE_BROKER_URL"] = self.broker_url
+        return env
+
+
+BACKENDS = {
+    "sqlite": Backend("sqlite", "SQLite + embedded broker", None, None),
+    "postgres": Backend("postgres", "PostgreSQL + Redis", PG_URL, REDIS_URL),
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    trials: int
+    turns_one: int  # T for the single run
+    runs_many: int  # concurrent runs
+    turns_many: int  # T for each of them
+    links_one: int  # links of the single floor chain
+    links_many: int  # links of each of the concurrent chains
+    fanout_calls: int
+    recovery_rounds: int  # each round kills the worker with 2 model calls in flight
+    recovery_model_sleep: float  # seconds each scripted model call takes
+    scale_tasks: int
+
+    @property
+    def recovery_samples(self) -> int:
+        return 2 * self.recovery_rounds
+
+
+def sizes_for(quick: bool, trials: int | None) -> Sizes:
+    if quick:
+        return Sizes(trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200)
+    return Sizes(trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000)
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+class Processes:
+    """The child processes of one backend's run, each in its own process group.
+
+    Their group ids are also written to ``pgids`` so that the parent can kill whatever is left
+    if this process dies before it can clean up."""
+
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
+        self.home = home
+        self.env = env
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.serial = 0
+        (home / "logs").mkdir(parents=True, exist_ok=True)
+        atexit.register(self.close)
+
+    def spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> None:
+        assert name not in self.procs or self.procs[name].poll() is not None, name
+        self.serial += 1
+        log = open(self.home / "logs" / f"{name}-{self.serial}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            argv,
+            env={**self.env, **(extra_env or {})},
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self.procs[name] = proc
+        with open(self.home / "pgids", "a") as f:
+            f.write(f"{proc.pid}\n")
+
+    def pgid(self, name: str) -> int:
+        return self.procs[name].pid
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the whole group, as a machine dies."""
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        for name in list(self.procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
+            self.kill(name)
+
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of every process in the group, summed (shared pages count twice)."""
+        return group_rss(self.pgid(name))
+
+
+def group_rss(pgid: int) -> int:
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            # the fields after the command, which is in parentheses and may contain spaces
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != pgid:
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def kill_groups_listed(path: Path) -> None:
+    if not path.exists():
+        return
+    for line in path.read_text().split():
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError):
+            os.killpg(int(line), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------
+# Reachability and storage
+
+
+def backend_problem(backend: Backend) -> str | None:
+    """Why this backend cannot be benchmarked here, or None."""
+    if backend.name == "sqlite":
+        return None
+    try:
+        import psycopg2
+
+        psycopg2.connect(connect_timeout=3, **PG_ADMIN).close()
+    except Exception as exc:
+        return f"PostgreSQL at 127.0.0.1:5432 is not reachable ({str(exc).strip()[:120]})"
+    try:
+        import redis
+
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
+    except Exception as exc:
+        return f"Redis at 127.0.0.1:6379 is not reachable ({str(exc).strip()[:120]})"
+    return None
+
+
+def recreate_pg_database() -> None:
+    import psycopg2
+
+    conn = psycopg2.connect(**PG_ADMIN)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{PG_DATABASE}" WITH (FORCE)')
+        cur.execute(f'CREATE DATABASE "{PG_DATABASE}"')
+    conn.close()
+
+
+def drop_pg_database() -> None:
+    import psycopg2
+
+    conn = psycopg2.connect(**PG_ADMIN)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{PG_DATABASE}" WITH (FORCE)')
+    conn.close()
+
+
+def flush_redis() -> None:
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def ts(value: datetime) -> float:
+    return value.timestamp()
+
+
+@dataclass
+class _Progress:
+    tag: str = "bench"
+    t0: float = field(default_factory=time.monotonic)
+
+
+_progress = _Progress()
+
+
+def progress(message: str) -> None:
+    """A line on stderr, so a long run shows where it is."""
+    elapsed = time.monotonic() - _progress.t0
+    print(f"[{_progress.tag} +{elapsed:5.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# One backend's run (the --child process: Charlie reads its settings from this environment)
+
+
+@dataclass
+class Results:
+    """Raw measurements by metric name: one value per trial (or per sample), plus notes."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.values.setdefault(key, []).append(value)
+
+
+class Cell:
+    """One backend's benchmark: its processes, its database and its measurements."""
+
+    def __init__(self, backend: Backend, home: Path, sizes: Sizes, worker_env: dict[str, str]):
+        from charlie.runtime import get_runtime
+
+        self.backend = backend
+        self.home = home
+        self.sizes = sizes
+        self.results = Results()
+        self.stats_dir = home / "stats"
+        self.script_dir = home / "scripts"
+        self.script_dir.mkdir(parents=True, exist_ok=True)
+        self.floor_dir = home / "floor"
+        self.floor_dir.mkdir(parents=True, exist_ok=True)
+        self.floor_url = (
+            f"sqlite:///{self.floor_dir / 'floor.db'}" if backend.name == "sqlite" else PG_URL
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
+        env.update(backend.env(home))
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH")])
+        )
+        env["CHARLIE_TOOL_MODULES"] = "_bench_support"
+        env["BENCH_STATS_DIR"] = str(self.stats_dir)
+        env["BENCH_FLOOR_DATABASE_URL"] = self.floor_url
+        env["BENCH_FLOOR_BROKER_DIR"] = str(self.floor_dir / "broker")
+        # This process publishes the floor's first links: to the floor's queue directory too.
+        os.environ["BENCH_FLOOR_BROKER_DIR"] = env["BENCH_FLOOR_BROKER_DIR"]
+        env.update(worker_env)
+        self.procs = Processes(home, env)
+        self.rt = get_runtime()
+        self.serial = 0
+
+    # ---- processes
+
+    def start_worker(self) -> None:
+        self.serial += 1
+        argv = [sys.executable, "-m", "charlie", "worker", "-c", "2", "--pool", "prefork"]
+        # --include imports the counters before the pool forks, so that a child counts its
+        # first task too (CHARLIE_TOOL_MODULES would import them only inside that task).
+        argv += ["-n", f"bench{self.serial}@%h", "--include", "_bench_support"]
+        self.procs.spawn("worker", argv)
+
+    def start_beat(self) -> None:
+        schedule = self.home / "beat.schedule"
+        self.procs.spawn("beat", [sys.executable, "-m", "charlie", "beat", "-s", str(schedule)])
+
+    def start_floor_worker(self) -> None:
+        argv = [sys.executable, "-m", "celery", "-A", "_bench_floor", "worker", "--loglevel"]
+        argv += ["INFO", "-Q", "bench_floor", "-c", "2", "--pool", "prefork", "-n", "floor@%h"]
+        if self.backend.embedded:
+            argv += ["--without-gossip", "--without-mingle"]  # as `charlie worker` does
+        self.procs.spawn("floor", argv)
+
+    # ---- scripts and submissions
+
+    def script(self, name: str, turns: list[dict[str, Any]], ledger: Path | None = None) -> str:
+        path = self.script_dir / f"{name}.json"
+        doc: Any = {"turns": turns, "ledger": str(ledger)} if ledger else turns
+        path.write_text(json.dumps(doc))
+        return f"scripted:{path}"
+
+    def turns_script(self, turns: int) -> str:
+        call = {"tool_calls": [{"id": "c", "name": TOOL, "arguments": {"value": "x"}}]}
+        return self.script(f"turns-{turns}", [call] * turns + [{"say": "done"}])
+
+    def submit(self, model: str, prefix: str, count: int) -> list[str]:
+        from charlie import api
+
+        ids = [f"{prefix}{n:05d}" for n in range(count)]
+        for task_id in ids:
+            api.submit("bench", model=model, tools=[TOOL], task_id=task_id)
+        return ids
+
+    def new_prefix(self, label: str) -> str:
+        # no "_" or "%": the prefix is used in LIKE patterns
+        return f"{label}.{uuid.uuid4().hex[:8]}."
+
+    # ---- reading the outcome from the database
+
+    def status_counts(self, prefix: str) -> dict[str, int]:
+        from sqlalchemy import func, select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import tasks
+
+        with read(self.rt.engine) as conn:
+            rows = conn.execute(
+                select(tasks.c.status, func.count())
+                .where(tasks.c.id.like(f"{prefix}%"))
+                .group_by(tasks.c.status)
+            ).all()
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def wait_done(
+        self, prefix: str, count: int, timeout: float, on_poll: Callable[[int], None] | None = None
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = self.status_counts(prefix)
+            done = sum(counts.get(s, 0) for s in TERMINAL)
+            if on_poll is not None:
+                on_poll(done)
+            if done >= count:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{prefix}: {done}/{count} tasks finished after {timeout:.0f}s")
+            time.sleep(0.1)
+        bad = {s: n for s, n in counts.items() if s != "succeeded"}
+        if bad:
+            raise RuntimeError(f"{prefix}: tasks ended {bad}: {self.first_error(prefix)}")
+
+    def first_error(self, prefix: str) -> Any:
+        from sqlalchemy import select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import tasks
+
+        with read(self.rt.engine) as conn:
+            return conn.execute(
+                select(tasks.c.error).where(
+                    tasks.c.id.like(f"{prefix}%"), tasks.c.status != "succeeded"
+                )
+            ).scalar()
+
+    def transitions(self, prefix: str) -> list[Any]:
+        from sqlalchemy import select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import transitions
+
+        tr = transitions.c
+        with read(self.rt.engine) as conn:
+            return list(
+                conn.execute(
+                    select(tr.execution_id, tr.from_phase, tr.to_phase, tr.at, tr.duration_ms)
+                    .where(tr.execution_id.like(f"x-{prefix}%"))
+                    .order_by(tr.execution_id, tr.id)
+                ).all()
+            )
+
+    def first_submit(self, prefix: str) -> float:
+        from sqlalchemy import func, select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import tasks
+
+        with read(self.rt.engine) as conn:
+            first = conn.execute(
+                select(func.min(tasks.c.created_at)).where(tasks.c.id.like(f"{prefix}%"))
+            ).scalar_one()
+        return ts(first)
+
+    # ---- statement and task counts from inside the workers
+
+    def stats(self) -> dict[str, list[int]]:
+        """Sum of every worker process's counts: task name -> [tasks, statements]."""
+        totals: dict[str, list[int]] = {}
+        if not self.stats_dir.exists():
+            return totals
+        for path in self.stats_dir.glob("*.json"):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            for name, (tasks_run, statements) in doc["counts"].items():
+                entry = totals.setdefault(name, [0, 0])
+                entry[0] += tasks_run
+                entry[1] += statements
+        return totals
+
+    def settled_stats(self) -> dict[str, list[int]]:
+        time.sleep(0.3)  # > the workers' flush interval
+        return self.stats()
+
+    @staticmethod
+    def stats_delta(
+        before: dict[str, list[int]], after: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        out = {}
+        for name, (tasks_run, statements) in after.items():
+            t0, s0 = before.get(name, [0, 0])
+            if tasks_run - t0 or statements - s0:
+                out[name] = [tasks_run - t0, statements - s0]
+        return out
+
+    @staticmethod
+    def loop_counts(delta: dict[str, list[int]]) -> tuple[int, int, int]:
+        """(phase ticks, tool invocations, statements) of the loop, sweeps left out."""
+        ticks = sum(v[0] for k, v in delta.items() if k.startswith("charlie.phase."))
+        invokes = sum(v[0] for k, v in delta.items() if k == "charlie.tool.invoke")
+        statements = sum(v[1] for k, v in delta.items() if not k.startswith("charlie.sweep."))
+        return ticks, invokes, statements
+
+    # ---- warm-up
+
+    def warm_up(self) -> None:
+        prefix = self.new_prefix("warm")
+        self.submit(self.turns_script(1), prefix, 4)
+        self.wait_done(prefix, 4, timeout=120)
+
+    def warm_up_floor(self) -> None:
+        self.floor_chains(4, 3, record=None)
+
+    # ---- 1. transitions
+
+    def charlie_runs(self, runs: int, turns: int, key: str) -> float:
+        """Run ``runs`` tasks of ``turns`` turns at once; record their rate; return it."""
+        model = self.turns_script(turns)
+        prefix = self.new_prefix(key)
+        before = self.stats()
+        self.submit(model, prefix, runs)
+        expected = runs * (4 * turns + 3)
+        self.wait_done(prefix, runs, timeout=60 + expected * 0.2)
+        delta = self.stats_delta(before, self.settled_stats())
+        rows = self.transitions(prefix)
+        if len(rows) != expected:
+            self.results.notes.append(f"{key}: {len(rows)} transitions, expected {expected}")
+        wall = max(ts(r.at) for r in rows) - self.first_submit(prefix)
+        rate = len(rows) / wall
+        self.results.add(f"{key}.tps", rate)
+        self.results.add(f"{key}.ms", 1000 / rate)
+        ticks, invokes, statements = self.loop_counts(delta)
+        self.results.add(f"{key}.tasks_per_transition", (ticks + invokes) / len(rows))
+        self.results.add(f"{key}.statements_per_transition", statements / len(rows))
+        message = f"Charlie, {runs} x {turns} turns: {rate:.0f} transitions/s"
+        if runs == 1:
+            overheads = turn_overheads(rows)
+            self.results.add("turn.ms", statistics.median(overheads) * 1000)
+            message += f", {statistics.median(overheads) * 1000:.1f} ms per turn"
+        progress(message)
+        return rate
+
+    # ---- 2. the floor
+
+    def floor_chains(self, chains: int, links: int, record: str | None) -> float:
+        import _bench_floor
+        from sqlalchemy import text
+
+        eng = self.floor_engine()
+        prefix = self.new_prefix(record or "warm")
+        ids = [f"{prefix}{n:04d}" for n in range(chains)]
+        _bench_floor.start_chains(eng, ids, links)
+        deadline = time.monotonic() + 60 + chains * links * 0.2
+        table = _bench_floor.TABLE
+        while True:
+            with eng.connect() as conn:
+                row = conn.execute(
+                    text(
+                        f"SELECT COUNT(done_at), MIN(started_at), MAX(done_at) FROM {table} "
+                        "WHERE id LIKE :p"
+                    ),
+                    {"p": f"{prefix}%"},
+                ).one()
+            if row[0] >= chains:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"floor: {row[0]}/{chains} chains done")
+            time.sleep(0.25)
+        rate = float(chains * links / (row[2] - row[1]))
+        progress(f"floor, {chains} x {links} links: {rate:.0f} links/s")
+        if record:
+            self.results.add(f"{record}.tps", rate)
+            self.results.add(f"{record}.ms", 1000 / rate)
+        return rate
+
+    _floor_engine: Engine | None = None
+
+    def floor_engine(self) -> Engine:
+        import _bench_floor
+
+        if self._floor_engine is None:
+            self._floor_engine = _bench_floor.make_engine(self.floor_url)
+            _bench_floor.create_table(self._floor_engine)
+        return self._floor_engine
+
+    def transitions_and_floor(self, with_charlie: bool, with_floor: bool) -> None:
+        s = self.sizes
+        for _ in range(s.trials):
+            c1 = self.charlie_runs(1, s.turns_one, "one") if with_charlie else None
+            f1 = self.floor_chains(1, s.links_one, "floor_one") if with_floor else None
+            cn = self.charlie_runs(s.runs_many, s.turns_many, "many") if with_charlie else None
+            fn = self.floor_chains(s.runs_many, s.links_many, "floor_many") if with_floor else None
+            if c1 and f1:
+                self.results.add("ratio_one", c1 / f1)
+                turn_ms = self.results.values["turn.ms"][-1]
+                self.results.add("turn.floor_units", turn_ms / (1000 / f1))
+            if cn and fn:
+                self.results.add("ratio_many", cn / fn)
+
+    # ---- 3. fan-out
+
+    def fanout(self) -> None:
+        n = self.sizes.fanout_calls
+        calls = [{"id": f"c{i}", "name": TOOL, "arguments": {"value": str(i)}} for i in range(n)]
+        model = self.script(f"fanout-{n}", [{"tool_calls": calls}, {"say": "done"}])
+        for _ in range(self.sizes.trials):
+            prefix = self.new_prefix("fanout")
+            before = self.settled_stats()
+            self.submit(model, prefix, 1)
+            self.wait_done(prefix, 1, timeout=120)
+            delta = self.stats_delta(before, self.settled_stats())
+            rows = self.transitions(prefix)
+            response = next(r for r in rows if r.from_phase == "call_model")
+            nxt = [r for r in rows if r.from_phase == "call_model"][1]
+            self.results.add("fanout.s", ts(nxt.at) - nxt.duration_ms / 1000 - ts(response.at))
+            ticks, _, statements = self.loop_counts(delta)
+            invoke_statements = delta.get("charlie.tool.invoke", [0, 0])[1]
+            self.results.add("fanout.statements_per_call", statements / n)
+            self.results.add("fanout.invoke_statements_per_call", invoke_statements / n)
+            self.results.add("fanout.ticks", ticks)
+            self.results.info["fanout.last_delta"] = delta
+            took = self.results.values["fanout.s"][-1]
+            progress(f"fan-out of {n}: {took:.2f}s, {statements / n:.1f} statements per call")
+
+    # ---- 4. recovery
+
+    def recovery(self) -> None:
+        ledger = self.home / "recovery-ledger.jsonl"
+        sleep = self.sizes.recovery_model_sleep
+        model = self.script("recovery", [{"say": "slow answer", "sleep": sleep}], ledger)
+        for _ in range(self.sizes.recovery_rounds):
+            prefix = self.new_prefix("recovery")
+            ids = self.submit(model, prefix, 2)
+            deadline = time.monotonic() + 60
+            while True:
+                started = {e["task_id"] for e in read_jsonl(ledger)} & set(ids)
+                if len(started) == len(ids):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError("recovery: the model calls did not start")
+                time.sleep(0.05)
+            time.sleep(random.uniform(0.2, sleep - 0.4))
+            killed_at = time.time()
+            self.procs.kill("worker")
+            self.start_worker()
+            self.wait_done(prefix, len(ids), timeout=120)
+            by_execution: dict[str, list[Any]] = {}
+            for r in self.transitions(prefix):
+                by_execution.setdefault(r.execution_id, []).append(r)
+            for rows in by_execution.values():
+                after = next(r for r in rows if ts(r.at) > killed_at)
+                self.results.add("recovery.s", ts(after.at) - after.duration_ms / 1000 - killed_at)
+                self.results.add("recovery.next_row_s", ts(after.at) - killed_at)
+                progress(f"recovery: moving again {self.results.values['recovery.s'][-1]:.1f}s")
+        self.results.info["recovery.model_sleep_s"] = sleep
+
+    # ---- 5. scale
+
+    def db_bytes(self) -> int:
+        from sqlalchemy import text
+
+        if self.backend.name == "sqlite":
+            path = Path(self.rt.settings.database_url.removeprefix("sqlite:///"))
+            db = sqlite3.connect(path, timeout=30)
+            try:
+                db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                db.close()
+            wal = path.with_name(path.name + "-wal")
+            return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+        with self.rt.engine.connect() as conn:
+            size = conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
+        return int(size)
+
+    def scale(self) -> None:
+        n = self.sizes.scale_tasks
+        model = self.turns_script(1)
+        # The idle worker is SIGKILLed rather than stopped: a warm shutdown of an idle worker
+        # takes about 7 s on the embedded broker (Celery's synloop), and nothing is in flight.
+        self.procs.kill("worker")
+        size_before = self.db_bytes()
+        prefix = self.new_prefix("scale")
+        t0 = time.perf_counter()
+        self.submit(model, prefix, n)
+        self.results.add("scale.submit_per_s", n / (time.perf_counter() - t0))
+        progress(f"scale: {n} tasks queued")
+        before = self.settled_stats()
+        self.start_worker()
+        rss: dict[str, int] = {}
+
+        def sample(done: int) -> None:
+            if "tenth" not in rss and done >= n // 10:
+                rss["tenth"] = self.procs.rss_bytes("worker")
+
+        self.wait_done(prefix, n, timeout=120 + n * 1.0, on_poll=sample)
+        rss["end"] = self.procs.rss_bytes("worker")
+        delta = self.stats_delta(before, self.settled_stats())
+        rows = self.transitions(prefix)
+        times = [ts(r.at) for r in rows]
+        rate = len(rows) / (max(times) - min(times))
+        self.results.add("scale.tps", rate)
+        self.results.add("scale.tasks_per_s", n / (max(times) - min(times)))
+        self.results.add("scale.rss_tenth_mib", rss.get("tenth", 0) / 2**20)
+        self.results.add("scale.rss_end_mib", rss["end"] / 2**20)
+        self.results.add("scale.bytes_per_task", (self.db_bytes() - size_before) / n)
+        ticks, invokes, statements = self.loop_counts(delta)
+        self.results.add("scale.tasks_per_transition", (ticks + invokes) / len(rows))
+        self.results.add("scale.statements_per_transition", statements / len(rows))
+        self.results.info["scale.delta"] = delta
+        progress(f"scale: drained at {rate:.0f} transitions/s, RSS {rss['end'] / 2**20:.0f} MiB")
+
+
+def turn_overheads(rows: list[Any]) -> list[float]:
+    """Model response committed -> next model call's tick started, for each turn of each run."""
+    out = []
+    by_execution: dict[str, list[Any]] = {}
+    for r in rows:
+        by_execution.setdefault(r.execution_id, []).append(r)
+    for run in by_execution.values():
+        model_rows = [r for r in run if r.from_phase == "call_model"]
+        for a, b in itertools.pairwise(model_rows):
+            if a.to_phase == "dispatch_tools":
+                out.append(ts(b.at) - b.duration_ms / 1000 - ts(a.at))
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -> None:
+    """The --child process: set up the storage, start the cluster, measure, write results."""
+    _progress.tag = backend.name
+    home = Path(os.environ["CHARLIE_HOME"])
+    sizes = sizes_for(args.quick, args.trials)
+    only = set(args.only)
+    worker_env = dict(kv.split("=", 1) for kv in args.worker_env)
+    if backend.name == "postgres":
+        recreate_pg_database()
+        flush_redis()
+        from charlie.store.engine import upgrade
+
+        upgrade(PG_URL)
+    cell = Cell(backend, home, sizes, worker_env)
+    failed = False
+    try:
+        cell.start_worker()
+        cell.start_beat()
+        if "floor" in only:
+            cell.start_floor_worker()
+        try:
+            cell.warm_up()
+            if "floor" in only:
+                cell.warm_up_floor()
+        except Exception as exc:
+            failed = True
+            cell.results.notes.append(f"warm-up failed: {type(exc).__name__}: {exc}")
+            raise
+        progress("workers up and warm")
+        plan: list[tuple[str, Callable[[], None]]] = []
+        if only & {"transitions", "floor"}:
+            with_charlie, with_floor = "transitions" in only, "floor" in only
+            plan.append(
+                ("transitions+floor", lambda: cell.transitions_and_floor(with_charlie, with_floor))
+            )
+        plan += [(name, getattr(cell, name)) for name in ("fanout", "recovery", "scale")]
+        for name, step in plan:
+            if name not in only and name != "transitions+floor":
+                continue
+            started = time.perf_counter()
+            try:
+                step()
+            except Exception as exc:
+                failed = True
+                cell.results.notes.append(f"{name} failed: {type(exc).__name__}: {exc}")
+                progress(f"{name} FAILED: {exc}")
+                if "worker" not in cell.procs.procs:
+                    cell.start_worker()
+            cell.procs.kill("floor")  # the floor is measured only alongside the transitions
+            progress(f"{name} took {time.perf_counter() - started:.1f}s")
+    finally:
+        cell.procs.close()
+        cell.rt.engine.dispose()
+        if cell._floor_engine is not None:
+            cell._floor_engine.dispose()
+        cell.results.info["versions"] = server_versions(backend, cell)
+        if backend.name == "postgres" and not args.keep:
+            with contextlib.suppress(Exception):
+                drop_pg_database()
+            with contextlib.suppress(Exception):
+                flush_redis()
+        result_path.write_text(
+            json.dumps(
+                {
+                    "values": cell.results.values,
+                    "notes": cell.results.notes,
+                    "info": cell.results.info,
+                    "failed": failed,
+                },
+                default=str,
+            )
+        )
+
+
+def server_versions(backend: Backend, cell: Cell) -> dict[str, str]:
+    out = {"sqlite": sqlite3.sqlite_version}
+    if backend.name != "postgres":
+        return out
+    with contextlib.suppress(Exception):
+        import psycopg2
+
+        conn = psycopg2.connect(**PG_ADMIN)
+        with conn.cursor() as cur:
+            cur.execute("SHOW server_version")
+            out["postgresql"] = str(cur.fetchone()[0])
+        conn.close()
+    with contextlib.suppress(Exception):
+        import redis
+
+        out["redis"] = str(redis.Redis.from_url(REDIS_URL).info("server")["redis_version"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The parent: one child per backend, then the table
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    key: str
+    digits: int = 0
+    target: str = ""
+    kind: str = "median"  # median | p50 | p95
+
+
+ROWS: list[Row | str] = [
+    "**Transitions** (scripted tasks: each turn one instant tool call and an instant model)",
+    Row("Charlie, 1 run: transitions/s", "one.tps"),
+    Row("Charlie, 1 run: ms per transition", "one.ms", 1),
+    Row("Floor, 1 chain: links/s", "floor_one.tps"),
+    Row("Floor, 1 chain: ms per link", "floor_one.ms", 1),
+    Row("Charlie / floor, 1 run", "ratio_one", 2, "≥ 0.80"),
+    Row("Charlie, 50 runs: transitions/s", "many.tps"),
+    Row("Charlie, 50 runs: ms per transition (1000 / rate)", "many.ms", 1),
+    Row("Floor, 50 chains: links/s", "floor_many.tps"),
+    Row("Charlie / floor, 50 runs", "ratio_many", 2, "≥ 0.80"),
+    Row("Celery tasks per transition, 50 runs", "many.tasks_per_transition", 2),
+    Row("SQL statements per transition, 50 runs", "many.statements_per_transition", 1),
+    Row("Per-turn overhead: model response → next model call (ms)", "turn.ms", 1),
+    Row("Per-turn overhead, in floor transitions", "turn.floor_units", 1, "≤ 4"),
+    "**Fan-out** (one turn of 100 instant tool calls)",
+    Row("Model response → next model call (s)", "fanout.s", 2, "≤ 3 s"),
+    Row("SQL statements per tool call (whole turn)", "fanout.statements_per_call", 1, "bounded"),
+    Row("SQL statements per tool invocation task", "fanout.invoke_statements_per_call", 1),
+    "**Recovery** (SIGKILL of the worker during model calls; default lease and sweeps)",
+    Row("Kill → run moving again, p50 (s)", "recovery.s", 1, "", "p50"),
+    Row("Kill → run moving again, p95 (s)", "recovery.s", 1, "≤ 10 s", "p95"),
+    Row(
+        "Kill → next transition row, p50 (s) (incl. the retried model call)",
+        "recovery.next_row_s",
+        1,
+        "",
+        "p50",
+    ),
+    "**Scale** (queued tasks of one turn, drained by 2 worker processes)",
+    Row("Transitions/s", "scale.tps"),
+    Row("Against the 50-run figure", "scale.vs_many", 2, "≥ 0.85"),
+    Row("Tasks/s", "scale.tasks_per_s", 1),
+    Row("Celery tasks per transition", "scale.tasks_per_transition", 2),
+    Row("Worker RSS after 10% of tasks (MiB)", "scale.rss_tenth_mib"),
+    Row("Worker RSS at the end (MiB)", "scale.rss_end_mib", 0, "not growing"),
+    Row("Database bytes per finished task", "scale.bytes_per_task"),
+    Row("Producer: submits/s (api.submit, one at a time)", "scale.submit_per_s"),
+]
+
+
+def cell_text(values: list[float] | None, row: Row) -> str:
+    if not values:
+        return NONE
+    if row.kind in ("p50", "p95"):
+        v = percentile(values, 0.5 if row.kind == "p50" else 0.95)
+        return f"{v:.{row.digits}f} (n={len(values)})"
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return f"{mid:,.{row.digits}f}"
+    d = row.digits
+    return f"{mid:,.{d}f} ({min(values):,.{d}f}{RANGE}{max(values):,.{d}f})"
+
+
+def derive(values: dict[str, list[float]]) -> None:
+    many = values.get("many.tps")
+    if many and values.get("scale.tps"):
+        values["scale.vs_many"] = [v / statistics.median(many) for v in values["scale.tps"]]
+
+
+def render(
+    results: dict[str, dict[str, Any]],
+    labels: dict[str, str],
+    skipped: dict[str, str],
+    command: str,
+    sizes: Sizes,
+    worker_env: list[str],
+) -> str:
+    names = list(results)
+    out = [f"Command: `{command}`  ", machine_line(results), ""]
+    out.append(
+        f"Trials: {sizes.trials} (median, min{RANGE}max); 1 run of {sizes.turns_one} turns; "
+        f"{sizes.runs_many} runs of {sizes.turns_many} turns; floor chains of {sizes.links_one} "
+        f"and {sizes.runs_many} x {sizes.links_many} links; fan-out of {sizes.fanout_calls}; "
+        f"{sizes.recovery_samples} recovery samples; scale {sizes.scale_tasks:,} tasks."
+    )
+    out.append("")
+    if names:
+        out.append("| Metric | " + " | ".join(labels[n] for n in names) + " | Target |")
+        out.append("|---|" + "---:|" * len(names) + "---|")
+        for row in ROWS:
+            if isinstance(row, str):
+                out.append(f"| {row} |" + " |" * len(names) + " |")
+                continue
+            cells = [cell_text(results[n]["values"].get(row.key), row) for n in names]
+            if all(c == NONE for c in cells):
+                continue
+            out.append(f"| {row.label} | " + " | ".join(cells) + f" | {row.target} |")
+    out.append("")
+    out += FOOTNOTES
+    if worker_env:
+        out.append(f"- Not the default configuration: workers ran with {' '.join(worker_env)}.")
+    for name, reason in skipped.items():
+        out.append(f"- {labels[name]}: skipped: {reason}")
+    if importlib.util.find_spec("dbos") is None:
+        out.append("- DBOS: not installed (`pip install dbos` to compare); skipped.")
+    else:
+        out.append("- DBOS: installed, but this benchmark has no DBOS runner yet; skipped.")
+    for name in names:
+        for note in results[name]["notes"]:
+            out.append(f"- {labels[name]}: {note}")
+    return "\n".join(out)
+
+
+FOOTNOTES = [
+    "- Targets are issue 6's, for PostgreSQL + Redis with 2 worker processes.",
+    "- A transition is a row of Charlie's `transitions` table (a turn is 4: call_model, "
+    "dispatch_tools, await_tools, advance_turn); a floor link locks, updates and commits one "
+    "row and publishes the next link. Ratios are taken trial by trial.",
+    "- Per-turn overhead and fan-out: from the commit of the model's response to the start of "
+    "the next model call's tick (its transition time minus its duration).",
+    "- SQL statements are counted inside the workers with a `before_cursor_execute` listener: "
+    "on SQLite they include `BEGIN IMMEDIATE`/`DEFERRED`; on PostgreSQL BEGIN, COMMIT and the "
+    "pool's pre-ping are not statements. Sweeps are left out.",
+    "- Recovery: the worker (main process and pool) is SIGKILLed at a random moment while two "
+    "model calls are in flight, and a new one started at once; default lease (6 s), sweep "
+    "interval (2 s) and stall time (5 s), beat running. 'Moving again' is the start of the "
+    "retried call_model tick.",
+    "- RSS is summed over the worker's process group (shared pages counted in each process).",
+]
+
+
+def machine_line(results: dict[str, dict[str, Any]]) -> str:
+    from importlib.metadata import version
+
+    servers: dict[str, str] = {}
+    for r in results.values():
+        servers.update(r["info"].get("versions", {}))
+    parts = [
+        f"nproc {os.cpu_count()}",
+        f"{platform.system()} {platform.machine()}",
+        f"Python {platform.python_version()}",
+        f"Celery {version('celery')}",
+        f"kombu {version('kombu')}",
+        f"SQLAlchemy {version('sqlalchemy')}",
+    ]
+    parts += [f"{k} {v}" for k, v in sorted(servers.items())]
+    return "Machine: " + ", ".join(parts)
+
+
+def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subprocess.Popen[bytes]:
+    """This script again, as ``--child BACKEND``, with that backend's environment."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", backend.name]
+    argv += ["--result", str(home / "result.json"), "--only", ",".join(args.only)]
+    if args.quick:
+        argv.append("--quick")
+    if args.trials:
+        argv += ["--trials", str(args.trials)]
+    if args.keep:
+        argv.append("--keep")
+    for kv in args.worker_env:
+        argv += ["--worker-env", kv]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
+    env.update(backend.env(home))
+    env["CHARLIE_TOOL_MODULES"] = "_bench_support"
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(SCRIPTS), str(REPO), os.environ.get("PYTHONPATH")])
+    )
+    return subprocess.Popen(argv, env=env, cwd=REPO, stdin=subprocess.DEVNULL)
+
+
+def run_children(
+    backends: list[Backend], args: argparse.Namespace, parallel: bool
+) -> dict[str, dict[str, Any]]:
+    """Run one child per backend, one after the other or all at once; collect their results.
+
+    Whatever happens here (Ctrl-C included), every child and every process group a child
+    started is gone when this returns."""
+    homes = {b.name: Path(tempfile.mkdtemp(prefix=f"charlie-bench-{b.name}-")) for b in backends}
+    running: dict[str, subprocess.Popen[bytes]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for backend in backends:
+            running[backend.name] = start_child(backend, args, homes[backend.name])
+            if not parallel:
+                running[backend.name].wait()
+        for child in running.values():
+            child.wait()
+    finally:
+        for child in running.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for name, child in running.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=30)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            kill_groups_listed(homes[name] / "pgids")
+        for name, home in homes.items():
+            path = home / "result.json"
+            if path.exists():
+                results[name] = dict(json.loads(path.read_text()))
+            else:
+                code = running[name].returncode if name in running else None
+                results[name] = {
+                    "values": {},
+                    "notes": [f"the run exited {code} with no results"],
+                    "info": {},
+                    "failed": True,
+                }
+            if args.keep or results[name].get("failed"):
+                print(f"[{name}] home and logs kept in {home}", file=sys.stderr, flush=True)
+            else:
+                shutil.rmtree(home, ignore_errors=True)
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 trial, small sizes (under a minute)")
+    p.add_argument("--backend", choices=["sqlite", "postgres", "all"], default="all")
+    p.add_argument("--trials", type=int, default=None, help="trials per figure (default 3)")
+    p.add_argument(
+        "--only",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=list(SCENARIOS),
+        help="comma-separated subset of " + ",".join(SCENARIOS),
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    p.add_argument("--keep", action="store_true", help="keep homes, logs and the PG database")
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the workers and beat (for experiments, e.g. "
+        "CHARLIE_TASK_EVENTS=0); the table is then not the default configuration's",
+    )
+    p.add_argument("--child", choices=sorted(BACKENDS), help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    unknown = set(args.only) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {SCENARIOS}")
+    if args.trials is not None and args.trials < 1:
+        p.error("--trials must be at least 1")
+    if any("=" not in kv for kv in args.worker_env):
+        p.error("--worker-env takes KEY=VALUE")
+    return args
+
+
+def _terminate(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Ctrl-C and SIGTERM unwind through the clean-up code, even where SIGINT was inherited
+    # ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if args.child:
+            run_backend(BACKENDS[args.child], args, args.result)
+            return 0
+        return run_parent(args)
+    except KeyboardInterrupt:
+        print(f"[{_progress.tag}] interrupted; child processes stopped", file=sys.stderr)
+        return 130
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
+    wanted = list(BACKENDS) if args.backend == "all" else [args.backend]
+    sizes = sizes_for(args.quick, args.trials)
+    skipped: dict[str, str] = {}
+    started = time.perf_counter()
+    runnable = []
+    for name in wanted:
+        problem = backend_problem(BACKENDS[name])
+        if problem:
+            skipped[name] = problem
+            print(f"[{name}] skipped: {problem}", file=sys.stderr, flush=True)
+        else:
+            runnable.append(BACKENDS[name])
+    # --quick is a smoke run whose figures nobody judges: its backends run side by side.
+    results = run_children(runnable, args, parallel=args.quick)
+    for r in results.values():
+        derive(r["values"])
+    labels = {n: BACKENDS[n].label for n in BACKENDS}
+    table = render(results, labels, skipped, command, sizes, args.worker_env)
+    print(table)
+    print(f"\n(bench took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"command": command, "results": results}, indent=1))
+    return 1 if any(r.get("failed") for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
