@@ -181,6 +181,7 @@ class RunView:
     now: datetime
     items: list[Item] = field(default_factory=list)
     calls: list[CallView] = field(default_factory=list)
+    last_error: JSON | None = None
 
 
 @dataclass

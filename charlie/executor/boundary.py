@@ -96,20 +96,23 @@ def fail(view: RunView, exc: BaseException) -> Transition:
 
 def poison(view: RunView, max_attempts: int) -> Transition:
     """A tick claimed too many times without finishing: its worker keeps dying."""
+    cause = (
+        f"the last attempt failed: {view.last_error.get('message')}"
+        if view.last_error
+        else "its worker likely died each time"
+    )
     message = (
         f"phase {view.phase.value} (version {view.version}) was claimed {view.attempts} "
-        f"times without completing (limit {max_attempts}); its worker likely died each time"
+        f"times without completing (limit {max_attempts}); {cause}"
     )
     error: dict[str, Any] = {
         "phase": view.phase.value,
         "type": "PoisonMessage",
-        "message": (
-            f"phase {view.phase.value} (version {view.version}) was claimed {view.attempts} "
-            f"times without completing (limit {max_attempts}); its worker likely died each time"
-        ),
+        "message": message,
         "traceback": None,
         "attempt": view.attempts,
         "kind": "poison",
+        "last_error": view.last_error,
     }
     if view.phase is Phase.REPORT_FAILURE:
         # Even reporting keeps dying: end the run; the shell marks the task failed directly.

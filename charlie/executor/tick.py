@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from sqlalchemy import Connection, update
+from sqlalchemy.exc import SQLAlchemyError
 
 from charlie import faults
 from charlie.domain import Phase, RunView, TaskStatus, Transition
@@ -30,7 +32,7 @@ log = logging.getLogger("charlie.tick")
 
 SLOW_PHASES = frozenset({Phase.CALL_MODEL, Phase.REPORT_TERMINAL, Phase.REPORT_FAILURE})
 
-TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done"]
+TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done", "refused"]
 
 
 def utcnow() -> datetime:
@@ -53,6 +55,7 @@ def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView | None:
         now=now,
         items=runs.load_items(conn, claim.execution_id) if "items" in wanted else [],
         calls=runs.load_calls(conn, claim.execution_id, claim.turn) if "calls" in wanted else [],
+        last_error=claim.last_error,
     )
 
 
@@ -169,6 +172,47 @@ def _publish(rt: Runtime, claim: runs.Claim, view: RunView, transition: Transiti
 
 
 def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> TickResult:
+    progress = _Progress()
+    try:
+        return _run_tick(rt, execution_id, phase, version, progress)
+    except SQLAlchemyError as exc:
+        # The database refused a write (or went away) mid-tick: nothing was committed. Keep the
+        # error as evidence and release the lease so the sweep retries without waiting for it
+        # to lapse; the attempt counter bounds the retries (then report_failure says why).
+        log.exception(
+            "tick could not commit",
+            extra={"execution_id": execution_id, "phase": phase.value, "version": version},
+        )
+        error = {
+            "phase": phase.value,
+            "type": type(exc).__name__,
+            "message": str(getattr(exc, "orig", None) or exc)[:2000],
+            "at": utcnow().isoformat(),
+        }
+        try:
+            with write(rt.engine) as conn:
+                runs.record_refused_tick(
+                    conn,
+                    execution_id,
+                    version,
+                    rt.worker,
+                    error,
+                    claim_committed=progress.claim_committed,
+                )
+        except SQLAlchemyError:
+            log.warning("could not record the refused write either; the lease will lapse")
+        return "refused"
+
+
+@dataclass
+class _Progress:
+    #: the claim's transaction committed (the slow path), so the attempt was already counted.
+    claim_committed: bool = False
+
+
+def _run_tick(
+    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
+) -> TickResult:
     started = time.perf_counter()
     now = utcnow()
     slow = phase in SLOW_PHASES
@@ -189,6 +233,7 @@ def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> Tick
             if not _commit(rt, conn, claim, view, transition, started):
                 return "lost_lease"
             slow = False
+    progress.claim_committed = True
     if slow:
         faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
         # The claim committed; from here until the commit no transaction is open (I5).

@@ -42,6 +42,8 @@ class Claim:
     next_seq: int
     state: JSON
     attempts: int
+    #: the error an earlier attempt of this tick recorded (a refused write), if any.
+    last_error: JSON | None = None
 
 
 def claim_execution(
@@ -71,13 +73,21 @@ def claim_execution(
             attempts=e.attempts + 1,
             wake_at=None,
         )
-        .returning(e.task_id, e.turn, e.next_seq, e.state, e.attempts)
+        .returning(e.task_id, e.turn, e.next_seq, e.state, e.attempts, e.error)
     )
     row = conn.execute(stmt).first()
     if row is None:
         return None
     return Claim(
-        execution_id, row.task_id, phase, version, row.turn, row.next_seq, row.state, row.attempts
+        execution_id,
+        row.task_id,
+        phase,
+        version,
+        row.turn,
+        row.next_seq,
+        row.state,
+        row.attempts,
+        row.error,
     )
 
 
@@ -339,14 +349,27 @@ def _call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict
     return rows
 
 
-def release_lease(conn: Connection, execution_id: str, version: int, owner: str) -> None:
-    """Give up a claim without a transition (the tick failed before it could decide)."""
+def record_refused_tick(
+    conn: Connection,
+    execution_id: str,
+    version: int,
+    owner: str,
+    error: JSON,
+    *,
+    claim_committed: bool,
+) -> None:
+    """A tick whose writes the database refused: keep the error as evidence and free the run
+    for the sweep. If the claim was rolled back with the rest, count the attempt here, so the
+    poison limit still bounds the retries."""
     e = executions.c
-    conn.execute(
-        update(executions)
-        .where(e.id == execution_id, e.version == version, e.lease_owner == owner)
-        .values(lease_owner=None, lease_until=None)
-    )
+    stmt = update(executions).where(e.id == execution_id, e.version == version)
+    if claim_committed:
+        stmt = stmt.where(e.lease_owner == owner).values(
+            error=error, lease_owner=None, lease_until=None
+        )
+    else:
+        stmt = stmt.where(e.lease_owner.is_(None)).values(error=error, attempts=e.attempts + 1)
+    conn.execute(stmt)
 
 
 def execution_position(conn: Connection, execution_id: str) -> tuple[Phase, int] | None:
