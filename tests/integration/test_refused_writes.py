@@ -54,7 +54,7 @@ def test_refused_write_is_recorded_and_the_run_continues(cluster: Cluster, scrip
     install, remove = refuse_transcript_writes(xid)
     run_sql(install)
     try:
-        model, ledger = script([{"say": "written at last"}])
+        model, _ = script([{"say": "written at last"}])
         charlie.submit("refused", model=model, task_id=task_id)
 
         def recorded_error() -> dict | None:
