@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, and_, bindparam, func, insert, or_, select, update
 
 from charlie.domain import (
     JSON,
@@ -269,27 +269,38 @@ def commit_transition(
         conn.execute(insert(tool_calls), _call_rows(claim, transition, now))
     c = tool_calls.c
     key = and_(c.execution_id == claim.execution_id, c.turn == claim.turn)
-    for call_id, deadline in transition.queue_calls:
+    # One executemany per kind of change, whatever the fan-out: no statement per call.
+    if transition.queue_calls:
         conn.execute(
             update(tool_calls)
-            .where(key, c.call_id == call_id, c.queued_at.is_(None))
-            .values(queued_at=now, dispatch_version=claim.version, deadline_at=deadline)
+            .where(key, c.call_id == bindparam("b_call"), c.queued_at.is_(None))
+            .values(queued_at=now, dispatch_version=claim.version, deadline_at=bindparam("b_at")),
+            [{"b_call": cid, "b_at": deadline} for cid, deadline in transition.queue_calls],
         )
-    for settlement in transition.settle:
+    if transition.settle:
         conn.execute(
             update(tool_calls)
-            .where(key, c.call_id == settlement.call_id, c.state != CallState.SETTLED.value)
+            .where(key, c.call_id == bindparam("b_call"), c.state != CallState.SETTLED.value)
             .values(
                 state=CallState.SETTLED.value,
-                outcome=settlement.outcome.value,
-                result=settlement.result,
+                outcome=bindparam("b_outcome"),
+                result=bindparam("b_result", type_=tool_calls.c.result.type),
                 settled_at=now,
                 settled_by=owner,
                 lease_owner=None,
-            )
+            ),
+            [
+                {"b_call": s.call_id, "b_outcome": s.outcome.value, "b_result": s.result}
+                for s in transition.settle
+            ],
         )
-    for call_id, order in transition.finish_order.items():
-        conn.execute(update(tool_calls).where(key, c.call_id == call_id).values(finish_order=order))
+    if transition.finish_order:
+        conn.execute(
+            update(tool_calls)
+            .where(key, c.call_id == bindparam("b_call"))
+            .values(finish_order=bindparam("b_order")),
+            [{"b_call": cid, "b_order": n} for cid, n in transition.finish_order.items()],
+        )
     if transition.task_status is not None or transition.usage:
         t = tasks.c
         task_values: dict[str, Any] = {}
