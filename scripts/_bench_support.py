@@ -32,7 +32,7 @@ def bench_echo(value: str = "") -> str:
 
 
 STATS_DIR = os.environ.get("BENCH_STATS_DIR")
-FLUSH_SECONDS = 0.1
+FLUSH_SECONDS = 0.5
 OUTSIDE_TASKS = "-"
 
 

@@ -33,7 +33,11 @@ scale
     N queued tasks (one turn each) drained by a fresh worker: transitions/s against the 50-run
     figure, the worker's resident memory (sum over its process group), database bytes per task.
 
-Every child process runs in its own process group and is killed on exit, Ctrl-C included.
+Each backend runs in a child process of its own (Charlie reads its settings once per process),
+one after the other; ``--quick`` is a smoke run whose figures nobody judges, so its backends run
+side by side to stay under a minute. ``--worker-env KEY=VALUE`` runs the workers with a
+non-default setting, for experiments (the table then says so). Every process the benchmark
+starts runs in its own process group and is killed on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -358,6 +362,7 @@ class Cell:
         env.update(worker_env)
         self.procs = Processes(home, env)
         self.rt = get_runtime()
+        self.floor_db: Engine | None = None
         self.serial = 0
 
     # ---- processes
@@ -422,8 +427,15 @@ class Cell:
         return {str(r[0]): int(r[1]) for r in rows}
 
     def wait_done(
-        self, prefix: str, count: int, timeout: float, on_poll: Callable[[int], None] | None = None
+        self,
+        prefix: str,
+        count: int,
+        timeout: float,
+        on_poll: Callable[[int], None] | None = None,
+        every: float = 0.1,
     ) -> None:
+        """Poll until ``count`` tasks of ``prefix`` are terminal; fail unless all succeeded.
+        (Figures come from the database's timestamps, not from when this notices.)"""
         deadline = time.monotonic() + timeout
         while True:
             counts = self.status_counts(prefix)
@@ -434,7 +446,7 @@ class Cell:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{prefix}: {done}/{count} tasks finished after {timeout:.0f}s")
-            time.sleep(0.1)
+            time.sleep(every)
         bad = {s: n for s, n in counts.items() if s != "succeeded"}
         if bad:
             raise RuntimeError(f"{prefix}: tasks ended {bad}: {self.first_error(prefix)}")
@@ -499,7 +511,7 @@ class Cell:
         return totals
 
     def settled_stats(self) -> dict[str, list[int]]:
-        time.sleep(0.3)  # > the workers' flush interval
+        time.sleep(0.6)  # > the workers' flush interval (0.5 s)
         return self.stats()
 
     @staticmethod
@@ -593,15 +605,13 @@ class Cell:
             self.results.add(f"{record}.ms", 1000 / rate)
         return rate
 
-    _floor_engine: Engine | None = None
-
     def floor_engine(self) -> Engine:
         import _bench_floor
 
-        if self._floor_engine is None:
-            self._floor_engine = _bench_floor.make_engine(self.floor_url)
-            _bench_floor.create_table(self._floor_engine)
-        return self._floor_engine
+        if self.floor_db is None:
+            self.floor_db = _bench_floor.make_engine(self.floor_url)
+            _bench_floor.create_table(self.floor_db)
+        return self.floor_db
 
     def transitions_and_floor(self, with_charlie: bool, with_floor: bool) -> None:
         s = self.sizes
@@ -712,7 +722,7 @@ class Cell:
             if "tenth" not in rss and done >= n // 10:
                 rss["tenth"] = self.procs.rss_bytes("worker")
 
-        self.wait_done(prefix, n, timeout=120 + n * 1.0, on_poll=sample)
+        self.wait_done(prefix, n, timeout=120 + n * 1.0, on_poll=sample, every=1.0)
         rss["end"] = self.procs.rss_bytes("worker")
         delta = self.stats_delta(before, self.settled_stats())
         rows = self.transitions(prefix)
@@ -768,29 +778,22 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
 
         upgrade(PG_URL)
     cell = Cell(backend, home, sizes, worker_env)
+    steps: dict[str, Callable[[], None]] = {}
+    if only & {"transitions", "floor"}:
+        with_charlie, with_floor = "transitions" in only, "floor" in only
+        steps["transitions+floor"] = lambda: cell.transitions_and_floor(with_charlie, with_floor)
+    steps.update({name: getattr(cell, name) for name in ("fanout", "recovery", "scale")})
     failed = False
     try:
         cell.start_worker()
         cell.start_beat()
         if "floor" in only:
             cell.start_floor_worker()
-        try:
-            cell.warm_up()
-            if "floor" in only:
-                cell.warm_up_floor()
-        except Exception as exc:
-            failed = True
-            cell.results.notes.append(f"warm-up failed: {type(exc).__name__}: {exc}")
-            raise
+        cell.warm_up()
+        if "floor" in only:
+            cell.warm_up_floor()
         progress("workers up and warm")
-        plan: list[tuple[str, Callable[[], None]]] = []
-        if only & {"transitions", "floor"}:
-            with_charlie, with_floor = "transitions" in only, "floor" in only
-            plan.append(
-                ("transitions+floor", lambda: cell.transitions_and_floor(with_charlie, with_floor))
-            )
-        plan += [(name, getattr(cell, name)) for name in ("fanout", "recovery", "scale")]
-        for name, step in plan:
+        for name, step in steps.items():
             if name not in only and name != "transitions+floor":
                 continue
             started = time.perf_counter()
@@ -804,31 +807,31 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
                     cell.start_worker()
             cell.procs.kill("floor")  # the floor is measured only alongside the transitions
             progress(f"{name} took {time.perf_counter() - started:.1f}s")
+    except BaseException as exc:
+        failed = True
+        cell.results.notes.append(f"stopped: {type(exc).__name__}: {exc}")
+        raise
     finally:
         cell.procs.close()
         cell.rt.engine.dispose()
-        if cell._floor_engine is not None:
-            cell._floor_engine.dispose()
-        cell.results.info["versions"] = server_versions(backend, cell)
+        if cell.floor_db is not None:
+            cell.floor_db.dispose()
+        cell.results.info["versions"] = server_versions(backend)
         if backend.name == "postgres" and not args.keep:
             with contextlib.suppress(Exception):
                 drop_pg_database()
             with contextlib.suppress(Exception):
                 flush_redis()
-        result_path.write_text(
-            json.dumps(
-                {
-                    "values": cell.results.values,
-                    "notes": cell.results.notes,
-                    "info": cell.results.info,
-                    "failed": failed,
-                },
-                default=str,
-            )
-        )
+        doc = {
+            "values": cell.results.values,
+            "notes": cell.results.notes,
+            "info": cell.results.info,
+            "failed": failed,
+        }
+        result_path.write_text(json.dumps(doc, default=str))
 
 
-def server_versions(backend: Backend, cell: Cell) -> dict[str, str]:
+def server_versions(backend: Backend) -> dict[str, str]:
     out = {"sqlite": sqlite3.sqlite_version}
     if backend.name != "postgres":
         return out
@@ -940,13 +943,17 @@ def render(
     if names:
         out.append("| Metric | " + " | ".join(labels[n] for n in names) + " | Target |")
         out.append("|---|" + "---:|" * len(names) + "---|")
+        heading = ""
         for row in ROWS:
             if isinstance(row, str):
-                out.append(f"| {row} |" + " |" * len(names) + " |")
+                heading = f"| {row} |" + " |" * len(names) + " |"
                 continue
             cells = [cell_text(results[n]["values"].get(row.key), row) for n in names]
             if all(c == NONE for c in cells):
                 continue
+            if heading:  # a section's heading, once it has a row to show
+                out.append(heading)
+                heading = ""
             out.append(f"| {row.label} | " + " | ".join(cells) + f" | {row.target} |")
     out.append("")
     out += FOOTNOTES
