@@ -8,10 +8,8 @@ lease, and commit in a second one that succeeds only if the lease is still their
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
@@ -23,6 +21,7 @@ from charlie import faults
 from charlie.domain import Phase, RunView, TaskStatus, Transition
 from charlie.executor import boundary
 from charlie.executor.phases import needs, run_phase
+from charlie.leases import heartbeat
 from charlie.runtime import Runtime
 from charlie.store import runs
 from charlie.store.engine import write
@@ -69,31 +68,14 @@ def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
     return None
 
 
-@contextmanager
-def _heartbeat(rt: Runtime, claim: runs.Claim) -> Iterator[None]:
-    """Renew the lease while slow work runs (I5); a killed worker stops renewing it."""
-    stop = threading.Event()
-    interval = rt.settings.lease_seconds / 3
+def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[None]:
+    """Renew the run's lease while slow work runs (I5)."""
 
-    def beat() -> None:
-        while not stop.wait(interval):
-            until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
-            try:
-                with write(rt.engine) as conn:
-                    if not runs.renew_execution_lease(
-                        conn, claim.execution_id, claim.version, rt.worker, until
-                    ):
-                        return
-            except Exception:
-                log.warning("lease heartbeat failed", exc_info=True)
+    def renew(conn: Connection) -> bool:
+        until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
+        return runs.renew_execution_lease(conn, claim.execution_id, claim.version, rt.worker, until)
 
-    thread = threading.Thread(target=beat, name=f"lease-{claim.execution_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return heartbeat(rt.engine, renew, rt.settings.lease_seconds / 3, f"lease-{claim.execution_id}")
 
 
 def _compute(rt: Runtime, view: RunView) -> Transition:

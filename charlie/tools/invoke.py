@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select
 
 from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of
+from charlie.leases import heartbeat
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
@@ -57,28 +56,14 @@ def cap_result(result: Any, limit: int) -> Any:
     }
 
 
-@contextmanager
-def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> Iterator[None]:
-    stop = threading.Event()
-    interval = rt.settings.lease_seconds / 3
+def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[None]:
+    """Renew the call's lease while its handler runs (I5)."""
 
-    def beat() -> None:
-        while not stop.wait(interval):
-            until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
-            try:
-                with write(rt.engine) as conn:
-                    if not calls.renew_call_lease(conn, call, rt.worker, until):
-                        return
-            except Exception:
-                log.warning("call lease heartbeat failed", exc_info=True)
+    def renew(conn: Connection) -> bool:
+        until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
+        return calls.renew_call_lease(conn, call, rt.worker, until)
 
-    thread = threading.Thread(target=beat, name=f"call-lease-{call.call_id}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
+    return heartbeat(rt.engine, renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
 
 
 def _run_handler(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
