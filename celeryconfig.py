@@ -52,6 +52,11 @@ task_default_queue = "charlie"
 SWEEP_QUEUE = "charlie.sweeps"
 task_routes = {"charlie.sweep.*": {"queue": SWEEP_QUEUE}}
 
+# On the embedded broker a dead worker's broadcast queue is never removed, so every later
+# broadcast would leave a file behind for it: no remote control there (Flower needs a server
+# broker anyway).
+worker_enable_remote_control = not _s.is_embedded_broker
+
 # Flower shows the loop as it runs (I21): each phase is its own task name.
 worker_send_task_events = _s.task_events
 task_send_sent_event = _s.task_events
