@@ -11,7 +11,7 @@ means it could not be reached at all (transient: connection refused, timeout).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 from urllib.parse import quote
@@ -45,6 +45,8 @@ class Workspace:
     path: str
     head: str | None
     branch: str | None
+    #: True when this request built it (first use, or again after the devbox lost it).
+    created: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class StartedCommand:
     execution_id: str
     status: str
     timeout: float
+    #: False when an earlier start with the same idempotency key is what came back.
+    created: bool = True
 
 
 @dataclass(frozen=True)
@@ -175,13 +179,22 @@ class DevboxClient:
         timeout: float | None = None,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        idempotency_key: str | None = None,
     ) -> StartedCommand:
-        """Start ``argv`` (or a ``shell`` string); returns its execution id without waiting."""
+        """Start ``argv`` (or a ``shell`` string); returns its execution id without waiting.
+
+        With ``idempotency_key``, starting again with the same key in the same workspace returns
+        the first command (``created=False``) instead of running a second one, so a start whose
+        answer was lost may be retried."""
         body: dict[str, Any] = {"argv": argv, "shell": shell, "timeout": timeout, "env": env}
         if cwd is not None:
             body["cwd"] = cwd
+        if idempotency_key is not None:
+            body["idempotency_key"] = idempotency_key
         data = self._call("POST", f"{_ws(workspace_id)}/commands", json=body)
-        return StartedCommand(data["execution_id"], data["status"], data["timeout"])
+        return StartedCommand(
+            data["execution_id"], data["status"], data["timeout"], bool(data.get("created", True))
+        )
 
     def command_status(self, execution_id: str, *, tail: int | None = None) -> CommandStatus:
         params = {"tail": tail} if tail is not None else None
@@ -283,7 +296,9 @@ def _ws(workspace_id: str) -> str:
 
 
 def _workspace(data: dict[str, Any]) -> Workspace:
-    return Workspace(data["workspace_id"], data["path"], data["head"], data["branch"])
+    return Workspace(
+        data["workspace_id"], data["path"], data["head"], data["branch"], bool(data.get("created"))
+    )
 
 
 def _status(data: dict[str, Any]) -> CommandStatus:

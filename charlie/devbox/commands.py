@@ -18,6 +18,7 @@ when the devbox stopped or died is ``lost``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -143,6 +144,9 @@ class StartRequest:
     cwd: Path
     env: dict[str, str]
     timeout: float
+    #: a caller's key for this start: starting again with the same key (in the same workspace)
+    #: returns the first command's execution id instead of running it twice.
+    idempotency_key: str | None = None
 
 
 class CommandRunner:
@@ -154,11 +158,37 @@ class CommandRunner:
         self.output_bytes = output_bytes
         self._running: dict[str, _Running] = {}
         self._lock = threading.Lock()
+        self._keys = self.dir / "by-key"
+        self._keys.mkdir(exist_ok=True)
+        self._keys_lock = threading.Lock()
         self._stopping = False
 
     # -- start ---------------------------------------------------------------------------------
 
     def start(self, req: StartRequest) -> dict[str, Any]:
+        if req.idempotency_key is None:
+            return self._start(req)
+        # The key file is written, after the command's metadata and before its process, under
+        # a lock: a second start with the key finds it (across devbox restarts too) and gets
+        # the first command back, so a caller that lost the answer can ask again safely.
+        digest = hashlib.sha256(f"{req.workspace_id}\0{req.idempotency_key}".encode()).hexdigest()
+        key_file = self._keys / digest
+        with self._keys_lock:
+            try:
+                existing = key_file.read_text().strip()
+            except FileNotFoundError:
+                existing = ""
+            if existing and (self.dir / existing / "meta.json").is_file():
+                meta = self._meta(existing)
+                return {
+                    "execution_id": existing,
+                    "status": meta["status"],
+                    "timeout": meta["timeout"],
+                    "created": False,
+                }
+            return self._start(req, key_file)
+
+    def _start(self, req: StartRequest, key_file: Path | None = None) -> dict[str, Any]:
         execution_id = str(uuid.uuid4())
         cdir = self.dir / execution_id
         cdir.mkdir()
@@ -179,14 +209,16 @@ class CommandRunner:
         # Recorded before the process exists: if the devbox dies right after the spawn, a
         # restart finds the id and reports it lost instead of not knowing it at all.
         write_json_atomic(cdir / "meta.json", meta)
+        if key_file is not None:
+            _write_text_atomic(key_file, execution_id)
         with self._lock:
             if self._stopping:
-                shutil.rmtree(cdir, ignore_errors=True)
+                _forget(cdir, key_file)
                 raise ApiError(503, "the devbox is shutting down")
             try:
                 proc = self._spawn(req, cdir)
             except OSError as exc:
-                shutil.rmtree(cdir, ignore_errors=True)
+                _forget(cdir, key_file)
                 raise ApiError(400, f"cannot start command {req.argv[0]!r}: {exc}") from exc
             assert proc.stdout is not None and proc.stderr is not None
             run = _Running(
@@ -203,7 +235,12 @@ class CommandRunner:
         threading.Thread(
             target=self._watch, args=(run, meta), name=f"devbox-watch-{execution_id}", daemon=True
         ).start()
-        return {"execution_id": execution_id, "status": RUNNING, "timeout": req.timeout}
+        return {
+            "execution_id": execution_id,
+            "status": RUNNING,
+            "timeout": req.timeout,
+            "created": True,
+        }
 
     @staticmethod
     def _spawn(req: StartRequest, cdir: Path) -> subprocess.Popen[bytes]:
@@ -390,6 +427,22 @@ def _kill_orphan(meta: Mapping[str, Any]) -> bool:
         return False
     kill_group(pid)
     return True
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _forget(cdir: Path, key_file: Path | None) -> None:
+    """Undo a start that never spawned its process."""
+    if key_file is not None:
+        key_file.unlink(missing_ok=True)
+    shutil.rmtree(cdir, ignore_errors=True)
 
 
 def _size(path: Path) -> int:

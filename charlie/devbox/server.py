@@ -4,7 +4,9 @@ Routes (every one needs ``Authorization: Bearer <token>``)::
 
     PUT  /workspaces/{id}                  create or return a workspace (idempotent)
     GET  /workspaces/{id}                  describe it
-    POST /workspaces/{id}/commands         start a command -> execution id, at once
+    POST /workspaces/{id}/commands         start a command -> execution id, at once (an
+                                           idempotency_key makes a repeated start return the
+                                           first command's id)
     GET  /commands/{execution_id}?tail=N   status, exit code and output tails
     POST /commands/{execution_id}/cancel   kill its process group
     GET  /workspaces/{id}/files?path=      read a file
@@ -97,6 +99,8 @@ class Devbox:
         if not cwd.is_dir():
             raise ApiError(400, f"cwd {req.body.get('cwd')!r} is not a directory in the workspace")
         env = command_env(str(workspace), validate_env(req.body.get("env")))
+        raw_key = req.body.get("idempotency_key")
+        key = None if raw_key is None else _key(raw_key)
         return self.commands.start(
             StartRequest(
                 workspace_id=workspace_id,
@@ -106,6 +110,7 @@ class Devbox:
                 cwd=cwd,
                 env=env,
                 timeout=self._timeout(req.body.get("timeout")),
+                idempotency_key=key,
             )
         )
 
@@ -251,6 +256,8 @@ class _HTTPServer(ThreadingHTTPServer):
     # set after construction; typed here so the handler can reach them
     devbox: Devbox
     token: str
+    #: set by stop(): a keep-alive connection accepted before is answered 503, not served on
+    stopping: bool = False
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -271,6 +278,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle()
 
     def _handle(self) -> None:
+        if self.server.stopping:
+            self.close_connection = True
+            self._send(503, {"error": "the devbox is stopping"})
+            return
         try:
             self._authorize()
             # the body is read before routing so an error answer leaves the connection clean
@@ -397,6 +408,7 @@ class DevboxServer:
         if self._stopped:
             return
         self._stopped = True
+        self._http.stopping = True
         if self._serving:
             self._http.shutdown()
         self._http.server_close()

@@ -69,7 +69,7 @@ class Workspaces:
                         f"workspace {workspace_id!r} exists with a different spec "
                         f"({json.dumps(existing, sort_keys=True)})",
                     )
-                return self.describe(workspace_id)
+                return {**self.describe(workspace_id), "created": False}
             build = Path(tempfile.mkdtemp(prefix=f"ws-{workspace_id}-", dir=self.scratch))
             try:
                 self._build(build / "w", spec)
@@ -77,7 +77,9 @@ class Workspaces:
                 os.replace(build / "w", target)
             finally:
                 shutil.rmtree(build, ignore_errors=True)
-        return self.describe(workspace_id)
+        # ``created`` tells a caller the workspace was (re)built just now: after the devbox lost
+        # a workspace, what was changed in it before is gone.
+        return {**self.describe(workspace_id), "created": True}
 
     def describe(self, workspace_id: str) -> dict[str, Any]:
         path = self.path(workspace_id)

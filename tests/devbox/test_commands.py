@@ -97,6 +97,37 @@ def test_graceful_stop_marks_running_command_lost(make_server: ServerFactory) ->
     assert not status.succeeded
 
 
+def test_keyed_start_returns_the_first_command_even_after_a_restart(
+    make_server: ServerFactory, devbox_root: Path
+) -> None:
+    """A caller that lost the answer to a start asks again with the same key and gets the same
+    command back, never a second run (the window between a start and its id being recorded)."""
+    first = make_server()
+    with DevboxClient(first.url, TOKEN) as c:
+        c.ensure_workspace("ws", None)
+        c.ensure_workspace("other", None)
+        started = c.start_command("ws", shell="echo ran >> count", idempotency_key="call-1")
+        again = c.start_command("ws", shell="echo ran >> count", idempotency_key="call-1")
+        elsewhere = c.start_command("other", shell="true", idempotency_key="call-1")
+        assert c.wait_command(started.execution_id, timeout=10).status == "exited"
+    assert started.created and not again.created
+    assert again.execution_id == started.execution_id
+    assert elsewhere.execution_id != started.execution_id  # keys are per workspace
+    first.stop()
+    second = make_server()
+    with DevboxClient(second.url, TOKEN) as c:
+        after = c.start_command("ws", shell="echo ran >> count", idempotency_key="call-1")
+        assert (after.execution_id, after.created, after.status) == (
+            started.execution_id,
+            False,
+            "exited",
+        )
+        with pytest.raises(DevboxError) as bad:
+            c.start_command("ws", shell="true", idempotency_key="has space")
+    assert bad.value.status == 400
+    assert (devbox_root / "workspaces" / "ws" / "count").read_text() == "ran\n"
+
+
 def test_output_beyond_cap_is_dropped_and_says_so(make_server: ServerFactory) -> None:
     server = make_server(limits=Limits(output_bytes=1000))
     with DevboxClient(server.url, TOKEN) as c:
