@@ -63,6 +63,19 @@ class Settings:
     embedded_poll_interval: float = 0.02
     task_events: bool = False
     extra: dict[str, str] = field(default_factory=dict)
+    #: the devbox (``charlie devbox serve``) the tools run in; unset: the local tools. When set,
+    #: run_command, read_file, write_file and list_files are the devbox's, plus apply_patch,
+    #: git_diff and git_commit (charlie/tools/devbox_tools.py).
+    devbox_url: str | None = None
+    devbox_token: str | None = field(default=None, repr=False)
+    #: how long one HTTP request to the devbox may take (a first clone happens in one).
+    devbox_timeout: float = 60.0
+    #: run_command observes its command for this long inside one invocation before it parks
+    #: the call and lets the sweep poll it again after ``devbox_poll_interval``.
+    devbox_inline_wait: float = 5.0
+    devbox_poll_interval: float = 2.0
+    #: run_command's tool deadline (I13): past it the call settles ``deadline_exceeded``.
+    devbox_command_deadline: float = 900.0
 
     @property
     def is_sqlite(self) -> bool:
@@ -110,6 +123,12 @@ def load_settings() -> Settings:
         report_retries=_env_int("CHARLIE_REPORT_RETRIES", 4),
         embedded_poll_interval=_env_float("CHARLIE_EMBEDDED_POLL_INTERVAL", 0.02),
         task_events=task_events,
+        devbox_url=os.environ.get("CHARLIE_DEVBOX_URL") or None,
+        devbox_token=os.environ.get("CHARLIE_DEVBOX_TOKEN") or None,
+        devbox_timeout=_env_float("CHARLIE_DEVBOX_TIMEOUT", 60.0),
+        devbox_inline_wait=_env_float("CHARLIE_DEVBOX_INLINE_WAIT", 5.0),
+        devbox_poll_interval=_env_float("CHARLIE_DEVBOX_POLL_INTERVAL", 2.0),
+        devbox_command_deadline=_env_float("CHARLIE_DEVBOX_COMMAND_DEADLINE", 900.0),
     )
 
 

@@ -57,6 +57,7 @@ def delegate(
     from charlie.runtime import get_runtime
     from charlie.store import runs
     from charlie.store.engine import read
+    from charlie.tools.devbox_tools import inherited_devbox
 
     rt = get_runtime()
     with read(rt.engine) as conn:
@@ -74,6 +75,10 @@ def delegate(
     metadata: JSON = {"delegated_by": {"task_id": ctx.task_id, "call_id": ctx.call_id}}
     if "workspace" in parent.metadata:
         metadata["workspace"] = parent.metadata["workspace"]
+    # The child works in the parent's devbox workspace (its id spelled out, not re-derived).
+    devbox = inherited_devbox(ctx.task_id, parent.metadata)
+    if devbox is not None:
+        metadata["devbox"] = devbox
     submitted = scheduler.submit(
         rt.engine,
         prompt=prompt,

@@ -153,6 +153,12 @@ class ToolRegistry:
         self._tools[definition.name] = definition
         return definition
 
+    def replace(self, definition: ToolDef) -> ToolDef:
+        """Register ``definition`` in place of the tool of the same name, if there is one (the
+        devbox's tools take the local ones' names, so the model sees one tool set)."""
+        self._tools[definition.name] = definition
+        return definition
+
     def get(self, name: str) -> ToolDef | None:
         return self._tools.get(name)
 
