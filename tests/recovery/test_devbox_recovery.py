@@ -1,0 +1,158 @@
+"""Recovery with the devbox: workers SIGKILLed mid-command and mid-commit, the devbox restarted.
+
+The module's workers run with a devbox configured (tests/devbox/cluster_support.py). Kills come
+from fault points inside the devbox tools, so they land exactly where the invariant is at stake:
+right after the command started (its id recorded), in the window between the devbox starting it
+and the id being recorded, and right after a commit landed (I10, I20).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import charlie
+from charlie import api
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.devbox.cluster_support import DevboxProcess, cluster_on_devbox, git
+from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.support.cluster import Cluster
+
+pytestmark = [pytest.mark.recovery, pytest.mark.timeout(120)]
+
+MARKED = "echo start >> marker.log; sleep 2; echo end >> marker.log; echo done"
+
+
+@pytest.fixture(scope="module")
+def devbox(
+    cluster_session: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevboxProcess]:
+    home = tmp_path_factory.mktemp("devbox-recovery")
+    env = {
+        "CHARLIE_DEVBOX_COMMAND_DEADLINE": "60",
+        "CHARLIE_DEVBOX_INLINE_WAIT": "1",
+        "CHARLIE_DEVBOX_POLL_INTERVAL": "0.3",
+    }
+    with cluster_on_devbox(cluster_session, home, env) as devbox:
+        yield devbox
+
+
+def call(cid: str, name: str, **arguments: Any) -> dict[str, Any]:
+    return {"id": cid, "name": name, "arguments": arguments}
+
+
+def only_call(task_id: str, call_id: str) -> api.CallRecord:
+    return next(c for c in api.calls(task_id) if c.call_id == call_id)
+
+
+@pytest.mark.parametrize("point", ["devbox.after_command_started", "devbox.before_record_handle"])
+def test_command_outlives_its_killed_worker_and_is_observed_to_completion(
+    cluster: Cluster, devbox: DevboxProcess, script, point: str
+) -> None:
+    """I10, I20: the worker that started the command is SIGKILLed (after recording the
+    execution id, or before it could); the command keeps running, another worker observes it
+    to completion under the same id, and it was started exactly once."""
+    cluster.set_faults({point: {"action": "kill", "times": 1, "match": {"tool": "run_command"}}})
+    model, _ = script(
+        [{"tool_calls": [call("cmd", "run_command", command=MARKED)]}, {"say": "It ran."}]
+    )
+    task_id = charlie.submit("kill mid command", model=model, metadata={"devbox": {}})
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count(point) == 1
+    cmd = only_call(task_id, "cmd")
+    assert cmd.outcome == "ok", cmd.result
+    assert cmd.result["stdout"] == "done\n"
+    assert cmd.result["resumed"] is True
+    # one command, observed under the id recorded on the call, by a worker other than the
+    # one that started it (that one is dead)
+    assert devbox.commands_in(task_id) == [cmd.handle] == [cmd.result["execution_id"]]
+    assert cmd.result["observed_by"] != cmd.started_by
+    assert (devbox.workspace(task_id) / "marker.log").read_text() == "start\nend\n"
+    assert_every_call_has_one_result(task_id)
+
+
+def commits_with_key(devbox: DevboxProcess, task_id: str, key: str) -> list[str]:
+    out = git(devbox.workspace(task_id), "log", "--format=%H", f"--grep={key}", "--fixed-strings")
+    return out.split()
+
+
+def commit_script(script) -> str:
+    model, _ = script(
+        [
+            {"tool_calls": [call("w", "write_file", path="CHANGES", content="fixed\n")]},
+            {"tool_calls": [call("c", "git_commit", message="Fix it")]},
+            {"say": "Reported what the commit call settled as."},
+        ]
+    )
+    return str(model)
+
+
+def test_commit_interrupted_after_it_landed_reconciles_to_done(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """I10: the worker dies after the commit landed and before the call settled; the reconcile
+    hook finds the commit by its idempotency key, so the call settles ok, not unknown."""
+    cluster.set_faults(
+        {"devbox.after_commit": {"action": "kill", "times": 1, "match": {"tool": "git_commit"}}}
+    )
+    task_id = charlie.submit("commit", model=commit_script(script), metadata={"devbox": {}})
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    assert cluster.fault_count("devbox.after_commit") == 1
+    commit = only_call(task_id, "c")
+    assert commit.outcome == "ok" and commit.result["reconciled"] is True
+    key = commit.result["idempotency_key"]
+    assert commits_with_key(devbox, task_id, key) == [commit.result["commit"]]
+    assert git(devbox.workspace(task_id), "show", "--format=", "--name-only", "HEAD") == "CHANGES"
+
+
+def test_commit_interrupted_before_it_landed_reconciles_to_not_done(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """I9, I10: the worker dies after the call was marked started and before the handler ran;
+    the reconcile hook finds no commit with the key, so the call settles as an error that says
+    it did not happen (and the commit was not made behind the model's back)."""
+    cluster.set_faults(
+        {"tool.after_started": {"action": "kill", "times": 1, "match": {"tool": "git_commit"}}}
+    )
+    task_id = charlie.submit("commit", model=commit_script(script), metadata={"devbox": {}})
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    assert cluster.fault_count("tool.after_started") == 1
+    commit = only_call(task_id, "c")
+    assert commit.outcome == "error" and commit.result["reconciled"] is True
+    assert "not committed" in commit.result["error"]
+    assert commits_with_key(devbox, task_id, commit.result["idempotency_key"]) == []
+    seen = next(
+        i for i in charlie.transcript(task_id) if i.call_id == "c" and i.kind == "tool_result"
+    )
+    assert "not committed" in seen.payload["content"]
+
+
+def test_devbox_restart_while_a_command_runs_is_reported_lost(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """The devbox is SIGKILLed and started again while a command runs: the command's outcome
+    is unknowable, so the model is told it was lost, never that it succeeded or failed."""
+    model, _ = script(
+        [
+            {"tool_calls": [call("long", "run_command", command="sleep 30")]},
+            {"say": "The devbox restarted under the command; I will run it again if needed."},
+        ]
+    )
+    task_id = charlie.submit("restart devbox", model=model, metadata={"devbox": {}})
+    wait_for(lambda: any(c.handle for c in api.calls(task_id)), timeout=30)
+    devbox.kill()
+    devbox.start()
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    long = only_call(task_id, "long")
+    assert long.outcome == "error" and long.result["status"] == "lost"
+    assert long.result["execution_id"] == long.handle
+    seen = next(
+        i for i in charlie.transcript(task_id) if i.call_id == "long" and i.kind == "tool_result"
+    )
+    assert "devbox restarted while the command was running" in seen.payload["content"]
+    assert devbox.commands_in(task_id) == [long.handle]  # not started again
