@@ -1,8 +1,24 @@
-"""Run the demo: start a worker (with beat) on the embedded default, submit, follow, report."""
+"""Run the demo: the release engineer's story from the design, through a real devbox.
+
+On the embedded default it needs no servers: it builds a small git repository from the bundled
+sample (a 2.3 commit and the 2.4 configuration change that broke '#' comments), starts a devbox
+in this process (a generated token; its URL and token go to the worker through its environment),
+starts a worker with beat, and submits a task whose metadata names the repository, a branch and
+the base commit. The scripted model inspects the parser, runs the focused failing test, patches,
+delegates a compatibility check to a child task (which runs the ';' comment test in the same
+workspace) and waits for it, revises the patch, runs the suite, commits and reports. Every
+command, file and git operation goes through the devbox; the transcript printed here shows each
+command's execution id and how it was observed.
+
+With ``CHARLIE_DEVBOX_URL``/``CHARLIE_DEVBOX_TOKEN`` set, that devbox is used instead of starting
+one (it must be able to read the repository path the demo creates under ``CHARLIE_HOME``).
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -10,22 +26,93 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import click
 
 from charlie import api
 from charlie.config import settings
-from charlie.views import transcript_rows
+from charlie.devbox import DevboxClient, DevboxServer
+from charlie.tools.devbox_tools import devbox_metadata, workspace_id_for
+from charlie.views import short
 
 HERE = Path(__file__).parent
+BRANCH = "fix/hash-comments"
 PROMPT = (
     "The 2.4 configuration change broke parsing of existing config files. Find the regression "
-    "in the confparse repository, fix it without losing the new behaviour, and prove it with "
-    "the test suite."
+    "in the confparse repository, fix it without losing the new behaviour, prove it with the "
+    "test suite, and commit the fix."
 )
 
+#: confparse as released in 2.3, before the configuration change.
+SETTINGS_2_3 = '''"""Parser settings."""
 
-def _start_worker(home: Path) -> subprocess.Popen[bytes]:
+# Lines starting with one of these are comments.
+COMMENT_PREFIXES = ("#",)
+
+# Whitespace around keys and values is stripped.
+STRIP_WHITESPACE = True
+'''
+TESTS_2_3 = """import unittest
+
+from confparse import parse
+
+
+class ParserTest(unittest.TestCase):
+    def test_pairs(self) -> None:
+        self.assertEqual(parse("a = 1\\nb=2"), {"a": "1", "b": "2"})
+
+    def test_hash_comments_are_ignored(self) -> None:
+        self.assertEqual(parse("# note\\na = 1"), {"a": "1"})
+
+
+if __name__ == "__main__":
+    unittest.main()
+"""
+
+
+def _git(cwd: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.name=Release Bot", "-c", "user.email=release@confparse.test", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def make_repository(dest: Path) -> Path:
+    """The sample as a git repository: 2.3, then the 2.4 change that introduced the bug."""
+    shutil.copytree(HERE / "sample_repo", dest)
+    changed = ("confparse/settings.py", "tests/test_parser.py")
+    released = {path: (dest / path).read_text() for path in changed}
+    (dest / "confparse/settings.py").write_text(SETTINGS_2_3)
+    (dest / "tests/test_parser.py").write_text(TESTS_2_3)
+    _git(dest, "init", "-q", "-b", "main")
+    _git(dest, "add", "-A")
+    _git(dest, "commit", "-q", "-m", "confparse 2.3")
+    for path, text in released.items():
+        (dest / path).write_text(text)
+    _git(dest, "commit", "-q", "-am", "2.4: configurable comment prefixes (support ';' comments)")
+    return dest
+
+
+def _write_scripts(into: Path) -> str:
+    """The parent's script, pointing its delegation at the child's script; returns its spec."""
+    child = into / "compat_check.json"
+    shutil.copyfile(HERE / "compat_check.json", child)
+    turns = json.loads((HERE / "script.json").read_text())
+    for turn in turns:
+        for call in turn.get("tool_calls", []):
+            if call["name"] == "delegate":
+                call["arguments"]["model"] = f"scripted:{child}"
+    parent = into / "script.json"
+    parent.write_text(json.dumps(turns, indent=1))
+    return f"scripted:{parent}"
+
+
+def _start_worker(home: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with open(home / "demo-worker.log", "ab") as log:
         return subprocess.Popen(
             [
@@ -44,7 +131,7 @@ def _start_worker(home: Path) -> subprocess.Popen[bytes]:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=os.environ.copy(),
+            env=env,
         )
 
 
@@ -60,50 +147,199 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+# -- the transcript, with what the devbox did ------------------------------------------------
+
+
+def _tail_lines(result: dict[str, Any], count: int = 5) -> list[str]:
+    text = "\n".join(str(result.get(k) or "") for k in ("stdout", "stderr"))
+    lines = [line for line in text.splitlines() if line.strip() and not set(line) <= {"-", "="}]
+    return lines[-count:]
+
+
+def _details(call: api.CallRecord) -> list[str]:
+    """What one tool call did, in a line or two (the devbox's side of it)."""
+    result: Any = call.result
+    data = result if isinstance(result, dict) else {}
+    out: list[str] = []
+    if call.name == "run_command" and data.get("execution_id"):
+        how = (
+            f"parked, then observed to its end by {data.get('observed_by')}"
+            if data.get("resumed")
+            else f"observed by {data.get('observed_by')}"
+        )
+        status = data.get("status")
+        code = f"exit {data.get('exit_code')}" if status == "exited" else status
+        out.append(f"devbox execution {data['execution_id']} — {code}; {how}")
+        out += [f"| {line}" for line in _tail_lines(data)]
+    elif call.name == "delegate" and "task_id" in data:
+        out.append(f"child task {data['task_id']}")
+    elif call.name == "apply_patch" and data.get("applied"):
+        out.append(f"patched {', '.join(data.get('files', []))}")
+    elif call.name == "git_diff" and "diff" in data:
+        out += [
+            f"| {line}"
+            for line in str(data["diff"]).splitlines()
+            if line.startswith(("+", "-")) and not line.startswith(("+++", "---"))
+        ]
+    elif call.name == "git_commit" and "commit" in data:
+        out.append(
+            f"commit {data['commit'][:12]} on {data.get('branch')} "
+            f"(idempotency key {data.get('idempotency_key')})"
+        )
+    elif call.name == "list_files" and isinstance(result, list):
+        out.append(", ".join(str(r) for r in result))
+    elif call.name == "read_file" and isinstance(result, str):
+        out.append(f"{len(result.splitlines())} lines")
+    elif call.name == "wait_for_task" and "status" in data:
+        out.append(f"child {data.get('status')}: {short(data.get('result', {}).get('answer'), 90)}")
+    elif "error" in data:
+        out.append(short(data["error"], 110))
+    return out
+
+
+def transcript_lines(task_id: str, after_seq: int = -1, indent: str = "") -> list[tuple[int, str]]:
+    """(seq, text) for the task's settled transcript after ``after_seq``: messages, and each tool
+    call with its outcome and the devbox's side of it; a delegated child's transcript is shown
+    where the parent's wait for it returns."""
+    entries = api.transcript(task_id)
+    by_call = {(c.turn, c.call_id): c for c in api.calls(task_id)}
+    results = {(e.turn, e.call_id) for e in entries if e.kind == "tool_result"}
+    rows: list[tuple[int, str]] = []
+    for entry in entries:
+        if entry.seq <= after_seq or entry.kind in ("tool_result", "input"):
+            continue
+        payload = entry.payload
+        nested: list[str] = []
+        if entry.kind == "tool_call":
+            key = (entry.turn, entry.call_id or "")
+            if key not in results:
+                break  # shown once the turn has settled, so nothing printed ever changes
+            call = by_call[key]
+            took = (
+                f"{(call.settled_at - call.started_at).total_seconds():.1f} s"
+                if call.settled_at and call.started_at
+                else "-"
+            )
+            args = short(payload.get("raw_arguments", ""), 70)
+            lines = [f"  ↳ {call.name}({args})  [{call.outcome}, {took}]"]
+            lines += [f"      {d}" for d in _details(call)]
+            if call.name == "wait_for_task" and call.outcome == "ok":
+                child = str(call.arguments.get("task_id"))
+                inner = indent + " " * 11
+                nested.append(f"{inner}┌ child task {child}")
+                nested += [text for _, text in transcript_lines(child, indent=inner + "│ ")]
+                nested.append(f"{inner}└")
+        elif entry.kind == "final":
+            lines = [f"final: {payload.get('content')}"]
+        else:
+            text = payload.get("content") or payload.get("summary") or ""
+            lines = [f"{entry.kind}: {short(text, 140)}"]
+        prefix = f"{entry.seq:>3} t{entry.turn}  "
+        pad = " " * len(prefix)
+        own = [indent + (prefix if i == 0 else pad) + line for i, line in enumerate(lines)]
+        rows.append((entry.seq, "\n".join(own + nested)))
+    return rows
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
 def run_demo(timeout: float = 120.0) -> int:
     s = settings()
     s.home.mkdir(parents=True, exist_ok=True)
     task_id = f"demo-{uuid.uuid4().hex[:8]}"
-    workspace = s.home / "demo" / task_id / "confparse"
-    shutil.copytree(HERE / "sample_repo", workspace)
+    here = s.home / "demo" / task_id
+    here.mkdir(parents=True)
+    if shutil.which("git") is None:
+        click.echo("the demo needs git (the devbox keeps workspaces as git checkouts)", err=True)
+        return 2
+    repo = make_repository(here / "confparse")
+    model = _write_scripts(here)
+    started_devbox: DevboxServer | None = None
+    if s.devbox_url and s.devbox_token:
+        url, token = s.devbox_url, s.devbox_token
+        where = f"devbox {url} (from CHARLIE_DEVBOX_URL)"
+    else:
+        token = secrets.token_urlsafe(24)
+        started_devbox = DevboxServer(here / "devbox", token).start()
+        url = started_devbox.url
+        where = f"devbox {url} (started for the demo, root {started_devbox.root}, token generated)"
+    metadata = {"devbox": devbox_metadata(str(repo), branch=BRANCH)}
     click.echo(
         f"Charlie demo — home {s.home}, database {s.database_url.split('://')[0]}, "
         f"broker {s.broker_url.split('://')[0]}"
     )
-    click.echo(f"workspace: {workspace}")
-    worker = _start_worker(s.home)
+    click.echo(where)
+    click.echo(
+        f"repository {repo} @ {metadata['devbox']['base_commit'][:12]}, branch {BRANCH} "
+        "(recorded in the task's metadata)"
+    )
+    env = {
+        **os.environ,
+        "CHARLIE_DEVBOX_URL": url,
+        "CHARLIE_DEVBOX_TOKEN": token,
+        # every command is started, parked, and observed to its end by a later poll, the way a
+        # long build would be; the sweep polls parked calls twice a second
+        "CHARLIE_DEVBOX_INLINE_WAIT": os.environ.get("CHARLIE_DEVBOX_INLINE_WAIT", "0"),
+        "CHARLIE_DEVBOX_POLL_INTERVAL": os.environ.get("CHARLIE_DEVBOX_POLL_INTERVAL", "0.3"),
+        "CHARLIE_SWEEP_INTERVAL": os.environ.get("CHARLIE_SWEEP_INTERVAL", "0.5"),
+    }
+    worker = _start_worker(s.home, env)
     try:
-        api.submit(
-            PROMPT,
-            model=f"scripted:{HERE / 'script.json'}",
-            task_id=task_id,
-            metadata={"workspace": str(workspace)},
-            timeout=timeout,
-        )
+        api.submit(PROMPT, model=model, task_id=task_id, metadata=metadata, timeout=timeout)
         click.echo(f"task {task_id} submitted\n")
+        click.echo(f"user: {PROMPT}")
         shown = -1
         deadline = time.monotonic() + timeout + 10
         while time.monotonic() < deadline:
-            for seq, line in transcript_rows(task_id, after_seq=shown):
+            for seq, line in transcript_lines(task_id, after_seq=shown):
                 click.echo(line)
                 shown = seq
-            info = api.get_task(task_id)
-            if info.terminal:
+            if api.get_task(task_id).terminal:
                 break
             if worker.poll() is not None:
                 click.echo("the worker exited; see demo-worker.log", err=True)
                 return 1
             time.sleep(0.2)
-        for _, line in transcript_rows(task_id, after_seq=shown):
+        for _, line in transcript_lines(task_id, after_seq=shown):
             click.echo(line)
-        info = api.get_task(task_id)
-        elapsed = (info.finished_at - info.created_at).total_seconds() if info.finished_at else None
-        click.echo(
-            f"\ntask {task_id}: {info.status.value}"
-            + (f" in {elapsed:.1f} s" if elapsed is not None else "")
-            + f" — {info.model_calls} model calls, phase {info.phase}"
-        )
-        click.echo(f"inspect it again with: charlie show {task_id}")
-        return 0 if info.status.value == "succeeded" else 1
+        return _summary(task_id, url, token)
     finally:
         _stop(worker)
+        if started_devbox is not None:
+            started_devbox.stop()
+
+
+def _summary(task_id: str, url: str, token: str) -> int:
+    info = api.get_task(task_id)
+    elapsed = (info.finished_at - info.created_at).total_seconds() if info.finished_at else None
+    click.echo(
+        f"\ntask {task_id}: {info.status.value}"
+        + (f" in {elapsed:.1f} s" if elapsed is not None else "")
+        + f" — {info.model_calls} model calls, phase {info.phase}"
+    )
+    family = [task_id, f"{task_id}.compat"]
+    commands = [
+        c for t in family for c in _calls_or_none(t) if c.name == "run_command" and c.handle
+    ]
+    click.echo(
+        f"devbox commands: {len(commands)}, each started once and observed by its execution id "
+        f"({sum(1 for c in commands if (c.result or {}).get('resumed'))} picked up by a later poll)"
+    )
+    with DevboxClient(url, token) as devbox:
+        workspace = devbox.get_workspace(workspace_id_for(task_id))
+    commit = next((c.result for c in api.calls(task_id) if c.name == "git_commit"), None)
+    committed = isinstance(commit, dict) and commit.get("commit") == workspace.head
+    click.echo(
+        f"devbox workspace {workspace.workspace_id}: branch {workspace.branch}, "
+        f"HEAD {(workspace.head or '-')[:12]}" + (" (the fix commit)" if committed else "")
+    )
+    click.echo(f"inspect it again with: charlie show {task_id}")
+    return 0 if info.status.value == "succeeded" and committed else 1
+
+
+def _calls_or_none(task_id: str) -> list[api.CallRecord]:
+    try:
+        return api.calls(task_id)
+    except Exception:
+        return []
