@@ -536,6 +536,8 @@ def _finished(status: CommandStatus, ctx: ToolContext, polls: int, rebuilt: str 
             f"output beyond the devbox's cap was dropped (the command wrote {status.stdout_bytes}"
             f" bytes to stdout and {status.stderr_bytes} to stderr)"
         )
+    if status.reason:
+        result["reason"] = status.reason
     if rebuilt:
         result["workspace_rebuilt"] = rebuilt
     if status.status == "lost":
