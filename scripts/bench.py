@@ -124,6 +124,7 @@ class Sizes:
     recovery_rounds: int  # each round kills the worker with 2 model calls in flight
     recovery_model_sleep: float  # seconds each scripted model call takes
     scale_tasks: int
+    scale_limit: float  # seconds the drain may take before it is reported unfinished
 
     @property
     def recovery_samples(self) -> int:
@@ -132,8 +133,8 @@ class Sizes:
 
 def sizes_for(quick: bool, trials: int | None) -> Sizes:
     if quick:
-        return Sizes(trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200)
-    return Sizes(trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000)
+        return Sizes(trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60)
+    return Sizes(trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000, 480)
 
 
 # --------------------------------------------------------------------------------------------
@@ -702,8 +703,22 @@ class Cell:
             size = conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
         return int(size)
 
+    def queue_depth(self) -> int:
+        """Messages waiting in Charlie's phase/tool queue on the broker."""
+        if self.backend.embedded:
+            folder = self.home / "broker" / "queue"
+            with os.scandir(folder) as entries:
+                return sum(1 for entry in entries if entry.name.endswith(".charlie.msg"))
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL)
+        # kombu keeps one list per priority step: "charlie", "charlie\x06\x163", ...
+        keys = ["charlie", *(f"charlie\x06\x16{p}" for p in (3, 6, 9))]
+        return sum(int(client.llen(k)) for k in keys)
+
     def scale(self) -> None:
         n = self.sizes.scale_tasks
+        limit = self.sizes.scale_limit
         model = self.turns_script(1)
         # The idle worker is SIGKILLed rather than stopped: a warm shutdown of an idle worker
         # takes about 7 s on the embedded broker (Celery's synloop), and nothing is in flight.
@@ -716,28 +731,51 @@ class Cell:
         progress(f"scale: {n} tasks queued")
         before = self.settled_stats()
         self.start_worker()
-        rss: dict[str, int] = {}
-
-        def sample(done: int) -> None:
-            if "tenth" not in rss and done >= n // 10:
-                rss["tenth"] = self.procs.rss_bytes("worker")
-
-        self.wait_done(prefix, n, timeout=120 + n * 1.0, on_poll=sample, every=1.0)
-        rss["end"] = self.procs.rss_bytes("worker")
+        started = time.monotonic()
+        rss_tenth = 0
+        depth_max = depth_seen_at = 0.0
+        done = 0
+        while done < n and time.monotonic() - started < limit:
+            time.sleep(1.0)
+            counts = self.status_counts(prefix)
+            done = sum(counts.get(s, 0) for s in TERMINAL)
+            if not rss_tenth and done >= n // 10:
+                rss_tenth = self.procs.rss_bytes("worker")
+            if time.monotonic() - depth_seen_at >= 5:  # listing a deep queue is not free
+                depth_max = max(depth_max, self.queue_depth())
+                depth_seen_at = time.monotonic()
+        rss_end = self.procs.rss_bytes("worker")
+        depth_end = self.queue_depth()
         delta = self.stats_delta(before, self.settled_stats())
         rows = self.transitions(prefix)
         times = [ts(r.at) for r in rows]
-        rate = len(rows) / (max(times) - min(times))
-        self.results.add("scale.tps", rate)
-        self.results.add("scale.tasks_per_s", n / (max(times) - min(times)))
-        self.results.add("scale.rss_tenth_mib", rss.get("tenth", 0) / 2**20)
-        self.results.add("scale.rss_end_mib", rss["end"] / 2**20)
-        self.results.add("scale.bytes_per_task", (self.db_bytes() - size_before) / n)
+        window = max(times) - min(times)
+        rate = len(rows) / window
+        r = self.results
+        r.add("scale.finished_pct", 100 * done / n)
+        r.add("scale.tps", rate)
+        r.add("scale.tasks_per_s", done / window)
+        if rss_tenth:
+            r.add("scale.rss_tenth_mib", rss_tenth / 2**20)
+        r.add("scale.rss_end_mib", rss_end / 2**20)
+        r.add("scale.queue_max", max(depth_max, depth_end))
         ticks, invokes, statements = self.loop_counts(delta)
-        self.results.add("scale.tasks_per_transition", (ticks + invokes) / len(rows))
-        self.results.add("scale.statements_per_transition", statements / len(rows))
-        self.results.info["scale.delta"] = delta
-        progress(f"scale: drained at {rate:.0f} transitions/s, RSS {rss['end'] / 2**20:.0f} MiB")
+        r.add("scale.tasks_per_transition", (ticks + invokes) / len(rows))
+        r.add("scale.statements_per_transition", statements / len(rows))
+        r.info["scale.delta"] = delta
+        if done == n:
+            r.add("scale.bytes_per_task", (self.db_bytes() - size_before) / n)
+        else:
+            r.notes.append(
+                f"scale: {done:,} of {n:,} tasks finished within the {limit:.0f} s limit "
+                f"({len(rows):,} transitions); the broker queue then held {depth_end:,} "
+                f"messages (max seen {max(depth_max, depth_end):,.0f}); "
+                f"{(ticks + invokes) / len(rows):.1f} Celery tasks ran per transition"
+            )
+        progress(
+            f"scale: {done}/{n} finished, {rate:.0f} transitions/s, RSS {rss_end / 2**20:.0f} "
+            f"MiB, queue {depth_end} messages"
+        )
 
 
 def turn_overheads(rows: list[Any]) -> list[float]:
@@ -771,6 +809,7 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     sizes = sizes_for(args.quick, args.trials)
     only = set(args.only)
     worker_env = dict(kv.split("=", 1) for kv in args.worker_env)
+    os.environ.update(worker_env)  # the producer (this process) runs with the workers' settings
     if backend.name == "postgres":
         recreate_pg_database()
         flush_redis()
@@ -778,6 +817,15 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
 
         upgrade(PG_URL)
     cell = Cell(backend, home, sizes, worker_env)
+    cfg = cell.rt.settings
+    described = (
+        f"lease {cfg.lease_seconds:g} s, sweep every {cfg.sweep_interval:g} s, stall "
+        f"{cfg.stall_seconds:g} s, dispatch batch {cfg.dispatch_batch}, task events "
+        f"{'on' if cfg.task_events else 'off'}"
+    )
+    if backend.embedded:
+        described += f", embedded broker polling every {cfg.embedded_poll_interval * 1000:g} ms"
+    cell.results.info["settings"] = described
     steps: dict[str, Callable[[], None]] = {}
     if only & {"transitions", "floor"}:
         with_charlie, with_floor = "transitions" in only, "floor" in only
@@ -893,10 +941,12 @@ ROWS: list[Row | str] = [
         "p50",
     ),
     "**Scale** (queued tasks of one turn, drained by 2 worker processes)",
+    Row("Tasks finished within the time limit (%)", "scale.finished_pct", 0, "100"),
     Row("Transitions/s", "scale.tps"),
     Row("Against the 50-run figure", "scale.vs_many", 2, "≥ 0.85"),
     Row("Tasks/s", "scale.tasks_per_s", 1),
     Row("Celery tasks per transition", "scale.tasks_per_transition", 2),
+    Row("Broker queue depth, most seen (messages)", "scale.queue_max"),
     Row("Worker RSS after 10% of tasks (MiB)", "scale.rss_tenth_mib"),
     Row("Worker RSS at the end (MiB)", "scale.rss_end_mib", 0, "not growing"),
     Row("Database bytes per finished task", "scale.bytes_per_task"),
@@ -957,6 +1007,9 @@ def render(
             out.append(f"| {row.label} | " + " | ".join(cells) + f" | {row.target} |")
     out.append("")
     out += FOOTNOTES
+    for name in names:
+        if "settings" in results[name]["info"]:
+            out.append(f"- {labels[name]}: Charlie ran with {results[name]['info']['settings']}.")
     if worker_env:
         out.append(f"- Not the default configuration: workers ran with {' '.join(worker_env)}.")
     for name, reason in skipped.items():
@@ -982,9 +1035,11 @@ FOOTNOTES = [
     "on SQLite they include `BEGIN IMMEDIATE`/`DEFERRED`; on PostgreSQL BEGIN, COMMIT and the "
     "pool's pre-ping are not statements. Sweeps are left out.",
     "- Recovery: the worker (main process and pool) is SIGKILLed at a random moment while two "
-    "model calls are in flight, and a new one started at once; default lease (6 s), sweep "
-    "interval (2 s) and stall time (5 s), beat running. 'Moving again' is the start of the "
-    "retried call_model tick.",
+    "model calls are in flight, and a new one started at once, with beat running and the "
+    "default lease and sweep settings (below). 'Moving again' is the start of the retried "
+    "call_model tick.",
+    "- Scale: the tasks are queued with the worker stopped, then a fresh worker drains them; "
+    "rates are over the window from the first to the last transition.",
     "- RSS is summed over the worker's process group (shared pages counted in each process).",
 ]
 
@@ -1035,11 +1090,12 @@ def run_children(
 
     Whatever happens here (Ctrl-C included), every child and every process group a child
     started is gone when this returns."""
-    homes = {b.name: Path(tempfile.mkdtemp(prefix=f"charlie-bench-{b.name}-")) for b in backends}
+    homes: dict[str, Path] = {}
     running: dict[str, subprocess.Popen[bytes]] = {}
     results: dict[str, dict[str, Any]] = {}
     try:
         for backend in backends:
+            homes[backend.name] = Path(tempfile.mkdtemp(prefix=f"charlie-bench-{backend.name}-"))
             running[backend.name] = start_child(backend, args, homes[backend.name])
             if not parallel:
                 running[backend.name].wait()
