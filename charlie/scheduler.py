@@ -143,9 +143,13 @@ class DbScheduler:
         self, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None
     ) -> bool:
         try:
-            return finish(self.engine, task_id, status, result=result, error=error)
+            accepted = finish(self.engine, task_id, status, result=result, error=error)
         except faults.InjectedFault as exc:
             raise TransientSchedulerError(str(exc)) from exc
+        if status in (TaskStatus.CANCELED, TaskStatus.TIMED_OUT):
+            # A stopped task's children stop too (I18); the sweep stops their runs.
+            cancel_descendants(self.engine, task_id)
+        return accepted
 
 
 def descendants(engine: Engine, task_id: str) -> list[str]:

@@ -17,7 +17,7 @@ from sqlalchemy import and_, exists, or_, select, update
 
 from charlie import scheduler
 from charlie.app import app
-from charlie.domain import CallState, Outcome, Phase
+from charlie.domain import CallState, Outcome, Phase, TaskStatus
 from charlie.runtime import Runtime, get_runtime
 from charlie.store import calls as call_store
 from charlie.store import runs
@@ -37,54 +37,109 @@ def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
     return or_(column.is_(None), column < now - stall)
 
 
+#: A lease is only treated as lapsed this long after its expiry: a live worker's renewal that is
+#: a little late (a busy machine, a slow commit) must not look like a death.
+LEASE_GRACE = timedelta(seconds=1)
+
+ENDING = (Phase.REPORT_TERMINAL.value, Phase.REPORT_FAILURE.value, Phase.DONE.value)
+
+
 def sweep_stalled_runs(rt: Runtime) -> int:
-    """I4: re-publish the tick of runs that are due but not moving: a dead worker's lapsed
-    lease, a commit whose publish was lost, a stored wake-up time that has come."""
+    """I4: re-publish the tick of runs that are due but not moving.
+
+    - a lease that lapsed: the worker died mid-tick;
+    - a stored wake-up time that has come (a model backoff, a report retry, a tool deadline);
+    - ready but not moved for the stall period: a commit whose publish was lost, or a tick that
+      dies inside its own transaction (its claim rolled back with it, so the attempt is counted
+      here, which bounds a poison message in every phase);
+    - a run whose task was canceled or timed out, so it stops at its boundary even if the poke
+      that should have woken it was lost.
+    """
     now = utcnow()
     stall = timedelta(seconds=rt.settings.stall_seconds)
-    e, c = executions.c, tool_calls.c
-    turn_open = exists().where(
-        c.execution_id == e.id, c.turn == e.turn, c.state != CallState.SETTLED.value
+    e, c, t = executions.c, tool_calls.c, tasks.c
+    # An await whose turn has settled, quietly, for the stall period: its poke was lost.
+    turn_quiet = ~exists().where(
+        c.execution_id == e.id,
+        c.turn == e.turn,
+        or_(c.state != CallState.SETTLED.value, c.settled_at > now - stall),
     )
-    due = or_(
-        and_(e.lease_until.is_not(None), e.lease_until < now),
-        and_(e.lease_owner.is_(None), e.wake_at.is_not(None), e.wake_at <= now),
-        and_(
-            e.lease_owner.is_(None),
-            e.wake_at.is_(None),
-            e.updated_at < now - stall,
-            or_(e.phase != Phase.AWAIT_TOOLS.value, ~turn_open),
+    stopped = exists().where(
+        t.id == e.task_id,
+        or_(
+            t.status.in_((TaskStatus.CANCELED.value, TaskStatus.TIMED_OUT.value)),
+            and_(t.status.in_(runs.ACTIVE), t.timeout_at < now),
         ),
     )
-    with read(rt.engine) as conn:
-        rows = conn.execute(
-            select(e.id, e.phase, e.version)
-            .where(e.phase != Phase.DONE.value, _throttle(e.swept_at, now, stall), due)
-            .limit(LIMIT)
-        ).all()
+    free = e.lease_owner.is_(None)
+    clauses = {
+        "lapsed": and_(e.lease_until.is_not(None), e.lease_until < now - LEASE_GRACE),
+        "wake": and_(free, e.wake_at.is_not(None), e.wake_at <= now),
+        "stalled": and_(
+            free,
+            e.updated_at < now - stall,
+            or_(
+                and_(e.phase != Phase.AWAIT_TOOLS.value, e.wake_at.is_(None)),
+                and_(e.phase == Phase.AWAIT_TOOLS.value, turn_quiet),
+            ),
+        ),
+        "stopping": and_(free, e.phase.not_in(ENDING), stopped),
+    }
     published = 0
-    for row in rows:
-        if _republish(rt, row.id, Phase(row.phase), row.version, now, stall):
-            published += 1
+    for reason, clause in clauses.items():
+        with read(rt.engine) as conn:
+            rows = conn.execute(
+                select(e.id, e.phase, e.version)
+                .where(e.phase != Phase.DONE.value, _throttle(e.swept_at, now, stall), clause)
+                .limit(LIMIT)
+            ).all()
+        for row in rows:
+            if _republish(
+                rt,
+                row.id,
+                Phase(row.phase),
+                row.version,
+                now,
+                stall,
+                count_attempt=reason == "stalled",
+                reason=reason,
+            ):
+                published += 1
     return published
 
 
 def _republish(
-    rt: Runtime, execution_id: str, phase: Phase, version: int, now: datetime, stall: timedelta
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    now: datetime,
+    stall: timedelta,
+    *,
+    count_attempt: bool = False,
+    reason: str = "",
 ) -> bool:
     """Publish a run's current tick if this sweeper wins the row for this stall period."""
     e = executions.c
+    values: dict[str, Any] = {"swept_at": now}
+    if count_attempt:
+        values["attempts"] = e.attempts + 1
     with write(rt.engine) as conn:
         won = conn.execute(
             update(executions)
             .where(e.id == execution_id, e.version == version, _throttle(e.swept_at, now, stall))
-            .values(swept_at=now)
+            .values(**values)
         ).rowcount
     if not won:
         return False
     log.info(
         "re-published tick",
-        extra={"execution_id": execution_id, "phase": phase.value, "version": version},
+        extra={
+            "execution_id": execution_id,
+            "phase": phase.value,
+            "version": version,
+            "reason": reason,
+        },
     )
     return rt.publisher.tick(execution_id, phase, version)
 
@@ -105,9 +160,30 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
     now = utcnow()
     stall = timedelta(seconds=rt.settings.stall_seconds)
     c = tool_calls.c
-    counts = {"republished": 0, "resumed": 0, "reconciling": 0, "interrupted": 0, "deadline": 0}
+    counts = {
+        "republished": 0,
+        "resumed": 0,
+        "reconciling": 0,
+        "interrupted": 0,
+        "deadline": 0,
+        "abandoned": 0,
+    }
     touched: set[tuple[str, int]] = set()
+    e = executions.c
+    run_live = exists().where(e.id == c.execution_id, e.phase.not_in(ENDING))
+    lapsed = c.lease_until < now - LEASE_GRACE
     with read(rt.engine) as conn:
+        # Calls of a run that has ended (a failure, a race with a stop) are never dispatched
+        # again; they settle canceled so each still has its one outcome.
+        abandoned = conn.execute(
+            select(c.execution_id, c.turn, c.call_id)
+            .where(
+                c.state != CallState.SETTLED.value,
+                ~run_live,
+                or_(c.lease_owner.is_(None), lapsed),
+            )
+            .limit(LIMIT)
+        ).all()
         overdue = conn.execute(
             select(c.execution_id, c.turn, c.call_id, c.started_at, c.queued_at, c.deadline_at)
             .where(c.state != CallState.SETTLED.value, c.deadline_at < now)
@@ -119,6 +195,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 c.state == CallState.PENDING.value,
                 c.queued_at < now - stall,
                 _throttle(c.swept_at, now, stall),
+                run_live,
             )
             .limit(LIMIT)
         ).all()
@@ -138,11 +215,26 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             )
             .where(
                 c.state == CallState.STARTED.value,
-                c.lease_until < now,
+                lapsed,
                 _throttle(c.swept_at, now, stall),
+                run_live,
             )
             .limit(LIMIT)
         ).all()
+
+    for gone in abandoned:
+        with write(rt.engine) as conn:
+            if call_store.settle_call(
+                conn,
+                gone.execution_id,
+                gone.turn,
+                gone.call_id,
+                Outcome.CANCELED.value,
+                {"reason": "the run ended before this call finished"},
+                f"sweep@{rt.worker}",
+                now,
+            ):
+                counts["abandoned"] += 1
 
     for late in overdue:
         with write(rt.engine) as conn:
@@ -214,7 +306,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                     c.turn == row.turn,
                     c.call_id == row.call_id,
                     c.state == CallState.STARTED.value,
-                    c.lease_until < now,
+                    lapsed,
                 )
                 .values(
                     state=CallState.SETTLED.value,

@@ -121,7 +121,11 @@ def task_script(rng: random.Random, home: Path, n: int) -> tuple[list[dict[str, 
         turns.append(
             {
                 "tool_calls": [
-                    {"id": "wait", "name": "wait_for_task", "arguments": {"task_id": "{task_id}.d"}}
+                    {
+                        "id": "wait",
+                        "name": "wait_for_task",
+                        "arguments": {"task_id": "{task_id}.2.d"},
+                    }
                 ]
             }
         )

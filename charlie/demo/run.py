@@ -318,7 +318,7 @@ def _summary(task_id: str, url: str, token: str) -> int:
         + (f" in {elapsed:.1f} s" if elapsed is not None else "")
         + f" — {info.model_calls} model calls, phase {info.phase}"
     )
-    family = [task_id, f"{task_id}.compat"]
+    family = [task_id, f"{task_id}.4.compat"]
     commands = [
         c for t in family for c in _calls_or_none(t) if c.name == "run_command" and c.handle
     ]

@@ -37,31 +37,40 @@ def stop_reason(view: RunView) -> TaskStatus | None:
     return None
 
 
-def stop(view: RunView, reason: TaskStatus) -> Transition:
-    """Stop at the boundary: open calls of the turn settle ``canceled`` and every call of the
-    turn gets its result item, so no call is left without one (I8); the model is not called."""
-    settle = []
-    items = []
-    if view.phase in TOOL_PHASES:
-        for call in sorted(view.calls, key=lambda c: c.index):
-            if call.state is CallState.SETTLED:
-                assert call.outcome is not None
-                outcome, result = call.outcome, call.result
-            else:
-                outcome, result = Outcome.CANCELED, {"reason": f"task {reason.value}"}
-                settle.append(Settlement(call.call_id, outcome, result))
-            items.append(
-                NewItem(
-                    ItemKind.TOOL_RESULT,
-                    {
-                        "name": call.name,
-                        "outcome": outcome.value,
-                        "result": result,
-                        "content": render_tool_result(outcome, result),
-                    },
-                    call_id=call.call_id,
-                )
+def close_turn(
+    view: RunView, reason: str, *, with_items: bool = True
+) -> tuple[list[Settlement], list[NewItem]]:
+    """End a tool phase's turn early: open calls settle ``canceled`` and, with ``with_items``,
+    every call of the turn gets its result item, so no call is left without one (I8)."""
+    settle: list[Settlement] = []
+    items: list[NewItem] = []
+    if view.phase not in TOOL_PHASES:
+        return settle, items
+    for call in sorted(view.calls, key=lambda c: c.index):
+        if call.state is CallState.SETTLED:
+            assert call.outcome is not None
+            outcome, result = call.outcome, call.result
+        else:
+            outcome, result = Outcome.CANCELED, {"reason": reason}
+            settle.append(Settlement(call.call_id, outcome, result))
+        items.append(
+            NewItem(
+                ItemKind.TOOL_RESULT,
+                {
+                    "name": call.name,
+                    "outcome": outcome.value,
+                    "result": result,
+                    "content": render_tool_result(outcome, result),
+                },
+                call_id=call.call_id,
             )
+        )
+    return settle, items if with_items else []
+
+
+def stop(view: RunView, reason: TaskStatus) -> Transition:
+    """Stop at the boundary; the model is not called again (I18)."""
+    settle, items = close_turn(view, f"task {reason.value}")
     return Transition(
         to=Phase.REPORT_TERMINAL,
         state={**view.state, "stop": reason.value},
@@ -87,9 +96,12 @@ def error_state(view: RunView, exc: BaseException, kind: str = "exception") -> d
 def fail(view: RunView, exc: BaseException) -> Transition:
     """I17: a phase raised; store the structured error and report it as a phase of its own."""
     error = error_state(view, exc)
+    settle, items = close_turn(view, "the run failed")
     return Transition(
         to=Phase.REPORT_FAILURE,
         state={**view.state, "error": error},
+        settle=settle,
+        items=items,
         note=f"{error['type']} in {view.phase.value}: {error['message'][:200]}",
     )
 
@@ -117,8 +129,13 @@ def poison(view: RunView, max_attempts: int) -> Transition:
     if view.phase is Phase.REPORT_FAILURE:
         # Even reporting keeps dying: end the run; the shell marks the task failed directly.
         return Transition(to=Phase.DONE, state={**view.state, "poison": error}, note="poison")
+    # Open calls still settle, so none is dispatched again; result items are left out when the
+    # database has been refusing this run's writes, or the poison transition could not commit.
+    settle, items = close_turn(view, "the run failed", with_items=view.last_error is None)
     return Transition(
         to=Phase.REPORT_FAILURE,
         state={**view.state, "error": error},
+        settle=settle,
+        items=items,
         note=message,
     )

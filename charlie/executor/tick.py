@@ -53,7 +53,11 @@ def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView | None:
         task=task,
         now=now,
         items=runs.load_items(conn, claim.execution_id) if "items" in wanted else [],
-        calls=runs.load_calls(conn, claim.execution_id, claim.turn) if "calls" in wanted else [],
+        # Locked in tool phases: a settle racing this tick waits, then finds the call settled
+        # and becomes a late report, so the transcript and the record agree (I8, I12).
+        calls=runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
+        if "calls" in wanted
+        else [],
         last_error=claim.last_error,
     )
 
@@ -85,9 +89,11 @@ def _compute(rt: Runtime, view: RunView) -> Transition:
         if view.phase is Phase.REPORT_FAILURE:
             # Reporting a failure failed: come back later rather than fail the failure.
             log.exception("report_failure raised", extra=_ctx(view))
+            retries = int(view.state.get("report_failure_retries", 0)) + 1
             return Transition(
                 to=None,
-                wake_at=view.now + timedelta(seconds=min(60, 2**view.attempts)),
+                state={**view.state, "report_failure_retries": retries},
+                wake_at=view.now + timedelta(seconds=min(60, 2**retries)),
                 publish_next=False,
                 note=f"report_failure raised {type(exc).__name__}",
             )
@@ -196,9 +202,11 @@ def _run_tick(
     rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
 ) -> TickResult:
     started = time.perf_counter()
-    now = utcnow()
     slow = phase in SLOW_PHASES
     with write(rt.engine) as conn:
+        # After BEGIN: on SQLite the write lock may take a while, and a lease computed before
+        # waiting for it could be born expired.
+        now = utcnow()
         claim = runs.claim_execution(
             conn, execution_id, phase, version, rt.worker, now, rt.settings.lease_seconds
         )
@@ -212,6 +220,7 @@ def _run_tick(
         decided = _decide_at_boundary(rt, view)
         if not slow or decided is not None:
             transition = decided or _compute(rt, view)
+            faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
             if not _commit(rt, conn, claim, view, transition, started):
                 return "lost_lease"
             slow = False

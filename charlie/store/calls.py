@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, or_, select, update
+from sqlalchemy import Connection, and_, exists, or_, select, update
 
-from charlie.domain import CallState
-from charlie.store.schema import tool_calls
+from charlie.domain import ENDING_PHASES, CallState, TaskStatus
+from charlie.store.schema import executions, tasks, tool_calls
+
+ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
+ACTIVE_STATUSES = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus.WAITING.value)
 
 Mode = Literal["start", "resume", "reconcile"]
 
@@ -48,8 +51,16 @@ def claim_call(
     ``resume``/``reconcile``: take over a started call whose lease lapsed (I10).
     ``None``: not claimable (already started, settled, or someone live holds it)."""
     c = tool_calls.c
+    e, t = executions.c, tasks.c
     until = now + timedelta(seconds=lease_seconds)
-    stmt = update(tool_calls).where(_key(execution_id, turn, call_id))
+    # Work starts only for a live run of an active task: never after a cancel, a timeout or a
+    # failure (I18), whatever messages are still in flight.
+    live = exists().where(
+        e.id == execution_id,
+        e.phase.not_in(ENDING_PHASE_VALUES),
+        exists().where(t.id == e.task_id, t.status.in_(ACTIVE_STATUSES)),
+    )
+    stmt = update(tool_calls).where(_key(execution_id, turn, call_id), live)
     if mode == "start":
         stmt = stmt.where(c.state == CallState.PENDING.value, c.queued_at.is_not(None)).values(
             state=CallState.STARTED.value, started_at=now, started_by=owner

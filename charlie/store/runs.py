@@ -169,11 +169,15 @@ CALL_COLUMNS = (
 )
 
 
-def load_calls(conn: Connection, execution_id: str, turn: int) -> list[CallView]:
+def load_calls(
+    conn: Connection, execution_id: str, turn: int, *, lock: bool = False
+) -> list[CallView]:
     c = tool_calls.c
-    rows = conn.execute(
+    stmt = (
         select(*CALL_COLUMNS).where(c.execution_id == execution_id, c.turn == turn).order_by(c.idx)
     )
+    # FOR UPDATE on PostgreSQL; SQLite's writes are serialized by BEGIN IMMEDIATE anyway.
+    rows = conn.execute(stmt.with_for_update() if lock else stmt)
     return [call_view(r) for r in rows]
 
 

@@ -22,9 +22,9 @@ POLL_SECONDS = 2.0
 
 
 def child_task_id(ctx: ToolContext) -> str:
-    """``<parent>.<call id>``, deterministic so that a repeated delegate finds the same child;
+    """``<parent>.<turn>.<call id>``: deterministic, so a repeated delegate finds the same child;
     hashed when that would be too long, never truncated into a collision."""
-    child = f"{ctx.task_id}.{ctx.call_id}"
+    child = f"{ctx.task_id}.{ctx.turn}.{ctx.call_id}"
     if len(child) <= MAX_TASK_ID and TASK_ID_CHARS.match(child):
         return child
     digest = hashlib.sha256(child.encode()).hexdigest()[:24]

@@ -110,8 +110,8 @@ def _evidence(call: ClaimedCall) -> JSON:
 
 
 def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) -> str:
-    now = utcnow()
     with write(rt.engine) as conn:
+        now = utcnow()  # after BEGIN, so the lease is not born expired
         call = calls.claim_call(
             conn, execution_id, turn, call_id, mode, rt.worker, now, rt.settings.lease_seconds
         )
@@ -171,6 +171,7 @@ def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) 
             # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it.
             calls.record_late_report(conn, execution_id, turn, call_id, outcome.value, result)
     log.info("call settled" if settled else "late report", extra={**extra, "outcome": outcome})
+    faults.hit("tool.after_settle", tool=call.name, call_id=call_id)
     if settled:
         poke_if_turn_settled(rt, execution_id, turn)
     return "settled" if settled else "late"

@@ -28,7 +28,7 @@ def parent_turns(child_model: str) -> list[dict]:
         {
             "say": "Waiting for the child.",
             "tool_calls": [
-                {"id": "w1", "name": "wait_for_task", "arguments": {"task_id": "{task_id}.d1"}}
+                {"id": "w1", "name": "wait_for_task", "arguments": {"task_id": "{task_id}.0.d1"}}
             ],
         },
         {"say": "The child says it is compatible."},
@@ -39,7 +39,7 @@ def test_delegate_and_wait_returns_the_child_result(cluster: Cluster, script) ->
     child_model, child_ledger = script([{"say": "compatible with 2.3", "sleep": 2}])
     model, _ = script(parent_turns(child_model))
     parent = charlie.submit("release check", model=model)
-    child = f"{parent}.d1"
+    child = f"{parent}.0.d1"
     # The parent is `waiting` while its wait is open.
     wait_for(lambda: api.get_task(parent).status is TaskStatus.WAITING, timeout=30)
     info = charlie.wait(parent, timeout=60)
@@ -72,9 +72,38 @@ def test_canceling_the_parent_cancels_its_child(cluster: Cluster, script) -> Non
     child_model, child_ledger = script([{"say": "slow", "sleep": 30}])
     model, ledger = script(parent_turns(child_model))
     parent = charlie.submit("cancel family", model=model)
-    child = f"{parent}.d1"
+    child = f"{parent}.0.d1"
     wait_for(lambda: len(model_calls(child_ledger)) == 1, timeout=30)
     assert charlie.cancel(parent) is True
     assert charlie.wait(parent, timeout=30).status is TaskStatus.CANCELED
     assert charlie.wait(child, timeout=30).status is TaskStatus.CANCELED
     assert len(model_calls(ledger)) == 2  # not called again after the cancel
+
+
+def test_a_timeout_noticed_at_the_boundary_stops_the_children(cluster: Cluster, script) -> None:
+    """I18: a parent timed out (by its own tick or the sweep) takes its children with it."""
+    child_model, _ = script([{"say": "slow child", "sleep": 30}])
+    model, ledger = script(parent_turns(child_model))
+    parent = charlie.submit("time out family", model=model, timeout=3)
+    assert charlie.wait(parent, timeout=30).status is TaskStatus.TIMED_OUT
+    assert charlie.wait(f"{parent}.0.d1", timeout=30).status is TaskStatus.CANCELED
+    assert len(model_calls(ledger)) <= 2
+
+
+def test_canceled_fan_out_starts_nothing_after_the_cancel(cluster: Cluster, script) -> None:
+    """I18: after a cancel, no queued call of the task starts, whatever is still in flight."""
+    calls = [
+        {"id": f"c{n}", "name": "sleep_then", "arguments": {"seconds": 0.5, "value": str(n)}}
+        for n in range(12)
+    ]
+    model, _ = script([{"tool_calls": calls}, {"say": "never"}])
+    task_id = charlie.submit("cancel fan-out", model=model)
+    wait_for(lambda: any(c.state == "started" for c in api.calls(task_id)))
+    assert charlie.cancel(task_id) is True
+    canceled_at = api.get_task(task_id).finished_at
+    assert charlie.wait(task_id, timeout=30).status is TaskStatus.CANCELED
+    wait_for(lambda: all(c.state == "settled" for c in api.calls(task_id)), timeout=30)
+    late_starts = [
+        c.call_id for c in api.calls(task_id) if c.started_at and c.started_at > canceled_at
+    ]
+    assert late_starts == []

@@ -79,7 +79,7 @@ def test_release_flow_runs_in_one_devbox_workspace(
             {"tool_calls": [call("repro", "run_command", command=check)]},
             {"tool_calls": [call("patch", "apply_patch", diff=FIX)]},
             {"tool_calls": [call("d1", "delegate", prompt="check compat", model=child_model)]},
-            {"tool_calls": [call("w1", "wait_for_task", task_id="{task_id}.d1")]},
+            {"tool_calls": [call("w1", "wait_for_task", task_id="{task_id}.3.d1")]},
             {
                 "tool_calls": [
                     call("diff", "git_diff"),
@@ -103,7 +103,7 @@ def test_release_flow_runs_in_one_devbox_workspace(
     assert repro.handle == repro.result["execution_id"]
     assert calls["patch"].result == {"applied": True, "files": ["settings.py"]}
     # the child saw the parent's patch: one workspace, recorded in the child's metadata (I19)
-    child = api.get_task(f"{task_id}.d1")
+    child = api.get_task(f"{task_id}.3.d1")
     assert child.metadata["devbox"]["workspace_id"] == task_id
     grep = results(child.id)["grep"]
     assert grep.outcome == "ok" and grep.result["stdout"] == "1\n"

@@ -7,6 +7,8 @@ a fault point inside the worker, which fires exactly where the invariant is at s
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import charlie
@@ -232,16 +234,94 @@ def test_kill_inside_a_resumable_wait_observes_the_same_child(cluster: Cluster, 
     assert info.status is TaskStatus.SUCCEEDED, info.error
     assert cluster.fault_count("tool.after_started") == 1
     wait_call = next(c for c in api.calls(parent) if c.call_id == "w1")
-    assert wait_call.outcome == "ok" and wait_call.handle == f"{parent}.d1"
+    assert wait_call.outcome == "ok" and wait_call.handle == f"{parent}.0.d1"
     assert wait_call.result["result"]["answer"] == "compatible"
     from charlie.runtime import get_runtime
     from charlie.scheduler import descendants
 
-    assert descendants(get_runtime().engine, parent) == [f"{parent}.d1"]  # one child
+    assert descendants(get_runtime().engine, parent) == [f"{parent}.0.d1"]  # one child
     child_calls = model_calls(child_ledger)
-    assert {c["task_id"] for c in child_calls} == {f"{parent}.d1"}
+    assert {c["task_id"] for c in child_calls} == {f"{parent}.0.d1"}
     # The kill took the whole worker, which may have been running the child's model call too:
     # that call may repeat (I3), and every repeat is counted.
-    child = api.get_task(f"{parent}.d1")
+    child = api.get_task(f"{parent}.0.d1")
     assert len(child_calls) == child.model_calls + child.model_repeats
     assert len([c for c in api.calls(parent) if c.name == "delegate"]) == 1
+
+
+def test_kill_after_the_last_settle_before_its_poke(cluster: Cluster, script) -> None:
+    """I4: the worker that settles a turn's last call dies before publishing the await tick;
+    the sweep moves the run long before the call's deadline (60 s) would."""
+    cluster.set_faults(
+        {"tool.after_settle": {"action": "kill", "times": 1, "match": {"tool": "sleep_then"}}}
+    )
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "moved on"},
+        ]
+    )
+    started = time.monotonic()
+    task_id = charlie.submit("lost poke", model=model)
+    info = charlie.wait(task_id, timeout=40)
+    assert info.status is TaskStatus.SUCCEEDED
+    assert cluster.fault_count("tool.after_settle") == 1
+    assert time.monotonic() - started < 40
+    assert len(read_ledger_for(task_id, "sleep_then.end")) == 1
+
+
+def test_poison_inside_a_fast_phase_is_bounded(cluster: Cluster, script) -> None:
+    """A tick that dies inside its own transaction (its claim rolls back with it) is still
+    counted, by the sweep, and ends in report_failure; no tool is started after that."""
+    cluster.set_faults(
+        {
+            "tick.in_transaction": {
+                "action": "kill",
+                "times": 50,
+                "match": {"phase": "dispatch_tools"},
+            }
+        }
+    )
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "never"}}]},
+            {"say": "never"},
+        ]
+    )
+    task_id = charlie.submit("fast poison", model=model)
+    info = charlie.wait(task_id, timeout=150)
+    assert info.status is TaskStatus.FAILED
+    assert info.error["type"] == "PoisonMessage" and info.error["phase"] == "dispatch_tools"
+    call = api.calls(task_id)[0]
+    assert call.outcome == "canceled" and call.started_at is None
+    assert read_ledger_for(task_id, "write") == []
+    assert_every_call_has_one_result(task_id)
+
+
+def test_duplicated_invoke_messages_run_a_tool_once(cluster: Cluster, script) -> None:
+    """I2, I9: redelivered or duplicated invoke messages for a call change nothing."""
+    from charlie.runtime import get_runtime
+
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "w", "name": "ledger_write", "arguments": {"key": "dup", "hold": 1}}
+                ]
+            },
+            {"say": "once"},
+        ]
+    )
+    task_id = charlie.submit("dupes", model=model)
+    wait_for(lambda: read_ledger_for(task_id, "write"))
+    rt = get_runtime()
+    for mode in ("start", "start", "resume", "reconcile"):
+        rt.publisher.invoke(f"x-{task_id}", 0, "w", mode)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    time.sleep(1)
+    assert len(read_ledger_for(task_id, "write")) == 1
+    assert api.calls(task_id)[0].outcome == "ok"

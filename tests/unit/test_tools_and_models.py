@@ -138,7 +138,7 @@ def test_child_ids_are_deterministic_and_fit() -> None:
     from charlie.tools.delegation import child_task_id
 
     short = make_ctx(Path("."))
-    assert child_task_id(short) == "t.c"
+    assert child_task_id(short) == "t.0.c"
     long_parent = ToolContext(
         "p" * 119, "x", "call/1", 0, Path("."), {}, False, None, lambda h: None
     )
