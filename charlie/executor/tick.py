@@ -219,8 +219,11 @@ def _run_tick(
             return "stale"
         decided = _decide_at_boundary(rt, view)
         if not slow or decided is not None:
-            transition = decided or _compute(rt, view)
-            faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
+            if decided is None:
+                transition = _compute(rt, view)
+                faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
+            else:
+                transition = decided
             if not _commit(rt, conn, claim, view, transition, started):
                 return "lost_lease"
             slow = False
