@@ -13,7 +13,7 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, exists, or_, select, update
+from sqlalchemy import and_, case, exists, or_, select, update
 
 from charlie import scheduler
 from charlie.app import app
@@ -85,6 +85,11 @@ def sweep_stalled_runs(rt: Runtime) -> int:
         ),
         "stopping": and_(free, e.phase.not_in(ENDING), stopped),
     }
+    if _backlogged(rt):
+        # A deep queue means ticks are waiting, not lost: re-publishing them would only deepen
+        # it (each re-publish is one more message to drain). Lost ticks are found once it
+        # drains; lapsed leases, wake-ups and stops still go.
+        del clauses["stalled"]
     published = 0
     for reason, clause in clauses.items():
         with read(rt.engine) as conn:
@@ -108,6 +113,25 @@ def sweep_stalled_runs(rt: Runtime) -> int:
     return published
 
 
+def queue_depth(queue: str = "charlie") -> int | None:
+    """Messages waiting in the broker queue, or None if the broker cannot say."""
+    try:
+        with app.connection_for_read() as conn:
+            ok = conn.default_channel.queue_declare(queue=queue, passive=True)
+            return int(ok.message_count)
+    except Exception:
+        log.debug("queue depth unavailable", exc_info=True)
+        return None
+
+
+def _backlogged(rt: Runtime) -> bool:
+    depth = queue_depth()
+    backlogged = depth is not None and depth > rt.settings.sweep_backlog_limit
+    if backlogged:
+        log.info("broker backlog of %s messages: not re-publishing stalled work", depth)
+    return backlogged
+
+
 def _republish(
     rt: Runtime,
     execution_id: str,
@@ -123,7 +147,9 @@ def _republish(
     e = executions.c
     values: dict[str, Any] = {"swept_at": now}
     if count_attempt:
-        values["attempts"] = e.attempts + 1
+        # Only a re-publish that follows an earlier one which did not move the run counts: the
+        # first may just be a lost message; a second means the tick dies where it runs.
+        values["attempts"] = e.attempts + case((e.swept_at.is_not(None), 1), else_=0)
     with write(rt.engine) as conn:
         won = conn.execute(
             update(executions)
@@ -172,6 +198,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
     e = executions.c
     run_live = exists().where(e.id == c.execution_id, e.phase.not_in(ENDING))
     lapsed = c.lease_until < now - LEASE_GRACE
+    backlogged = _backlogged(rt)
     with read(rt.engine) as conn:
         # Calls of a run that has ended (a failure, a race with a stop) are never dispatched
         # again; they settle canceled so each still has its one outcome.
@@ -267,7 +294,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 ).rowcount
             )
 
-    for lost_row in lost:
+    for lost_row in [] if backlogged else lost:
         if take(lost_row) and rt.publisher.invoke(
             lost_row.execution_id, lost_row.turn, lost_row.call_id, "start"
         ):

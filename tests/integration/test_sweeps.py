@@ -110,3 +110,60 @@ def test_two_beats_at_once_act_once_per_row(private_database: str) -> None:
     assert all(r.outcome == "interrupted" for r in rows)
     # Both sweepers really ran, each settled only the rows it won.
     assert {r.settled_by.split("@")[1] for r in rows} <= {"sweeper-0", "sweeper-1"}
+
+
+def test_a_backlog_is_not_mistaken_for_lost_ticks(
+    private_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """I4 without a feedback loop: while the broker queue is deep, runs that only look stalled
+    (their ticks are queued) are not re-published; once it drains they are. A re-publish counts
+    as an attempt only when an earlier one did not move the run."""
+    from charlie import sweeps
+    from charlie.config import load_settings
+    from charlie.runtime import Runtime
+    from charlie.tools.registry import REGISTRY
+    from tests.support.sweeper import RecordingPublisher
+
+    engine = get_engine(private_database)
+    long_ago = datetime.now(UTC) - timedelta(minutes=5)
+    ids = []
+    for _ in range(5):
+        submitted = scheduler.submit(
+            engine,
+            prompt="p",
+            model="scripted:/x.json",
+            tools=None,
+            task_id=f"backlog-{uuid.uuid4().hex[:8]}",
+            timeout=None,
+            metadata=None,
+        )
+        ids.append(submitted.execution_id)
+        with write(engine) as conn:
+            conn.execute(
+                update(executions)
+                .where(executions.c.id == submitted.execution_id)
+                .values(updated_at=long_ago)
+            )
+    publisher = RecordingPublisher()
+    rt = Runtime(
+        settings=load_settings(),
+        engine=engine,
+        worker="sweeper-test",
+        publisher=publisher,  # type: ignore[arg-type]
+        tools=REGISTRY,
+    )
+    monkeypatch.setattr(sweeps, "queue_depth", lambda queue="charlie": 10_000)
+    assert sweeps.sweep_stalled_runs(rt) == 0 and publisher.sent == []
+    monkeypatch.setattr(sweeps, "queue_depth", lambda queue="charlie": 0)
+    assert sweeps.sweep_stalled_runs(rt) == 5
+
+    def attempts() -> list[int]:
+        with engine.connect() as conn:
+            rows = conn.execute(select(executions.c.attempts).where(executions.c.id.in_(ids)))
+            return [r.attempts for r in rows]
+
+    assert attempts() == [0] * 5  # the first re-publish may just be a lost message
+    with write(engine) as conn:  # the stall period passes and nothing moved
+        conn.execute(update(executions).where(executions.c.id.in_(ids)).values(swept_at=long_ago))
+    assert sweeps.sweep_stalled_runs(rt) == 5
+    assert attempts() == [1] * 5
