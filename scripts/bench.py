@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -131,10 +132,15 @@ class Sizes:
         return 2 * self.recovery_rounds
 
 
-def sizes_for(quick: bool, trials: int | None) -> Sizes:
-    if quick:
-        return Sizes(trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60)
-    return Sizes(trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000, 480)
+def sizes_for(args: argparse.Namespace) -> Sizes:
+    if args.quick:
+        sizes = Sizes(args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60)
+    else:
+        sizes = Sizes(args.trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000, 480)
+    if args.scale_tasks:
+        n = args.scale_tasks
+        sizes = dataclasses.replace(sizes, scale_tasks=n, scale_limit=max(60.0, n * 0.1))
+    return sizes
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,17 +459,22 @@ class Cell:
             raise RuntimeError(f"{prefix}: tasks ended {bad}: {self.first_error(prefix)}")
 
     def first_error(self, prefix: str) -> Any:
+        """The error of one task that ended other than succeeded (the run's, if the task has
+        none of its own)."""
         from sqlalchemy import select
 
         from charlie.store.engine import read
-        from charlie.store.schema import tasks
+        from charlie.store.schema import executions, tasks
 
+        t, e = tasks.c, executions.c
         with read(self.rt.engine) as conn:
-            return conn.execute(
-                select(tasks.c.error).where(
-                    tasks.c.id.like(f"{prefix}%"), tasks.c.status != "succeeded"
-                )
-            ).scalar()
+            row = conn.execute(
+                select(t.status, t.error, e.error.label("run_error"))
+                .select_from(tasks.join(executions, e.task_id == t.id))
+                .where(t.id.like(f"{prefix}%"), t.status.in_(TERMINAL), t.status != "succeeded")
+                .limit(1)
+            ).first()
+        return None if row is None else (row.error or row.run_error)
 
     def transitions(self, prefix: str) -> list[Any]:
         from sqlalchemy import select
@@ -746,6 +757,7 @@ class Cell:
                 depth_seen_at = time.monotonic()
         rss_end = self.procs.rss_bytes("worker")
         depth_end = self.queue_depth()
+        statuses = self.status_counts(prefix)
         delta = self.stats_delta(before, self.settled_stats())
         rows = self.transitions(prefix)
         times = [ts(r.at) for r in rows]
@@ -753,6 +765,12 @@ class Cell:
         rate = len(rows) / window
         r = self.results
         r.add("scale.finished_pct", 100 * done / n)
+        r.add("scale.succeeded_pct", 100 * statuses.get("succeeded", 0) / n)
+        if set(statuses) - {"succeeded"}:
+            r.notes.append(
+                f"scale: task statuses {dict(sorted(statuses.items()))}; a failed task's "
+                f"error: {json.dumps(self.first_error(prefix), default=str)[:400]}"
+            )
         r.add("scale.tps", rate)
         r.add("scale.tasks_per_s", done / window)
         if rss_tenth:
@@ -806,7 +824,7 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     """The --child process: set up the storage, start the cluster, measure, write results."""
     _progress.tag = backend.name
     home = Path(os.environ["CHARLIE_HOME"])
-    sizes = sizes_for(args.quick, args.trials)
+    sizes = sizes_for(args)
     only = set(args.only)
     worker_env = dict(kv.split("=", 1) for kv in args.worker_env)
     os.environ.update(worker_env)  # the producer (this process) runs with the workers' settings
@@ -942,6 +960,7 @@ ROWS: list[Row | str] = [
     ),
     "**Scale** (queued tasks of one turn, drained by 2 worker processes)",
     Row("Tasks finished within the time limit (%)", "scale.finished_pct", 0, "100"),
+    Row("Tasks succeeded (%)", "scale.succeeded_pct", 0, "100"),
     Row("Transitions/s", "scale.tps"),
     Row("Against the 50-run figure", "scale.vs_many", 2, "≥ 0.85"),
     Row("Tasks/s", "scale.tasks_per_s", 1),
@@ -980,9 +999,10 @@ def render(
     command: str,
     sizes: Sizes,
     worker_env: list[str],
+    version: str,
 ) -> str:
     names = list(results)
-    out = [f"Command: `{command}`  ", machine_line(results), ""]
+    out = [f"Command: `{command}`  ", f"Charlie: {version}  ", machine_line(results), ""]
     out.append(
         f"Trials: {sizes.trials} (median, min{RANGE}max); 1 run of {sizes.turns_one} turns; "
         f"{sizes.runs_many} runs of {sizes.turns_many} turns; floor chains of {sizes.links_one} "
@@ -1044,6 +1064,25 @@ FOOTNOTES = [
 ]
 
 
+def code_version() -> str:
+    """The commit measured, and whether the code differed from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "charlie", "celeryconfig.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown commit"
+    if not head:
+        return "unknown commit"
+    return f"commit {head}" + (" with uncommitted changes to charlie/" if dirty else "")
+
+
 def machine_line(results: dict[str, dict[str, Any]]) -> str:
     from importlib.metadata import version
 
@@ -1070,6 +1109,8 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
         argv.append("--quick")
     if args.trials:
         argv += ["--trials", str(args.trials)]
+    if args.scale_tasks:
+        argv += ["--scale-tasks", str(args.scale_tasks)]
     if args.keep:
         argv.append("--keep")
     for kv in args.worker_env:
@@ -1142,6 +1183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(SCENARIOS),
         help="comma-separated subset of " + ",".join(SCENARIOS),
     )
+    p.add_argument(
+        "--scale-tasks", type=int, default=None, help="tasks in the scale run (default 5000)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     p.add_argument("--keep", action="store_true", help="keep homes, logs and the PG database")
     p.add_argument(
@@ -1188,9 +1232,10 @@ def main(argv: list[str] | None = None) -> int:
 def run_parent(args: argparse.Namespace) -> int:
     command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
     wanted = list(BACKENDS) if args.backend == "all" else [args.backend]
-    sizes = sizes_for(args.quick, args.trials)
+    sizes = sizes_for(args)
     skipped: dict[str, str] = {}
     started = time.perf_counter()
+    version = code_version()
     runnable = []
     for name in wanted:
         problem = backend_problem(BACKENDS[name])
@@ -1204,7 +1249,9 @@ def run_parent(args: argparse.Namespace) -> int:
     for r in results.values():
         derive(r["values"])
     labels = {n: BACKENDS[n].label for n in BACKENDS}
-    table = render(results, labels, skipped, command, sizes, args.worker_env)
+    if code_version() != version:
+        version += f" (the tree changed during the run: now {code_version()})"
+    table = render(results, labels, skipped, command, sizes, args.worker_env, version)
     print(table)
     print(f"\n(bench took {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.json:
