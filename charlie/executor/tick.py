@@ -24,7 +24,7 @@ from charlie.executor.phases import needs, run_phase
 from charlie.leases import heartbeat
 from charlie.runtime import Runtime
 from charlie.store import runs
-from charlie.store.engine import write
+from charlie.store.engine import read, write
 from charlie.store.schema import tasks
 
 log = logging.getLogger("charlie.tick")
@@ -240,8 +240,10 @@ def _run_tick(
                 return "lost_lease"
     _publish(rt, claim, view, transition)
     if transition.to is None:
-        _recheck_after_wait(rt, claim)
+        _recheck_turn(rt, claim.execution_id, claim.turn, claim.phase, claim.version)
         return "waiting"
+    if transition.to is Phase.AWAIT_TOOLS and not transition.publish_next:
+        _recheck_turn(rt, claim.execution_id, claim.turn, Phase.AWAIT_TOOLS, claim.version + 1)
     log.info(
         "transition %s -> %s",
         phase.value,
@@ -256,12 +258,14 @@ def _run_tick(
     return "moved"
 
 
-def _recheck_after_wait(rt: Runtime, claim: runs.Claim) -> None:
-    """A tool may have settled the turn's last call while this await tick held the lease; its
-    tick was then refused as busy. Look again now that the lease is released."""
-    if claim.phase is not Phase.AWAIT_TOOLS:
+def _recheck_turn(rt: Runtime, execution_id: str, turn: int, phase: Phase, version: int) -> None:
+    """Publish the await tick if the turn has already settled. Settlers publish it themselves,
+    but only when they see the run in await_tools: one that settled while this tick held the
+    run (or before it entered await_tools) saw another phase, or had its tick refused as busy.
+    Whichever of us looks last sees both commits."""
+    if phase is not Phase.AWAIT_TOOLS:
         return
-    with write(rt.engine) as conn:
-        unsettled = runs.count_unsettled(conn, claim.execution_id, claim.turn)
+    with read(rt.engine) as conn:
+        unsettled = runs.count_unsettled(conn, execution_id, turn)
     if unsettled == 0:
-        rt.publisher.tick(claim.execution_id, claim.phase, claim.version)
+        rt.publisher.tick(execution_id, phase, version)

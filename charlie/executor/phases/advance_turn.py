@@ -54,5 +54,5 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         items=result_items(view),
         finish_order=finish_order(view),
         next_turn=True,
-        task_status=TaskStatus.RUNNING,
+        task_status=TaskStatus.RUNNING if view.task.status is TaskStatus.WAITING else None,
     )

@@ -16,7 +16,6 @@ from charlie.domain import (
     Outcome,
     Phase,
     RunView,
-    TaskStatus,
     Transition,
 )
 from charlie.executor.ports import PhaseDeps
@@ -134,5 +133,4 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         model_calls=1,
         model_repeats=repeats,
         usage=usage,
-        task_status=TaskStatus.RUNNING,
     )

@@ -36,5 +36,9 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         to=Phase.DISPATCH_TOOLS if more else Phase.AWAIT_TOOLS,
         queue_calls=queue,
         task_status=TaskStatus.WAITING if waits_on_work else None,
+        # Into await_tools, no tick: the call that settles last publishes it (an await tick now
+        # would almost always find the turn still running). The shell checks once after the
+        # commit in case every call had already settled.
+        publish_next=more,
         note=f"queued {len(batch)}, {len(waiting) - len(batch)} left",
     )
