@@ -143,12 +143,24 @@ def _commit(
     return ok
 
 
-def _publish(rt: Runtime, claim: runs.Claim, view: RunView, transition: Transition) -> None:
+def _publish(
+    rt: Runtime,
+    claim: runs.Claim,
+    view: RunView,
+    transition: Transition,
+    *,
+    publish_next: bool = True,
+) -> None:
     faults.hit("tick.after_commit", phase=claim.phase.value, task_id=view.task.id)
     messages: list[tuple[str, tuple[object, ...]]] = []
     for call_id, _deadline in transition.queue_calls:
         messages.append(("charlie.tool.invoke", (claim.execution_id, claim.turn, call_id, "start")))
-    if transition.to is not None and transition.publish_next and transition.to is not Phase.DONE:
+    if (
+        publish_next
+        and transition.to is not None
+        and transition.publish_next
+        and transition.to is not Phase.DONE
+    ):
         messages.append(
             (f"charlie.phase.{transition.to.value}", (claim.execution_id, claim.version + 1))
         )
@@ -160,7 +172,24 @@ def _publish(rt: Runtime, claim: runs.Claim, view: RunView, transition: Transiti
 
 
 def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> TickResult:
-    progress = _Progress()
+    """Run one tick; with ``CHARLIE_INLINE_PHASES``, go on to the next phases in this worker.
+
+    Inline, each phase is still claimed, committed and recorded as its own transition; only the
+    publish of its tick (and the trip through the broker) is skipped. A crash between them is a
+    commit whose tick was never published, which the sweep finds (I4)."""
+    budget = rt.settings.inline_phases
+    while True:
+        result, follow = _guarded_tick(rt, execution_id, phase, version, inline=budget > 0)
+        if follow is None:
+            return result
+        phase, version = follow
+        budget -= 1
+
+
+def _guarded_tick(
+    rt: Runtime, execution_id: str, phase: Phase, version: int, *, inline: bool
+) -> tuple[TickResult, tuple[Phase, int] | None]:
+    progress = _Progress(inline=inline)
     try:
         return _run_tick(rt, execution_id, phase, version, progress)
     except SQLAlchemyError as exc:
@@ -189,18 +218,20 @@ def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> Tick
                 )
         except SQLAlchemyError:
             log.warning("could not record the refused write either; the lease will lapse")
-        return "refused"
+        return "refused", None
 
 
 @dataclass
 class _Progress:
     #: the claim's transaction committed (the slow path), so the attempt was already counted.
     claim_committed: bool = False
+    #: the next phase may run in this worker instead of being published.
+    inline: bool = False
 
 
 def _run_tick(
     rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
-) -> TickResult:
+) -> tuple[TickResult, tuple[Phase, int] | None]:
     started = time.perf_counter()
     slow = phase in SLOW_PHASES
     with write(rt.engine) as conn:
@@ -212,11 +243,11 @@ def _run_tick(
         )
         if claim is None:
             log.debug("stale tick %s %s v%s", execution_id, phase.value, version)
-            return "stale"
+            return "stale", None
         view = _view(conn, claim, now)
         if view is None:
             log.error("execution %s has no task row", execution_id)
-            return "stale"
+            return "stale", None
         decided = _decide_at_boundary(rt, view)
         if not slow or decided is not None:
             if decided is None:
@@ -225,7 +256,7 @@ def _run_tick(
             else:
                 transition = decided
             if not _commit(rt, conn, claim, view, transition, started):
-                return "lost_lease"
+                return "lost_lease", None
             slow = False
     progress.claim_committed = True
     if slow:
@@ -237,11 +268,19 @@ def _run_tick(
         with write(rt.engine) as conn:
             if not _commit(rt, conn, claim, view, transition, started):
                 log.warning("lease lost during %s; discarding its result", phase.value)
-                return "lost_lease"
-    _publish(rt, claim, view, transition)
+                return "lost_lease", None
+    follow = (
+        (transition.to, claim.version + 1)
+        if progress.inline
+        and transition.to is not None
+        and transition.to is not Phase.DONE
+        and transition.publish_next
+        else None
+    )
+    _publish(rt, claim, view, transition, publish_next=follow is None)
     if transition.to is None:
         _recheck_turn(rt, claim.execution_id, claim.turn, claim.phase, claim.version)
-        return "waiting"
+        return "waiting", None
     if transition.to is Phase.AWAIT_TOOLS and not transition.publish_next:
         _recheck_turn(rt, claim.execution_id, claim.turn, Phase.AWAIT_TOOLS, claim.version + 1)
     log.info(
@@ -254,8 +293,8 @@ def _run_tick(
         from charlie.tools.invoke import poke_waiters
 
         poke_waiters(rt, view.task.id)
-        return "done"
-    return "moved"
+        return "done", None
+    return "moved", follow
 
 
 def _recheck_turn(rt: Runtime, execution_id: str, turn: int, phase: Phase, version: int) -> None:

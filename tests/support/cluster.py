@@ -254,6 +254,9 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         "CHARLIE_DISPATCH_BATCH": "4",
         "CHARLIE_TASK_EVENTS": "0",
     }
+    # Run a whole suite with inline phases: CHARLIE_TEST_INLINE_PHASES=8 python -m pytest
+    if os.environ.get("CHARLIE_TEST_INLINE_PHASES"):
+        env["CHARLIE_INLINE_PHASES"] = os.environ["CHARLIE_TEST_INLINE_PHASES"]
     if model_port is not None:
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY
