@@ -125,7 +125,7 @@ class Sizes:
     recovery_rounds: int  # each round kills the worker with 2 model calls in flight
     recovery_model_sleep: float  # seconds each scripted model call takes
     scale_tasks: int
-    scale_limit: float  # seconds the drain may take before it is reported unfinished
+    scale_limit: float  # least seconds the drain may take before it is reported unfinished
 
     @property
     def recovery_samples(self) -> int:
@@ -136,10 +136,9 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
     if args.quick:
         sizes = Sizes(args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60)
     else:
-        sizes = Sizes(args.trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000, 480)
+        sizes = Sizes(args.trials or 3, 20, 50, 5, 200, 25, 100, 3, 3.0, 5000, 300)
     if args.scale_tasks:
-        n = args.scale_tasks
-        sizes = dataclasses.replace(sizes, scale_tasks=n, scale_limit=max(60.0, n * 0.1))
+        sizes = dataclasses.replace(sizes, scale_tasks=args.scale_tasks)
     return sizes
 
 
@@ -727,9 +726,17 @@ class Cell:
         keys = ["charlie", *(f"charlie\x06\x16{p}" for p in (3, 6, 9))]
         return sum(int(client.llen(k)) for k in keys)
 
+    def scale_time_limit(self, n: int) -> float:
+        """Twice the drain time the 50-run rate predicts (7 transitions a task), or 0.2 s a task
+        without that figure; never less than the size's floor, never more than 30 minutes. A
+        drain that runs away (re-published duplicates) is then reported, not waited for."""
+        many = self.results.values.get("many.tps")
+        expected = n * 7 / statistics.median(many) if many else n * 0.2
+        return min(1800.0, max(self.sizes.scale_limit, 2 * expected))
+
     def scale(self) -> None:
         n = self.sizes.scale_tasks
-        limit = self.sizes.scale_limit
+        limit = self.scale_time_limit(n)
         model = self.turns_script(1)
         # The idle worker is SIGKILLed rather than stopped: a warm shutdown of an idle worker
         # takes about 7 s on the embedded broker (Celery's synloop), and nothing is in flight.
@@ -766,7 +773,7 @@ class Cell:
         r = self.results
         r.add("scale.finished_pct", 100 * done / n)
         r.add("scale.succeeded_pct", 100 * statuses.get("succeeded", 0) / n)
-        if set(statuses) - {"succeeded"}:
+        if set(statuses) & (set(TERMINAL) - {"succeeded"}):
             r.notes.append(
                 f"scale: task statuses {dict(sorted(statuses.items()))}; a failed task's "
                 f"error: {json.dumps(self.first_error(prefix), default=str)[:400]}"
@@ -1204,6 +1211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; choose from {SCENARIOS}")
     if args.trials is not None and args.trials < 1:
         p.error("--trials must be at least 1")
+    if args.scale_tasks is not None and args.scale_tasks < 1:
+        p.error("--scale-tasks must be at least 1")
     if any("=" not in kv for kv in args.worker_env):
         p.error("--worker-env takes KEY=VALUE")
     return args
