@@ -67,7 +67,7 @@ class Settings:
     #: it stores a wake-up time and lets the sweep come back.
     report_retries: int = 4
     #: the embedded broker's polling interval (seconds).
-    embedded_poll_interval: float = 0.02
+    embedded_poll_interval: float = 0.005
     task_events: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     #: the devbox (``charlie devbox serve``) the tools run in; unset: the local tools. When set,
@@ -130,7 +130,7 @@ def load_settings() -> Settings:
         max_result_bytes=_env_int("CHARLIE_MAX_RESULT_BYTES", 256 * 1024),
         max_prompt_bytes=_env_int("CHARLIE_MAX_PROMPT_BYTES", 1024 * 1024),
         report_retries=_env_int("CHARLIE_REPORT_RETRIES", 4),
-        embedded_poll_interval=_env_float("CHARLIE_EMBEDDED_POLL_INTERVAL", 0.02),
+        embedded_poll_interval=_env_float("CHARLIE_EMBEDDED_POLL_INTERVAL", 0.005),
         task_events=task_events,
         devbox_url=os.environ.get("CHARLIE_DEVBOX_URL") or None,
         devbox_token=os.environ.get("CHARLIE_DEVBOX_TOKEN") or None,

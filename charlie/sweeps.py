@@ -116,7 +116,8 @@ def sweep_stalled_runs(rt: Runtime) -> int:
 def queue_depth(queue: str = "charlie") -> int | None:
     """Messages waiting in the broker queue, or None if the broker cannot say."""
     try:
-        with app.connection_for_read() as conn:
+        # The app's pool: a new connection per sweep would cost a connect and a ping each time.
+        with app.pool.acquire(block=True) as conn:
             ok = conn.default_channel.queue_declare(queue=queue, passive=True)
             return int(ok.message_count)
     except Exception:
