@@ -74,7 +74,7 @@ _every = timedelta(seconds=_s.sweep_interval)
 # A sweep still queued after this is dropped: a newer one is behind it.
 _expires = max(10.0, _s.sweep_interval * 5)
 beat_schedule = {
-        "charlie-sweep-stalled": {
+    "charlie-sweep-stalled": {
         "task": "charlie.sweep.stalled_runs",
         "schedule": _every,
         "options": {"expires": _expires},
