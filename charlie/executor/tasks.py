@@ -14,14 +14,18 @@ from charlie.runtime import get_runtime
 
 
 def _phase_task(phase: Phase) -> Task:
-    def tick(execution_id: str, version: int) -> str:
+    def tick(self: Task, execution_id: str, version: int) -> str:
         from charlie.executor.tick import run_tick
 
-        return run_tick(get_runtime(), execution_id, phase, version)
+        # A redelivered message (RabbitMQ gives back a dead worker's unacked message at once)
+        # may be the one that killed it: its claim is committed on its own, so the attempt is
+        # counted even if this worker dies too (poison messages).
+        redelivered = bool((self.request.delivery_info or {}).get("redelivered"))
+        return run_tick(get_runtime(), execution_id, phase, version, durable_claim=redelivered)
 
     tick.__name__ = phase.value
     tick.__doc__ = f"Run the {phase.value} phase of one execution at one version."
-    return app.task(name=f"charlie.phase.{phase.value}", ignore_result=True)(tick)
+    return app.task(name=f"charlie.phase.{phase.value}", ignore_result=True, bind=True)(tick)
 
 
 PHASE_TASKS = {phase: _phase_task(phase) for phase in Phase if phase is not Phase.DONE}

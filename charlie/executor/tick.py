@@ -171,7 +171,9 @@ def _publish(
             log.exception("publish failed after commit; the sweep will re-publish")
 
 
-def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> TickResult:
+def run_tick(
+    rt: Runtime, execution_id: str, phase: Phase, version: int, *, durable_claim: bool = False
+) -> TickResult:
     """Run one tick; with ``CHARLIE_INLINE_PHASES``, go on to the next phases in this worker.
 
     Inline, each phase is still claimed, committed and recorded as its own transition; only the
@@ -179,17 +181,26 @@ def run_tick(rt: Runtime, execution_id: str, phase: Phase, version: int) -> Tick
     commit whose tick was never published, which the sweep finds (I4)."""
     budget = rt.settings.inline_phases
     while True:
-        result, follow = _guarded_tick(rt, execution_id, phase, version, inline=budget > 0)
+        result, follow = _guarded_tick(
+            rt, execution_id, phase, version, inline=budget > 0, durable_claim=durable_claim
+        )
         if follow is None:
             return result
         phase, version = follow
         budget -= 1
+        durable_claim = False
 
 
 def _guarded_tick(
-    rt: Runtime, execution_id: str, phase: Phase, version: int, *, inline: bool
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    *,
+    inline: bool,
+    durable_claim: bool = False,
 ) -> tuple[TickResult, tuple[Phase, int] | None]:
-    progress = _Progress(inline=inline)
+    progress = _Progress(inline=inline, durable_claim=durable_claim)
     try:
         return _run_tick(rt, execution_id, phase, version, progress)
     except SQLAlchemyError as exc:
@@ -227,13 +238,15 @@ class _Progress:
     claim_committed: bool = False
     #: the next phase may run in this worker instead of being published.
     inline: bool = False
+    #: commit the claim (and its attempt count) before running even a fast phase.
+    durable_claim: bool = False
 
 
 def _run_tick(
     rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
 ) -> tuple[TickResult, tuple[Phase, int] | None]:
     started = time.perf_counter()
-    slow = phase in SLOW_PHASES
+    slow = phase in SLOW_PHASES or progress.durable_claim
     with write(rt.engine) as conn:
         # After BEGIN: on SQLite the write lock may take a while, and a lease computed before
         # waiting for it could be born expired.
@@ -264,6 +277,8 @@ def _run_tick(
         # The claim committed; from here until the commit no transaction is open (I5).
         with _heartbeat(rt, claim):
             transition = _compute(rt, view)
+        if phase not in SLOW_PHASES:  # a fast phase run with a durable claim
+            faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
         faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
         with write(rt.engine) as conn:
             if not _commit(rt, conn, claim, view, transition, started):
