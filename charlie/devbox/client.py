@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
-TERMINAL_STATUSES = frozenset({"exited", "timed_out", "cancelled", "lost"})
+TERMINAL_STATUSES = frozenset({"exited", "timed_out", "cancelled", "lost", "killed"})
 
 
 class DevboxError(Exception):
@@ -61,7 +61,7 @@ class StartedCommand:
 @dataclass(frozen=True)
 class CommandStatus:
     execution_id: str
-    status: str  # running | exited | timed_out | cancelled | lost
+    status: str  # running | exited | timed_out | cancelled | lost | killed
     exit_code: int | None
     started_at: str
     finished_at: str | None

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from charlie.devbox.errors import ApiError
-from charlie.devbox.paths import check_execution_id
+from charlie.devbox.paths import check_execution_id, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,14 @@ EXITED = "exited"
 TIMED_OUT = "timed_out"
 CANCELLED = "cancelled"
 LOST = "lost"
+#: killed because its workspace grew past the per-workspace disk cap.
+KILLED = "killed"
 
 #: how long to wait for a command's output pipes to close after it exits before killing what
 #: is left of its process group (a background child still holding stdout).
 _DRAIN_SECONDS = 2.0
+#: how often a running command's workspace is measured against the disk cap
+_DISK_CHECK_SECONDS = 1.0
 _CHUNK = 64 * 1024
 
 
@@ -126,6 +131,7 @@ class _Running:
     timeout: float
     stdout: _Capture
     stderr: _Capture
+    workspace: Path | None = None
     #: set by cancel() or by the devbox stopping; read by the watcher to name the outcome.
     stop_status: str | None = None
     stop_reason: str | None = None
@@ -152,10 +158,12 @@ class StartRequest:
 class CommandRunner:
     """Starts commands, watches them to the end, and answers status by execution id from disk."""
 
-    def __init__(self, root: Path, output_bytes: int) -> None:
+    def __init__(self, root: Path, output_bytes: int, workspace_bytes: int | None = None) -> None:
         self.dir = root / "commands"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.output_bytes = output_bytes
+        #: the per-workspace disk cap also binds what commands write, checked as they run
+        self.workspace_bytes = workspace_bytes
         self._running: dict[str, _Running] = {}
         self._lock = threading.Lock()
         self._keys = self.dir / "by-key"
@@ -227,6 +235,7 @@ class CommandRunner:
                 timeout=req.timeout,
                 stdout=_Capture(proc.stdout, cdir / "stdout", self.output_bytes),
                 stderr=_Capture(proc.stderr, cdir / "stderr", self.output_bytes),
+                workspace=req.workspace_path,
             )
             self._running[execution_id] = run
         meta["pid"] = proc.pid
@@ -262,13 +271,19 @@ class CommandRunner:
 
     def _watch(self, run: _Running, meta: dict[str, Any]) -> None:
         timed_out = False
-        exit_code: int | None
-        try:
-            exit_code = run.proc.wait(timeout=run.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_group(run.proc.pid)
-            exit_code = run.proc.wait()
+        exit_code: int | None = None
+        deadline = time.monotonic() + run.timeout
+        while exit_code is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                kill_group(run.proc.pid)
+                exit_code = run.proc.wait()
+                break
+            try:
+                exit_code = run.proc.wait(timeout=min(_DISK_CHECK_SECONDS, remaining))
+            except subprocess.TimeoutExpired:
+                self._check_disk(run)
         for capture in (run.stdout, run.stderr):
             capture.thread.join(_DRAIN_SECONDS)
         if run.stdout.thread.is_alive() or run.stderr.thread.is_alive():
@@ -294,6 +309,20 @@ class CommandRunner:
         with self._lock:
             self._running.pop(run.execution_id, None)
         run.finished.set()
+
+    def _check_disk(self, run: _Running) -> None:
+        if self.workspace_bytes is None or run.workspace is None:
+            return
+        used = tree_bytes(run.workspace)
+        if used > self.workspace_bytes:
+            with run.lock:
+                if run.stop_status is None:
+                    run.stop_status = KILLED
+                    run.stop_reason = (
+                        f"killed: the workspace grew to {used} bytes, over its disk cap of "
+                        f"{self.workspace_bytes} bytes"
+                    )
+            kill_group(run.proc.pid)
 
     @staticmethod
     def _outcome(run: _Running, timed_out: bool) -> tuple[str, str | None]:

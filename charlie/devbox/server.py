@@ -76,7 +76,7 @@ class Devbox:
         self.policy = policy
         self.limits = limits
         self.workspaces = Workspaces(root, limits)
-        self.commands = CommandRunner(root, limits.output_bytes)
+        self.commands = CommandRunner(root, limits.output_bytes, limits.workspace_bytes)
 
     # -- workspaces ----------------------------------------------------------------------------
 

@@ -550,6 +550,8 @@ def _finished(status: CommandStatus, ctx: ToolContext, polls: int, rebuilt: str 
         raise ToolError(f"command timed out: {status.reason or 'killed by the devbox'}", **result)
     if status.status == "cancelled":
         raise ToolError("command was cancelled on the devbox", **result)
+    if status.status == "killed":
+        raise ToolError(f"command {status.reason or 'killed by the devbox'}", **result)
     if status.exit_code != 0:
         raise ToolError(f"command exited with code {status.exit_code}", **result)
     return result

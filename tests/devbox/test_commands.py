@@ -249,3 +249,20 @@ def test_bad_requests(client: DevboxClient, workspace: str) -> None:
     with pytest.raises(DevboxError) as info:
         client.start_command(workspace, ["ls"], timeout=-1)
     assert info.value.status == 400
+
+
+def test_a_command_that_fills_its_workspace_past_the_cap_is_killed(
+    make_server: ServerFactory,
+) -> None:
+    """The per-workspace disk cap binds what commands write, not only file writes."""
+    server = make_server(limits=Limits(workspace_bytes=200_000))
+    with DevboxClient(server.url, TOKEN) as c:
+        c.ensure_workspace("ws", None)
+        # Writes 100 KB a tenth of a second, for up to 30 s.
+        started = c.start_command(
+            "ws", shell="for i in $(seq 300); do head -c 100000 /dev/zero >> big; sleep 0.1; done"
+        )
+        status = c.wait_command(started.execution_id, timeout=20)
+        assert status.status == "killed"
+        assert "disk cap of 200000 bytes" in (status.reason or "")
+        assert (server.root / "workspaces").exists()
