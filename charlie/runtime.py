@@ -13,6 +13,7 @@ import socket
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
@@ -71,6 +72,11 @@ class Runtime:
         if model is None:
             model = self._models[spec] = resolve_model(spec)
         return model
+
+    @cached_property
+    def deps(self) -> PhaseDeps:
+        """The phases' adapters: built once per process, not per tick."""
+        return self.phase_deps()
 
     def phase_deps(self) -> PhaseDeps:
         from charlie.scheduler import DbScheduler

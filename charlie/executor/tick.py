@@ -84,7 +84,7 @@ def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[None]:
 
 def _compute(rt: Runtime, view: RunView) -> Transition:
     try:
-        return run_phase(view, rt.phase_deps())
+        return run_phase(view, rt.deps)
     except Exception as exc:
         if view.phase is Phase.REPORT_FAILURE:
             # Reporting a failure failed: come back later rather than fail the failure.

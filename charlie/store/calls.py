@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, exists, or_, select, update
+from sqlalchemy import Connection, and_, exists, or_, update
 
 from charlie.domain import ENDING_PHASES, CallState, TaskStatus
 from charlie.store.schema import executions, tasks, tool_calls
@@ -186,8 +186,3 @@ def record_late_report(
             late_result={"outcome": outcome, "result": result},
         )
     )
-
-
-def call_state(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:
-    row = conn.execute(select(tool_calls.c.state).where(_key(execution_id, turn, call_id))).first()
-    return row.state if row else None

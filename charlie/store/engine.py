@@ -158,8 +158,4 @@ def ensure_schema(url: str, *, auto_upgrade: bool, lock_dir: Path | None = None)
     _migrated.add(url)
 
 
-def reset_process_state_for_tests() -> None:
-    _migrated.clear()
-
-
 __all__ = ["dispose_after_fork", "ensure_schema", "get_engine", "read", "upgrade", "write"]
