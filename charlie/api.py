@@ -18,7 +18,7 @@ from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
 from charlie.models import validate_model_spec
 from charlie.runtime import get_runtime
 from charlie.scheduler import TaskNotFound
-from charlie.store.engine import read
+from charlie.store.engine import read, retried_if_disconnected
 from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
 
 log = logging.getLogger("charlie.api")
@@ -169,6 +169,7 @@ def submit(
     return submitted.task_id
 
 
+@retried_if_disconnected
 def get_task(task_id: str) -> TaskInfo:
     rt = get_runtime()
     t, e = tasks.c, executions.c
@@ -236,6 +237,7 @@ def cancel(task_id: str) -> bool:
     return task_id in changed
 
 
+@retried_if_disconnected
 def transcript(task_id: str) -> list[TranscriptEntry]:
     """The ordered transcript; a tool result carries its call's outcome."""
     rt = get_runtime()
@@ -260,6 +262,7 @@ def transcript(task_id: str) -> list[TranscriptEntry]:
     ]
 
 
+@retried_if_disconnected
 def calls(task_id: str) -> list[CallRecord]:
     """The pending-tool records of a task, in turn and call order, with their evidence."""
     rt = get_runtime()
@@ -296,6 +299,7 @@ def calls(task_id: str) -> list[CallRecord]:
     ]
 
 
+@retried_if_disconnected
 def history(task_id: str) -> list[dict[str, Any]]:
     """Every transition of the task's run (I21): from, to, when, which worker, how long."""
     rt = get_runtime()

@@ -3,8 +3,11 @@ refusal is kept as evidence, and the run goes on once the database accepts write
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
+import psycopg
 import pytest
 from sqlalchemy import select, text
 
@@ -94,3 +97,56 @@ def test_a_write_refused_every_time_ends_in_report_failure_saying_why(
     assert info.error["type"] == "PoisonMessage", info.error
     assert "refused by the test trigger" in info.error["message"]
     assert "refused by the test trigger" in info.error["last_error"]["message"]
+
+
+def test_connections_dropped_by_the_database_cost_nothing(cluster: Cluster, script) -> None:
+    """A database restart closes every pooled connection. Workers ping only connections that
+    sat idle, so a busy one fails its next statement: the tick or invocation runs again on a
+    fresh connection, and producers' reads retry too. The run finishes with a dense
+    transcript, and no ping is paid on connections in steady use."""
+    rt = get_runtime()
+    if rt.settings.is_sqlite:
+        pytest.skip("SQLite has no server connections to drop")
+    turns = [
+        {
+            "tool_calls": [
+                {
+                    "id": f"s{n}",
+                    "name": "sleep_then",
+                    "arguments": {"seconds": 0.05, "value": str(n)},
+                }
+            ]
+        }
+        for n in range(12)
+    ]
+    model, _ = script([*turns, {"say": "survived"}])
+    task_id = charlie.submit("drops", model=model, tools=["sleep_then"])
+    database = rt.engine.url.database
+    stop = threading.Event()
+    dropped: list[int] = []
+
+    def drop_connections() -> None:
+        url = rt.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        admin = psycopg.connect(url, autocommit=True)
+        with admin:
+            while not stop.wait(0.25):
+                rows = admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (database,),
+                ).fetchall()
+                dropped.append(len(rows))
+
+    dropper = threading.Thread(target=drop_connections, daemon=True)
+    dropper.start()
+    try:
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        dropper.join(timeout=10)
+    assert sum(dropped) > 0, "the test dropped no connection"
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "survived"
+    seqs = [i.seq for i in charlie.transcript(task_id)]
+    assert seqs == list(range(len(seqs)))

@@ -32,6 +32,9 @@ def private_database(backend: Backend, tmp_path: Path) -> str:
         recreate_postgres_database(url)
     else:
         url = f"sqlite:///{tmp_path / 'beats.db'}"
+    # The database was just recreated under this process's pool, whose connections (kept
+    # warm, so not pinged) the drop terminated.
+    get_engine(url).dispose()
     upgrade(url)
     return url
 
