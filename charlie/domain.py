@@ -165,6 +165,8 @@ class Settlement:
     call_id: str
     outcome: Outcome
     result: JSON
+    #: how long the handler ran, when a handler produced this outcome.
+    duration_ms: float | None = None
 
 
 @dataclass(frozen=True)

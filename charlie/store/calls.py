@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, exists, or_, update
+from sqlalchemy import Connection, and_, bindparam, exists, or_, select, update
 
-from charlie.domain import ENDING_PHASES, CallState, TaskStatus
+from charlie.domain import ENDING_PHASES, CallState, TaskStatus, task_id_of
 from charlie.store.schema import executions, tasks, tool_calls
 
 ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
@@ -30,11 +31,64 @@ class ClaimedCall:
     handle: str | None
     attempts: int
     deadline_at: datetime | None
+    #: the task's metadata, read in the same statement (tools see it through their context).
+    task_metadata: dict[str, Any] | None = None
 
 
 def _key(execution_id: str, turn: int, call_id: str) -> Any:
     c = tool_calls.c
     return and_(c.execution_id == execution_id, c.turn == turn, c.call_id == call_id)
+
+
+_c, _e, _t = tool_calls.c, executions.c, tasks.c
+_KEY = and_(
+    _c.execution_id == bindparam("b_execution"),
+    _c.turn == bindparam("b_turn"),
+    _c.call_id == bindparam("b_call"),
+)
+
+
+@functools.cache
+def _claim_statement(mode: Mode) -> Any:
+    now = bindparam("b_now", type_=_c.lease_until.type)
+    # Work starts only for a live run of an active task: never after a cancel, a timeout or a
+    # failure (I18), whatever messages are still in flight.
+    live = exists().where(
+        _e.id == _c.execution_id,
+        _e.phase.not_in(ENDING_PHASE_VALUES),
+        exists().where(_t.id == _e.task_id, _t.status.in_(ACTIVE_STATUSES)),
+    )
+    stmt = update(tool_calls).where(_KEY, live)
+    if mode == "start":
+        stmt = stmt.where(_c.state == CallState.PENDING.value, _c.queued_at.is_not(None)).values(
+            state=CallState.STARTED.value, started_at=now, started_by=bindparam("b_owner")
+        )
+    elif mode == "resume":
+        # A parked wait (no owner) may be observed at any time; a held one only once its
+        # holder's lease has lapsed.
+        stmt = stmt.where(
+            _c.state == CallState.STARTED.value,
+            _c.resumable.is_(True),
+            or_(_c.lease_owner.is_(None), _c.lease_until < now),
+        )
+    else:
+        stmt = stmt.where(_c.state == CallState.STARTED.value, _c.lease_until < now)
+    metadata = select(_t.metadata).where(_t.id == bindparam("b_task")).scalar_subquery()
+    return stmt.values(
+        lease_owner=bindparam("b_owner"),
+        lease_until=bindparam("b_until", type_=_c.lease_until.type),
+        attempts=_c.attempts + 1,
+    ).returning(
+        _c.name,
+        _c.arguments,
+        _c.resumable,
+        _c.started_at,
+        _c.started_by,
+        _c.handle,
+        _c.attempts,
+        _c.deadline_at,
+        metadata.label("task_metadata"),
+    )
 
 
 def claim_call(
@@ -50,42 +104,18 @@ def claim_call(
     """``start``: pending → started, committed before the handler runs (I9).
     ``resume``/``reconcile``: take over a started call whose lease lapsed (I10).
     ``None``: not claimable (already started, settled, or someone live holds it)."""
-    c = tool_calls.c
-    e, t = executions.c, tasks.c
-    until = now + timedelta(seconds=lease_seconds)
-    # Work starts only for a live run of an active task: never after a cancel, a timeout or a
-    # failure (I18), whatever messages are still in flight.
-    live = exists().where(
-        e.id == execution_id,
-        e.phase.not_in(ENDING_PHASE_VALUES),
-        exists().where(t.id == e.task_id, t.status.in_(ACTIVE_STATUSES)),
-    )
-    stmt = update(tool_calls).where(_key(execution_id, turn, call_id), live)
-    if mode == "start":
-        stmt = stmt.where(c.state == CallState.PENDING.value, c.queued_at.is_not(None)).values(
-            state=CallState.STARTED.value, started_at=now, started_by=owner
-        )
-    elif mode == "resume":
-        # A parked wait (no owner) may be observed at any time; a held one only once its
-        # holder's lease has lapsed.
-        stmt = stmt.where(
-            c.state == CallState.STARTED.value,
-            c.resumable.is_(True),
-            or_(c.lease_owner.is_(None), c.lease_until < now),
-        )
-    else:
-        stmt = stmt.where(c.state == CallState.STARTED.value, c.lease_until < now)
-    stmt = stmt.values(lease_owner=owner, lease_until=until, attempts=c.attempts + 1).returning(
-        c.name,
-        c.arguments,
-        c.resumable,
-        c.started_at,
-        c.started_by,
-        c.handle,
-        c.attempts,
-        c.deadline_at,
-    )
-    row = conn.execute(stmt).first()
+    row = conn.execute(
+        _claim_statement(mode),
+        {
+            "b_execution": execution_id,
+            "b_task": task_id_of(execution_id),
+            "b_turn": turn,
+            "b_call": call_id,
+            "b_now": now,
+            "b_owner": owner,
+            "b_until": now + timedelta(seconds=lease_seconds),
+        },
+    ).first()
     if row is None:
         return None
     return ClaimedCall(
@@ -100,6 +130,7 @@ def claim_call(
         row.handle,
         row.attempts,
         row.deadline_at,
+        row.task_metadata,
     )
 
 
@@ -143,6 +174,22 @@ def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:
     )
 
 
+_SETTLE = (
+    update(tool_calls)
+    .where(_KEY, _c.state != CallState.SETTLED.value)
+    .values(
+        state=CallState.SETTLED.value,
+        outcome=bindparam("b_outcome"),
+        result=bindparam("b_result", type_=_c.result.type),
+        settled_at=bindparam("b_now", type_=_c.settled_at.type),
+        settled_by=bindparam("b_owner"),
+        lease_owner=None,
+        lease_until=None,
+        duration_ms=bindparam("b_duration"),
+    )
+)
+
+
 def settle_call(
     conn: Connection,
     execution_id: str,
@@ -156,22 +203,41 @@ def settle_call(
 ) -> bool:
     """The first result wins (I12): only an unsettled call takes an outcome. On False the
     caller records a late report instead."""
-    c = tool_calls.c
     done = conn.execute(
-        update(tool_calls)
-        .where(_key(execution_id, turn, call_id), c.state != CallState.SETTLED.value)
-        .values(
-            state=CallState.SETTLED.value,
-            outcome=outcome,
-            result=result,
-            settled_at=now,
-            settled_by=owner,
-            lease_owner=None,
-            lease_until=None,
-            duration_ms=duration_ms,
-        )
+        _SETTLE,
+        {
+            "b_execution": execution_id,
+            "b_turn": turn,
+            "b_call": call_id,
+            "b_outcome": outcome,
+            "b_result": result,
+            "b_now": now,
+            "b_owner": owner,
+            "b_duration": duration_ms,
+        },
     )
     return done.rowcount == 1
+
+
+_LOCK_RUN = select(_e.phase, _e.version).where(_e.id == bindparam("b_execution")).with_for_update()
+
+
+def lock_run(conn: Connection, execution_id: str) -> tuple[str, int] | None:
+    """Lock the run's row for the rest of the transaction; return its (phase, version).
+
+    Whoever settles a call locks the run first (the order ticks take too: run, then calls), so
+    settlers of one run take turns: of two settling the last two calls, the second sees the
+    first's commit and knows the turn is complete (I7)."""
+    row = conn.execute(_LOCK_RUN, {"b_execution": execution_id}).first()
+    return (row.phase, row.version) if row else None
+
+
+def settled_by(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:
+    return conn.execute(
+        select(_c.settled_by).where(
+            _c.execution_id == execution_id, _c.turn == turn, _c.call_id == call_id
+        )
+    ).scalar()
 
 
 def record_late_report(

@@ -6,6 +6,7 @@ that matches no row means another worker or a newer message got there first.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,14 +26,20 @@ from charlie.domain import (
     TaskView,
     Transition,
 )
-from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
+from charlie.store.schema import (
+    executions,
+    tasks,
+    tool_calls,
+    transcript_items,
+    transitions,
+)
 
 ACTIVE = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus.WAITING.value)
 
 
 @dataclass(frozen=True)
 class Claim:
-    """An execution row as claimed by this worker for one tick."""
+    """An execution row as claimed by this worker for one tick, with its task."""
 
     execution_id: str
     task_id: str
@@ -44,6 +51,50 @@ class Claim:
     attempts: int
     #: the error an earlier attempt of this tick recorded (a refused write), if any.
     last_error: JSON | None = None
+    #: the task as it stood at the claim (its status decides whether the run stops).
+    task: TaskView | None = None
+
+
+# The hot path's statements are built once: building a Core statement costs about as much
+# CPU as the database takes to run it. Values come in as bind parameters.
+_e = executions.c
+_t = tasks.c
+
+
+def _task_column(column: Any) -> Any:
+    # The task row rides along in the claim's RETURNING as scalar subqueries (PostgreSQL and
+    # SQLite both allow them): one round trip instead of a claim and a SELECT.
+    return select(column).where(_t.id == _e.task_id).scalar_subquery().label(f"task_{column.key}")
+
+
+_TASK_COLUMNS = (_t.prompt, _t.model, _t.tools, _t.metadata, _t.status, _t.parent_id, _t.timeout_at)
+
+_CLAIM = (
+    update(executions)
+    .where(
+        _e.id == bindparam("b_id"),
+        _e.phase == bindparam("b_phase"),
+        _e.version == bindparam("b_version"),
+        or_(
+            _e.lease_until.is_(None), _e.lease_until < bindparam("b_now", type_=_e.lease_until.type)
+        ),
+    )
+    .values(
+        lease_owner=bindparam("b_owner"),
+        lease_until=bindparam("b_until", type_=_e.lease_until.type),
+        attempts=_e.attempts + 1,
+        wake_at=None,
+    )
+    .returning(
+        _e.task_id,
+        _e.turn,
+        _e.next_seq,
+        _e.state,
+        _e.attempts,
+        _e.error,
+        *(_task_column(column) for column in _TASK_COLUMNS),
+    )
+)
 
 
 def claim_execution(
@@ -58,26 +109,31 @@ def claim_execution(
     """Take the lease on the row if it is still at (phase, version) and nobody live holds it.
 
     ``None`` is a stale or duplicate message (I2)."""
-    e = executions.c
-    stmt = (
-        update(executions)
-        .where(
-            e.id == execution_id,
-            e.phase == phase.value,
-            e.version == version,
-            or_(e.lease_until.is_(None), e.lease_until < now),
-        )
-        .values(
-            lease_owner=owner,
-            lease_until=now + timedelta(seconds=lease_seconds),
-            attempts=e.attempts + 1,
-            wake_at=None,
-        )
-        .returning(e.task_id, e.turn, e.next_seq, e.state, e.attempts, e.error)
-    )
-    row = conn.execute(stmt).first()
+    row = conn.execute(
+        _CLAIM,
+        {
+            "b_id": execution_id,
+            "b_phase": phase.value,
+            "b_version": version,
+            "b_now": now,
+            "b_owner": owner,
+            "b_until": now + timedelta(seconds=lease_seconds),
+        },
+    ).first()
     if row is None:
         return None
+    task = None
+    if row.task_status is not None:  # the foreign key makes a missing task unlikely, not impossible
+        task = TaskView(
+            id=row.task_id,
+            prompt=row.task_prompt,
+            model=row.task_model,
+            tools=row.task_tools,
+            metadata=row.task_metadata or {},
+            status=TaskStatus(row.task_status),
+            parent_id=row.task_parent_id,
+            timeout_at=row.task_timeout_at,
+        )
     return Claim(
         execution_id,
         row.task_id,
@@ -88,6 +144,7 @@ def claim_execution(
         row.state,
         row.attempts,
         row.error,
+        task,
     )
 
 
@@ -126,13 +183,16 @@ def load_task(conn: Connection, task_id: str) -> TaskView | None:
     return task_view(row) if row else None
 
 
+_i = transcript_items.c
+_LOAD_ITEMS = (
+    select(_i.seq, _i.turn, _i.kind, _i.call_id, _i.payload)
+    .where(_i.execution_id == bindparam("b_execution"))
+    .order_by(_i.seq)
+)
+
+
 def load_items(conn: Connection, execution_id: str) -> list[Item]:
-    i = transcript_items.c
-    rows = conn.execute(
-        select(i.seq, i.turn, i.kind, i.call_id, i.payload)
-        .where(i.execution_id == execution_id)
-        .order_by(i.seq)
-    )
+    rows = conn.execute(_LOAD_ITEMS, {"b_execution": execution_id})
     return [Item(r.seq, r.turn, ItemKind(r.kind), r.call_id, r.payload) for r in rows]
 
 
@@ -169,31 +229,179 @@ CALL_COLUMNS = (
 )
 
 
+_LOAD_CALLS = (
+    select(*CALL_COLUMNS)
+    .where(
+        tool_calls.c.execution_id == bindparam("b_execution"),
+        tool_calls.c.turn == bindparam("b_turn"),
+    )
+    .order_by(tool_calls.c.idx)
+)
+# FOR UPDATE on PostgreSQL; SQLite's writes are serialized by BEGIN IMMEDIATE anyway.
+_LOCK_CALLS = _LOAD_CALLS.with_for_update()
+
+
 def load_calls(
     conn: Connection, execution_id: str, turn: int, *, lock: bool = False
 ) -> list[CallView]:
-    c = tool_calls.c
-    stmt = (
-        select(*CALL_COLUMNS).where(c.execution_id == execution_id, c.turn == turn).order_by(c.idx)
+    rows = conn.execute(
+        _LOCK_CALLS if lock else _LOAD_CALLS, {"b_execution": execution_id, "b_turn": turn}
     )
-    # FOR UPDATE on PostgreSQL; SQLite's writes are serialized by BEGIN IMMEDIATE anyway.
-    rows = conn.execute(stmt.with_for_update() if lock else stmt)
     return [call_view(r) for r in rows]
 
 
-def count_unsettled(conn: Connection, execution_id: str, turn: int) -> int:
-    c = tool_calls.c
-    return int(
-        conn.execute(
-            select(func.count())
-            .select_from(tool_calls)
-            .where(
-                c.execution_id == execution_id,
-                c.turn == turn,
-                c.state != CallState.SETTLED.value,
-            )
-        ).scalar_one()
+_COUNT_UNSETTLED = (
+    select(func.count())
+    .select_from(tool_calls)
+    .where(
+        tool_calls.c.execution_id == bindparam("b_execution"),
+        tool_calls.c.turn == bindparam("b_turn"),
+        tool_calls.c.state != CallState.SETTLED.value,
     )
+)
+
+
+def count_unsettled(conn: Connection, execution_id: str, turn: int) -> int:
+    return int(
+        conn.execute(_COUNT_UNSETTLED, {"b_execution": execution_id, "b_turn": turn}).scalar_one()
+    )
+
+
+@functools.cache
+def _commit_statement(
+    moving: bool, state: bool, items: bool, next_turn: bool, usage: bool, error: bool
+) -> Any:
+    """The execution row's compare-and-set for one shape of transition, built once."""
+    values: dict[str, Any] = {
+        "lease_owner": None,
+        "lease_until": None,
+        "wake_at": bindparam("b_wake_at", type_=_e.wake_at.type),
+        # A moving transition starts the next (phase, version) afresh; a wait that finished its
+        # tick normally also resets, since the next claim is not a retry.
+        "attempts": 0,
+    }
+    if state:
+        values["state"] = bindparam("b_state", type_=_e.state.type)
+    if moving:
+        values.update(
+            phase=bindparam("b_to"),
+            version=_e.version + 1,
+            updated_at=bindparam("b_now", type_=_e.updated_at.type),
+            swept_at=None,
+        )
+    if items:
+        values["next_seq"] = _e.next_seq + bindparam("b_items")
+    if next_turn:
+        values["turn"] = _e.turn + 1
+    if usage:
+        values["model_calls"] = _e.model_calls + bindparam("b_model_calls")
+        values["model_repeats"] = _e.model_repeats + bindparam("b_model_repeats")
+    if error:
+        values["error"] = bindparam("b_error", type_=_e.error.type)
+    return (
+        update(executions)
+        .where(
+            _e.id == bindparam("b_id"),
+            _e.version == bindparam("b_version"),
+            _e.lease_owner == bindparam("b_owner"),
+        )
+        .values(**values)
+    )
+
+
+@functools.cache
+def _move_statement(state: bool, items: bool, next_turn: bool, usage: bool, error: bool) -> Any:
+    """PostgreSQL: the compare-and-set and the transition's record in one statement (a
+    data-modifying CTE), one round trip fewer per transition. Inserts no record, and so
+    reports no row, when the compare-and-set matched nothing."""
+    moved = (
+        _commit_statement(True, state, items, next_turn, usage, error).returning(_e.id).cte("moved")
+    )
+    tr = transitions.c
+    columns = [
+        tr.execution_id,
+        tr.from_phase,
+        tr.to_phase,
+        tr.version,
+        tr.at,
+        tr.worker,
+        tr.duration_ms,
+        tr.note,
+    ]
+    values = select(
+        moved.c.id,
+        bindparam("b_from", type_=tr.from_phase.type),
+        bindparam("b_to2", type_=tr.to_phase.type),
+        bindparam("b_next_version", type_=tr.version.type),
+        bindparam("b_now2", type_=tr.at.type),
+        bindparam("b_owner2", type_=tr.worker.type),
+        bindparam("b_duration", type_=tr.duration_ms.type),
+        bindparam("b_note", type_=tr.note.type),
+    )
+    # RETURNING, not rowcount: drivers do not agree on the rowcount of a statement with a CTE.
+    return insert(transitions).from_select(columns, values).returning(tr.id)
+
+
+@functools.cache
+def _task_statement(usage: bool, status: bool, running: bool) -> Any:
+    values: dict[str, Any] = {}
+    if usage:
+        values.update(
+            input_tokens=_t.input_tokens + bindparam("b_input"),
+            output_tokens=_t.output_tokens + bindparam("b_output"),
+            reasoning_tokens=_t.reasoning_tokens + bindparam("b_reasoning"),
+        )
+    if status:
+        values["status"] = bindparam("b_status")
+    if running:
+        values["started_at"] = func.coalesce(
+            _t.started_at, bindparam("b_now", type_=_t.started_at.type)
+        )
+    return update(tasks).where(_t.id == bindparam("b_task"), _t.status.in_(ACTIVE)).values(**values)
+
+
+_c = tool_calls.c
+_CALL_KEY = and_(
+    _c.execution_id == bindparam("b_execution"),
+    _c.turn == bindparam("b_turn"),
+    _c.call_id == bindparam("b_call"),
+)
+_INSERT_ITEMS = insert(transcript_items)
+_INSERT_CALLS = insert(tool_calls)
+_QUEUE_CALLS = (
+    update(tool_calls)
+    .where(_CALL_KEY, _c.queued_at.is_(None))
+    .values(
+        queued_at=bindparam("b_now", type_=_c.queued_at.type),
+        dispatch_version=bindparam("b_version"),
+        deadline_at=bindparam("b_at", type_=_c.deadline_at.type),
+    )
+)
+_SETTLE_CALLS = (
+    update(tool_calls)
+    .where(_CALL_KEY, _c.state != CallState.SETTLED.value)
+    .values(
+        state=CallState.SETTLED.value,
+        outcome=bindparam("b_outcome"),
+        result=bindparam("b_result", type_=_c.result.type),
+        settled_at=bindparam("b_now", type_=_c.settled_at.type),
+        settled_by=bindparam("b_owner"),
+        lease_owner=None,
+        lease_until=None,
+        duration_ms=bindparam("b_duration"),
+    )
+)
+_FINISH_ORDER = update(tool_calls).where(_CALL_KEY).values(finish_order=bindparam("b_order"))
+_INSERT_TRANSITION = insert(transitions).values(
+    execution_id=bindparam("b_execution"),
+    from_phase=bindparam("b_from"),
+    to_phase=bindparam("b_to"),
+    version=bindparam("b_version"),
+    at=bindparam("b_now", type_=transitions.c.at.type),
+    worker=bindparam("b_owner"),
+    duration_ms=bindparam("b_duration"),
+    note=bindparam("b_note"),
+)
 
 
 def commit_transition(
@@ -210,52 +418,55 @@ def commit_transition(
 
     Returns False, writing nothing, when the lease was lost meanwhile; the caller rolls back.
     """
-    e = executions.c
-    moving = transition.to is not None
-    values: dict[str, Any] = {
-        "lease_owner": None,
-        "lease_until": None,
-        "wake_at": transition.wake_at,
-    }
-    if transition.state is not None:
-        values["state"] = transition.state
-    if moving:
-        assert transition.to is not None
-        values.update(
-            phase=transition.to.value,
-            version=e.version + 1,
-            updated_at=now,
-            swept_at=None,
-            attempts=0,
-        )
-    else:
-        # A wait finished its tick normally; the next claim is not a retry.
-        values["attempts"] = 0
-    if transition.items:
-        values["next_seq"] = e.next_seq + len(transition.items)
-    if transition.next_turn:
-        values["turn"] = e.turn + 1
-    if transition.model_calls:
-        values["model_calls"] = e.model_calls + transition.model_calls
-    if transition.model_repeats:
-        values["model_repeats"] = e.model_repeats + transition.model_repeats
-    if error is not None:
-        values["error"] = error
-    result = conn.execute(
-        update(executions)
-        .where(
-            e.id == claim.execution_id,
-            e.version == claim.version,
-            e.lease_owner == owner,
-        )
-        .values(**values)
+    to = transition.to
+    usage = bool(transition.model_calls or transition.model_repeats)
+    statement = _commit_statement(
+        to is not None,
+        transition.state is not None,
+        bool(transition.items),
+        transition.next_turn,
+        usage,
+        error is not None,
     )
-    if result.rowcount != 1:
+    params: dict[str, Any] = {
+        "b_id": claim.execution_id,
+        "b_version": claim.version,
+        "b_owner": owner,
+        "b_wake_at": transition.wake_at,
+        "b_state": transition.state,
+        "b_to": to.value if to is not None else None,
+        "b_now": now,
+        "b_items": len(transition.items),
+        "b_model_calls": transition.model_calls,
+        "b_model_repeats": transition.model_repeats,
+        "b_error": error,
+    }
+    combined = to is not None and conn.dialect.name == "postgresql"
+    if combined:
+        assert to is not None
+        statement = _move_statement(
+            transition.state is not None,
+            bool(transition.items),
+            transition.next_turn,
+            usage,
+            error is not None,
+        )
+        params.update(
+            b_from=claim.phase.value,
+            b_to2=to.value,
+            b_next_version=claim.version + 1,
+            b_now2=now,
+            b_owner2=owner,
+            b_duration=duration_ms,
+            b_note=transition.note,
+        )
+    result = conn.execute(statement, params)
+    if (result.first() is None) if combined else (result.rowcount != 1):
         return False
 
     if transition.items:
         conn.execute(
-            insert(transcript_items),
+            _INSERT_ITEMS,
             [
                 {
                     "execution_id": claim.execution_id,
@@ -270,70 +481,67 @@ def commit_transition(
             ],
         )
     if transition.calls:
-        conn.execute(insert(tool_calls), _call_rows(claim, transition, now))
-    c = tool_calls.c
-    key = and_(c.execution_id == claim.execution_id, c.turn == claim.turn)
+        conn.execute(_INSERT_CALLS, _call_rows(claim, transition, now))
+    key = {"b_execution": claim.execution_id, "b_turn": claim.turn}
     # One executemany per kind of change, whatever the fan-out: no statement per call.
     if transition.queue_calls:
         conn.execute(
-            update(tool_calls)
-            .where(key, c.call_id == bindparam("b_call"), c.queued_at.is_(None))
-            .values(queued_at=now, dispatch_version=claim.version, deadline_at=bindparam("b_at")),
-            [{"b_call": cid, "b_at": deadline} for cid, deadline in transition.queue_calls],
+            _QUEUE_CALLS,
+            [
+                {**key, "b_call": cid, "b_at": deadline, "b_now": now, "b_version": claim.version}
+                for cid, deadline in transition.queue_calls
+            ],
         )
     if transition.settle:
         conn.execute(
-            update(tool_calls)
-            .where(key, c.call_id == bindparam("b_call"), c.state != CallState.SETTLED.value)
-            .values(
-                state=CallState.SETTLED.value,
-                outcome=bindparam("b_outcome"),
-                result=bindparam("b_result", type_=tool_calls.c.result.type),
-                settled_at=now,
-                settled_by=owner,
-                lease_owner=None,
-            ),
+            _SETTLE_CALLS,
             [
-                {"b_call": s.call_id, "b_outcome": s.outcome.value, "b_result": s.result}
+                {
+                    **key,
+                    "b_call": s.call_id,
+                    "b_outcome": s.outcome.value,
+                    "b_result": s.result,
+                    "b_now": now,
+                    "b_owner": owner,
+                    "b_duration": s.duration_ms,
+                }
                 for s in transition.settle
             ],
         )
     if transition.finish_order:
         conn.execute(
-            update(tool_calls)
-            .where(key, c.call_id == bindparam("b_call"))
-            .values(finish_order=bindparam("b_order")),
-            [{"b_call": cid, "b_order": n} for cid, n in transition.finish_order.items()],
+            _FINISH_ORDER,
+            [{**key, "b_call": cid, "b_order": n} for cid, n in transition.finish_order.items()],
         )
     if transition.task_status is not None or transition.usage:
-        t = tasks.c
-        task_values: dict[str, Any] = {}
-        if transition.usage:
-            task_values.update(
-                input_tokens=t.input_tokens + transition.usage.get("input_tokens", 0),
-                output_tokens=t.output_tokens + transition.usage.get("output_tokens", 0),
-                reasoning_tokens=t.reasoning_tokens + transition.usage.get("reasoning_tokens", 0),
-            )
-        if transition.task_status is not None:
-            task_values["status"] = transition.task_status.value
-            if transition.task_status is TaskStatus.RUNNING:
-                task_values["started_at"] = func.coalesce(t.started_at, now)
+        tokens = transition.usage or {}
+        status = transition.task_status
         conn.execute(
-            update(tasks).where(t.id == claim.task_id, t.status.in_(ACTIVE)).values(**task_values)
+            _task_statement(
+                bool(transition.usage), status is not None, status is TaskStatus.RUNNING
+            ),
+            {
+                "b_task": claim.task_id,
+                "b_input": tokens.get("input_tokens", 0),
+                "b_output": tokens.get("output_tokens", 0),
+                "b_reasoning": tokens.get("reasoning_tokens", 0),
+                "b_status": status.value if status is not None else None,
+                "b_now": now,
+            },
         )
-    if moving:
-        assert transition.to is not None
+    if to is not None and not combined:
         conn.execute(
-            insert(transitions).values(
-                execution_id=claim.execution_id,
-                from_phase=claim.phase.value,
-                to_phase=transition.to.value,
-                version=claim.version + 1,
-                at=now,
-                worker=owner,
-                duration_ms=duration_ms,
-                note=transition.note,
-            )
+            _INSERT_TRANSITION,
+            {
+                "b_execution": claim.execution_id,
+                "b_from": claim.phase.value,
+                "b_to": to.value,
+                "b_version": claim.version + 1,
+                "b_now": now,
+                "b_owner": owner,
+                "b_duration": duration_ms,
+                "b_note": transition.note,
+            },
         )
     return True
 
