@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from charlie.config import Settings, settings
 from charlie.domain import Phase
 from charlie.executor.ports import PhaseDeps, PhaseLimits
+from charlie.leases import LeaseKeeper
 from charlie.models import Model, resolve_model
 from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine
 from charlie.tools.registry import REGISTRY, ToolRegistry
@@ -72,6 +73,11 @@ class Runtime:
         if model is None:
             model = self._models[spec] = resolve_model(spec)
         return model
+
+    @cached_property
+    def leases(self) -> LeaseKeeper:
+        """Renews the leases this process's work holds (one thread for all of them)."""
+        return LeaseKeeper(self.engine)
 
     @cached_property
     def deps(self) -> PhaseDeps:
