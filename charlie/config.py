@@ -47,10 +47,11 @@ class Settings:
     sweep_interval: float = 1.0
     #: I4: a run that is ready but has not moved for this long gets its tick published again.
     stall_seconds: float = 5.0
-    #: run up to this many following phases straight away in the same worker (each still its
-    #: own committed, recorded transition) instead of publishing their ticks. 0, the default,
-    #: keeps every phase its own Celery task, which is what Flower shows (I21).
-    inline_phases: int = 0
+    #: run up to this many following steps (the run's next phase, or a turn's only tool call)
+    #: straight away in the same worker instead of publishing them: each is still claimed,
+    #: committed and recorded on its own, and reported to Flower as a task of its own (I21).
+    #: 0 publishes every step. A chain also stops after 30 seconds.
+    inline_phases: int = 10
     #: while more messages than this wait in the broker queue, the sweep does not re-publish
     #: runs that merely look stalled: in a backlog their ticks are queued, not lost.
     sweep_backlog_limit: int = 200
@@ -125,7 +126,7 @@ def load_settings() -> Settings:
         stall_seconds=_env_float("CHARLIE_STALL_SECONDS", 5.0),
         max_attempts=_env_int("CHARLIE_MAX_ATTEMPTS", 5),
         sweep_backlog_limit=_env_int("CHARLIE_SWEEP_BACKLOG_LIMIT", 200),
-        inline_phases=_env_int("CHARLIE_INLINE_PHASES", 0),
+        inline_phases=_env_int("CHARLIE_INLINE_PHASES", 10),
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
         max_result_bytes=_env_int("CHARLIE_MAX_RESULT_BYTES", 256 * 1024),
         max_prompt_bytes=_env_int("CHARLIE_MAX_PROMPT_BYTES", 1024 * 1024),

@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from sqlalchemy import Connection, update
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from charlie import faults
-from charlie.domain import Phase, RunView, TaskStatus, Transition
+from charlie.domain import CallState, Phase, RunView, Settlement, TaskStatus, Transition
 from charlie.executor import boundary
+from charlie.executor.events import InlineReports
 from charlie.executor.phases import needs, run_phase
-from charlie.leases import heartbeat
 from charlie.runtime import Runtime
-from charlie.store import runs
-from charlie.store.engine import read, write
+from charlie.store import calls, runs
+from charlie.store.calls import ClaimedCall
+from charlie.store.engine import write, write_one
 from charlie.store.schema import tasks
+
+if TYPE_CHECKING:
+    from charlie.tools.invoke import CallResult
 
 log = logging.getLogger("charlie.tick")
 
@@ -33,15 +37,38 @@ SLOW_PHASES = frozenset({Phase.CALL_MODEL, Phase.REPORT_TERMINAL, Phase.REPORT_F
 
 TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done", "refused"]
 
+#: An inline chain stops after this long, whatever its step budget, and publishes its next step:
+#: a Celery task stays well inside its time limit and other runs get their turn.
+INLINE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class NextTick:
+    """The run's next phase, to run in this worker."""
+
+    phase: Phase
+    version: int
+
+
+@dataclass(frozen=True)
+class NextCall:
+    """The turn's only tool call, marked started in the dispatch's own transaction, to run in
+    this worker (a "local activity"); then the await tick at ``await_version``."""
+
+    call: ClaimedCall
+    await_version: int
+
+
+Follow = NextTick | NextCall
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView | None:
-    task = runs.load_task(conn, claim.task_id)
-    if task is None:
-        return None
+def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
+    task = claim.task
+    assert task is not None  # _claim returns no claim without its task
     wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
     return RunView(
         execution_id=claim.execution_id,
@@ -79,7 +106,7 @@ def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[None]:
         until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
         return runs.renew_execution_lease(conn, claim.execution_id, claim.version, rt.worker, until)
 
-    return heartbeat(rt.engine, renew, rt.settings.lease_seconds / 3, f"lease-{claim.execution_id}")
+    return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"lease-{claim.execution_id}")
 
 
 def _compute(rt: Runtime, view: RunView) -> Transition:
@@ -150,11 +177,15 @@ def _publish(
     transition: Transition,
     *,
     publish_next: bool = True,
+    local_call: str | None = None,
 ) -> None:
     faults.hit("tick.after_commit", phase=claim.phase.value, task_id=view.task.id)
     messages: list[tuple[str, tuple[object, ...]]] = []
     for call_id, _deadline in transition.queue_calls:
-        messages.append(("charlie.tool.invoke", (claim.execution_id, claim.turn, call_id, "start")))
+        if call_id != local_call:
+            messages.append(
+                ("charlie.tool.invoke", (claim.execution_id, claim.turn, call_id, "start"))
+            )
     if (
         publish_next
         and transition.to is not None
@@ -172,23 +203,97 @@ def _publish(
 
 
 def run_tick(
-    rt: Runtime, execution_id: str, phase: Phase, version: int, *, durable_claim: bool = False
-) -> TickResult:
-    """Run one tick; with ``CHARLIE_INLINE_PHASES``, go on to the next phases in this worker.
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    *,
+    durable_claim: bool = False,
+    inline_first: bool = False,
+) -> str:
+    """Run one tick, then, with ``CHARLIE_INLINE_PHASES``, the steps that follow it.
 
-    Inline, each phase is still claimed, committed and recorded as its own transition; only the
-    publish of its tick (and the trip through the broker) is skipped. A crash between them is a
-    commit whose tick was never published, which the sweep finds (I4)."""
+    A following step is the run's next phase, or the turn's only tool call. Inline, each is
+    still claimed and committed on its own, each phase recorded as its own transition, and each
+    call marked started before its handler runs (I9); only the publish (and the trip through
+    the broker) is skipped, and Flower hears of the step as a task of its own (I21). A crash
+    between two steps is a commit whose message was never published, which the sweep finds
+    (I4). ``inline_first``: this tick itself runs inside another task (the tool invocation that
+    settled a turn)."""
     budget = rt.settings.inline_phases
-    while True:
-        result, follow = _guarded_tick(
-            rt, execution_id, phase, version, inline=budget > 0, durable_claim=durable_claim
+    deadline = time.monotonic() + INLINE_SECONDS
+    step: Follow = NextTick(phase, version)
+    inline = inline_first
+    reports = InlineReports(rt)
+    try:
+        while True:
+            chain = budget > 0 and time.monotonic() < deadline
+            result: str
+            follow: Follow | None
+            if isinstance(step, NextTick):
+                reporting = (
+                    reports.task(f"charlie.phase.{step.phase.value}", (execution_id, step.version))
+                    if inline
+                    else nullcontext()
+                )
+                with reporting as report:
+                    result, follow = _guarded_tick(
+                        rt,
+                        execution_id,
+                        step.phase,
+                        step.version,
+                        inline=chain,
+                        durable_claim=durable_claim,
+                    )
+                    if report is not None:
+                        report.result = result
+            else:
+                from charlie.tools.invoke import execute_call
+
+                args = (execution_id, step.call.turn, step.call.call_id, "start")
+                with reports.task("charlie.tool.invoke", args) as report:
+                    done = execute_call(rt, step.call, "start")
+                    report.result = done if isinstance(done, str) else "settled"
+                if isinstance(done, str):
+                    return done
+                # The handler may have run long: the chain's time limit counts it.
+                chain = budget > 0 and time.monotonic() < deadline
+                await_args = (execution_id, step.await_version)
+                with reports.task("charlie.phase.await_tools", await_args) as report:
+                    result, follow = _settle_local_call(rt, execution_id, step, done, chain=chain)
+                    report.result = result
+            if follow is None:
+                return result
+            step = follow
+            budget -= 1
+            durable_claim = False
+            inline = True
+    finally:
+        reports.send()
+
+
+def _settle_local_call(
+    rt: Runtime, execution_id: str, step: NextCall, done: CallResult, *, chain: bool
+) -> tuple[str, Follow | None]:
+    """Settle a local call's result in the await tick's own transaction (the settle, the turn's
+    completion and the move on commit together), or on its own if that tick cannot run here."""
+    from charlie.tools.invoke import log_settled, settle_result
+
+    if chain:
+        progress = _Progress(inline=chain, settlement=done)
+        moved, follow = _guarded_tick(
+            rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress
         )
-        if follow is None:
-            return result
-        phase, version = follow
-        budget -= 1
-        durable_claim = False
+        if progress.settled is not None:
+            log_settled(done, progress.settled)
+            return moved, follow
+    settled, await_version = settle_result(rt, done)
+    if await_version is None:
+        return settled, None
+    if chain:
+        return settled, NextTick(Phase.AWAIT_TOOLS, await_version)
+    rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, await_version)
+    return settled, None
 
 
 def _guarded_tick(
@@ -197,12 +302,26 @@ def _guarded_tick(
     phase: Phase,
     version: int,
     *,
-    inline: bool,
+    inline: bool = False,
     durable_claim: bool = False,
-) -> tuple[TickResult, tuple[Phase, int] | None]:
-    progress = _Progress(inline=inline, durable_claim=durable_claim)
+    progress: _Progress | None = None,
+) -> tuple[TickResult, Follow | None]:
+    if progress is None:
+        progress = _Progress(inline=inline, durable_claim=durable_claim)
     try:
-        return _run_tick(rt, execution_id, phase, version, progress)
+        try:
+            return _run_tick(rt, execution_id, phase, version, progress)
+        except DBAPIError as exc:
+            if not exc.connection_invalidated or progress.claim_committed:
+                raise
+            # A pooled connection that died (a database restart) fails its first statement;
+            # the pool has since dropped its peers. Nothing was committed: run the tick again.
+            log.warning(
+                "database connection lost; running the tick again",
+                extra={"execution_id": execution_id, "phase": phase.value, "version": version},
+            )
+            progress.claim_committed = False
+            return _run_tick(rt, execution_id, phase, version, progress)
     except SQLAlchemyError as exc:
         # The database refused a write (or went away) mid-tick: nothing was committed. Keep the
         # error as evidence and release the lease so the sweep retries without waiting for it
@@ -240,64 +359,174 @@ class _Progress:
     inline: bool = False
     #: commit the claim (and its attempt count) before running even a fast phase.
     durable_claim: bool = False
+    #: a call's result to settle in this tick's transaction (the turn's local call).
+    settlement: CallResult | None = None
+    #: set once that transaction committed: True if it settled the call, False if the call
+    #: had been settled already (a late report). None: not committed here.
+    settled: bool | None = None
+
+
+def _follow(
+    progress: _Progress, claim: runs.Claim, transition: Transition, local: ClaimedCall | None
+) -> Follow | None:
+    """What this worker does next itself, if inline steps are allowed."""
+    if not progress.inline:
+        return None
+    to = transition.to
+    if to is not None and to is not Phase.DONE and transition.publish_next:
+        return NextTick(to, claim.version + 1)
+    if local is not None:
+        return NextCall(local, claim.version + 1)
+    return None
+
+
+def _local_call_id(progress: _Progress, view: RunView, transition: Transition) -> str | None:
+    """A turn of one call has nothing to run in parallel: this worker runs it rather than hand
+    it to another through the broker. A fan-out is published, call by call."""
+    if (
+        progress.inline
+        and transition.to is Phase.AWAIT_TOOLS
+        and len(transition.queue_calls) == 1
+        and len(view.calls) == 1
+    ):
+        return transition.queue_calls[0][0]
+    return None
+
+
+def _take_settlement(
+    conn: Connection, view: RunView, done: CallResult
+) -> tuple[RunView, Settlement | None]:
+    """Apply a call's result to the view the phase sees, if the call is still open; a call
+    settled meanwhile (a deadline, a cancel) gets a late report instead (I12, I13)."""
+    call = done.call
+    open_call = next(
+        (c for c in view.calls if c.call_id == call.call_id and c.state is not CallState.SETTLED),
+        None,
+    )
+    if open_call is None:
+        calls.record_late_report(
+            conn, call.execution_id, call.turn, call.call_id, done.outcome.value, done.result
+        )
+        return view, None
+    settled = replace(
+        open_call,
+        state=CallState.SETTLED,
+        outcome=done.outcome,
+        result=done.result,
+        settled_at=view.now,
+    )
+    view = replace(view, calls=[settled if c is open_call else c for c in view.calls])
+    return view, Settlement(call.call_id, done.outcome, done.result, done.duration_ms)
+
+
+def _claim(
+    rt: Runtime, conn: Connection, execution_id: str, phase: Phase, version: int
+) -> tuple[runs.Claim, datetime] | None:
+    # The time is taken after BEGIN: on SQLite the write lock may take a while, and a lease
+    # computed before waiting for it could be born expired.
+    now = utcnow()
+    claim = runs.claim_execution(
+        conn, execution_id, phase, version, rt.worker, now, rt.settings.lease_seconds
+    )
+    if claim is None:
+        log.debug("stale tick %s %s v%s", execution_id, phase.value, version)
+        return None
+    if claim.task is None:
+        log.error("execution %s has no task row", execution_id)
+        return None
+    return claim, now
 
 
 def _run_tick(
     rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
-) -> tuple[TickResult, tuple[Phase, int] | None]:
+) -> tuple[TickResult, Follow | None]:
     started = time.perf_counter()
-    slow = phase in SLOW_PHASES or progress.durable_claim
-    with write(rt.engine) as conn:
-        # After BEGIN: on SQLite the write lock may take a while, and a lease computed before
-        # waiting for it could be born expired.
-        now = utcnow()
-        claim = runs.claim_execution(
-            conn, execution_id, phase, version, rt.worker, now, rt.settings.lease_seconds
-        )
-        if claim is None:
-            log.debug("stale tick %s %s v%s", execution_id, phase.value, version)
-            return "stale", None
-        view = _view(conn, claim, now)
-        if view is None:
-            log.error("execution %s has no task row", execution_id)
-            return "stale", None
-        decided = _decide_at_boundary(rt, view)
-        if not slow or decided is not None:
-            if decided is None:
+    local: ClaimedCall | None = None
+    if phase in SLOW_PHASES:
+        # The claim commits on its own (on a server database each statement in autocommit, so
+        # without BEGIN and COMMIT round trips); from there until the commit no transaction is
+        # open (I5), and the attempt it counted stands even if this worker dies.
+        with write_one(rt.engine) as conn:
+            claimed = _claim(rt, conn, execution_id, phase, version)
+            if claimed is None:
+                return "stale", None
+            claim, now = claimed
+            view = _view(conn, claim, now)
+        progress.claim_committed = True
+        transition = _decide_at_boundary(rt, view)
+        if transition is None:
+            faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
+            with _heartbeat(rt, claim):
                 transition = _compute(rt, view)
-                faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
-            else:
-                transition = decided
-            if not _commit(rt, conn, claim, view, transition, started):
-                return "lost_lease", None
-            slow = False
-    progress.claim_committed = True
-    if slow:
-        faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
-        # The claim committed; from here until the commit no transaction is open (I5).
-        with _heartbeat(rt, claim):
-            transition = _compute(rt, view)
-        if phase not in SLOW_PHASES:  # a fast phase run with a durable claim
-            faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
-        faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
+            faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
         with write(rt.engine) as conn:
             if not _commit(rt, conn, claim, view, transition, started):
                 log.warning("lease lost during %s; discarding its result", phase.value)
                 return "lost_lease", None
-    follow = (
-        (transition.to, claim.version + 1)
-        if progress.inline
-        and transition.to is not None
-        and transition.to is not Phase.DONE
-        and transition.publish_next
-        else None
+    else:
+        if progress.durable_claim:
+            # A redelivered message may be the one that killed the last worker: count this
+            # attempt in a commit of its own before running the phase (poison messages).
+            with write_one(rt.engine) as conn:
+                claimed = _claim(rt, conn, execution_id, phase, version)
+            if claimed is None:
+                return "stale", None
+            progress.claim_committed = True
+        # A fast phase runs inside one transaction with its reads (the turn's calls locked)
+        # and its commit.
+        with write(rt.engine) as conn:
+            if not progress.durable_claim:
+                claimed = _claim(rt, conn, execution_id, phase, version)
+                if claimed is None:
+                    return "stale", None
+            assert claimed is not None
+            claim, now = claimed
+            if progress.durable_claim:
+                # The claim committed apart, so this transaction holds no lock on the run yet:
+                # take it before the calls, in the order settlers take them (no deadlock).
+                calls.lock_run(conn, execution_id)
+            view = _view(conn, claim, now)
+            settlement = None
+            if progress.settlement is not None:
+                view, settlement = _take_settlement(conn, view, progress.settlement)
+            transition = _decide_at_boundary(rt, view)
+            if transition is None:
+                transition = _compute(rt, view)
+                faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
+            if settlement is not None:
+                transition.settle.append(settlement)
+            if not _commit(rt, conn, claim, view, transition, started):
+                return "lost_lease", None
+            local_id = _local_call_id(progress, view, transition)
+            if local_id is not None:
+                # Marked started in the dispatch's own commit (I9), before its handler runs.
+                local = calls.claim_call(
+                    conn,
+                    execution_id,
+                    claim.turn,
+                    local_id,
+                    "start",
+                    rt.worker,
+                    utcnow(),
+                    rt.settings.lease_seconds,
+                )
+        progress.claim_committed = True
+        if progress.settlement is not None:
+            progress.settled = settlement is not None
+    follow = _follow(progress, claim, transition, local)
+    _publish(
+        rt,
+        claim,
+        view,
+        transition,
+        publish_next=not isinstance(follow, NextTick),
+        local_call=local.call_id if local is not None else None,
     )
-    _publish(rt, claim, view, transition, publish_next=follow is None)
     if transition.to is None:
-        _recheck_turn(rt, claim.execution_id, claim.turn, claim.phase, claim.version)
+        # Waiting (open tool calls, a stored wake-up): whoever settles the last call locks the
+        # run after this commit and sees the wait (see store.calls.lock_run); the sweep wakes
+        # the rest.
         return "waiting", None
-    if transition.to is Phase.AWAIT_TOOLS and not transition.publish_next:
-        _recheck_turn(rt, claim.execution_id, claim.turn, Phase.AWAIT_TOOLS, claim.version + 1)
     log.info(
         "transition %s -> %s",
         phase.value,
@@ -310,16 +539,3 @@ def _run_tick(
         poke_waiters(rt, view.task.id)
         return "done", None
     return "moved", follow
-
-
-def _recheck_turn(rt: Runtime, execution_id: str, turn: int, phase: Phase, version: int) -> None:
-    """Publish the await tick if the turn has already settled. Settlers publish it themselves,
-    but only when they see the run in await_tools: one that settled while this tick held the
-    run (or before it entered await_tools) saw another phase, or had its tick refused as busy.
-    Whichever of us looks last sees both commits."""
-    if phase is not Phase.AWAIT_TOOLS:
-        return
-    with read(rt.engine) as conn:
-        unsettled = runs.count_unsettled(conn, execution_id, turn)
-    if unsettled == 0:
-        rt.publisher.tick(execution_id, phase, version)

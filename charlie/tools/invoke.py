@@ -13,6 +13,7 @@ import logging
 import time
 import traceback
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,10 @@ from sqlalchemy import Connection, select
 
 from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of
-from charlie.leases import heartbeat
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
-from charlie.store.engine import read, write
+from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.store.schema import tool_calls
 from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import ToolDef
@@ -63,7 +63,7 @@ def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[No
         until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
         return calls.renew_call_lease(conn, call, rt.worker, until)
 
-    return heartbeat(rt.engine, renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
+    return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
 
 
 def _run_handler(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
@@ -110,35 +110,77 @@ def _evidence(call: ClaimedCall) -> JSON:
 
 
 def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) -> str:
-    with write(rt.engine) as conn:
-        now = utcnow()  # after BEGIN, so the lease is not born expired
-        call = calls.claim_call(
-            conn, execution_id, turn, call_id, mode, rt.worker, now, rt.settings.lease_seconds
-        )
-        if call is None:
-            log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
-            return "not_claimable"
-        task = runs.load_task(conn, task_id_of(execution_id))
-    # Dispatch-started is committed (I9). From here on a crash leaves evidence, not a duplicate.
-    extra = {"execution_id": execution_id, "call_id": call_id, "tool": call.name, "mode": mode}
-    faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call_id)
+    """The ``charlie.tool.invoke`` task: run the call, then the run's await tick if this call
+    completed the turn."""
+    result, await_version = run_call(rt, execution_id, turn, call_id, mode)
+    if await_version is not None:
+        advance_awaiting_run(rt, execution_id, await_version)
+    return result
+
+
+def run_call(
+    rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode
+) -> tuple[str, int | None]:
+    """Claim, run and settle one call. Also returns the version of the run's await tick when
+    this call completed the turn of a run that waits in await_tools (whoever settles the last
+    call runs or publishes that tick, I7), else None."""
+
+    def claim() -> ClaimedCall | None:
+        with write_one(rt.engine) as conn:
+            now = utcnow()  # after BEGIN, so the lease is not born expired
+            return calls.claim_call(
+                conn, execution_id, turn, call_id, mode, rt.worker, now, rt.settings.lease_seconds
+            )
+
+    call = again_if_disconnected(claim, "claim a tool call")
+    if call is None:
+        log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
+        return "not_claimable", None
+    done = execute_call(rt, call, mode)
+    if isinstance(done, str):
+        return done, None
+    return settle_result(rt, done)
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """What a call's handler produced, ready to settle."""
+
+    call: ClaimedCall
+    outcome: Outcome
+    result: Any
+    duration_ms: float
+    mode: Mode
+
+
+def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str:
+    """Run the handler of a call whose start (or take-over) is committed (I9): a result to
+    settle, or ``"parked"``/``"lost_lease"`` for a resumable wait that is still waiting."""
+    faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call.call_id)
     started = time.perf_counter()
     definition = rt.tools.get(call.name)
-    if task is None or definition is None:
+    if definition is None:
         outcome, result = Outcome.ERROR, {"error": f"tool {call.name!r} is not registered here"}
     else:
 
         def keep_handle(handle: str) -> None:
-            with write(rt.engine) as c:
-                calls.record_handle(c, call, handle)
+            def record() -> None:
+                with write_one(rt.engine) as c:
+                    calls.record_handle(c, call, handle)
 
+            # The handle names work already running outside (I20): it must not be lost to a
+            # connection that died since the claim.
+            again_if_disconnected(record, "record a call's handle")
+
+        task_id = task_id_of(call.execution_id)
+        metadata = call.task_metadata or {}
         ctx = ToolContext(
-            task_id=task.id,
-            execution_id=execution_id,
-            call_id=call_id,
-            turn=turn,
-            workspace=workspace_for(rt, task.id, task.metadata),
-            metadata=task.metadata,
+            task_id=task_id,
+            execution_id=call.execution_id,
+            call_id=call.call_id,
+            turn=call.turn,
+            workspace=workspace_for(rt, task_id, metadata),
+            metadata=metadata,
             resumed=mode == "resume",
             handle=call.handle,
             _record_handle=keep_handle,
@@ -148,33 +190,79 @@ def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) 
                 outcome, result = _reconcile(definition, call, ctx)
             else:
                 outcome, result = _run_handler(definition, call, ctx)
-    faults.hit("tool.before_settle", tool=call.name, call_id=call_id)
+    faults.hit("tool.before_settle", tool=call.name, call_id=call.call_id)
     if isinstance(result, Pending):
         if outcome is Outcome.OK and definition is not None and definition.resumable:
             return _park(rt, call, result)
         outcome, result = Outcome.ERROR, {"error": f"{call.name!r} is not a resumable wait"}
     result = cap_result(result, rt.settings.max_result_bytes)
-    duration = (time.perf_counter() - started) * 1000
+    return CallResult(call, outcome, result, (time.perf_counter() - started) * 1000, mode)
+
+
+def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
+    """Settle in a transaction of its own; see :func:`run_call` for what it returns."""
+    settled, turn_complete, position = again_if_disconnected(
+        lambda: _settle(rt, done.call, done.outcome, done.result, done.duration_ms),
+        "settle a tool call",
+    )
+    log_settled(done, settled)
+    if turn_complete and position is not None and position[0] == Phase.AWAIT_TOOLS.value:
+        return "settled", position[1]
+    return ("settled" if settled else "late"), None
+
+
+def log_settled(done: CallResult, settled: bool) -> None:
+    call = done.call
+    log.info(
+        "call settled" if settled else "late report",
+        extra={
+            "execution_id": call.execution_id,
+            "call_id": call.call_id,
+            "tool": call.name,
+            "mode": done.mode,
+            "outcome": done.outcome,
+        },
+    )
+    faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
+
+
+def _settle(
+    rt: Runtime, call: ClaimedCall, outcome: Outcome, result: Any, duration: float
+) -> tuple[bool, bool, tuple[str, int] | None]:
+    """Settle the call, or record a late report; say whether the turn is now complete and
+    where the run stands."""
+    key = (call.execution_id, call.turn, call.call_id)
     with write(rt.engine) as conn:
+        # The run's row first, as ticks lock it (see lock_run); then the call; then, in the same
+        # transaction, whether this was the turn's last open call.
+        position = calls.lock_run(conn, call.execution_id)
         settled = calls.settle_call(
-            conn,
-            execution_id,
-            turn,
-            call_id,
-            outcome.value,
-            result,
-            rt.worker,
-            utcnow(),
-            duration,
+            conn, *key, outcome.value, result, rt.worker, utcnow(), duration
         )
+        if not settled and calls.settled_by(conn, *key) == rt.worker:
+            # A retry after a lost connection: the first attempt's commit went through.
+            settled = True
+            turn_complete = runs.count_unsettled(conn, call.execution_id, call.turn) == 0
+            return settled, turn_complete, position
         if not settled:
             # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it.
-            calls.record_late_report(conn, execution_id, turn, call_id, outcome.value, result)
-    log.info("call settled" if settled else "late report", extra={**extra, "outcome": outcome})
-    faults.hit("tool.after_settle", tool=call.name, call_id=call_id)
-    if settled:
-        poke_if_turn_settled(rt, execution_id, turn)
-    return "settled" if settled else "late"
+            calls.record_late_report(conn, *key, outcome.value, result)
+        turn_complete = settled and runs.count_unsettled(conn, call.execution_id, call.turn) == 0
+    return settled, turn_complete, position
+
+
+def advance_awaiting_run(rt: Runtime, execution_id: str, version: int) -> None:
+    """The turn has settled and its run waits in await_tools: run that tick (I7).
+
+    With inline phases this worker runs it at once (it is committed and recorded as its own
+    transition like any other); otherwise it is published. Either way a crash before it leaves
+    a run in await_tools with every call settled, which the sweep re-publishes (I4)."""
+    if rt.settings.inline_phases > 0:
+        from charlie.executor.tick import run_tick
+
+        run_tick(rt, execution_id, Phase.AWAIT_TOOLS, version, inline_first=True)
+    else:
+        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, version)
 
 
 def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
@@ -196,13 +284,3 @@ def poke_waiters(rt: Runtime, task_id: str) -> None:
         ).all()
     for row in rows:
         rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "resume")
-
-
-def poke_if_turn_settled(rt: Runtime, execution_id: str, turn: int) -> None:
-    """Whoever settles the last call of the turn publishes the await tick (I7)."""
-    with read(rt.engine) as conn:
-        if runs.count_unsettled(conn, execution_id, turn) != 0:
-            return
-        position = runs.execution_position(conn, execution_id)
-    if position is not None and position[0] is Phase.AWAIT_TOOLS:
-        rt.publisher.tick(execution_id, position[0], position[1])

@@ -227,6 +227,23 @@ def test_dispatch_queues_at_most_k_in_call_order() -> None:
     assert t.to is Phase.AWAIT_TOOLS
 
 
+def test_dispatch_publishes_the_await_tick_only_when_nothing_is_open() -> None:
+    """I7: while calls are open, the settler of the last one runs the await tick; when the
+    last dispatch finds every call already settled, nobody else would, so it does."""
+    queued_open = [call("a", 0, queued=True), call("b", 1)]
+    t = dispatch_tools.run(view(Phase.DISPATCH_TOOLS, calls=queued_open), deps())
+    assert t.to is Phase.AWAIT_TOOLS and not t.publish_next  # b just queued: b's settler
+    earlier_open = [call("a", 0, queued=True)]
+    t = dispatch_tools.run(view(Phase.DISPATCH_TOOLS, calls=earlier_open), deps())
+    assert t.queue_calls == [] and not t.publish_next  # a's settler runs it
+    all_settled = [
+        call("a", 0, state=CallState.SETTLED, outcome=Outcome.OK),
+        call("b", 1, state=CallState.SETTLED, outcome=Outcome.ERROR),
+    ]
+    t = dispatch_tools.run(view(Phase.DISPATCH_TOOLS, calls=all_settled), deps())
+    assert t.to is Phase.AWAIT_TOOLS and t.publish_next
+
+
 def test_dispatching_a_wait_marks_the_task_waiting() -> None:
     t = dispatch_tools.run(view(Phase.DISPATCH_TOOLS, calls=[call("w", 0, name="wait")]), deps())
     assert t.task_status is TaskStatus.WAITING

@@ -32,13 +32,15 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         queue.append((call.call_id, view.now + timedelta(seconds=seconds)))
         waits_on_work |= bool(definition and definition.effect is Effect.WAIT)
     more = len(waiting) > len(batch)
+    # The shell holds the turn's calls locked while this runs, so what is open now stays open
+    # until the commit; a call settling after it sees the run in await_tools and runs that tick.
+    still_open = bool(batch) or any(c.state is not CallState.SETTLED for c in view.calls)
     return Transition(
         to=Phase.DISPATCH_TOOLS if more else Phase.AWAIT_TOOLS,
         queue_calls=queue,
         task_status=TaskStatus.WAITING if waits_on_work else None,
-        # Into await_tools, no tick: the call that settles last publishes it (an await tick now
-        # would almost always find the turn still running). The shell checks once after the
-        # commit in case every call had already settled.
-        publish_next=more,
+        # Into await_tools, no tick while calls are open: the call that settles last runs it
+        # (an await tick now would find the turn still running).
+        publish_next=more or not still_open,
         note=f"queued {len(batch)}, {len(waiting) - len(batch)} left",
     )
