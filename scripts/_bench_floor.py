@@ -44,9 +44,9 @@ _engine_pid = 0
 
 
 def make_engine(url: str) -> Engine:
-    """An engine configured as Charlie configures its own, minus the pool's pre-ping."""
+    """An engine configured as Charlie configures its own (pool size; SQLite pragmas)."""
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_size=5, max_overflow=10)
+        return create_engine(url, pool_size=5, max_overflow=10, pool_use_lifo=True)
     engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")

@@ -7,7 +7,7 @@ worker process the Celery tasks it ran and the SQL statements it sent (an SQLAlc
 and difference them, even across a worker that was SIGKILLed.
 
 Counted: statements that go through a cursor (SQLite's ``BEGIN IMMEDIATE`` included); not
-counted: the driver's implicit BEGIN, COMMIT and the pool's pre-ping.
+counted: the driver's implicit BEGIN and COMMIT, and the ping of a connection that sat idle.
 """
 
 from __future__ import annotations

@@ -845,8 +845,8 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     cfg = cell.rt.settings
     described = (
         f"lease {cfg.lease_seconds:g} s, sweep every {cfg.sweep_interval:g} s, stall "
-        f"{cfg.stall_seconds:g} s, dispatch batch {cfg.dispatch_batch}, task events "
-        f"{'on' if cfg.task_events else 'off'}"
+        f"{cfg.stall_seconds:g} s, dispatch batch {cfg.dispatch_batch}, inline steps "
+        f"{cfg.inline_phases}, task events {'on' if cfg.task_events else 'off'}"
     )
     if backend.embedded:
         described += f", embedded broker polling every {cfg.embedded_poll_interval * 1000:g} ms"
@@ -1059,8 +1059,8 @@ FOOTNOTES = [
     "- Per-turn overhead and fan-out: from the commit of the model's response to the start of "
     "the next model call's tick (its transition time minus its duration).",
     "- SQL statements are counted inside the workers with a `before_cursor_execute` listener: "
-    "on SQLite they include `BEGIN IMMEDIATE`/`DEFERRED`; on PostgreSQL BEGIN, COMMIT and the "
-    "pool's pre-ping are not statements. Sweeps are left out.",
+    "on SQLite they include `BEGIN IMMEDIATE`/`DEFERRED`; on PostgreSQL BEGIN and COMMIT are not"
+    " statements. Sweeps are left out.",
     "- Recovery: the worker (main process and pool) is SIGKILLed at a random moment while two "
     "model calls are in flight, and a new one started at once, with beat running and the "
     "default lease and sweep settings (below). 'Moving again' is the start of the retried "

@@ -254,7 +254,8 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         "CHARLIE_DISPATCH_BATCH": "4",
         "CHARLIE_TASK_EVENTS": "0",
     }
-    # Run a whole suite with inline phases: CHARLIE_TEST_INLINE_PHASES=8 python -m pytest
+    # Another inline-step budget for a whole suite (0: every step published):
+    # CHARLIE_TEST_INLINE_PHASES=0 python -m pytest
     if os.environ.get("CHARLIE_TEST_INLINE_PHASES"):
         env["CHARLIE_INLINE_PHASES"] = os.environ["CHARLIE_TEST_INLINE_PHASES"]
     if model_port is not None:
