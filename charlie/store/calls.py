@@ -174,7 +174,8 @@ def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:
     )
 
 
-_SETTLE = (
+#: The first result wins (I12): only an unsettled call takes an outcome.
+SETTLE = (
     update(tool_calls)
     .where(_KEY, _c.state != CallState.SETTLED.value)
     .values(
@@ -204,7 +205,7 @@ def settle_call(
     """The first result wins (I12): only an unsettled call takes an outcome. On False the
     caller records a late report instead."""
     done = conn.execute(
-        _SETTLE,
+        SETTLE,
         {
             "b_execution": execution_id,
             "b_turn": turn,

@@ -26,6 +26,7 @@ from charlie.domain import (
     TaskView,
     Transition,
 )
+from charlie.store import calls
 from charlie.store.schema import (
     executions,
     tasks,
@@ -64,7 +65,7 @@ _t = tasks.c
 def _task_column(column: Any) -> Any:
     # The task row rides along in the claim's RETURNING as scalar subqueries (PostgreSQL and
     # SQLite both allow them): one round trip instead of a claim and a SELECT.
-    return select(column).where(_t.id == _e.task_id).scalar_subquery().label(f"task_{column.key}")
+    return select(column).where(_t.id == _e.task_id).scalar_subquery().label(column.key)
 
 
 _TASK_COLUMNS = (_t.prompt, _t.model, _t.tools, _t.metadata, _t.status, _t.parent_id, _t.timeout_at)
@@ -122,18 +123,8 @@ def claim_execution(
     ).first()
     if row is None:
         return None
-    task = None
-    if row.task_status is not None:  # the foreign key makes a missing task unlikely, not impossible
-        task = TaskView(
-            id=row.task_id,
-            prompt=row.task_prompt,
-            model=row.task_model,
-            tools=row.task_tools,
-            metadata=row.task_metadata or {},
-            status=TaskStatus(row.task_status),
-            parent_id=row.task_parent_id,
-            timeout_at=row.task_timeout_at,
-        )
+    # The foreign key makes a missing task unlikely, not impossible.
+    task = _task_view(row.task_id, row) if row.status is not None else None
     return Claim(
         execution_id,
         row.task_id,
@@ -161,8 +152,12 @@ def renew_execution_lease(
 
 
 def task_view(row: Any) -> TaskView:
+    return _task_view(row.id, row)
+
+
+def _task_view(task_id: str, row: Any) -> TaskView:
     return TaskView(
-        id=row.id,
+        id=task_id,
         prompt=row.prompt,
         model=row.model,
         tools=row.tools,
@@ -377,20 +372,6 @@ _QUEUE_CALLS = (
         deadline_at=bindparam("b_at", type_=_c.deadline_at.type),
     )
 )
-_SETTLE_CALLS = (
-    update(tool_calls)
-    .where(_CALL_KEY, _c.state != CallState.SETTLED.value)
-    .values(
-        state=CallState.SETTLED.value,
-        outcome=bindparam("b_outcome"),
-        result=bindparam("b_result", type_=_c.result.type),
-        settled_at=bindparam("b_now", type_=_c.settled_at.type),
-        settled_by=bindparam("b_owner"),
-        lease_owner=None,
-        lease_until=None,
-        duration_ms=bindparam("b_duration"),
-    )
-)
 _FINISH_ORDER = update(tool_calls).where(_CALL_KEY).values(finish_order=bindparam("b_order"))
 _INSERT_TRANSITION = insert(transitions).values(
     execution_id=bindparam("b_execution"),
@@ -494,7 +475,7 @@ def commit_transition(
         )
     if transition.settle:
         conn.execute(
-            _SETTLE_CALLS,
+            calls.SETTLE,
             [
                 {
                     **key,
