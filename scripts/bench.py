@@ -35,7 +35,9 @@ scale
 
 Each backend runs in a child process of its own (Charlie reads its settings once per process),
 one after the other; ``--quick`` is a smoke run whose figures nobody judges, so its backends run
-side by side to stay under a minute. ``--worker-env KEY=VALUE`` runs the workers with a
+side by side to stay under a minute. ``--dbos-python PYTHON`` (an interpreter with ``dbos``)
+adds DBOS on the PostgreSQL round: the same two steps per turn as a DBOS workflow
+(``scripts/_bench_dbos.py``). ``--worker-env KEY=VALUE`` runs the workers with a
 non-default setting, for experiments (the table then says so). Every process the benchmark
 starts runs in its own process group and is killed on exit, Ctrl-C included.
 """
@@ -339,8 +341,17 @@ class Results:
 class Cell:
     """One backend's benchmark: its processes, its database and its measurements."""
 
-    def __init__(self, backend: Backend, home: Path, sizes: Sizes, worker_env: dict[str, str]):
+    def __init__(
+        self,
+        backend: Backend,
+        home: Path,
+        sizes: Sizes,
+        worker_env: dict[str, str],
+        dbos_python: str | None = None,
+    ):
         from charlie.runtime import get_runtime
+
+        self.dbos_python = dbos_python
 
         self.backend = backend
         self.home = home
@@ -637,6 +648,31 @@ class Cell:
                 self.results.add("turn.floor_units", turn_ms / (1000 / f1))
             if cn and fn:
                 self.results.add("ratio_many", cn / fn)
+            if c1 and self.dbos_python and self.backend.name == "postgres":
+                self.dbos_trial()
+
+    def dbos_trial(self) -> None:
+        """DBOS on the same PostgreSQL, between Charlie's runs (scripts/_bench_dbos.py)."""
+        s = self.sizes
+        url = PG_URL.rsplit("/", 1)[0] + "/charlie_bench_dbos"
+        argv = [str(self.dbos_python), str(SCRIPTS / "_bench_dbos.py"), "--database-url", url]
+        argv += ["--turns", str(s.turns_one), "--runs", str(s.runs_many)]
+        argv += ["--runs-turns", str(s.turns_many)]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+            doc = json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+            self.results.notes.append(f"DBOS run failed: {type(exc).__name__}: {exc}")
+            return
+        self.results.info["dbos"] = doc["version"]
+        turn_ms = doc["turn_ms"][0]
+        self.results.add("dbos.turn_ms", turn_ms)
+        self.results.add("dbos.one_sps", doc["one_steps_s"][0])
+        self.results.add("dbos.many_sps", doc["many_steps_s"][0])
+        charlie_turn = self.results.values["turn.ms"][-1]
+        self.results.add("turn_vs_dbos", charlie_turn / turn_ms)
+        self.results.add("whole_turn_vs_dbos", 4 * self.results.values["one.ms"][-1] / turn_ms)
+        progress(f"DBOS {doc['version']}: {turn_ms:.1f} ms per turn (a model and a tool step)")
 
     # ---- 3. fan-out
 
@@ -841,7 +877,7 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
         from charlie.store.engine import upgrade
 
         upgrade(PG_URL)
-    cell = Cell(backend, home, sizes, worker_env)
+    cell = Cell(backend, home, sizes, worker_env, dbos_python(args))
     cfg = cell.rt.settings
     described = (
         f"lease {cfg.lease_seconds:g} s, sweep every {cfg.sweep_interval:g} s, stall "
@@ -951,6 +987,12 @@ ROWS: list[Row | str] = [
     Row("SQL statements per transition, 50 runs", "many.statements_per_transition", 1),
     Row("Per-turn overhead: model response → next model call (ms)", "turn.ms", 1),
     Row("Per-turn overhead, in floor transitions", "turn.floor_units", 1, "≤ 4"),
+    "**DBOS** (optional: each turn a model step and a tool step as a DBOS workflow, same database)",
+    Row("DBOS, 1 workflow: ms per turn", "dbos.turn_ms", 1),
+    Row("Charlie per-turn overhead / DBOS per turn", "turn_vs_dbos", 2, "< 1 (stretch)"),
+    Row("Charlie whole turn (4 transitions) / DBOS per turn", "whole_turn_vs_dbos", 2),
+    Row("DBOS, 1 workflow: steps/s", "dbos.one_sps"),
+    Row("DBOS, 50 workflows: steps/s", "dbos.many_sps"),
     "**Fan-out** (one turn of 100 instant tool calls)",
     Row("Model response → next model call (s)", "fanout.s", 2, "≤ 3 s"),
     Row("SQL statements per tool call (whole turn)", "fanout.statements_per_call", 1, "bounded"),
@@ -1041,10 +1083,18 @@ def render(
         out.append(f"- Not the default configuration: workers ran with {' '.join(worker_env)}.")
     for name, reason in skipped.items():
         out.append(f"- {labels[name]}: skipped: {reason}")
-    if importlib.util.find_spec("dbos") is None:
-        out.append("- DBOS: not installed (`pip install dbos` to compare); skipped.")
+    measured = [results[n]["info"]["dbos"] for n in names if "dbos" in results[n]["info"]]
+    if measured:
+        out.append(
+            f"- DBOS {measured[0]}: one workflow per run, its steps returning at once; DBOS runs "
+            "in the benchmark's process (no broker, no worker pool), checkpointing each step "
+            "in PostgreSQL. Per turn: the workflow's time / its turns."
+        )
     else:
-        out.append("- DBOS: installed, but this benchmark has no DBOS runner yet; skipped.")
+        out.append(
+            "- DBOS: not measured (`--dbos-python` names an interpreter with `pip install dbos`, "
+            "or install it here); skipped."
+        )
     for name in names:
         for note in results[name]["notes"]:
             out.append(f"- {labels[name]}: {note}")
@@ -1122,6 +1172,8 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
         argv.append("--keep")
     for kv in args.worker_env:
         argv += ["--worker-env", kv]
+    if args.dbos_python:
+        argv += ["--dbos-python", args.dbos_python]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
     env.update(backend.env(home))
     env["CHARLIE_TOOL_MODULES"] = "_bench_support"
@@ -1203,6 +1255,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra environment for the workers and beat (for experiments, e.g. "
         "CHARLIE_TASK_EVENTS=0); the table is then not the default configuration's",
     )
+    p.add_argument(
+        "--dbos-python",
+        default=None,
+        metavar="PYTHON",
+        help="an interpreter with the dbos package, to compare DBOS on the PostgreSQL round "
+        "(default: this one, if dbos is importable here)",
+    )
     p.add_argument("--child", choices=sorted(BACKENDS), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1216,6 +1275,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any("=" not in kv for kv in args.worker_env):
         p.error("--worker-env takes KEY=VALUE")
     return args
+
+
+def dbos_python(args: argparse.Namespace) -> str | None:
+    """The interpreter to run DBOS with, or None when there is none."""
+    if args.dbos_python:
+        return str(args.dbos_python)
+    return sys.executable if importlib.util.find_spec("dbos") is not None else None
 
 
 def _terminate(signum: int, _frame: Any) -> None:
