@@ -35,17 +35,21 @@ class ClaimedCall:
     task_metadata: dict[str, Any] | None = None
 
 
-def _key(execution_id: str, turn: int, call_id: str) -> Any:
-    c = tool_calls.c
-    return and_(c.execution_id == execution_id, c.turn == turn, c.call_id == call_id)
-
-
 _c, _e, _t = tool_calls.c, executions.c, tasks.c
-_KEY = and_(
+#: One call, by (execution, turn, call id) as bind parameters; see key_params.
+CALL_KEY = and_(
     _c.execution_id == bindparam("b_execution"),
     _c.turn == bindparam("b_turn"),
     _c.call_id == bindparam("b_call"),
 )
+
+
+def key_params(execution_id: str, turn: int, call_id: str) -> dict[str, Any]:
+    return {"b_execution": execution_id, "b_turn": turn, "b_call": call_id}
+
+
+def _own_key(call: ClaimedCall) -> dict[str, Any]:
+    return key_params(call.execution_id, call.turn, call.call_id)
 
 
 @functools.cache
@@ -58,7 +62,7 @@ def _claim_statement(mode: Mode) -> Any:
         _e.phase.not_in(ENDING_PHASE_VALUES),
         exists().where(_t.id == _e.task_id, _t.status.in_(ACTIVE_STATUSES)),
     )
-    stmt = update(tool_calls).where(_KEY, live)
+    stmt = update(tool_calls).where(CALL_KEY, live)
     if mode == "start":
         stmt = stmt.where(_c.state == CallState.PENDING.value, _c.queued_at.is_not(None)).values(
             state=CallState.STARTED.value, started_at=now, started_by=bindparam("b_owner")
@@ -107,10 +111,8 @@ def claim_call(
     row = conn.execute(
         _claim_statement(mode),
         {
-            "b_execution": execution_id,
+            **key_params(execution_id, turn, call_id),
             "b_task": task_id_of(execution_id),
-            "b_turn": turn,
-            "b_call": call_id,
             "b_now": now,
             "b_owner": owner,
             "b_until": now + timedelta(seconds=lease_seconds),
@@ -139,13 +141,13 @@ def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: dat
     stmt = (
         update(tool_calls)
         .where(
-            _key(call.execution_id, call.turn, call.call_id),
+            CALL_KEY,
             c.state == CallState.STARTED.value,
             c.lease_owner == owner,
         )
         .values(lease_until=until)
     )
-    return conn.execute(stmt).rowcount == 1
+    return conn.execute(stmt, _own_key(call)).rowcount == 1
 
 
 def park_call(
@@ -157,27 +159,24 @@ def park_call(
     done = conn.execute(
         update(tool_calls)
         .where(
-            _key(call.execution_id, call.turn, call.call_id),
+            CALL_KEY,
             c.state == CallState.STARTED.value,
             c.lease_owner == owner,
         )
-        .values(handle=handle, lease_owner=None, lease_until=poll_at, attempts=0, swept_at=None)
+        .values(handle=handle, lease_owner=None, lease_until=poll_at, attempts=0, swept_at=None),
+        _own_key(call),
     )
     return done.rowcount == 1
 
 
 def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:
-    conn.execute(
-        update(tool_calls)
-        .where(_key(call.execution_id, call.turn, call.call_id))
-        .values(handle=handle)
-    )
+    conn.execute(update(tool_calls).where(CALL_KEY).values(handle=handle), _own_key(call))
 
 
 #: The first result wins (I12): only an unsettled call takes an outcome.
 SETTLE = (
     update(tool_calls)
-    .where(_KEY, _c.state != CallState.SETTLED.value)
+    .where(CALL_KEY, _c.state != CallState.SETTLED.value)
     .values(
         state=CallState.SETTLED.value,
         outcome=bindparam("b_outcome"),
@@ -207,9 +206,7 @@ def settle_call(
     done = conn.execute(
         SETTLE,
         {
-            "b_execution": execution_id,
-            "b_turn": turn,
-            "b_call": call_id,
+            **key_params(execution_id, turn, call_id),
             "b_outcome": outcome,
             "b_result": result,
             "b_now": now,
@@ -235,9 +232,7 @@ def lock_run(conn: Connection, execution_id: str) -> tuple[str, int] | None:
 
 def settled_by(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:
     return conn.execute(
-        select(_c.settled_by).where(
-            _c.execution_id == execution_id, _c.turn == turn, _c.call_id == call_id
-        )
+        select(_c.settled_by).where(CALL_KEY), key_params(execution_id, turn, call_id)
     ).scalar()
 
 
@@ -247,9 +242,10 @@ def record_late_report(
     c = tool_calls.c
     conn.execute(
         update(tool_calls)
-        .where(_key(execution_id, turn, call_id))
+        .where(CALL_KEY)
         .values(
             late_reports=c.late_reports + 1,
             late_result={"outcome": outcome, "result": result},
-        )
+        ),
+        key_params(execution_id, turn, call_id),
     )

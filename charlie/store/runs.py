@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, func, insert, or_, select, update
+from sqlalchemy import Connection, bindparam, func, insert, or_, select, update
 
 from charlie.domain import (
     JSON,
@@ -356,23 +356,18 @@ def _task_statement(usage: bool, status: bool, running: bool) -> Any:
 
 
 _c = tool_calls.c
-_CALL_KEY = and_(
-    _c.execution_id == bindparam("b_execution"),
-    _c.turn == bindparam("b_turn"),
-    _c.call_id == bindparam("b_call"),
-)
 _INSERT_ITEMS = insert(transcript_items)
 _INSERT_CALLS = insert(tool_calls)
 _QUEUE_CALLS = (
     update(tool_calls)
-    .where(_CALL_KEY, _c.queued_at.is_(None))
+    .where(calls.CALL_KEY, _c.queued_at.is_(None))
     .values(
         queued_at=bindparam("b_now", type_=_c.queued_at.type),
         dispatch_version=bindparam("b_version"),
         deadline_at=bindparam("b_at", type_=_c.deadline_at.type),
     )
 )
-_FINISH_ORDER = update(tool_calls).where(_CALL_KEY).values(finish_order=bindparam("b_order"))
+_FINISH_ORDER = update(tool_calls).where(calls.CALL_KEY).values(finish_order=bindparam("b_order"))
 _INSERT_TRANSITION = insert(transitions).values(
     execution_id=bindparam("b_execution"),
     from_phase=bindparam("b_from"),

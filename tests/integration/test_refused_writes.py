@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import select, text
 
 import charlie
+from charlie import api
 from charlie.domain import TaskStatus, execution_id_for
 from charlie.runtime import get_runtime
 from charlie.store.engine import read
@@ -22,27 +23,32 @@ from tests.support.cluster import Cluster
 pytestmark = pytest.mark.timeout(120)
 
 
-def refuse_transcript_writes(execution_id: str) -> tuple[list[str], list[str]]:
-    """SQL to install and remove a trigger refusing this run's transcript inserts."""
+def refuse_inserts(table: str, execution_id: str, when: str = "") -> tuple[list[str], list[str]]:
+    """SQL to install and remove a trigger refusing this run's inserts into ``table`` (and,
+    with ``when``, only those rows matching that extra condition on NEW)."""
     if get_runtime().settings.is_sqlite:
         install = [
-            f"""CREATE TRIGGER refuse_writes BEFORE INSERT ON transcript_items
-                WHEN NEW.execution_id = '{execution_id}'
+            f"""CREATE TRIGGER refuse_writes BEFORE INSERT ON {table}
+                WHEN NEW.execution_id = '{execution_id}' {when}
                 BEGIN SELECT RAISE(ABORT, 'refused by the test trigger'); END"""
         ]
         return install, ["DROP TRIGGER refuse_writes"]
     install = [
         f"""CREATE OR REPLACE FUNCTION refuse_writes() RETURNS trigger AS $$
             BEGIN
-              IF NEW.execution_id = '{execution_id}' THEN
+              IF NEW.execution_id = '{execution_id}' {when} THEN
                 RAISE EXCEPTION 'refused by the test trigger';
               END IF;
               RETURN NEW;
             END $$ LANGUAGE plpgsql""",
-        """CREATE TRIGGER refuse_writes BEFORE INSERT ON transcript_items
+        f"""CREATE TRIGGER refuse_writes BEFORE INSERT ON {table}
            FOR EACH ROW EXECUTE FUNCTION refuse_writes()""",
     ]
-    return install, ["DROP TRIGGER refuse_writes ON transcript_items"]
+    return install, [f"DROP TRIGGER refuse_writes ON {table}"]
+
+
+def refuse_transcript_writes(execution_id: str) -> tuple[list[str], list[str]]:
+    return refuse_inserts("transcript_items", execution_id)
 
 
 def run_sql(statements: list[str]) -> None:
@@ -97,6 +103,41 @@ def test_a_write_refused_every_time_ends_in_report_failure_saying_why(
     assert info.error["type"] == "PoisonMessage", info.error
     assert "refused by the test trigger" in info.error["message"]
     assert "refused by the test trigger" in info.error["last_error"]["message"]
+
+
+def test_a_refused_await_tick_does_not_lose_its_tool_result(
+    cluster: Cluster, script, workspace
+) -> None:
+    """I12, I3: a turn's only call runs in the worker that dispatched it, and its result is
+    settled in the await tick's transaction. When the database refuses that transaction, the
+    result is settled on its own: the call keeps the outcome its handler produced (not
+    `interrupted` by the sweep), and the run goes on once writes are accepted again."""
+    task_id = f"refused-await-{uuid.uuid4().hex[:8]}"
+    install, remove = refuse_inserts(
+        "transitions", execution_id_for(task_id), "AND NEW.to_phase = 'advance_turn'"
+    )
+    run_sql(install)
+    try:
+        model, _ = script(
+            [
+                {"tool_calls": [{"id": "ls", "name": "list_files", "arguments": {}}]},
+                {"say": "listed"},
+            ]
+        )
+        charlie.submit(
+            "refused await", model=model, task_id=task_id, metadata={"workspace": str(workspace)}
+        )
+        call = wait_for(
+            lambda: next((c for c in api.calls(task_id) if c.state == "settled"), None), timeout=30
+        )
+    finally:
+        run_sql(remove)
+    assert call.outcome == "ok", call
+    assert call.settled_by == call.started_by  # the worker that ran it, not the sweep
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    result = next(i for i in charlie.transcript(task_id) if i.kind == "tool_result")
+    assert result.outcome == "ok"
 
 
 def test_connections_dropped_by_the_database_cost_nothing(cluster: Cluster, script) -> None:

@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import Engine, select, update
 
 from charlie import scheduler
 from charlie.domain import CallState, Phase
@@ -39,34 +39,43 @@ def private_database(backend: Backend, tmp_path: Path) -> str:
     return url
 
 
+def stalled_run(engine: Engine, prefix: str, since: datetime, **values: object) -> str:
+    """Submit a task whose run has not moved since ``since`` (with ``values`` set on its row)."""
+    submitted = scheduler.submit(
+        engine,
+        prompt="p",
+        model="scripted:/x.json",
+        tools=None,
+        task_id=f"{prefix}-{uuid.uuid4().hex[:8]}",
+        timeout=None,
+        metadata=None,
+    )
+    with write(engine) as conn:
+        conn.execute(
+            update(executions)
+            .where(executions.c.id == submitted.execution_id)
+            .values(updated_at=since, **values)
+        )
+    return submitted.execution_id
+
+
 def test_two_beats_at_once_act_once_per_row(private_database: str) -> None:
     engine = get_engine(private_database)
     long_ago = datetime.now(UTC) - timedelta(minutes=5)
     runs, calls = [], []
     for n in range(20):
-        submitted = scheduler.submit(
+        # A run whose tick was lost long ago, holding one call whose worker died.
+        execution_id = stalled_run(
             engine,
-            prompt="p",
-            model="scripted:/x.json",
-            tools=None,
-            task_id=f"beats-{uuid.uuid4().hex[:8]}",
-            timeout=None,
-            metadata=None,
+            "beats",
+            long_ago,
+            phase=Phase.AWAIT_TOOLS.value if n % 2 else Phase.CALL_MODEL.value,
         )
-        runs.append(submitted.execution_id)
+        runs.append(execution_id)
         with write(engine) as conn:
-            # A run whose tick was lost long ago, holding one call whose worker died.
-            conn.execute(
-                update(executions)
-                .where(executions.c.id == submitted.execution_id)
-                .values(
-                    phase=Phase.AWAIT_TOOLS.value if n % 2 else Phase.CALL_MODEL.value,
-                    updated_at=long_ago,
-                )
-            )
             conn.execute(
                 tool_calls.insert().values(
-                    execution_id=submitted.execution_id,
+                    execution_id=execution_id,
                     call_id=f"c{n}",
                     turn=0,
                     idx=0,
@@ -84,7 +93,7 @@ def test_two_beats_at_once_act_once_per_row(private_database: str) -> None:
                     late_reports=0,
                 )
             )
-            calls.append((submitted.execution_id, f"c{n}"))
+            calls.append((execution_id, f"c{n}"))
     env = {**os.environ, "CHARLIE_DATABASE_URL": private_database}
     start_at = time.time() + 3
     procs = [
@@ -131,22 +140,7 @@ def test_a_backlog_is_not_mistaken_for_lost_ticks(
     long_ago = datetime.now(UTC) - timedelta(minutes=5)
     ids = []
     for _ in range(5):
-        submitted = scheduler.submit(
-            engine,
-            prompt="p",
-            model="scripted:/x.json",
-            tools=None,
-            task_id=f"backlog-{uuid.uuid4().hex[:8]}",
-            timeout=None,
-            metadata=None,
-        )
-        ids.append(submitted.execution_id)
-        with write(engine) as conn:
-            conn.execute(
-                update(executions)
-                .where(executions.c.id == submitted.execution_id)
-                .values(updated_at=long_ago)
-            )
+        ids.append(stalled_run(engine, "backlog", long_ago))
     publisher = RecordingPublisher()
     rt = Runtime(
         settings=load_settings(),
