@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 JSON = dict[str, Any]
@@ -16,6 +16,11 @@ JSON = dict[str, Any]
 #: Task ids are at most this long, so that the execution id (a prefix + the task id) fits its
 #: column.
 MAX_TASK_ID = 120
+
+
+def utcnow() -> datetime:
+    """Every recorded time is timezone-aware UTC, taken from the worker's clock."""
+    return datetime.now(UTC)
 
 
 def execution_id_for(task_id: str) -> str:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, insert, select, update
+from sqlalchemy import Connection, Engine, insert, select, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
-from charlie.domain import JSON, Phase, TaskStatus, execution_id_for
+from charlie.domain import JSON, Phase, TaskStatus, execution_id_for, utcnow
 from charlie.executor.ports import TransientSchedulerError
 from charlie.store.engine import read, write
 from charlie.store.runs import ACTIVE
@@ -30,10 +30,6 @@ class TaskNotFound(LookupError):
 
 class TaskConflict(ValueError):
     """A task id reused for different work: idempotency covers the same submission only."""
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 @dataclass(frozen=True)
@@ -177,9 +173,23 @@ def cancel_descendants(engine: Engine, task_id: str) -> list[str]:
     return _cancel_ids(engine, children) if children else []
 
 
+def _lock_tasks(conn: Connection, ids: list[str]) -> datetime:
+    """Lock the tasks' rows (in id order, so two cancels cannot deadlock) and return the time
+    to record: taken once the locks are held, after any claim holding one of these tasks has
+    committed, so a call's start and the cancel that follows it keep their order (I18, see
+    store.calls.hold_live_task)."""
+    conn.execute(
+        select(tasks.c.id)
+        .where(tasks.c.id.in_(ids))
+        .order_by(tasks.c.id)
+        .with_for_update(key_share=True)
+    ).all()
+    return utcnow()
+
+
 def _cancel_ids(engine: Engine, ids: list[str]) -> list[str]:
-    now = utcnow()
     with write(engine) as conn:
+        now = _lock_tasks(conn, ids)
         rows = conn.execute(
             update(tasks)
             .where(tasks.c.id.in_(ids), tasks.c.status.in_(ACTIVE))
@@ -196,8 +206,8 @@ def _cancel_ids(engine: Engine, ids: list[str]) -> list[str]:
 
 def expire(engine: Engine, task_ids: list[str]) -> list[str]:
     """Time out tasks whose timeout has passed (the sweep passes candidates)."""
-    now = utcnow()
     with write(engine) as conn:
+        now = _lock_tasks(conn, task_ids)
         rows = conn.execute(
             update(tasks)
             .where(

@@ -10,14 +10,14 @@ one sweep, act at most once per row per stall period.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, case, exists, or_, select, update
 
 from charlie import scheduler
 from charlie.app import app
-from charlie.domain import CallState, Outcome, Phase, TaskStatus
+from charlie.domain import CallState, Outcome, Phase, TaskStatus, utcnow
 from charlie.runtime import Runtime, get_runtime
 from charlie.store import calls as call_store
 from charlie.store import runs
@@ -27,10 +27,6 @@ from charlie.store.schema import executions, tasks, tool_calls
 log = logging.getLogger("charlie.sweep")
 
 LIMIT = 500
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:

@@ -11,14 +11,14 @@ import logging
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Literal
 
 from sqlalchemy import Connection, update
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from charlie import faults
-from charlie.domain import CallState, Phase, RunView, Settlement, TaskStatus, Transition
+from charlie.domain import CallState, Phase, RunView, Settlement, TaskStatus, Transition, utcnow
 from charlie.executor import boundary
 from charlie.executor.events import InlineReports
 from charlie.executor.phases import needs, run_phase
@@ -60,10 +60,6 @@ class NextCall:
 
 
 Follow = NextTick | NextCall
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
@@ -498,8 +494,9 @@ def _run_tick(
             if not _commit(rt, conn, claim, view, transition, started):
                 return "lost_lease", None
             local_id = _local_call_id(progress, view, transition)
-            if local_id is not None:
-                # Marked started in the dispatch's own commit (I9), before its handler runs.
+            if local_id is not None and calls.hold_live_task(conn, view.task.id):
+                # Marked started in the dispatch's own commit (I9), before its handler runs;
+                # the task held first, so a cancel committed since the claim above stops it.
                 local = calls.claim_call(
                     conn,
                     execution_id,
@@ -509,6 +506,7 @@ def _run_tick(
                     rt.worker,
                     utcnow(),
                     rt.settings.lease_seconds,
+                    task_held=True,
                 )
         progress.claim_committed = True
         if progress.settlement is not None:

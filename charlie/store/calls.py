@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, bindparam, exists, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, exists, or_, select, update
 
-from charlie.domain import ENDING_PHASES, CallState, TaskStatus, task_id_of
+from charlie.domain import ENDING_PHASES, CallState, TaskStatus, task_id_of, utcnow
+from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
 
 ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
@@ -95,6 +96,30 @@ def _claim_statement(mode: Mode) -> Any:
     )
 
 
+class TaskStopped(Exception):
+    """The task stopped (a cancel, a timeout) while a call of it was being claimed: the caller
+    rolls the claim back."""
+
+    def __init__(self, task_id: str) -> None:
+        super().__init__(f"task {task_id} stopped while one of its calls was being claimed")
+        self.task_id = task_id
+
+
+_HOLD_TASK = select(_t.status).where(_t.id == bindparam("b_task")).with_for_update(read=True)
+
+
+def hold_live_task(conn: Connection, task_id: str) -> bool:
+    """Share-lock the task's row to the end of the transaction; True while it is active.
+
+    The claim's own liveness test reads a snapshot, which a cancel committing meanwhile does
+    not change. Held, the lock orders the two: a cancel or a timeout locks the row to write it
+    and takes its time after that, so it either waits for this transaction (and is later than
+    the start it records) or this one waits for it and sees the task stopped (I18). SQLite
+    serializes writers in BEGIN IMMEDIATE, so there this is a plain read."""
+    status = conn.execute(_HOLD_TASK, {"b_task": task_id}).scalar()
+    return status in ACTIVE_STATUSES
+
+
 def claim_call(
     conn: Connection,
     execution_id: str,
@@ -104,10 +129,17 @@ def claim_call(
     owner: str,
     now: datetime,
     lease_seconds: float,
+    *,
+    task_held: bool = False,
 ) -> ClaimedCall | None:
     """``start``: pending → started, committed before the handler runs (I9).
     ``resume``/``reconcile``: take over a started call whose lease lapsed (I10).
-    ``None``: not claimable (already started, settled, or someone live holds it)."""
+    ``None``: not claimable (already started, settled, or someone live holds it).
+
+    In a transaction: raises TaskStopped, for the caller to roll back, when the task stopped
+    while the call was being claimed, unless the caller already holds the task (``task_held``,
+    see hold_live_task). Locks go call, then task: the order of a tick, which locks its turn's
+    calls before it writes the task, so the two cannot deadlock."""
     row = conn.execute(
         _claim_statement(mode),
         {
@@ -120,6 +152,9 @@ def claim_call(
     ).first()
     if row is None:
         return None
+    serialized = conn.dialect.name == "sqlite"
+    if not (task_held or serialized) and not hold_live_task(conn, task_id_of(execution_id)):
+        raise TaskStopped(task_id_of(execution_id))
     return ClaimedCall(
         execution_id,
         turn,
@@ -134,6 +169,25 @@ def claim_call(
         row.deadline_at,
         row.task_metadata,
     )
+
+
+def claim_call_alone(
+    engine: Engine,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    mode: Mode,
+    owner: str,
+    lease_seconds: float,
+) -> ClaimedCall | None:
+    """claim_call in a transaction of its own, committed before the handler runs (I9); None
+    also when the task stopped during the claim (I18)."""
+    try:
+        with write(engine) as conn:
+            now = utcnow()  # after BEGIN (SQLite's write lock), so the lease is not born expired
+            return claim_call(conn, execution_id, turn, call_id, mode, owner, now, lease_seconds)
+    except TaskStopped:
+        return None
 
 
 def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: datetime) -> bool:

@@ -14,14 +14,14 @@ import time
 import traceback
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection, select
 
 from charlie import faults
-from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of
+from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of, utcnow
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
@@ -31,10 +31,6 @@ from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import ToolDef
 
 log = logging.getLogger("charlie.tool")
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
@@ -126,11 +122,9 @@ def run_call(
     call runs or publishes that tick, I7), else None."""
 
     def claim() -> ClaimedCall | None:
-        with write_one(rt.engine) as conn:
-            now = utcnow()  # after BEGIN, so the lease is not born expired
-            return calls.claim_call(
-                conn, execution_id, turn, call_id, mode, rt.worker, now, rt.settings.lease_seconds
-            )
+        return calls.claim_call_alone(
+            rt.engine, execution_id, turn, call_id, mode, rt.worker, rt.settings.lease_seconds
+        )
 
     call = again_if_disconnected(claim, "claim a tool call")
     if call is None:
