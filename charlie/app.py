@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import after_setup_logger, worker_process_init, worker_ready
 
 app = Celery("charlie")
 app.config_from_object("celeryconfig")
 app.conf.include = ["charlie.executor.tasks", "charlie.tools.tasks", "charlie.sweeps"]
+
+
+@after_setup_logger.connect
+def _structured_logs(logger: logging.Logger, **_: Any) -> None:
+    # Celery's format string prints no context; each line should say which run it is about.
+    from charlie import logs
+    from charlie.config import settings
+
+    logs.install(logger, json_lines=settings().log_format == "json")
 
 
 @worker_process_init.connect

@@ -32,6 +32,16 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={raw!r} is not a whole number") from exc
 
 
+LOG_FORMATS = ("text", "json")
+
+
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name) or default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -84,6 +94,9 @@ class Settings:
     devbox_poll_interval: float = 2.0
     #: run_command's tool deadline (I13): past it the call settles ``deadline_exceeded``.
     devbox_command_deadline: float = 900.0
+    #: worker log lines: ``text`` appends each record's context (run, phase, call) as
+    #: key=value pairs; ``json`` prints one JSON object per line (charlie/logs.py).
+    log_format: str = "text"
 
     @property
     def is_sqlite(self) -> bool:
@@ -139,6 +152,7 @@ def load_settings() -> Settings:
         devbox_inline_wait=_env_float("CHARLIE_DEVBOX_INLINE_WAIT", 5.0),
         devbox_poll_interval=_env_float("CHARLIE_DEVBOX_POLL_INTERVAL", 2.0),
         devbox_command_deadline=_env_float("CHARLIE_DEVBOX_COMMAND_DEADLINE", 900.0),
+        log_format=_env_choice("CHARLIE_LOG_FORMAT", LOG_FORMATS, "text"),
     )
 
 

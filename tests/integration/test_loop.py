@@ -213,6 +213,19 @@ def test_exception_in_a_phase_ends_in_report_failure(cluster: Cluster, script) -
     phases = [(h["from_phase"], h["to_phase"]) for h in api.history(task_id)]
     assert ("call_model", "report_failure") in phases
     assert ("report_failure", "done") in phases
+    # The worker's log line names the run and the phase, before the traceback.
+    context = f"[task_id={task_id} execution_id=x-{task_id} phase=call_model version="
+    wait_for(lambda: any(context in line for line in worker_log_lines(cluster)))
+    line = next(line for line in worker_log_lines(cluster) if context in line)
+    assert "phase raised; moving to report_failure" in line
+
+
+def worker_log_lines(cluster: Cluster) -> list[str]:
+    return [
+        line
+        for path in sorted(cluster.home.glob("worker-*.log"))
+        for line in path.read_text(errors="replace").splitlines()
+    ]
 
 
 def test_transient_scheduler_failure_is_retried_without_calling_the_model(

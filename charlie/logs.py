@@ -1,0 +1,99 @@
+"""Log lines that say which run they are about.
+
+Charlie's log calls pass their context as ``extra`` (task id, execution id, phase, version,
+call id, ...). Celery's worker formats records with a fixed format string that prints none of
+it, so the worker's handlers get a formatter that adds the context after the message, whatever
+format the operator configured: ``key=value`` pairs by default, or one JSON object per line with
+``CHARLIE_LOG_FORMAT=json`` for a log shipper.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+#: the context keys that lead, in this order; any others follow sorted.
+LEADING_KEYS = ("task_id", "execution_id", "phase", "version", "call_id", "to", "note")
+
+#: attributes every LogRecord has: anything else on a record came from ``extra``.
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
+#: a context value longer than this is cut in text lines (JSON lines keep it whole).
+MAX_VALUE_CHARS = 300
+
+
+def context_of(record: logging.LogRecord) -> dict[str, Any]:
+    """The ``extra`` fields of one of Charlie's records that have a value, leading keys first;
+    {} for others (Celery's own records carry extras that its format already prints)."""
+    if not record.name.startswith("charlie"):
+        return {}
+    fields = {
+        k: v
+        for k, v in vars(record).items()
+        if k not in _STANDARD and not k.startswith("_") and v is not None
+    }
+    leading = {k: fields.pop(k) for k in LEADING_KEYS if k in fields}
+    return {**leading, **dict(sorted(fields.items()))}
+
+
+def _text(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+    if len(text) > MAX_VALUE_CHARS:
+        text = text[:MAX_VALUE_CHARS] + "..."
+    if not text or any(ch.isspace() or ch in '"=' for ch in text):
+        text = json.dumps(text)
+    return text
+
+
+class ContextFormatter(logging.Formatter):
+    """Wraps a handler's formatter: the line it would print, with the record's context appended
+    to the message (so before any traceback)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        context = context_of(record)
+        if not context:
+            return self.inner.format(record)
+        saved = record.msg, record.args
+        pairs = " ".join(f"{k}={_text(v)}" for k, v in context.items())
+        record.msg, record.args = f"{record.getMessage()} [{pairs}]", None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.msg, record.args = saved
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, process, message, context, traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname,
+            "logger": record.name,
+            "process": record.processName,
+            "message": record.getMessage(),
+            **context_of(record),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def install(logger: logging.Logger, *, json_lines: bool = False) -> None:
+    """Give each of the logger's handlers the context (idempotent)."""
+    for handler in logger.handlers:
+        current = handler.formatter
+        if json_lines:
+            if not isinstance(current, JsonFormatter):
+                handler.setFormatter(JsonFormatter())
+        elif not isinstance(current, ContextFormatter):
+            handler.setFormatter(ContextFormatter(current))
