@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +19,7 @@ from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
 from charlie.models import validate_model_spec
 from charlie.runtime import get_runtime
 from charlie.scheduler import TaskNotFound
-from charlie.store.engine import read, retried_if_disconnected
+from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
 from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
 
 log = logging.getLogger("charlie.api")
@@ -151,16 +152,29 @@ def submit(
             raise InvalidSubmission("metadata must be a JSON object")
         if len(encoded) > MAX_METADATA_BYTES:
             raise PayloadTooLarge(f"metadata is {len(encoded)} bytes; the limit is 64 KiB")
-    submitted = scheduler.submit(
-        rt.engine,
-        prompt=prompt,
-        model=model,
-        tools=tools,
-        task_id=task_id,
-        timeout=timeout,
-        metadata=metadata,
-    )
-    if submitted.created and not rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0):
+    # The id is fixed before the first try, so a try again after a lost connection finds the
+    # task the first one may have committed instead of saving a second.
+    task_id = task_id or uuid.uuid4().hex
+    tries = 0
+
+    def save() -> scheduler.Submitted:
+        nonlocal tries
+        tries += 1
+        return scheduler.submit(
+            rt.engine,
+            prompt=prompt,
+            model=model,
+            tools=tools,
+            task_id=task_id,
+            timeout=timeout,
+            metadata=metadata,
+        )
+
+    submitted = again_if_disconnected(save, "submit a task")
+    # After a try again, "already there" may be this call's own first try: publish the first
+    # tick anyway (a duplicate is a stale tick, a no-op; I3).
+    first = submitted.created or tries > 1
+    if first and not rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0):
         log.warning(
             "task %s is saved but its first tick could not be published (broker down?); "
             "beat's sweep will start it",
@@ -232,7 +246,7 @@ def cancel(task_id: str) -> bool:
     from charlie.sweeps import poke_tasks
 
     rt = get_runtime()
-    changed = scheduler.cancel(rt.engine, task_id)
+    changed = again_if_disconnected(lambda: scheduler.cancel(rt.engine, task_id), "cancel a task")
     poke_tasks(rt, changed)
     return task_id in changed
 

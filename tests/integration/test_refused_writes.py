@@ -16,7 +16,7 @@ from charlie import api
 from charlie.domain import TaskStatus, execution_id_for
 from charlie.runtime import get_runtime
 from charlie.store.engine import read
-from charlie.store.schema import executions
+from charlie.store.schema import executions, tasks
 from tests.conftest import wait_for
 from tests.support.cluster import Cluster
 
@@ -191,3 +191,32 @@ def test_connections_dropped_by_the_database_cost_nothing(cluster: Cluster, scri
     assert info.result["answer"] == "survived"
     seqs = [i.seq for i in charlie.transcript(task_id)]
     assert seqs == list(range(len(seqs)))
+
+
+def test_a_producer_survives_a_connection_the_database_dropped(cluster: Cluster, script) -> None:
+    """A producer's pooled connection, killed by the database while it sat in the pool for less
+    than the ping interval, fails its next statement: submit and cancel run again on a fresh
+    one, and the submit saves one task, not two (its id is fixed before the first try)."""
+    rt = get_runtime()
+    if rt.settings.is_sqlite:
+        pytest.skip("SQLite has no server connections to drop")
+    url = rt.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    def kill_the_pooled_connection() -> None:
+        with rt.engine.connect() as conn:  # back in the pool, just used: it will not be pinged
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        with psycopg.connect(url, autocommit=True) as admin:
+            assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+
+    call = {"id": "w", "name": "sleep_then", "arguments": {"seconds": 30, "value": "late"}}
+    model, _ = script([{"tool_calls": [call]}, {"say": "never"}])
+    prompt = f"dropped before submit {uuid.uuid4().hex}"
+    kill_the_pooled_connection()
+    task_id = charlie.submit(prompt, model=model)
+    wait_for(lambda: any(c.state == "started" for c in api.calls(task_id)))
+    with read(rt.engine) as conn:
+        saved = conn.execute(select(tasks.c.id).where(tasks.c.prompt == prompt)).all()
+    assert [r.id for r in saved] == [task_id]
+    kill_the_pooled_connection()
+    assert charlie.cancel(task_id) is True
+    assert charlie.wait(task_id, timeout=30).status is TaskStatus.CANCELED
