@@ -10,14 +10,15 @@ one sweep, act at most once per row per stall period.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, exists, or_, select, update
+from sqlalchemy import Connection, and_, case, exists, or_, select, update
 
 from charlie import scheduler
 from charlie.app import app
-from charlie.domain import CallState, Outcome, Phase, TaskStatus, utcnow
+from charlie.domain import JSON, CallState, Outcome, Phase, TaskStatus, utcnow
 from charlie.runtime import Runtime, get_runtime
 from charlie.store import calls as call_store
 from charlie.store import runs
@@ -191,7 +192,6 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         "deadline": 0,
         "abandoned": 0,
     }
-    touched: set[tuple[str, int]] = set()
     e = executions.c
     run_live = exists().where(e.id == c.execution_id, e.phase.not_in(ENDING))
     lapsed = c.lease_until < now - LEASE_GRACE
@@ -261,20 +261,23 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 counts["abandoned"] += 1
 
     for late in overdue:
-        with write(rt.engine) as conn:
-            assert late.deadline_at is not None
-            if call_store.settle_call(
+        assert late.deadline_at is not None
+        result = _deadline_result(late.started_at, late.queued_at, late.deadline_at)
+
+        def past_deadline(conn: Connection, late: Any = late, result: JSON = result) -> bool:
+            return call_store.settle_call(
                 conn,
                 late.execution_id,
                 late.turn,
                 late.call_id,
                 Outcome.DEADLINE_EXCEEDED.value,
-                _deadline_result(late.started_at, late.queued_at, late.deadline_at),
+                result,
                 f"sweep@{rt.worker}",
                 now,
-            ):
-                counts["deadline"] += 1
-                touched.add((late.execution_id, late.turn))
+            )
+
+        if _settle_as_a_worker_does(rt, late.execution_id, late.turn, past_deadline):
+            counts["deadline"] += 1
 
     def take(row: Any) -> bool:
         with write(rt.engine) as conn:
@@ -321,40 +324,53 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 f"its worker died {row.attempts} times" if exhausted else "its worker stopped"
             ),
         }
-        with write(rt.engine) as conn:
-            # Only a call still started with a lapsed lease: never one a live worker holds.
-            done = conn.execute(
-                update(tool_calls)
-                .where(
-                    c.execution_id == row.execution_id,
-                    c.turn == row.turn,
-                    c.call_id == row.call_id,
-                    c.state == CallState.STARTED.value,
-                    lapsed,
-                )
-                .values(
-                    state=CallState.SETTLED.value,
-                    outcome=Outcome.INTERRUPTED.value,
-                    result=evidence,
-                    settled_at=now,
-                    settled_by=f"sweep@{rt.worker}",
-                    lease_owner=None,
-                )
-            ).rowcount
-        if done:
+        # Only a call still started with a lapsed lease: never one a live worker holds.
+        interrupt = (
+            update(tool_calls)
+            .where(
+                c.execution_id == row.execution_id,
+                c.turn == row.turn,
+                c.call_id == row.call_id,
+                c.state == CallState.STARTED.value,
+                lapsed,
+            )
+            .values(
+                state=CallState.SETTLED.value,
+                outcome=Outcome.INTERRUPTED.value,
+                result=evidence,
+                settled_at=now,
+                settled_by=f"sweep@{rt.worker}",
+                lease_owner=None,
+            )
+        )
+
+        def interrupted(conn: Connection, interrupt: Any = interrupt) -> bool:
+            return bool(conn.execute(interrupt).rowcount == 1)
+
+        if _settle_as_a_worker_does(rt, row.execution_id, row.turn, interrupted):
             counts["interrupted"] += 1
-            touched.add((row.execution_id, row.turn))
             log.warning(
                 "call interrupted",
                 extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
             )
-    for execution_id, turn in touched:
-        with read(rt.engine) as conn:
-            position = runs.execution_position(conn, execution_id)
-            open_calls = runs.count_unsettled(conn, execution_id, turn)
-        if position and position[0] is Phase.AWAIT_TOOLS and open_calls == 0:
-            _republish(rt, execution_id, position[0], position[1], now, stall)
     return counts
+
+
+def _settle_as_a_worker_does(
+    rt: Runtime, execution_id: str, turn: int, settle: Callable[[Connection], bool]
+) -> bool:
+    """Settle one call as a worker does (I7): the run's row locked first, then the call, and in
+    the same transaction whether it was the turn's last open call. Of two settling a turn's
+    last two calls, the second sees the first's commit, so one of them always knows the turn
+    is complete and moves the run on; then this publishes the run's await tick."""
+    with write(rt.engine) as conn:
+        position = call_store.lock_run(conn, execution_id)
+        if not settle(conn):
+            return False
+        turn_complete = runs.count_unsettled(conn, execution_id, turn) == 0
+    if turn_complete and position is not None and position[0] == Phase.AWAIT_TOOLS.value:
+        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, position[1])
+    return True
 
 
 def sweep_task_timeouts(rt: Runtime) -> int:

@@ -1,0 +1,216 @@
+"""Races between writers of one run, on the real database, with no workers.
+
+- A call's claim against a concurrent cancel (I18): a cancel is never followed by a call of its
+  task starting: either the claim committed first (and the cancel's recorded time is later than
+  the start), or the claim sees the task stopped.
+- The sweep settling a turn's last call while a worker settles the one before (I7): one of them
+  always sees the turn complete and moves the run on. (On SQLite the write lock already
+  orders them; on PostgreSQL the run's row lock does.)
+
+Each test holds one side's transaction open on its own connection and runs the other in a
+thread; the database's locks (PostgreSQL's row locks, SQLite's write lock) decide the order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, cast
+
+import pytest
+from sqlalchemy import Engine, insert, select, update
+from sqlalchemy.engine import make_url
+
+from charlie import scheduler
+from charlie.config import settings
+from charlie.domain import CallState, Phase, TaskStatus, utcnow
+from charlie.runtime import Publisher, Runtime
+from charlie.store import calls, runs
+from charlie.store.engine import get_engine, upgrade, write
+from charlie.store.schema import executions, tasks, tool_calls
+from charlie.sweeps import sweep_tool_calls
+from charlie.tools.registry import ToolRegistry
+from tests.conftest import BACKEND, BACKEND_PROBLEM
+from tests.support.cluster import recreate_postgres_database
+
+#: how long the thread must stay blocked to count as waiting for the held transaction.
+BLOCKED_FOR = 0.5
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A database of its own: the shared cluster's beat would sweep these rows."""
+    if BACKEND_PROBLEM:
+        pytest.skip(BACKEND_PROBLEM)
+    if BACKEND.database_url and BACKEND.database_url.startswith("postgresql"):
+        url = make_url(BACKEND.database_url)
+        url = url.set(database=f"{url.database}_claim_races").render_as_string(hide_password=False)
+        recreate_postgres_database(url)
+    else:
+        url = f"sqlite:///{tmp_path_factory.mktemp('races') / 'charlie.db'}"
+    upgrade(url)
+    engine = get_engine(url)
+    # The schema is this module's alone: its sweeps must see only the rows these tests made.
+    yield engine
+    engine.dispose()
+
+
+def queued_call(engine: Engine, **overrides: Any) -> tuple[str, str]:
+    """A task whose turn 0 holds one queued, not yet started call; (task id, execution id)."""
+    submitted = scheduler.submit(
+        engine, prompt="race", model="none", tools=None, task_id=None, timeout=None, metadata=None
+    )
+    add_call(engine, submitted.execution_id, "c1", **overrides)
+    return submitted.task_id, submitted.execution_id
+
+
+def add_call(engine: Engine, execution_id: str, call_id: str, **overrides: Any) -> None:
+    with write(engine) as conn:
+        conn.execute(
+            insert(tool_calls).values(
+                {
+                    "execution_id": execution_id,
+                    "call_id": call_id,
+                    "turn": 0,
+                    "idx": int(call_id[1:]),
+                    "name": "echo",
+                    "arguments": {},
+                    "effect": "read",
+                    "resumable": False,
+                    "state": CallState.PENDING.value,
+                    "queued_at": utcnow(),
+                    "attempts": 0,
+                    "late_reports": 0,
+                    **overrides,
+                }
+            )
+        )
+
+
+def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(work()), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def call_row(engine: Engine, execution_id: str, call_id: str = "c1") -> Any:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(tool_calls).where(
+                tool_calls.c.execution_id == execution_id, tool_calls.c.call_id == call_id
+            )
+        ).one()
+
+
+def task_row(engine: Engine, task_id: str) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(tasks).where(tasks.c.id == task_id)).one()
+
+
+def test_a_claim_during_an_uncommitted_cancel_waits_and_then_starts_nothing(
+    engine: Engine,
+) -> None:
+    """I18: the claim's snapshot still shows the task active; the held task row makes it wait
+    for the cancel, after which it sees the task stopped and rolls back."""
+    task_id, execution_id = queued_call(engine)
+    with engine.connect() as canceller:
+        canceller.begin()
+        canceller.execute(
+            update(tasks).where(tasks.c.id == task_id).values(status=TaskStatus.CANCELED.value)
+        )
+        thread, claimed = in_thread(
+            lambda: calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0)
+        )
+        thread.join(BLOCKED_FOR)
+        assert thread.is_alive(), f"the claim did not wait for the cancel: {claimed}"
+        canceller.commit()
+    thread.join(10)
+    assert claimed == [None]
+    row = call_row(engine, execution_id)
+    assert (row.state, row.started_at, row.attempts) == (CallState.PENDING.value, None, 0)
+
+
+def test_a_cancel_during_an_uncommitted_claim_waits_and_records_a_later_time(
+    engine: Engine,
+) -> None:
+    """I18: a claim that got the task first is in flight at the cancel, and the cancel's
+    recorded time says so: it is not earlier than the start."""
+    task_id, execution_id = queued_call(engine)
+    with engine.connect() as claimer:
+        claimer.begin()
+        claim = calls.claim_call(claimer, execution_id, 0, "c1", "start", "w-test", utcnow(), 5.0)
+        assert claim is not None
+        thread, canceled = in_thread(lambda: scheduler.cancel(engine, task_id))
+        thread.join(BLOCKED_FOR)
+        assert thread.is_alive(), f"the cancel did not wait for the claim: {canceled}"
+        claimer.commit()
+    thread.join(10)
+    assert canceled == [[task_id]]
+    call, task = call_row(engine, execution_id), task_row(engine, task_id)
+    assert call.state == CallState.STARTED.value
+    assert task.status == TaskStatus.CANCELED.value
+    assert task.finished_at >= call.started_at
+
+
+def test_a_claim_after_a_committed_cancel_starts_nothing(engine: Engine) -> None:
+    """I18: the plain case, for completeness: nothing to wait for, nothing claimed."""
+    task_id, execution_id = queued_call(engine)
+    assert scheduler.cancel(engine, task_id) == [task_id]
+    assert calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0) is None
+    assert call_row(engine, execution_id).state == CallState.PENDING.value
+
+
+class RecordingPublisher:
+    """Stands in for the broker: these tests are about the database's ordering of writers."""
+
+    def __init__(self) -> None:
+        self.ticks: list[tuple[str, Phase, int]] = []
+
+    def tick(self, execution_id: str, phase: Phase, version: int) -> bool:
+        self.ticks.append((execution_id, phase, version))
+        return True
+
+    def invoke(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+
+def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_before(
+    engine: Engine,
+) -> None:
+    """I7: a worker has settled c1 and counted c2 still open, uncommitted; the sweep settles
+    c2 (past its deadline). It waits for the worker's run lock, then sees the whole turn
+    settled and publishes the run's await tick, instead of both missing the turn's end."""
+    now = utcnow()
+    live_lease = {"lease_owner": "w-live", "lease_until": now + timedelta(minutes=5)}
+    started = {"state": CallState.STARTED.value, "started_at": now, **live_lease}
+    _, execution_id = queued_call(engine, **started)
+    add_call(engine, execution_id, "c2", deadline_at=now - timedelta(seconds=1), **started)
+    with write(engine) as conn:
+        conn.execute(
+            update(executions)
+            .where(executions.c.id == execution_id)
+            .values(phase=Phase.AWAIT_TOOLS.value, version=3)
+        )
+    publisher = RecordingPublisher()
+    rt = Runtime(
+        settings=settings(),
+        engine=engine,
+        worker="sweeper-test",
+        publisher=cast(Publisher, publisher),
+        tools=ToolRegistry(),
+    )
+    with engine.connect() as worker:
+        worker.begin()
+        assert calls.lock_run(worker, execution_id) == (Phase.AWAIT_TOOLS.value, 3)
+        assert calls.settle_call(worker, execution_id, 0, "c1", "ok", {}, "w-live", utcnow())
+        assert runs.count_unsettled(worker, execution_id, 0) == 1  # c2: the sweep's, not yet
+        thread, swept = in_thread(lambda: sweep_tool_calls(rt))
+        thread.join(BLOCKED_FOR)
+        assert thread.is_alive(), f"the sweep did not wait for the worker's run lock: {swept}"
+        worker.commit()
+    thread.join(10)
+    assert swept[0]["deadline"] == 1
+    assert call_row(engine, execution_id, "c2").outcome == "deadline_exceeded"
+    assert publisher.ticks == [(execution_id, Phase.AWAIT_TOOLS, 3)]
