@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from charlie import faults
 from charlie.domain import JSON, Phase, TaskStatus, execution_id_for, utcnow
 from charlie.executor.ports import TransientSchedulerError
+from charlie.store.calls import hold_live_task
 from charlie.store.engine import read, write
 from charlie.store.runs import ACTIVE
 from charlie.store.schema import executions, tasks
@@ -30,6 +31,17 @@ class TaskNotFound(LookupError):
 
 class TaskConflict(ValueError):
     """A task id reused for different work: idempotency covers the same submission only."""
+
+
+class ParentStopped(RuntimeError):
+    """A child task submitted for a parent that was canceled, timed out or finished (I18)."""
+
+    def __init__(self, parent_id: str, task_id: str) -> None:
+        super().__init__(
+            f"task {task_id!r} not started: its parent {parent_id!r} is no longer active"
+        )
+        self.parent_id = parent_id
+        self.task_id = task_id
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,10 @@ def submit(
     execution_id = execution_id_for(task_id)
     try:
         with write(engine) as conn:
+            # A child holds its parent's row: a cancel of the parent then either waits for this
+            # commit and finds the child, or this waits for the cancel and refuses (I18).
+            if parent_id is not None and not hold_live_task(conn, parent_id, now):
+                raise ParentStopped(parent_id, task_id)
             conn.execute(
                 insert(tasks).values(
                     id=task_id,
@@ -161,65 +177,81 @@ def descendants(engine: Engine, task_id: str) -> list[str]:
 def cancel(engine: Engine, task_id: str) -> list[str]:
     """Cancel a task and its children; returns the ids whose status changed. The executor stops
     each at its next tick boundary (I18)."""
-    with read(engine) as conn:
-        if conn.execute(select(tasks.c.id).where(tasks.c.id == task_id)).first() is None:
+    with write(engine) as conn:
+        tree = _lock_tree(conn, task_id)
+        if not tree:
             raise TaskNotFound(task_id)
-    return _cancel_ids(engine, [task_id, *descendants(engine, task_id)])
+        return _mark_canceled(conn, tree, utcnow())
 
 
 def cancel_descendants(engine: Engine, task_id: str) -> list[str]:
     """Cancel a finished task's children (a parent that timed out no longer waits for them)."""
-    children = descendants(engine, task_id)
-    return _cancel_ids(engine, children) if children else []
-
-
-def _lock_tasks(conn: Connection, ids: list[str]) -> datetime:
-    """Lock the tasks' rows (in id order, so two cancels cannot deadlock) and return the time
-    to record: taken once the locks are held, after any claim holding one of these tasks has
-    committed, so a call's start and the cancel that follows it keep their order (I18, see
-    store.calls.hold_live_task)."""
-    conn.execute(
-        select(tasks.c.id)
-        .where(tasks.c.id.in_(ids))
-        .order_by(tasks.c.id)
-        .with_for_update(key_share=True)
-    ).all()
-    return utcnow()
-
-
-def _cancel_ids(engine: Engine, ids: list[str]) -> list[str]:
     with write(engine) as conn:
-        now = _lock_tasks(conn, ids)
-        rows = conn.execute(
-            update(tasks)
-            .where(tasks.c.id.in_(ids), tasks.c.status.in_(ACTIVE))
-            .values(
-                status=TaskStatus.CANCELED.value,
-                cancel_requested_at=now,
-                finished_at=now,
-                error={"reason": "canceled"},
-            )
-            .returning(tasks.c.id)
+        tree = _lock_tree(conn, task_id)
+        return _mark_canceled(conn, tree[1:], utcnow()) if len(tree) > 1 else []
+
+
+def _lock_tree(conn: Connection, root: str) -> list[str]:
+    """Lock a task and its descendants, parents before children, and return their ids (the
+    root first; [] when it does not exist).
+
+    The time a stop records is taken after this: after any transaction holding one of these
+    tasks (a call's claim, a child's submit; see store.calls.hold_live_task) has committed, so
+    a call's start and the cancel that follows keep their order, and a child submitted while
+    its parent was being canceled is found here or refused there (I18). Locking each level
+    before reading the next is what catches the child: its submit holds the parent's row."""
+    found: list[str] = []
+    level = [root]
+    while level:
+        locked = conn.execute(
+            select(tasks.c.id)
+            .where(tasks.c.id.in_(level))
+            .order_by(tasks.c.id)
+            .with_for_update(key_share=True)
+        ).all()
+        found += [r.id for r in locked]
+        level = list(conn.execute(select(tasks.c.id).where(tasks.c.parent_id.in_(level))).scalars())
+    return found
+
+
+def _mark_canceled(conn: Connection, ids: list[str], now: datetime) -> list[str]:
+    rows = conn.execute(
+        update(tasks)
+        .where(tasks.c.id.in_(ids), tasks.c.status.in_(ACTIVE))
+        .values(
+            status=TaskStatus.CANCELED.value,
+            cancel_requested_at=now,
+            finished_at=now,
+            error={"reason": "canceled"},
         )
-        return [r.id for r in rows]
+        .returning(tasks.c.id)
+    )
+    return [r.id for r in rows]
 
 
 def expire(engine: Engine, task_ids: list[str]) -> list[str]:
-    """Time out tasks whose timeout has passed (the sweep passes candidates)."""
-    with write(engine) as conn:
-        now = _lock_tasks(conn, task_ids)
-        rows = conn.execute(
-            update(tasks)
-            .where(
-                tasks.c.id.in_(task_ids),
-                tasks.c.status.in_(ACTIVE),
-                tasks.c.timeout_at < now,
-            )
-            .values(
-                status=TaskStatus.TIMED_OUT.value,
-                finished_at=now,
-                error={"reason": "timed out"},
-            )
-            .returning(tasks.c.id)
-        )
-        return [r.id for r in rows]
+    """Time out tasks whose timeout has passed (the sweep passes candidates). One transaction
+    per task: a lock on one row at a time cannot deadlock with a cancel locking a tree."""
+    expired: list[str] = []
+    for task_id in task_ids:
+        with write(engine) as conn:
+            conn.execute(
+                select(tasks.c.id).where(tasks.c.id == task_id).with_for_update(key_share=True)
+            ).all()
+            now = utcnow()  # after the lock, as in cancel (see _lock_tree)
+            done = conn.execute(
+                update(tasks)
+                .where(
+                    tasks.c.id == task_id,
+                    tasks.c.status.in_(ACTIVE),
+                    tasks.c.timeout_at < now,
+                )
+                .values(
+                    status=TaskStatus.TIMED_OUT.value,
+                    finished_at=now,
+                    error={"reason": "timed out"},
+                )
+            ).rowcount
+        if done:
+            expired.append(task_id)
+    return expired

@@ -494,7 +494,7 @@ def _run_tick(
             if not _commit(rt, conn, claim, view, transition, started):
                 return "lost_lease", None
             local_id = _local_call_id(progress, view, transition)
-            if local_id is not None and calls.hold_live_task(conn, view.task.id):
+            if local_id is not None and calls.hold_live_task(conn, view.task.id, utcnow()):
                 # Marked started in the dispatch's own commit (I9), before its handler runs;
                 # the task held first, so a cancel committed since the claim above stops it.
                 local = calls.claim_call(

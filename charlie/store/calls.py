@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -14,6 +15,8 @@ from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
 
 ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
+log = logging.getLogger(__name__)
+
 ACTIVE_STATUSES = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus.WAITING.value)
 
 Mode = Literal["start", "resume", "reconcile"]
@@ -61,7 +64,11 @@ def _claim_statement(mode: Mode) -> Any:
     live = exists().where(
         _e.id == _c.execution_id,
         _e.phase.not_in(ENDING_PHASE_VALUES),
-        exists().where(_t.id == _e.task_id, _t.status.in_(ACTIVE_STATUSES)),
+        exists().where(
+            _t.id == _e.task_id,
+            _t.status.in_(ACTIVE_STATUSES),
+            or_(_t.timeout_at.is_(None), _t.timeout_at > now),
+        ),
     )
     stmt = update(tool_calls).where(CALL_KEY, live)
     if mode == "start":
@@ -105,19 +112,25 @@ class TaskStopped(Exception):
         self.task_id = task_id
 
 
-_HOLD_TASK = select(_t.status).where(_t.id == bindparam("b_task")).with_for_update(read=True)
+_HOLD_TASK = (
+    select(_t.status, _t.timeout_at).where(_t.id == bindparam("b_task")).with_for_update(read=True)
+)
 
 
-def hold_live_task(conn: Connection, task_id: str) -> bool:
-    """Share-lock the task's row to the end of the transaction; True while it is active.
+def hold_live_task(conn: Connection, task_id: str, now: datetime) -> bool:
+    """Share-lock the task's row to the end of the transaction; True while it is active and
+    not past its timeout.
 
-    The claim's own liveness test reads a snapshot, which a cancel committing meanwhile does
+    A liveness test in a statement reads a snapshot, which a cancel committing meanwhile does
     not change. Held, the lock orders the two: a cancel or a timeout locks the row to write it
     and takes its time after that, so it either waits for this transaction (and is later than
-    the start it records) or this one waits for it and sees the task stopped (I18). SQLite
-    serializes writers in BEGIN IMMEDIATE, so there this is a plain read."""
-    status = conn.execute(_HOLD_TASK, {"b_task": task_id}).scalar()
-    return status in ACTIVE_STATUSES
+    what this one records) or this one waits for it and sees the task stopped (I18). Callers:
+    a call's claim, the dispatch's local call, a child's submit. SQLite serializes writers in
+    BEGIN IMMEDIATE, so there this is a plain read."""
+    row = conn.execute(_HOLD_TASK, {"b_task": task_id}).first()
+    if row is None or row.status not in ACTIVE_STATUSES:
+        return False
+    return row.timeout_at is None or row.timeout_at > now
 
 
 def claim_call(
@@ -140,6 +153,8 @@ def claim_call(
     while the call was being claimed, unless the caller already holds the task (``task_held``,
     see hold_live_task). Locks go call, then task: the order of a tick, which locks its turn's
     calls before it writes the task, so the two cannot deadlock."""
+    # The claim and the task's lock must commit together (rolled back on TaskStopped).
+    assert conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT"
     row = conn.execute(
         _claim_statement(mode),
         {
@@ -153,7 +168,7 @@ def claim_call(
     if row is None:
         return None
     serialized = conn.dialect.name == "sqlite"
-    if not (task_held or serialized) and not hold_live_task(conn, task_id_of(execution_id)):
+    if not (task_held or serialized) and not hold_live_task(conn, task_id_of(execution_id), now):
         raise TaskStopped(task_id_of(execution_id))
     return ClaimedCall(
         execution_id,
@@ -186,7 +201,11 @@ def claim_call_alone(
         with write(engine) as conn:
             now = utcnow()  # after BEGIN (SQLite's write lock), so the lease is not born expired
             return claim_call(conn, execution_id, turn, call_id, mode, owner, now, lease_seconds)
-    except TaskStopped:
+    except TaskStopped as stopped:
+        log.info(
+            "call not started: its task stopped while it was being claimed",
+            extra={"task_id": stopped.task_id, "execution_id": execution_id, "call_id": call_id},
+        )
         return None
 
 

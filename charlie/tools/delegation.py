@@ -79,17 +79,20 @@ def delegate(
     devbox = inherited_devbox(ctx.task_id, parent.metadata)
     if devbox is not None:
         metadata["devbox"] = devbox
-    submitted = scheduler.submit(
-        rt.engine,
-        prompt=prompt,
-        model=spec,
-        tools=tools,
-        task_id=child_task_id(ctx),
-        timeout=None,
-        metadata=metadata,
-        parent_id=ctx.task_id,
-        parent_call_id=ctx.call_id,
-    )
+    try:
+        submitted = scheduler.submit(
+            rt.engine,
+            prompt=prompt,
+            model=spec,
+            tools=tools,
+            task_id=child_task_id(ctx),
+            timeout=None,
+            metadata=metadata,
+            parent_id=ctx.task_id,
+            parent_call_id=ctx.call_id,
+        )
+    except scheduler.ParentStopped as stopped:
+        raise ToolError(str(stopped)) from None
     if submitted.created:
         rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0)
     return {"task_id": submitted.task_id, "created": submitted.created}

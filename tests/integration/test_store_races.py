@@ -89,8 +89,16 @@ def add_call(engine: Engine, execution_id: str, call_id: str, **overrides: Any) 
 
 
 def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run ``work`` in a thread; its result (or the exception it raised) lands in the list."""
     out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(work()), daemon=True)
+
+    def target() -> None:
+        try:
+            out.append(work())
+        except Exception as error:
+            out.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
     thread.start()
     return thread, out
 
@@ -152,6 +160,108 @@ def test_a_cancel_during_an_uncommitted_claim_waits_and_records_a_later_time(
     assert call.state == CallState.STARTED.value
     assert task.status == TaskStatus.CANCELED.value
     assert task.finished_at >= call.started_at
+
+
+def test_a_cancel_takes_its_time_once_the_claim_holding_the_task_committed(
+    engine: Engine,
+) -> None:
+    """I18, the dispatch's local call: it holds the task first and takes its start time
+    afterwards; the cancel, waiting meanwhile, records a time after that start."""
+    task_id, execution_id = queued_call(engine)
+    with engine.connect() as claimer:
+        claimer.begin()
+        assert calls.hold_live_task(claimer, task_id, utcnow())
+        thread, canceled = in_thread(lambda: scheduler.cancel(engine, task_id))
+        thread.join(BLOCKED_FOR)
+        assert thread.is_alive(), f"the cancel did not wait for the held task: {canceled}"
+        claim = calls.claim_call(
+            claimer, execution_id, 0, "c1", "start", "w-test", utcnow(), 5.0, task_held=True
+        )
+        assert claim is not None
+        claimer.commit()
+    thread.join(10)
+    assert canceled == [[task_id]]
+    call, task = call_row(engine, execution_id), task_row(engine, task_id)
+    assert task.finished_at >= call.started_at
+
+
+def test_no_call_starts_once_its_task_is_past_its_timeout(engine: Engine) -> None:
+    """I18: a timed-out task stops calls before the sweep records the timeout."""
+    task_id, execution_id = queued_call(engine)
+    with write(engine) as conn:
+        conn.execute(
+            update(tasks)
+            .where(tasks.c.id == task_id)
+            .values(timeout_at=utcnow() - timedelta(seconds=1))
+        )
+    assert calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0) is None
+    assert call_row(engine, execution_id).state == CallState.PENDING.value
+
+
+def test_a_child_submitted_during_its_parents_cancel_is_refused(engine: Engine) -> None:
+    """I18, delegation: the child's submit holds the parent's row, so it waits for the cancel
+    being written and then refuses, rather than start a child the cancel never saw."""
+    parent_id, _ = queued_call(engine)
+    with engine.connect() as canceller:
+        canceller.begin()
+        canceller.execute(
+            update(tasks).where(tasks.c.id == parent_id).values(status=TaskStatus.CANCELED.value)
+        )
+        thread, submitted = in_thread(lambda: submit_child(engine, parent_id))
+        thread.join(BLOCKED_FOR)
+        assert thread.is_alive(), f"the child's submit did not wait for the cancel: {submitted}"
+        canceller.commit()
+    thread.join(10)
+    assert len(submitted) == 1 and isinstance(submitted[0], scheduler.ParentStopped)
+    with engine.connect() as conn:
+        children = conn.execute(select(tasks.c.id).where(tasks.c.parent_id == parent_id)).all()
+    assert children == []
+
+
+def test_a_cancel_during_a_childs_submit_waits_and_cancels_the_child(engine: Engine) -> None:
+    """I18, delegation: the other order: the cancel waits for the submit holding the parent,
+    then finds the new child and cancels it with its parent."""
+    parent_id, _ = queued_call(engine)
+    with engine.connect() as submitter:
+        submitter.begin()
+        assert calls.hold_live_task(submitter, parent_id, utcnow())
+        thread, canceled = in_thread(lambda: scheduler.cancel(engine, parent_id))
+        thread.join(BLOCKED_FOR)
+        assert thread.is_alive(), f"the cancel did not wait for the child's submit: {canceled}"
+        submitter.execute(insert(tasks).values(child_row(parent_id)))
+        submitter.commit()
+    thread.join(10)
+    assert canceled == [[parent_id, f"{parent_id}.child"]]
+    assert task_row(engine, f"{parent_id}.child").status == TaskStatus.CANCELED.value
+
+
+def submit_child(engine: Engine, parent_id: str) -> scheduler.Submitted:
+    return scheduler.submit(
+        engine,
+        prompt="child",
+        model="none",
+        tools=None,
+        task_id=f"{parent_id}.child",
+        timeout=None,
+        metadata=None,
+        parent_id=parent_id,
+    )
+
+
+def child_row(parent_id: str) -> dict[str, Any]:
+    """The row scheduler.submit writes for a child, written here inside a held transaction."""
+    return {
+        "id": f"{parent_id}.child",
+        "parent_id": parent_id,
+        "prompt": "child",
+        "model": "none",
+        "metadata": {},
+        "status": TaskStatus.QUEUED.value,
+        "created_at": utcnow(),
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "reasoning_tokens": 0,
+    }
 
 
 def test_a_claim_after_a_committed_cancel_starts_nothing(engine: Engine) -> None:
