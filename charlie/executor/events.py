@@ -85,15 +85,32 @@ class InlineReports:
         self.pending.append(("task-succeeded", fields))
 
     def send(self) -> None:
-        """Best effort: an event that cannot be sent is logged and the run goes on."""
+        """Best effort: an event that cannot be sent is logged and the run goes on.
+
+        All in one message: Celery's event dispatcher buffers the ``task`` group and publishes
+        the buffer as one ``task-multi`` message, a list Celery's event receiver (Flower's,
+        ``celery events``) takes apart, so a chain of inline steps costs one publish, not one
+        per step."""
         if not self.pending:
             return
         events, self.pending = self.pending, []
         try:
+            app = self.rt.publisher.app
             hostname = events[0][1]["hostname"]
-            with self.rt.publisher.app.events.default_dispatcher(hostname=hostname) as d:
+            with (
+                app.amqp.producer_pool.acquire(block=True) as producer,
+                app.events.Dispatcher(
+                    producer.connection,
+                    hostname,
+                    channel=producer.channel,
+                    buffer_while_offline=False,
+                    buffer_group=frozenset({"task"}),
+                    buffer_limit=len(events) + 1,
+                ) as dispatcher,
+            ):
                 for event, fields in events:
-                    d.send(event, **{k: v for k, v in fields.items() if k != "hostname"})
+                    dispatcher.send(event, **{k: v for k, v in fields.items() if k != "hostname"})
+                dispatcher.flush(errors=False)
         except Exception:
             log.warning("task events of inline phases not sent", exc_info=True)
 

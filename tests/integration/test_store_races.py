@@ -103,6 +103,14 @@ def in_thread(work: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+def waiting(work: Callable[[], Any], failure: str) -> tuple[threading.Thread, list[Any]]:
+    """Start ``work`` in a thread and check it is blocked (on the other side's lock)."""
+    thread, out = in_thread(work)
+    thread.join(BLOCKED_FOR)
+    assert thread.is_alive(), f"{failure}: {out}"
+    return thread, out
+
+
 def call_row(engine: Engine, execution_id: str, call_id: str = "c1") -> Any:
     with engine.connect() as conn:
         return conn.execute(
@@ -128,11 +136,10 @@ def test_a_claim_during_an_uncommitted_cancel_waits_and_then_starts_nothing(
         canceller.execute(
             update(tasks).where(tasks.c.id == task_id).values(status=TaskStatus.CANCELED.value)
         )
-        thread, claimed = in_thread(
-            lambda: calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0)
+        thread, claimed = waiting(
+            lambda: calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0),
+            "the claim did not wait for the cancel",
         )
-        thread.join(BLOCKED_FOR)
-        assert thread.is_alive(), f"the claim did not wait for the cancel: {claimed}"
         canceller.commit()
     thread.join(10)
     assert claimed == [None]
@@ -150,9 +157,9 @@ def test_a_cancel_during_an_uncommitted_claim_waits_and_records_a_later_time(
         claimer.begin()
         claim = calls.claim_call(claimer, execution_id, 0, "c1", "start", "w-test", utcnow(), 5.0)
         assert claim is not None
-        thread, canceled = in_thread(lambda: scheduler.cancel(engine, task_id))
-        thread.join(BLOCKED_FOR)
-        assert thread.is_alive(), f"the cancel did not wait for the claim: {canceled}"
+        thread, canceled = waiting(
+            lambda: scheduler.cancel(engine, task_id), "the cancel did not wait for the claim"
+        )
         claimer.commit()
     thread.join(10)
     assert canceled == [[task_id]]
@@ -171,9 +178,9 @@ def test_a_cancel_takes_its_time_once_the_claim_holding_the_task_committed(
     with engine.connect() as claimer:
         claimer.begin()
         assert calls.hold_live_task(claimer, task_id, utcnow())
-        thread, canceled = in_thread(lambda: scheduler.cancel(engine, task_id))
-        thread.join(BLOCKED_FOR)
-        assert thread.is_alive(), f"the cancel did not wait for the held task: {canceled}"
+        thread, canceled = waiting(
+            lambda: scheduler.cancel(engine, task_id), "the cancel did not wait for the held task"
+        )
         claim = calls.claim_call(
             claimer, execution_id, 0, "c1", "start", "w-test", utcnow(), 5.0, task_held=True
         )
@@ -207,9 +214,10 @@ def test_a_child_submitted_during_its_parents_cancel_is_refused(engine: Engine) 
         canceller.execute(
             update(tasks).where(tasks.c.id == parent_id).values(status=TaskStatus.CANCELED.value)
         )
-        thread, submitted = in_thread(lambda: submit_child(engine, parent_id))
-        thread.join(BLOCKED_FOR)
-        assert thread.is_alive(), f"the child's submit did not wait for the cancel: {submitted}"
+        thread, submitted = waiting(
+            lambda: submit_child(engine, parent_id),
+            "the child's submit did not wait for the cancel",
+        )
         canceller.commit()
     thread.join(10)
     assert len(submitted) == 1 and isinstance(submitted[0], scheduler.ParentStopped)
@@ -225,9 +233,10 @@ def test_a_cancel_during_a_childs_submit_waits_and_cancels_the_child(engine: Eng
     with engine.connect() as submitter:
         submitter.begin()
         assert calls.hold_live_task(submitter, parent_id, utcnow())
-        thread, canceled = in_thread(lambda: scheduler.cancel(engine, parent_id))
-        thread.join(BLOCKED_FOR)
-        assert thread.is_alive(), f"the cancel did not wait for the child's submit: {canceled}"
+        thread, canceled = waiting(
+            lambda: scheduler.cancel(engine, parent_id),
+            "the cancel did not wait for the child's submit",
+        )
         submitter.execute(insert(tasks).values(child_row(parent_id)))
         submitter.commit()
     thread.join(10)
@@ -316,9 +325,9 @@ def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_befor
         assert calls.lock_run(worker, execution_id) == (Phase.AWAIT_TOOLS.value, 3)
         assert calls.settle_call(worker, execution_id, 0, "c1", "ok", {}, "w-live", utcnow())
         assert runs.count_unsettled(worker, execution_id, 0) == 1  # c2: the sweep's, not yet
-        thread, swept = in_thread(lambda: sweep_tool_calls(rt))
-        thread.join(BLOCKED_FOR)
-        assert thread.is_alive(), f"the sweep did not wait for the worker's run lock: {swept}"
+        thread, swept = waiting(
+            lambda: sweep_tool_calls(rt), "the sweep did not wait for the worker's run lock"
+        )
         worker.commit()
     thread.join(10)
     assert swept[0]["deadline"] == 1
