@@ -17,7 +17,7 @@ from sqlalchemy import select
 from charlie import scheduler
 from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
 from charlie.models import validate_model_spec
-from charlie.runtime import get_runtime
+from charlie.runtime import Runtime, get_runtime
 from charlie.scheduler import TaskNotFound
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
 from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
@@ -246,9 +246,32 @@ def cancel(task_id: str) -> bool:
     from charlie.sweeps import poke_tasks
 
     rt = get_runtime()
-    changed = again_if_disconnected(lambda: scheduler.cancel(rt.engine, task_id), "cancel a task")
+    tries = 0
+
+    def stop() -> list[str]:
+        nonlocal tries
+        tries += 1
+        return scheduler.cancel(rt.engine, task_id)
+
+    changed = again_if_disconnected(stop, "cancel a task")
+    if tries > 1 and not changed:
+        # The first try's commit may have gone through with its reply lost: count what is
+        # canceled now as this call's (a task canceled just before by someone else, too).
+        changed = _canceled_in_tree(rt, task_id)
     poke_tasks(rt, changed)
     return task_id in changed
+
+
+@retried_if_disconnected
+def _canceled_in_tree(rt: Runtime, task_id: str) -> list[str]:
+    tree = [task_id, *scheduler.descendants(rt.engine, task_id)]
+    with read(rt.engine) as conn:
+        rows = conn.execute(
+            select(tasks.c.id).where(
+                tasks.c.id.in_(tree), tasks.c.status == TaskStatus.CANCELED.value
+            )
+        )
+        return [r.id for r in rows]
 
 
 @retried_if_disconnected

@@ -6,7 +6,12 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import after_setup_logger, worker_process_init, worker_ready
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    worker_process_init,
+    worker_ready,
+)
 
 app = Celery("charlie")
 app.config_from_object("celeryconfig")
@@ -14,6 +19,7 @@ app.conf.include = ["charlie.executor.tasks", "charlie.tools.tasks", "charlie.sw
 
 
 @after_setup_logger.connect
+@after_setup_task_logger.connect
 def _structured_logs(logger: logging.Logger, **_: Any) -> None:
     # Celery's format string prints no context; each line should say which run it is about.
     from charlie import logs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 #: the context keys that lead, in this order; any others follow sorted.
@@ -41,8 +42,21 @@ def context_of(record: logging.LogRecord) -> dict[str, Any]:
     return {**leading, **dict(sorted(fields.items()))}
 
 
+def _json(value: Any) -> str:
+    """Never raises: a log line must not be lost (or break the tick that logs it) because of an
+    odd value (mixed or tuple keys, a cycle, NaN); such a value is written as its repr."""
+    try:
+        return json.dumps(value, default=str, allow_nan=False)
+    except Exception:
+        pass
+    try:
+        return json.dumps(repr(value))
+    except Exception:  # a repr can fail too (nested too deep, a broken __repr__)
+        return json.dumps(f"<unprintable {type(value).__name__}>")
+
+
 def _text(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+    text = value if isinstance(value, str) else _json(value)
     if len(text) > MAX_VALUE_CHARS:
         text = text[:MAX_VALUE_CHARS] + "..."
     if not text or any(ch.isspace() or ch in '"=' for ch in text):
@@ -76,16 +90,19 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "process": record.processName,
             "message": record.getMessage(),
-            **context_of(record),
         }
+        for key, value in context_of(record).items():
+            entry.setdefault(key, json.loads(_json(value)))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry)
 
 
 def install(logger: logging.Logger, *, json_lines: bool = False) -> None:

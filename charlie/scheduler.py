@@ -71,7 +71,7 @@ def submit(
         with write(engine) as conn:
             # A child holds its parent's row: a cancel of the parent then either waits for this
             # commit and finds the child, or this waits for the cancel and refuses (I18).
-            if parent_id is not None and not hold_live_task(conn, parent_id, now):
+            if parent_id is not None and not hold_live_task(conn, parent_id, utcnow()):
                 raise ParentStopped(parent_id, task_id)
             conn.execute(
                 insert(tasks).values(

@@ -208,7 +208,8 @@ def test_a_producer_survives_a_connection_the_database_dropped(cluster: Cluster,
         with psycopg.connect(url, autocommit=True) as admin:
             assert admin.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
 
-    call = {"id": "w", "name": "sleep_then", "arguments": {"seconds": 30, "value": "late"}}
+    # Long enough to cancel it running, short enough not to hold a worker from later tests.
+    call = {"id": "w", "name": "sleep_then", "arguments": {"seconds": 3, "value": "late"}}
     model, _ = script([{"tool_calls": [call]}, {"say": "never"}])
     prompt = f"dropped before submit {uuid.uuid4().hex}"
     kill_the_pooled_connection()

@@ -108,3 +108,33 @@ def test_json_lines_carry_the_context_as_fields(captured) -> None:
 def test_a_long_value_is_cut_in_text_lines() -> None:
     assert logs._text("x" * 1000).endswith("...")
     assert len(logs._text("x" * 1000)) == logs.MAX_VALUE_CHARS + 3
+
+
+def test_odd_values_never_cost_the_line(captured) -> None:
+    """Mixed or tuple keys, a cycle, NaN, nesting too deep for json or repr: written as their
+    repr (or named), and the line is printed in both formats."""
+    cycle: list[object] = []
+    cycle.append(cycle)
+    deep: list[object] = []
+    for _ in range(100_000):
+        deep = [deep]
+    odd = {"mixed": {1: "a", "b": 2}, "tuple_key": {(1, 2): 3}, "cycle": cycle, "nan": float("nan")}
+    for json_lines in (False, True):
+        logger, stream = captured
+        stream.seek(0)
+        stream.truncate()
+        logger.handlers[0].setFormatter(logging.Formatter("%(message)s"))
+        logs.install(logger, json_lines=json_lines)
+        log = logging.getLogger("charlie.odd")
+        logger.handle(
+            log.makeRecord(
+                log.name, logging.INFO, __file__, 1, "odd", (), None, extra={**odd, "deep": deep}
+            )
+        )
+        line = stream.getvalue().strip()
+        assert line.startswith("odd [") or json.loads(line)["message"] == "odd"
+        assert "NaN" not in line.replace("nan", "")  # not JSON's invalid NaN token
+        if json_lines:
+            entry = json.loads(line)
+            assert entry["deep"] == "<unprintable list>"
+            assert entry["nan"] == "nan" and entry["ts"].endswith("+00:00")
