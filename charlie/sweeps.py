@@ -364,13 +364,10 @@ def _settle_as_a_worker_does(
     last two calls, the second sees the first's commit, so one of them always knows the turn
     is complete and moves the run on; then this publishes the run's await tick."""
     with write(rt.engine) as conn:
-        position = call_store.lock_run(conn, execution_id)
-        if not settle(conn):
-            return False
-        turn_complete = runs.count_unsettled(conn, execution_id, turn) == 0
-    if turn_complete and position is not None and position[0] == Phase.AWAIT_TOOLS.value:
-        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, position[1])
-    return True
+        settled, await_version = call_store.settle_in_turn(conn, execution_id, turn, settle)
+    if await_version is not None:
+        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, await_version)
+    return settled
 
 
 def sweep_task_timeouts(rt: Runtime) -> int:

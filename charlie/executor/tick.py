@@ -494,19 +494,9 @@ def _run_tick(
             if not _commit(rt, conn, claim, view, transition, started):
                 return "lost_lease", None
             local_id = _local_call_id(progress, view, transition)
-            if local_id is not None and calls.hold_live_task(conn, view.task.id, utcnow()):
-                # Marked started in the dispatch's own commit (I9), before its handler runs;
-                # the task held first, so a cancel committed since the claim above stops it.
-                local = calls.claim_call(
-                    conn,
-                    execution_id,
-                    claim.turn,
-                    local_id,
-                    "start",
-                    rt.worker,
-                    utcnow(),
-                    rt.settings.lease_seconds,
-                    task_held=True,
+            if local_id is not None:
+                local = calls.start_local_call(
+                    conn, execution_id, claim.turn, local_id, rt.worker, rt.settings.lease_seconds
                 )
         progress.claim_committed = True
         if progress.settlement is not None:

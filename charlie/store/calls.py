@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine, and_, bindparam, exists, or_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, exists, func, or_, select, update
 
-from charlie.domain import ENDING_PHASES, CallState, TaskStatus, task_id_of, utcnow
+from charlie.domain import ENDING_PHASES, CallState, Phase, TaskStatus, task_id_of, utcnow
 from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
 
@@ -209,6 +210,26 @@ def claim_call_alone(
         return None
 
 
+def start_local_call(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    owner: str,
+    lease_seconds: float,
+) -> ClaimedCall | None:
+    """Mark the turn's only call started in the dispatch's own transaction (I9), which holds
+    the turn's calls already: the task is held before the claim (not after, as claim_call
+    does), so a task stopped since the dispatch's claim means no start rather than a rollback
+    of the whole dispatch (I18)."""
+    now = utcnow()
+    if conn.dialect.name != "sqlite" and not hold_live_task(conn, task_id_of(execution_id), now):
+        return None
+    return claim_call(
+        conn, execution_id, turn, call_id, "start", owner, now, lease_seconds, task_held=True
+    )
+
+
 def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: datetime) -> bool:
     c = tool_calls.c
     stmt = (
@@ -301,6 +322,43 @@ def lock_run(conn: Connection, execution_id: str) -> tuple[str, int] | None:
     first's commit and knows the turn is complete (I7)."""
     row = conn.execute(_LOCK_RUN, {"b_execution": execution_id}).first()
     return (row.phase, row.version) if row else None
+
+
+_COUNT_UNSETTLED = (
+    select(func.count())
+    .select_from(tool_calls)
+    .where(
+        _c.execution_id == bindparam("b_execution"),
+        _c.turn == bindparam("b_turn"),
+        _c.state != CallState.SETTLED.value,
+    )
+)
+
+
+def count_unsettled(conn: Connection, execution_id: str, turn: int) -> int:
+    return int(
+        conn.execute(_COUNT_UNSETTLED, {"b_execution": execution_id, "b_turn": turn}).scalar_one()
+    )
+
+
+def settle_in_turn(
+    conn: Connection, execution_id: str, turn: int, settle: Callable[[Connection], bool]
+) -> tuple[bool, int | None]:
+    """Settle one call the one way every settler does (I7): the run's row locked first (see
+    lock_run), then ``settle`` (False: it settled nothing), then, in the same transaction,
+    whether that was the turn's last open call. Returns whether it settled, and the version of
+    the run's await tick when the turn is now complete and the run waits in await_tools (the
+    caller runs or publishes that tick after the commit)."""
+    position = lock_run(conn, execution_id)
+    if not settle(conn):
+        return False, None
+    if (
+        position is not None
+        and position[0] == Phase.AWAIT_TOOLS.value
+        and count_unsettled(conn, execution_id, turn) == 0
+    ):
+        return True, position[1]
+    return True, None
 
 
 def settled_by(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:

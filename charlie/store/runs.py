@@ -245,23 +245,6 @@ def load_calls(
     return [call_view(r) for r in rows]
 
 
-_COUNT_UNSETTLED = (
-    select(func.count())
-    .select_from(tool_calls)
-    .where(
-        tool_calls.c.execution_id == bindparam("b_execution"),
-        tool_calls.c.turn == bindparam("b_turn"),
-        tool_calls.c.state != CallState.SETTLED.value,
-    )
-)
-
-
-def count_unsettled(conn: Connection, execution_id: str, turn: int) -> int:
-    return int(
-        conn.execute(_COUNT_UNSETTLED, {"b_execution": execution_id, "b_turn": turn}).scalar_one()
-    )
-
-
 @functools.cache
 def _commit_statement(
     moving: bool, state: bool, items: bool, next_turn: bool, usage: bool, error: bool
@@ -569,9 +552,3 @@ def record_refused_tick(
     else:
         stmt = stmt.where(e.lease_owner.is_(None)).values(error=error, attempts=e.attempts + 1)
     conn.execute(stmt)
-
-
-def execution_position(conn: Connection, execution_id: str) -> tuple[Phase, int] | None:
-    e = executions.c
-    row = conn.execute(select(e.phase, e.version).where(e.id == execution_id)).first()
-    return (Phase(row.phase), row.version) if row else None

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, select
 from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of, utcnow
 from charlie.runtime import Runtime
-from charlie.store import calls, runs
+from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.store.schema import tool_calls
@@ -195,13 +195,10 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
 
 def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
     """Settle in a transaction of its own; see :func:`run_call` for what it returns."""
-    settled, turn_complete, position = again_if_disconnected(
-        lambda: _settle(rt, done.call, done.outcome, done.result, done.duration_ms),
-        "settle a tool call",
-    )
+    settled, await_version = again_if_disconnected(lambda: _settle(rt, done), "settle a tool call")
     log_settled(done, settled)
-    if turn_complete and position is not None and position[0] == Phase.AWAIT_TOOLS.value:
-        return "settled", position[1]
+    if await_version is not None:
+        return "settled", await_version
     return ("settled" if settled else "late"), None
 
 
@@ -220,29 +217,25 @@ def log_settled(done: CallResult, settled: bool) -> None:
     faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
 
 
-def _settle(
-    rt: Runtime, call: ClaimedCall, outcome: Outcome, result: Any, duration: float
-) -> tuple[bool, bool, tuple[str, int] | None]:
-    """Settle the call, or record a late report; say whether the turn is now complete and
-    where the run stands."""
+def _settle(rt: Runtime, done: CallResult) -> tuple[bool, int | None]:
+    """Settle the call, or record a late report (see calls.settle_in_turn)."""
+    call = done.call
     key = (call.execution_id, call.turn, call.call_id)
+    outcome = done.outcome.value
+
+    def settle(conn: Connection) -> bool:
+        if calls.settle_call(
+            conn, *key, outcome, done.result, rt.worker, utcnow(), done.duration_ms
+        ):
+            return True
+        if calls.settled_by(conn, *key) == rt.worker:
+            return True  # a retry after a lost connection: the first attempt's commit went through
+        # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it.
+        calls.record_late_report(conn, *key, outcome, done.result)
+        return False
+
     with write(rt.engine) as conn:
-        # The run's row first, as ticks lock it (see lock_run); then the call; then, in the same
-        # transaction, whether this was the turn's last open call.
-        position = calls.lock_run(conn, call.execution_id)
-        settled = calls.settle_call(
-            conn, *key, outcome.value, result, rt.worker, utcnow(), duration
-        )
-        if not settled and calls.settled_by(conn, *key) == rt.worker:
-            # A retry after a lost connection: the first attempt's commit went through.
-            settled = True
-            turn_complete = runs.count_unsettled(conn, call.execution_id, call.turn) == 0
-            return settled, turn_complete, position
-        if not settled:
-            # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it.
-            calls.record_late_report(conn, *key, outcome.value, result)
-        turn_complete = settled and runs.count_unsettled(conn, call.execution_id, call.turn) == 0
-    return settled, turn_complete, position
+        return calls.settle_in_turn(conn, call.execution_id, call.turn, settle)
 
 
 def advance_awaiting_run(rt: Runtime, execution_id: str, version: int) -> None:

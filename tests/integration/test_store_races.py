@@ -26,7 +26,7 @@ from charlie import scheduler
 from charlie.config import settings
 from charlie.domain import CallState, Phase, TaskStatus, utcnow
 from charlie.runtime import Publisher, Runtime
-from charlie.store import calls, runs
+from charlie.store import calls
 from charlie.store.engine import get_engine, upgrade, write
 from charlie.store.schema import executions, tasks, tool_calls
 from charlie.sweeps import sweep_tool_calls
@@ -192,6 +192,27 @@ def test_a_cancel_takes_its_time_once_the_claim_holding_the_task_committed(
     assert task.finished_at >= call.started_at
 
 
+def test_the_local_call_of_a_dispatch_racing_a_cancel_starts_nothing(engine: Engine) -> None:
+    """I18, the dispatch's local call: started inside the dispatch's transaction, it waits for
+    a cancel being written and then starts nothing, without failing that transaction."""
+    task_id, execution_id = queued_call(engine)
+
+    def dispatch() -> Any:
+        with write(engine) as conn:
+            return calls.start_local_call(conn, execution_id, 0, "c1", "w-test", 5.0)
+
+    with engine.connect() as canceller:
+        canceller.begin()
+        canceller.execute(
+            update(tasks).where(tasks.c.id == task_id).values(status=TaskStatus.CANCELED.value)
+        )
+        thread, started = waiting(dispatch, "the local call did not wait for the cancel")
+        canceller.commit()
+    thread.join(10)
+    assert started == [None]
+    assert call_row(engine, execution_id).state == CallState.PENDING.value
+
+
 def test_no_call_starts_once_its_task_is_past_its_timeout(engine: Engine) -> None:
     """I18: a timed-out task stops calls before the sweep records the timeout."""
     task_id, execution_id = queued_call(engine)
@@ -324,7 +345,7 @@ def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_befor
         worker.begin()
         assert calls.lock_run(worker, execution_id) == (Phase.AWAIT_TOOLS.value, 3)
         assert calls.settle_call(worker, execution_id, 0, "c1", "ok", {}, "w-live", utcnow())
-        assert runs.count_unsettled(worker, execution_id, 0) == 1  # c2: the sweep's, not yet
+        assert calls.count_unsettled(worker, execution_id, 0) == 1  # c2: the sweep's, not yet
         thread, swept = waiting(
             lambda: sweep_tool_calls(rt), "the sweep did not wait for the worker's run lock"
         )
