@@ -346,11 +346,20 @@ def check(
             if ids != order:
                 violations.append(f"{task_id} turn {turn}: results {ids} != call order {order}")
         if delegates:
-            children = [c for c in api.calls(task_id) if c.name == "delegate"]
+            delegations = [c for c in api.calls(task_id) if c.name == "delegate"]
             kids = charlie_children(task_id)
-            if len(children) != 1 or len(kids) != 1:
+            # I19: one child per delegation. Recovery finishes a delegation its worker died in,
+            # so only a call whose workers died max_attempts times may end without its child.
+            outcomes = {c.outcome for c in delegations}
+            if (
+                len(delegations) != 1
+                or len(kids) > 1
+                or ("ok" in outcomes and not kids)
+                or ("error" in outcomes and kids)
+            ):
+                shown = [(c.call_id, c.outcome, str(c.result)[:160]) for c in delegations]
                 violations.append(
-                    f"{task_id}: {len(kids)} children for {len(children)} delegations"
+                    f"{task_id}: {len(kids)} children for {len(delegations)} delegations {shown}"
                 )
             stats["children"] += len(kids)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
 
 from charlie.domain import JSON, MAX_TASK_ID, Outcome, Phase
 from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
@@ -31,21 +30,22 @@ def child_task_id(ctx: ToolContext) -> str:
     return f"{ctx.task_id[: MAX_TASK_ID - 26]}.{digest}"
 
 
-def _child_exists(ctx: ToolContext, **_: Any) -> Reconciled:
-    from charlie import api
-    from charlie.scheduler import TaskNotFound
+def _finish_delegation(
+    prompt: str, ctx: ToolContext, model: str | None = None, tools: list[str] | None = None
+) -> Reconciled:
+    """Recovery for a delegate call whose worker died: finish the delegation.
 
-    child = child_task_id(ctx)
+    Submitting the child again cannot start a second one, since its id is derived from this call
+    and a submit of an existing id returns that task (I19). So what a read-back would find
+    ("created" or "not yet") and what doing it again does are the same, and the model gets the
+    delegation it asked for rather than an error that a crash happened."""
     try:
-        api.get_task(child)
-    except TaskNotFound:
-        return Reconciled(
-            Outcome.ERROR, {"error": "the child task was not created; delegate again to start it"}
-        )
-    return Reconciled(Outcome.OK, {"task_id": child, "created": True})
+        return Reconciled(Outcome.OK, delegate(prompt, ctx, model=model, tools=tools))
+    except ToolError as exc:
+        return Reconciled(Outcome.ERROR, exc.as_result())
 
 
-@tool(effect="write", deadline=60, reconcile=_child_exists)
+@tool(effect="write", deadline=60, reconcile=_finish_delegation)
 def delegate(
     prompt: str, ctx: ToolContext, model: str | None = None, tools: list[str] | None = None
 ) -> JSON:

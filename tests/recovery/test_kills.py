@@ -249,6 +249,41 @@ def test_kill_inside_a_resumable_wait_observes_the_same_child(cluster: Cluster, 
     assert len([c for c in api.calls(parent) if c.name == "delegate"]) == 1
 
 
+@pytest.mark.parametrize(
+    ("point", "child_before_the_kill"),
+    [("tool.after_started", False), ("tool.before_settle", True)],
+)
+def test_kill_inside_delegate_leaves_exactly_one_child(
+    cluster: Cluster, script, point: str, child_before_the_kill: bool
+) -> None:
+    """I10, I19: a worker killed inside ``delegate``, before the child was created or after it
+    but before the call settled: recovery finishes the delegation (the child's id comes from the
+    call, so it cannot make a second), and the parent's wait observes that one child."""
+    from tests.integration.test_delegation import parent_turns
+
+    cluster.set_faults({point: {"action": "kill", "times": 1, "match": {"tool": "delegate"}}})
+    child_model, child_ledger = script([{"say": "compatible"}])
+    model, _ = script(parent_turns(child_model))
+    parent = charlie.submit("kill in delegate", model=model)
+    info = charlie.wait(parent, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count(point) == 1
+    from charlie.runtime import get_runtime
+    from charlie.scheduler import descendants
+
+    child = f"{parent}.0.d1"
+    assert descendants(get_runtime().engine, parent) == [child]
+    delegate_call = next(c for c in api.calls(parent) if c.call_id == "d1")
+    assert delegate_call.outcome == "ok", delegate_call.result
+    assert delegate_call.result["reconciled"] is True
+    assert delegate_call.result["task_id"] == child
+    # `created` is this attempt's answer: the recovery made the child only if the kill came first.
+    assert delegate_call.result["created"] is not child_before_the_kill
+    wait_call = next(c for c in api.calls(parent) if c.call_id == "w1")
+    assert wait_call.outcome == "ok" and wait_call.result["result"]["answer"] == "compatible"
+    assert {c["task_id"] for c in model_calls(child_ledger)} == {child}
+
+
 def test_kill_after_the_last_settle_before_its_poke(cluster: Cluster, script) -> None:
     """I4: the worker that settles a turn's last call dies before publishing the await tick;
     the sweep moves the run long before the call's deadline (60 s) would."""
