@@ -96,6 +96,8 @@ class CallRecord:
     attempts: int
     handle: str | None
     late_reports: int
+    #: the latest late report, ``{"outcome": ..., "result": ...}`` (I12, I13).
+    late_result: Any = None
 
 
 def normalise_model(model: str) -> str:
@@ -331,6 +333,7 @@ def calls(task_id: str) -> list[CallRecord]:
             r.attempts,
             r.handle,
             r.late_reports,
+            r.late_result,
         )
         for r in rows
     ]

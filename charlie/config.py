@@ -70,6 +70,9 @@ class Settings:
     max_attempts: int = 5
     #: default per-call deadline when a tool declares none.
     tool_deadline: float = 300.0
+    #: I13: a resumable wait settled past its deadline goes on being observed (every
+    #: stall_seconds) for this long, so the outside work's later end is recorded as a late report.
+    late_watch_seconds: float = 3600.0
     #: tool results larger than this are truncated (and say so) before they enter the transcript.
     max_result_bytes: int = 256 * 1024
     #: prompts larger than this are refused at submit.
@@ -141,6 +144,7 @@ def load_settings() -> Settings:
         sweep_backlog_limit=_env_int("CHARLIE_SWEEP_BACKLOG_LIMIT", 200),
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 10),
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
+        late_watch_seconds=_env_float("CHARLIE_LATE_WATCH_SECONDS", 3600.0),
         max_result_bytes=_env_int("CHARLIE_MAX_RESULT_BYTES", 256 * 1024),
         max_prompt_bytes=_env_int("CHARLIE_MAX_PROMPT_BYTES", 1024 * 1024),
         report_retries=_env_int("CHARLIE_REPORT_RETRIES", 4),

@@ -180,7 +180,8 @@ def _deadline_result(
 
 
 def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
-    """I10, I11, I13: lost invoke messages, calls whose worker died, calls past deadline."""
+    """I10, I11, I13: lost invoke messages, calls whose worker died, calls past deadline, and
+    the late watch on waits that deadline settled."""
     now = utcnow()
     stall = timedelta(seconds=rt.settings.stall_seconds)
     c = tool_calls.c
@@ -191,6 +192,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         "interrupted": 0,
         "deadline": 0,
         "abandoned": 0,
+        "watching": 0,
     }
     e = executions.c
     run_live = exists().where(e.id == c.execution_id, e.phase.not_in(ENDING))
@@ -245,6 +247,9 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             )
             .limit(LIMIT)
         ).all()
+        watched = call_store.overdue_waits(
+            conn, now - timedelta(seconds=rt.settings.late_watch_seconds), now - stall, LIMIT
+        )
 
     for gone in abandoned:
         with write(rt.engine) as conn:
@@ -299,6 +304,14 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             lost_row.execution_id, lost_row.turn, lost_row.call_id, "start"
         ):
             counts["republished"] += 1
+
+    # I13: a wait settled past its deadline is observed again, until its work is seen to end
+    # (a late report) or the watch's window closes; whatever its run has done since.
+    for watched_row in [] if backlogged else watched:
+        if take(watched_row) and rt.publisher.invoke(
+            watched_row.execution_id, watched_row.turn, watched_row.call_id, "observe"
+        ):
+            counts["watching"] += 1
 
     for row in orphaned:
         definition = rt.tools.get(row.name)

@@ -32,6 +32,10 @@ def transcript_rows(task_id: str, *, after_seq: int = -1) -> list[tuple[int, str
             outcome = (call.outcome or call.state) if call else "?"
             took = f"{call.duration_ms:.0f} ms" if call and call.duration_ms is not None else "-"
             result = short(call.result, 80) if call and call.result is not None else ""
+            if call and call.late_reports:
+                # I12: the outcome stands; what came after it is shown beside it.
+                late = call.late_result or {}
+                result += f"  (late report: {late.get('outcome')}, {short(late.get('result'), 60)})"
             line = (
                 f"  ↳ {payload.get('name')}({short(payload.get('raw_arguments', ''), 60)})"
                 f"  [{outcome}, {took}]  {result}"

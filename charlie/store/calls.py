@@ -11,7 +11,15 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, and_, bindparam, exists, func, or_, select, update
 
-from charlie.domain import ENDING_PHASES, CallState, Phase, TaskStatus, task_id_of, utcnow
+from charlie.domain import (
+    ENDING_PHASES,
+    CallState,
+    Outcome,
+    Phase,
+    TaskStatus,
+    task_id_of,
+    utcnow,
+)
 from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
 
@@ -20,7 +28,9 @@ log = logging.getLogger(__name__)
 
 ACTIVE_STATUSES = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus.WAITING.value)
 
-Mode = Literal["start", "resume", "reconcile"]
+#: ``observe``: look again at the outside work of a wait that settled past its deadline (I13);
+#: not a claim, since the call already has its outcome.
+Mode = Literal["start", "resume", "reconcile", "observe"]
 
 
 @dataclass(frozen=True)
@@ -368,15 +378,95 @@ def settled_by(conn: Connection, execution_id: str, turn: int, call_id: str) -> 
 
 
 def record_late_report(
-    conn: Connection, execution_id: str, turn: int, call_id: str, outcome: str, result: Any
-) -> None:
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    outcome: str,
+    result: Any,
+    *,
+    first_only: bool = False,
+) -> bool:
+    """Count a result that came after the call's outcome (I12) and keep the latest.
+
+    ``first_only``: an observation of outside work (a resumable wait's) is one fact however
+    many observers saw it, so it is recorded only while none is."""
     c = tool_calls.c
-    conn.execute(
-        update(tool_calls)
-        .where(CALL_KEY)
-        .values(
+    stmt = update(tool_calls).where(CALL_KEY)
+    if first_only:
+        stmt = stmt.where(c.late_result.is_(None))
+    done = conn.execute(
+        stmt.values(
             late_reports=c.late_reports + 1,
             late_result={"outcome": outcome, "result": result},
         ),
         key_params(execution_id, turn, call_id),
+    )
+    return done.rowcount == 1
+
+
+#: Resumable waits settled past their deadline whose outside work has not been seen to end.
+_OVERDUE_WAIT = and_(
+    _c.state == CallState.SETTLED.value,
+    _c.outcome == Outcome.DEADLINE_EXCEEDED.value,
+    _c.resumable.is_(True),
+    _c.handle.is_not(None),
+    _c.late_result.is_(None),
+)
+
+
+def overdue_waits(
+    conn: Connection, settled_since: datetime, looked_before: datetime, limit: int
+) -> list[Any]:
+    """What the late watch observes (I13): the work behind a wait is not assumed stopped by
+    its deadline, and once the deadline settled the call nobody else is looking at it. Only
+    waits settled since ``settled_since`` and not looked at since ``looked_before``."""
+    return list(
+        conn.execute(
+            select(_c.execution_id, _c.turn, _c.call_id)
+            .where(
+                _OVERDUE_WAIT,
+                _c.settled_at > settled_since,
+                or_(_c.swept_at.is_(None), _c.swept_at < looked_before),
+            )
+            .limit(limit)
+        ).all()
+    )
+
+
+def load_overdue_wait(
+    conn: Connection, execution_id: str, turn: int, call_id: str
+) -> ClaimedCall | None:
+    """An overdue wait to observe once more, as its handler sees a call; None once its late
+    report is in (or it was never one)."""
+    metadata = select(_t.metadata).where(_t.id == bindparam("b_task")).scalar_subquery()
+    row = conn.execute(
+        select(
+            _c.name,
+            _c.arguments,
+            _c.resumable,
+            _c.started_at,
+            _c.started_by,
+            _c.handle,
+            _c.attempts,
+            _c.deadline_at,
+            metadata.label("task_metadata"),
+        ).where(CALL_KEY, _OVERDUE_WAIT),
+        {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
+    ).first()
+    if row is None:
+        return None
+    return ClaimedCall(
+        execution_id,
+        turn,
+        call_id,
+        row.name,
+        row.arguments,
+        row.resumable,
+        row.started_at,
+        row.started_by,
+        row.handle,
+        row.attempts,
+        row.deadline_at,
+        row.task_metadata,
     )

@@ -138,6 +138,7 @@ class ToolCall(Base):
         Index("ix_tool_calls_state_lease", "state", "lease_until"),
         Index("ix_tool_calls_state_deadline", "state", "deadline_at"),
         Index("ix_tool_calls_handle", "handle"),
+        Index("ix_tool_calls_outcome_settled", "outcome", "settled_at"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -57,6 +57,9 @@ class ToolContext:
     #: a handle recorded by an earlier attempt of this call (a child task id, a command id).
     handle: str | None
     _record_handle: Callable[[str], None] = field(repr=False)
+    #: True when the call already settled past its deadline and this is one more look at its
+    #: outside work, for the late report (I13): look once and return, do not wait inline.
+    overdue: bool = False
 
     def record_handle(self, handle: str) -> None:
         """Durably record a handle on outside work before waiting on it, so a resumed attempt

@@ -488,7 +488,8 @@ def _observe(
     client: DevboxClient, config: DevboxConfig, ctx: ToolContext, eid: str, rebuilt: str | None
 ) -> JSON | Pending:
     """Poll the command for up to ``inline_wait``; finished: its result; else park the call."""
-    until = time.monotonic() + config.inline_wait
+    # An overdue call's look (the late watch) is one status poll: it holds no worker to wait.
+    until = time.monotonic() + (0.0 if ctx.overdue else config.inline_wait)
     delay = 0.05
     polls = 0
     while True:

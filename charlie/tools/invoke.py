@@ -3,7 +3,8 @@
 The handler runs outside any transaction while a heartbeat renews the call's lease (I5). A
 worker killed mid-handler leaves the call started with a lapsing lease; the sweep then settles
 it ``interrupted`` (I10), or re-dispatches it here in ``resume`` mode if the tool is a
-resumable wait, or in ``reconcile`` mode if the tool can find out what happened.
+resumable wait, or in ``reconcile`` mode if the tool can find out what happened. A wait
+settled past its deadline is observed again in ``observe`` mode, for its late report (I13).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import logging
 import time
 import traceback
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -120,6 +121,8 @@ def run_call(
     """Claim, run and settle one call. Also returns the version of the run's await tick when
     this call completed the turn of a run that waits in await_tools (whoever settles the last
     call runs or publishes that tick, I7), else None."""
+    if mode == "observe":
+        return observe_overdue_wait(rt, execution_id, turn, call_id), None
 
     def claim() -> ClaimedCall | None:
         return calls.claim_call_alone(
@@ -136,6 +139,36 @@ def run_call(
     return settle_result(rt, done)
 
 
+def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str) -> str:
+    """Look once more at the outside work of a wait that settled past its deadline (I13).
+
+    Its end, when seen, is the call's late report (I12): recorded once however many observers
+    saw it, and the call's outcome stays. While it still runs the late watch looks again later;
+    nothing is claimed, since the call is settled and its run may have moved on or ended."""
+
+    def load() -> ClaimedCall | None:
+        with read(rt.engine) as conn:
+            return calls.load_overdue_wait(conn, execution_id, turn, call_id)
+
+    call = again_if_disconnected(load, "load an overdue wait")
+    if call is None:
+        return "not_observable"
+    done = execute_call(rt, call, "observe")
+    if isinstance(done, str):
+        return done
+
+    def record() -> bool:
+        with write_one(rt.engine) as conn:
+            return calls.record_late_report(
+                conn, execution_id, turn, call_id, done.outcome.value, done.result, first_only=True
+            )
+
+    if not again_if_disconnected(record, "record a late report"):
+        return "already_reported"
+    log_settled(done, False)
+    return "late"
+
+
 @dataclass(frozen=True)
 class CallResult:
     """What a call's handler produced, ready to settle."""
@@ -149,7 +182,8 @@ class CallResult:
 
 def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str:
     """Run the handler of a call whose start (or take-over) is committed (I9): a result to
-    settle, or ``"parked"``/``"lost_lease"`` for a resumable wait that is still waiting."""
+    settle, or ``"parked"``/``"lost_lease"`` for a resumable wait that is still waiting
+    (``"still_running"`` when observing an overdue wait, which is not parked)."""
     faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call.call_id)
     started = time.perf_counter()
     definition = rt.tools.get(call.name)
@@ -175,17 +209,21 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             turn=call.turn,
             workspace=workspace_for(rt, task_id, metadata),
             metadata=metadata,
-            resumed=mode == "resume",
+            resumed=mode in ("resume", "observe"),
             handle=call.handle,
             _record_handle=keep_handle,
+            overdue=mode == "observe",
         )
-        with _call_heartbeat(rt, call):
+        # An overdue wait is settled: it has no lease to renew.
+        with _call_heartbeat(rt, call) if mode != "observe" else nullcontext():
             if mode == "reconcile":
                 outcome, result = _reconcile(definition, call, ctx)
             else:
                 outcome, result = _run_handler(definition, call, ctx)
     faults.hit("tool.before_settle", tool=call.name, call_id=call.call_id)
     if isinstance(result, Pending):
+        if mode == "observe":
+            return "still_running"
         if outcome is Outcome.OK and definition is not None and definition.resumable:
             return _park(rt, call, result)
         outcome, result = Outcome.ERROR, {"error": f"{call.name!r} is not a resumable wait"}
@@ -230,8 +268,9 @@ def _settle(rt: Runtime, done: CallResult) -> tuple[bool, int | None]:
             return True
         if calls.settled_by(conn, *key) == rt.worker:
             return True  # a retry after a lost connection: the first attempt's commit went through
-        # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it.
-        calls.record_late_report(conn, *key, outcome, done.result)
+        # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it; a wait's
+        # observation only if the late watch has not recorded that same end already.
+        calls.record_late_report(conn, *key, outcome, done.result, first_only=call.resumable)
         return False
 
     with write(rt.engine) as conn:

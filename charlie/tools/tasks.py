@@ -10,6 +10,6 @@ from charlie.runtime import get_runtime
 def invoke_task(execution_id: str, turn: int, call_id: str, mode: str = "start") -> str:
     from charlie.tools.invoke import invoke
 
-    if mode not in ("start", "resume", "reconcile"):
+    if mode not in ("start", "resume", "reconcile", "observe"):
         raise ValueError(f"unknown invoke mode {mode!r}")
     return invoke(get_runtime(), execution_id, turn, call_id, mode)  # type: ignore[arg-type]

@@ -146,6 +146,32 @@ def test_command_past_its_deadline_settles_and_its_completion_is_a_late_report(
     assert len(devbox.commands_in(task_id)) == 1
 
 
+def test_command_parked_past_its_deadline_is_watched_to_its_late_report(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """I13, I12: a command outlives both its deadline (3 s) and the worker's inline watch
+    (8 s), so nobody holds it when it ends at 10 s: the late watch polls it by its execution id
+    and records its end once; the command ran once."""
+    model, _ = script(
+        [
+            {"tool_calls": [call("slow", "run_command", command="sleep 10; echo finished")]},
+            {"say": "It took too long; I will report that."},
+        ]
+    )
+    task_id = charlie.submit("parked slow command", model=model)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert results(task_id)["slow"].outcome == "deadline_exceeded"
+    wait_for(lambda: results(task_id)["slow"].late_reports == 1, timeout=40)
+    slow = results(task_id)["slow"]
+    late = slow.late_result
+    assert late["outcome"] == "ok", late
+    assert late["result"]["exit_code"] == 0 and "finished" in late["result"]["stdout"]
+    assert late["result"]["execution_id"] == slow.handle
+    assert slow.outcome == "deadline_exceeded"  # the first result stands
+    assert len(devbox.commands_in(task_id)) == 1
+
+
 def test_escapes_refused_and_output_cap_reported_to_the_model(
     cluster: Cluster, devbox: DevboxProcess, script
 ) -> None:

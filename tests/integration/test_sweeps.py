@@ -164,3 +164,47 @@ def test_a_backlog_is_not_mistaken_for_lost_ticks(
         conn.execute(update(executions).where(executions.c.id.in_(ids)).values(swept_at=long_ago))
     assert sweeps.sweep_stalled_runs(rt) == 5
     assert attempts() == [1] * 5
+
+
+def test_the_late_watch_looks_only_at_overdue_waits_in_its_window(private_database: str) -> None:
+    """I13: the late watch observes resumable waits that their deadline settled, that have a
+    handle on outside work, whose end is not yet reported, settled within the watch's window
+    and not looked at this stall period; nothing else."""
+    from charlie.store.calls import overdue_waits
+
+    engine = get_engine(private_database)
+    now = datetime.now(UTC)
+    execution_id = stalled_run(engine, "watch", now)
+
+    def settled_call(call_id: str, **values: object) -> None:
+        row: dict[str, object] = {
+            "execution_id": execution_id,
+            "call_id": call_id,
+            "turn": 0,
+            "idx": 0,
+            "name": "wait_for_file",
+            "arguments": {"path": "p"},
+            "effect": "wait",
+            "resumable": True,
+            "state": CallState.SETTLED.value,
+            "outcome": "deadline_exceeded",
+            "handle": "outside-work",
+            "settled_at": now - timedelta(minutes=1),
+            "attempts": 1,
+            "late_reports": 0,
+        }
+        with write(engine) as conn:
+            conn.execute(tool_calls.insert().values(**{**row, **values}))
+
+    settled_call("watched")
+    settled_call("looked-at-last-period", swept_at=now - timedelta(seconds=30))
+    settled_call("looked-at-just-now", swept_at=now - timedelta(seconds=1))
+    settled_call("before-the-window", settled_at=now - timedelta(hours=2))
+    settled_call("reported", late_reports=1, late_result={"outcome": "ok", "result": 1})
+    settled_call("not-a-wait", name="sleep_then", effect="read", resumable=False)
+    settled_call("no-handle", handle=None)
+    settled_call("finished-in-time", outcome="ok")
+    settled_call("still-open", state=CallState.STARTED.value, outcome=None, settled_at=None)
+    with engine.connect() as conn:
+        found = overdue_waits(conn, now - timedelta(hours=1), now - timedelta(seconds=5), 100)
+    assert sorted(r.call_id for r in found) == ["looked-at-last-period", "watched"]

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from charlie.domain import Outcome
-from charlie.tools import Reconciled, ToolContext, ToolError, tool
+from charlie.tools import Pending, Reconciled, ToolContext, ToolError, tool
 
 
 def ledger_path() -> Path:
@@ -49,6 +49,19 @@ def outlive_deadline(seconds: float, ctx: ToolContext) -> str:
     time.sleep(seconds)
     record("outlive_deadline.end", task=ctx.task_id, call=ctx.call_id)
     return "finished late"
+
+
+@tool(effect="wait", resumable=True, deadline=2.0)
+def wait_for_file(path: str, ctx: ToolContext) -> str | Pending:
+    """Wait, parked between looks, until ``path`` exists; then return its text. Outside work
+    that ends whenever the test writes the file, past the two-second deadline if it likes."""
+    if ctx.handle is None:
+        ctx.record_handle(path)
+    record("wait_for_file.look", task=ctx.task_id, call=ctx.call_id, resumed=ctx.resumed)
+    target = Path(path)
+    if not target.exists():
+        return Pending(handle=path, poll_after=0.3)
+    return target.read_text()
 
 
 @tool(effect="read")
