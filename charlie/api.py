@@ -96,7 +96,8 @@ class CallRecord:
     attempts: int
     handle: str | None
     late_reports: int
-    #: the latest late report, ``{"outcome": ..., "result": ...}`` (I12, I13).
+    #: the latest late report, ``{"outcome": ..., "result": ...}`` (I12, I13); for a wait,
+    #: the end of its outside work, recorded once.
     late_result: Any = None
 
 

@@ -28,6 +28,8 @@ from charlie.store.schema import executions, tasks, tool_calls
 log = logging.getLogger("charlie.sweep")
 
 LIMIT = 500
+#: overdue waits looked at per sweep: each look is a message and a worker's poll.
+WATCH_LIMIT = 50
 
 
 def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
@@ -248,7 +250,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             .limit(LIMIT)
         ).all()
         watched = call_store.overdue_waits(
-            conn, now - timedelta(seconds=rt.settings.late_watch_seconds), now - stall, LIMIT
+            conn, now - timedelta(seconds=rt.settings.late_watch_seconds), now - stall, WATCH_LIMIT
         )
 
     for gone in abandoned:
@@ -308,6 +310,8 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
     # I13: a wait settled past its deadline is observed again, until its work is seen to end
     # (a late report) or the watch's window closes; whatever its run has done since.
     for watched_row in [] if backlogged else watched:
+        if not call_store.due_for_a_look(watched_row.settled_at, watched_row.swept_at, now, stall):
+            continue
         if take(watched_row) and rt.publisher.invoke(
             watched_row.execution_id, watched_row.turn, watched_row.call_id, "observe"
         ):

@@ -349,7 +349,8 @@ def check(
             delegations = [c for c in api.calls(task_id) if c.name == "delegate"]
             kids = charlie_children(task_id)
             # I19: one child per delegation. Recovery finishes a delegation its worker died in,
-            # so only a call whose workers died max_attempts times may end without its child.
+            # so only an `interrupted` call (its workers died max_attempts times, or recovery
+            # itself failed) may end without its child; an `error` one never made it.
             outcomes = {c.outcome for c in delegations}
             if (
                 len(delegations) != 1

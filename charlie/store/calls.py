@@ -387,14 +387,16 @@ def record_late_report(
     *,
     first_only: bool = False,
 ) -> bool:
-    """Count a result that came after the call's outcome (I12) and keep the latest.
+    """Count a result that came after the call's outcome (I12); ``late_result`` keeps the
+    latest such result.
 
-    ``first_only``: an observation of outside work (a resumable wait's) is one fact however
-    many observers saw it, so it is recorded only while none is."""
+    ``first_only``: the end of a wait's outside work is one fact however many observers saw
+    it, so it is recorded only while no late report is (tested on the count, which is never
+    NULL, rather than on the JSON column, where None may be stored as JSON null)."""
     c = tool_calls.c
     stmt = update(tool_calls).where(CALL_KEY)
     if first_only:
-        stmt = stmt.where(c.late_result.is_(None))
+        stmt = stmt.where(c.late_reports == 0)
     done = conn.execute(
         stmt.values(
             late_reports=c.late_reports + 1,
@@ -406,12 +408,12 @@ def record_late_report(
 
 
 #: Resumable waits settled past their deadline whose outside work has not been seen to end.
-_OVERDUE_WAIT = and_(
+OVERDUE_WAIT = and_(
     _c.state == CallState.SETTLED.value,
     _c.outcome == Outcome.DEADLINE_EXCEEDED.value,
     _c.resumable.is_(True),
     _c.handle.is_not(None),
-    _c.late_result.is_(None),
+    _c.late_reports == 0,
 )
 
 
@@ -420,18 +422,30 @@ def overdue_waits(
 ) -> list[Any]:
     """What the late watch observes (I13): the work behind a wait is not assumed stopped by
     its deadline, and once the deadline settled the call nobody else is looking at it. Only
-    waits settled since ``settled_since`` and not looked at since ``looked_before``."""
+    waits settled since ``settled_since`` and not looked at since ``looked_before``; the
+    caller spaces the looks out further as a wait ages (see due_for_a_look)."""
     return list(
         conn.execute(
-            select(_c.execution_id, _c.turn, _c.call_id)
+            select(_c.execution_id, _c.turn, _c.call_id, _c.settled_at, _c.swept_at)
             .where(
-                _OVERDUE_WAIT,
+                OVERDUE_WAIT,
                 _c.settled_at > settled_since,
                 or_(_c.swept_at.is_(None), _c.swept_at < looked_before),
             )
+            .order_by(_c.swept_at.is_not(None), _c.swept_at)
             .limit(limit)
         ).all()
     )
+
+
+def due_for_a_look(
+    settled_at: datetime, looked_at: datetime | None, now: datetime, every: timedelta
+) -> bool:
+    """An overdue wait is looked at every ``every`` at first, then every tenth of its age
+    past the deadline: about fifty looks in an hour rather than one per stall period."""
+    if looked_at is None:
+        return True
+    return now - looked_at >= max(every, (now - settled_at) / 10)
 
 
 def load_overdue_wait(
@@ -451,7 +465,7 @@ def load_overdue_wait(
             _c.attempts,
             _c.deadline_at,
             metadata.label("task_metadata"),
-        ).where(CALL_KEY, _OVERDUE_WAIT),
+        ).where(CALL_KEY, OVERDUE_WAIT),
         {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
     ).first()
     if row is None:

@@ -58,7 +58,9 @@ class ToolContext:
     handle: str | None
     _record_handle: Callable[[str], None] = field(repr=False)
     #: True when the call already settled past its deadline and this is one more look at its
-    #: outside work, for the late report (I13): look once and return, do not wait inline.
+    #: outside work, for the late report (I13). A resumable tool should look once and return
+    #: (a Pending if the work still runs) rather than wait inline; a result or a ToolError is
+    #: recorded as the work's end, any other exception means "look again later".
     overdue: bool = False
 
     def record_handle(self, handle: str) -> None:

@@ -42,7 +42,17 @@ def _finish_delegation(
     try:
         return Reconciled(Outcome.OK, delegate(prompt, ctx, model=model, tools=tools))
     except ToolError as exc:
-        return Reconciled(Outcome.ERROR, exc.as_result())
+        # The parent stopped since: the killed attempt may still have made the child (which
+        # the stop then stopped too); then the delegation did happen.
+        from charlie import api
+        from charlie.scheduler import TaskNotFound
+
+        child = child_task_id(ctx)
+        try:
+            api.get_task(child)
+        except TaskNotFound:
+            return Reconciled(Outcome.ERROR, exc.as_result())
+        return Reconciled(Outcome.OK, {"task_id": child, "created": False})
 
 
 @tool(effect="write", deadline=60, reconcile=_finish_delegation)

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, and_, or_, select
 
 from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of, utcnow
@@ -63,6 +63,11 @@ def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[No
     return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
 
 
+class LookFailed(Exception):
+    """An overdue wait's look raised something other than a ToolError: no answer about the
+    outside work (a database or network hiccup), so the late watch looks again later."""
+
+
 def _run_handler(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
     kwargs = dict(call.arguments)
     if definition.context_param:
@@ -72,6 +77,8 @@ def _run_handler(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tu
     except ToolError as exc:
         return Outcome.ERROR, exc.as_result()
     except Exception as exc:
+        if ctx.overdue:
+            raise LookFailed(f"{type(exc).__name__}: {exc}") from exc
         # I15: a tool that raises is a result the model sees, not a failed run.
         return Outcome.ERROR, {
             "error": f"{type(exc).__name__}: {exc}",
@@ -153,7 +160,16 @@ def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str
     call = again_if_disconnected(load, "load an overdue wait")
     if call is None:
         return "not_observable"
-    done = execute_call(rt, call, "observe")
+    try:
+        done = execute_call(rt, call, "observe")
+    except LookFailed as exc:
+        # Only an answer from the tool (a result, a ToolError) ends the watch: a failed look
+        # recorded as the work's end would hide the real one.
+        log.warning(
+            "overdue wait: look failed, will look again",
+            extra={"execution_id": execution_id, "call_id": call_id, "error": str(exc)},
+        )
+        return "look_failed"
     if isinstance(done, str):
         return done
 
@@ -300,13 +316,19 @@ def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
 
 
 def poke_waiters(rt: Runtime, task_id: str) -> None:
-    """A task finished: observe the parked waits on it now rather than at their next poll."""
+    """A task finished: observe the parked waits on it now rather than at their next poll,
+    and the overdue ones too, for their late report (I13)."""
     c = tool_calls.c
     with read(rt.engine) as conn:
         rows = conn.execute(
-            select(c.execution_id, c.turn, c.call_id).where(
-                c.handle == task_id, c.state == CallState.STARTED.value, c.resumable.is_(True)
+            select(c.execution_id, c.turn, c.call_id, c.state).where(
+                c.handle == task_id,
+                or_(
+                    and_(c.state == CallState.STARTED.value, c.resumable.is_(True)),
+                    calls.OVERDUE_WAIT,
+                ),
             )
         ).all()
     for row in rows:
-        rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "resume")
+        mode: Mode = "resume" if row.state == CallState.STARTED.value else "observe"
+        rt.publisher.invoke(row.execution_id, row.turn, row.call_id, mode)

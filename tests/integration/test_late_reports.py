@@ -55,6 +55,14 @@ def test_a_wait_past_its_deadline_is_watched_to_its_late_report(
     wait_for(lambda: len(looks(task_id)) > before, timeout=30)
     assert all(e["resumed"] for e in looks(task_id)[before:])
 
+    # A look that fails (not an answer about the work) is not its end: the watch goes on.
+    flaky = Path(f"{done_file}.flaky")
+    flaky.touch()
+    before = len(looks(task_id))
+    wait_for(lambda: len(looks(task_id)) >= before + 2, timeout=30)
+    assert api.calls(task_id)[0].late_reports == 0
+    flaky.unlink()
+
     done_file.write_text("finished after the deadline")
     wait_for(lambda: api.calls(task_id)[0].late_reports == 1, timeout=30)
     call = api.calls(task_id)[0]

@@ -54,10 +54,13 @@ def outlive_deadline(seconds: float, ctx: ToolContext) -> str:
 @tool(effect="wait", resumable=True, deadline=2.0)
 def wait_for_file(path: str, ctx: ToolContext) -> str | Pending:
     """Wait, parked between looks, until ``path`` exists; then return its text. Outside work
-    that ends whenever the test writes the file, past the two-second deadline if it likes."""
+    that ends whenever the test writes the file, past the two-second deadline if it likes.
+    While ``path.flaky`` exists every look raises, as a network hiccup would."""
     if ctx.handle is None:
         ctx.record_handle(path)
     record("wait_for_file.look", task=ctx.task_id, call=ctx.call_id, resumed=ctx.resumed)
+    if Path(path + ".flaky").exists():
+        raise OSError(f"cannot look at {path} right now")  # a hiccup, not an answer
     target = Path(path)
     if not target.exists():
         return Pending(handle=path, poll_after=0.3)

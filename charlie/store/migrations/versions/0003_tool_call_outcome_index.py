@@ -14,10 +14,20 @@ depends_on = None
 
 
 def upgrade() -> None:
-    op.create_index(
-        "ix_tool_calls_outcome_settled", "tool_calls", ["outcome", "settled_at"], unique=False
-    )
+    # CONCURRENTLY on PostgreSQL (outside a transaction), so a large tool_calls table keeps
+    # taking writes while the index builds.
+    with op.get_context().autocommit_block():
+        op.create_index(
+            "ix_tool_calls_outcome_settled",
+            "tool_calls",
+            ["outcome", "settled_at"],
+            unique=False,
+            postgresql_concurrently=True,
+        )
 
 
 def downgrade() -> None:
-    op.drop_index("ix_tool_calls_outcome_settled", table_name="tool_calls")
+    with op.get_context().autocommit_block():
+        op.drop_index(
+            "ix_tool_calls_outcome_settled", table_name="tool_calls", postgresql_concurrently=True
+        )
