@@ -67,6 +67,39 @@ def _own_key(call: ClaimedCall) -> dict[str, Any]:
     return key_params(call.execution_id, call.turn, call.call_id)
 
 
+def _call_columns() -> tuple[Any, ...]:
+    """What a handler sees of its call (a ClaimedCall's fields), and the task's metadata."""
+    metadata = select(_t.metadata).where(_t.id == bindparam("b_task")).scalar_subquery()
+    return (
+        _c.name,
+        _c.arguments,
+        _c.resumable,
+        _c.started_at,
+        _c.started_by,
+        _c.handle,
+        _c.attempts,
+        _c.deadline_at,
+        metadata.label("task_metadata"),
+    )
+
+
+def _as_call(execution_id: str, turn: int, call_id: str, row: Any) -> ClaimedCall:
+    return ClaimedCall(
+        execution_id,
+        turn,
+        call_id,
+        row.name,
+        row.arguments,
+        row.resumable,
+        row.started_at,
+        row.started_by,
+        row.handle,
+        row.attempts,
+        row.deadline_at,
+        row.task_metadata,
+    )
+
+
 @functools.cache
 def _claim_statement(mode: Mode) -> Any:
     now = bindparam("b_now", type_=_c.lease_until.type)
@@ -96,22 +129,11 @@ def _claim_statement(mode: Mode) -> Any:
         )
     else:
         stmt = stmt.where(_c.state == CallState.STARTED.value, _c.lease_until < now)
-    metadata = select(_t.metadata).where(_t.id == bindparam("b_task")).scalar_subquery()
     return stmt.values(
         lease_owner=bindparam("b_owner"),
         lease_until=bindparam("b_until", type_=_c.lease_until.type),
         attempts=_c.attempts + 1,
-    ).returning(
-        _c.name,
-        _c.arguments,
-        _c.resumable,
-        _c.started_at,
-        _c.started_by,
-        _c.handle,
-        _c.attempts,
-        _c.deadline_at,
-        metadata.label("task_metadata"),
-    )
+    ).returning(*_call_columns())
 
 
 class TaskStopped(Exception):
@@ -181,20 +203,7 @@ def claim_call(
     serialized = conn.dialect.name == "sqlite"
     if not (task_held or serialized) and not hold_live_task(conn, task_id_of(execution_id), now):
         raise TaskStopped(task_id_of(execution_id))
-    return ClaimedCall(
-        execution_id,
-        turn,
-        call_id,
-        row.name,
-        row.arguments,
-        row.resumable,
-        row.started_at,
-        row.started_by,
-        row.handle,
-        row.attempts,
-        row.deadline_at,
-        row.task_metadata,
-    )
+    return _as_call(execution_id, turn, call_id, row)
 
 
 def claim_call_alone(
@@ -453,34 +462,8 @@ def load_overdue_wait(
 ) -> ClaimedCall | None:
     """An overdue wait to observe once more, as its handler sees a call; None once its late
     report is in (or it was never one)."""
-    metadata = select(_t.metadata).where(_t.id == bindparam("b_task")).scalar_subquery()
     row = conn.execute(
-        select(
-            _c.name,
-            _c.arguments,
-            _c.resumable,
-            _c.started_at,
-            _c.started_by,
-            _c.handle,
-            _c.attempts,
-            _c.deadline_at,
-            metadata.label("task_metadata"),
-        ).where(CALL_KEY, OVERDUE_WAIT),
+        select(*_call_columns()).where(CALL_KEY, OVERDUE_WAIT),
         {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
     ).first()
-    if row is None:
-        return None
-    return ClaimedCall(
-        execution_id,
-        turn,
-        call_id,
-        row.name,
-        row.arguments,
-        row.resumable,
-        row.started_at,
-        row.started_by,
-        row.handle,
-        row.attempts,
-        row.deadline_at,
-        row.task_metadata,
-    )
+    return None if row is None else _as_call(execution_id, turn, call_id, row)
