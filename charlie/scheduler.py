@@ -63,7 +63,8 @@ def submit(
     parent_id: str | None = None,
     parent_call_id: str | None = None,
 ) -> Submitted:
-    """Write the task and its execution in one transaction; idempotent on ``task_id``."""
+    """Write the task and its execution in one transaction; idempotent on ``task_id``,
+    whatever has happened to its parent since the first submit."""
     task_id = task_id or uuid.uuid4().hex
     now = utcnow()
     execution_id = execution_id_for(task_id)
@@ -72,6 +73,9 @@ def submit(
             # A child holds its parent's row: a cancel of the parent then either waits for this
             # commit and finds the child, or this waits for the cancel and refuses (I18).
             if parent_id is not None and not hold_live_task(conn, parent_id, utcnow()):
+                existing = _already_submitted(conn, task_id, prompt, model)
+                if existing is not None:
+                    return existing  # made before the stop, which stopped it too (I19)
                 raise ParentStopped(parent_id, task_id)
             conn.execute(
                 insert(tasks).values(
@@ -108,22 +112,24 @@ def submit(
             )
     except IntegrityError:
         with read(engine) as conn:
-            row = conn.execute(
-                select(tasks.c.prompt, tasks.c.model, tasks.c.parent_id).where(
-                    tasks.c.id == task_id
-                )
-            ).first()
-            if row is None:
-                raise
-            if row.prompt != prompt or row.model != model:
-                raise TaskConflict(
-                    f"task id {task_id!r} already names a task with a different prompt or model"
-                ) from None
-            xid = conn.execute(
-                select(executions.c.id).where(executions.c.task_id == task_id)
-            ).scalar_one()
-        return Submitted(task_id, xid, created=False)
+            existing = _already_submitted(conn, task_id, prompt, model)
+        if existing is None:
+            raise
+        return existing
     return Submitted(task_id, execution_id, created=True)
+
+
+def _already_submitted(conn: Connection, task_id: str, prompt: str, model: str) -> Submitted | None:
+    """The task of an earlier submit of this same work; TaskConflict if the id names other
+    work."""
+    row = conn.execute(select(tasks.c.prompt, tasks.c.model).where(tasks.c.id == task_id)).first()
+    if row is None:
+        return None
+    if row.prompt != prompt or row.model != model:
+        raise TaskConflict(
+            f"task id {task_id!r} already names a task with a different prompt or model"
+        )
+    return Submitted(task_id, execution_id_for(task_id), created=False)
 
 
 def finish(

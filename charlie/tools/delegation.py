@@ -36,23 +36,14 @@ def _finish_delegation(
     """Recovery for a delegate call whose worker died: finish the delegation.
 
     Submitting the child again cannot start a second one, since its id is derived from this call
-    and a submit of an existing id returns that task (I19). So what a read-back would find
+    and a submit of an existing id returns that task, even once the parent has stopped (I19).
+    So what a read-back would find
     ("created" or "not yet") and what doing it again does are the same, and the model gets the
     delegation it asked for rather than an error that a crash happened."""
     try:
         return Reconciled(Outcome.OK, delegate(prompt, ctx, model=model, tools=tools))
     except ToolError as exc:
-        # The parent stopped since: the killed attempt may still have made the child (which
-        # the stop then stopped too); then the delegation did happen.
-        from charlie import api
-        from charlie.scheduler import TaskNotFound
-
-        child = child_task_id(ctx)
-        try:
-            api.get_task(child)
-        except TaskNotFound:
-            return Reconciled(Outcome.ERROR, exc.as_result())
-        return Reconciled(Outcome.OK, {"task_id": child, "created": False})
+        return Reconciled(Outcome.ERROR, exc.as_result())
 
 
 @tool(effect="write", deadline=60, reconcile=_finish_delegation)

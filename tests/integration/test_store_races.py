@@ -265,6 +265,43 @@ def test_a_cancel_during_a_childs_submit_waits_and_cancels_the_child(engine: Eng
     assert task_row(engine, f"{parent_id}.child").status == TaskStatus.CANCELED.value
 
 
+def test_the_same_child_submitted_again_after_its_parents_cancel_is_that_child(
+    engine: Engine,
+) -> None:
+    """I19, I18: a delegate recovered after its parent was canceled submits its child again:
+    the child the first submit made (and the cancel stopped) is returned, not refused; a child
+    that was never made is still refused, and a different one under the same id conflicts."""
+    parent_id, _ = queued_call(engine)
+    first = submit_child(engine, parent_id)
+    assert first.created
+    assert scheduler.cancel(engine, parent_id) == [parent_id, first.task_id]
+    again = submit_child(engine, parent_id)
+    assert again == scheduler.Submitted(first.task_id, first.execution_id, created=False)
+    assert task_row(engine, first.task_id).status == TaskStatus.CANCELED.value
+    with pytest.raises(scheduler.ParentStopped):
+        scheduler.submit(
+            engine,
+            prompt="child",
+            model="none",
+            tools=None,
+            task_id=f"{parent_id}.another",
+            timeout=None,
+            metadata=None,
+            parent_id=parent_id,
+        )
+    with pytest.raises(scheduler.TaskConflict):
+        scheduler.submit(
+            engine,
+            prompt="other work",
+            model="none",
+            tools=None,
+            task_id=first.task_id,
+            timeout=None,
+            metadata=None,
+            parent_id=parent_id,
+        )
+
+
 def submit_child(engine: Engine, parent_id: str) -> scheduler.Submitted:
     return scheduler.submit(
         engine,
