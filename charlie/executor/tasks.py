@@ -7,6 +7,7 @@ shell over :func:`charlie.executor.tick.run_tick`, and safe to run twice, late o
 from __future__ import annotations
 
 from celery import Task
+from sqlalchemy.exc import OperationalError
 
 from charlie.app import app
 from charlie.domain import Phase
@@ -31,21 +32,43 @@ def _phase_task(phase: Phase) -> Task:
 PHASE_TASKS = {phase: _phase_task(phase) for phase in Phase if phase is not Phase.DONE}
 
 
-@app.task(name="charlie.submit", ignore_result=True)
+# A submit that finds the database unreachable is published again with backoff (2 s doubling
+# to 60 s, about 10 minutes in all) before the message is given up with an error naming the
+# task; the countdowns stay far below Redis's visibility timeout (CELERY-NOTES.md).
+@app.task(
+    name="charlie.submit",
+    ignore_result=True,
+    bind=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=2,
+    retry_backoff_max=60,
+    max_retries=15,
+)
 def submit_task(
+    self: Task,
     prompt: str,
     *,
     model: str,
-    task_id: str,
+    task_id: str | None = None,
     tools: list[str] | None = None,
     timeout: float | None = None,
     metadata: dict[str, object] | None = None,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
-    ``app.send_task("charlie.submit", kwargs=...)``. Pass your own ``task_id``: a redelivered
-    message then submits nothing twice."""
+    ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
+    queue (``celery``), which Charlie's workers consume too.
+
+    The task's id is ``task_id`` if given, else the Celery message's own id
+    (``send_task(..., task_id=...)``, or the one Celery generated): a redelivered or retried
+    message then submits nothing twice, and the producer's ``AsyncResult.id`` is the Charlie
+    task's id."""
     from charlie.api import submit
 
     return submit(
-        prompt, model=model, tools=tools, task_id=task_id, timeout=timeout, metadata=metadata
+        prompt,
+        model=model,
+        tools=tools,
+        task_id=task_id or self.request.id,
+        timeout=timeout,
+        metadata=metadata,
     )
