@@ -10,6 +10,7 @@ one sweep, act at most once per row per stall period.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -22,7 +23,8 @@ from charlie.domain import JSON, CallState, Outcome, Phase, TaskStatus, utcnow
 from charlie.runtime import Runtime, get_runtime
 from charlie.store import calls as call_store
 from charlie.store import runs
-from charlie.store.engine import read, write
+from charlie.store.engine import read, write, write_one
+from charlie.store.heartbeats import record_heartbeat
 from charlie.store.schema import executions, tasks, tool_calls
 
 log = logging.getLogger("charlie.sweep")
@@ -426,16 +428,41 @@ def poke_tasks(rt: Runtime, task_ids: list[str]) -> None:
         rt.publisher.tick(row.id, Phase(row.phase), row.version)
 
 
+#: a sweep records that it ran at most this often per process (doctor's staleness is far longer).
+HEARTBEAT_EVERY = 5.0
+
+
+def heartbeat(rt: Runtime, name: str) -> None:
+    """Record in the database that sweep ``name`` ran, so `charlie doctor` can tell that a beat
+    drives recovery. Best effort: a refused write must not stop the sweep itself."""
+    now = time.monotonic()
+    if now - rt.heartbeats_sent.get(name, -HEARTBEAT_EVERY) < HEARTBEAT_EVERY:
+        return
+    try:
+        with write_one(rt.engine) as conn:
+            record_heartbeat(conn, name, rt.worker, utcnow())
+    except Exception:
+        log.warning("could not record the %s heartbeat", name, exc_info=True)
+        return
+    rt.heartbeats_sent[name] = now
+
+
 @app.task(name="charlie.sweep.stalled_runs", ignore_result=True)
 def stalled_runs() -> int:
-    return sweep_stalled_runs(get_runtime())
+    rt = get_runtime()
+    heartbeat(rt, "sweep.stalled_runs")
+    return sweep_stalled_runs(rt)
 
 
 @app.task(name="charlie.sweep.tool_calls", ignore_result=True)
 def tool_call_sweep() -> dict[str, int]:
-    return sweep_tool_calls(get_runtime())
+    rt = get_runtime()
+    heartbeat(rt, "sweep.tool_calls")
+    return sweep_tool_calls(rt)
 
 
 @app.task(name="charlie.sweep.task_timeouts", ignore_result=True)
 def task_timeouts() -> int:
-    return sweep_task_timeouts(get_runtime())
+    rt = get_runtime()
+    heartbeat(rt, "sweep.task_timeouts")
+    return sweep_task_timeouts(rt)
