@@ -108,6 +108,12 @@ class Settings:
     #: the queue a producer that has only Celery publishes ``charlie.submit`` to when it sets
     #: no routing: Celery's default queue. Workers consume it too; empty: none.
     intake_queue: str = "celery"
+    #: how the local run_command confines commands: ``bwrap`` (bubblewrap; commands are refused
+    #: where it cannot run) or ``off`` (the operator's explicit opt-out: commands run with the
+    #: worker's rights). charlie/sandbox.py says what the sandbox hides.
+    sandbox: str = "bwrap"
+    #: more directories (``:``-separated) the sandbox hides besides Charlie's own.
+    sandbox_hide: str = ""
 
     @property
     def worker_queues(self) -> tuple[str, ...]:
@@ -172,6 +178,8 @@ def load_settings() -> Settings:
         devbox_command_deadline=_env_float("CHARLIE_DEVBOX_COMMAND_DEADLINE", 900.0),
         log_format=_env_choice("CHARLIE_LOG_FORMAT", LOG_FORMATS, "text"),
         intake_queue=os.environ.get("CHARLIE_INTAKE_QUEUE", "celery").strip(),
+        sandbox=_env_choice("CHARLIE_SANDBOX", ("bwrap", "off"), "bwrap"),
+        sandbox_hide=os.environ.get("CHARLIE_SANDBOX_HIDE", ""),
     )
 
 
