@@ -60,6 +60,14 @@ class Limits:
     request_bytes: int = 64 * MIB
     #: how long a git operation (clone, commit, diff) may take.
     git_timeout: float = 300.0
+    #: the longest a connection may wait for one read or write: an idle keep-alive
+    #: connection, or a client gone quiet mid-request, is closed after this.
+    http_idle_seconds: float = 30.0
+    #: the longest a client may take to send a whole request (line, headers and body), so one
+    #: that trickles bytes just inside the idle timeout (slowloris) is still cut off.
+    http_request_seconds: float = 120.0
+    #: connections served at once; more are closed at accept, so a flood cannot exhaust threads.
+    http_connections: int = 64
 
 
 @dataclass(frozen=True)
