@@ -18,7 +18,15 @@ Routes (every one needs ``Authorization: Bearer <token>``)::
     GET  /workspaces/{id}/commits?idempotency_key=K   the commit carrying that key, if any
     GET  /health                           liveness
 
-Errors are ``{"error": message}`` with the HTTP status saying what kind.
+Errors are ``{"error": message}`` with the HTTP status saying what kind; a 500 says only
+``request_id``, under which the devbox's log has the traceback (issue 12 item 11).
+
+Against slow or hostile clients (whoever can connect, before any token check): every socket
+read and write times out (``Limits.http_idle_seconds``), a whole request must arrive within
+``Limits.http_request_seconds``, at most ``Limits.http_connections`` are served at once, and a
+body needs one plain Content-Length within ``Limits.request_bytes`` (413 unread otherwise). The
+token is accepted only in the Authorization header; a token-named query parameter is a 400, and
+log lines never carry the header, token-named values or the token itself.
 """
 
 from __future__ import annotations
@@ -383,9 +391,6 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload = 200, self._dispatch()
         except ApiError as exc:
             status, payload = exc.status, {"error": exc.message}
-        except TimeoutError:
-            self.close_connection = True
-            status, payload = 408, {"error": "the request body stopped arriving"}
         except Exception:  # the devbox must answer, not drop the connection
             # The caller gets an id to quote, never the exception: its text can hold paths,
             # file contents or git output from other workspaces. The log has it all.
@@ -423,10 +428,14 @@ class _Handler(BaseHTTPRequestHandler):
                 )
         self._authorize()
         # the body is read before routing so an error answer leaves the connection clean
-        body = self._body()
+        try:
+            body = self._body()
+        except TimeoutError:  # a socket timeout, or the rest of the body never came
+            self.close_connection = True
+            raise ApiError(408, "the request body stopped arriving before its end") from None
         self._stop_deadline()
         if self._cut_off:
-            raise TimeoutError("request deadline passed")
+            raise ApiError(408, "the request took longer than the devbox allows to arrive")
         segments = [unquote(s) for s in url.path.strip("/").split("/") if s]
         handler, params = route(self.command, segments)
         return handler(self.server.devbox, Request(self.command, params, query, body))
