@@ -1,14 +1,33 @@
 """Running git for the devbox, safely against a workspace an agent controls.
 
-The agent can write anything into a workspace, including ``.git/config`` and ``.git/hooks``.
-Git run by the devbox therefore disables hooks, fsmonitor and external diff drivers (each would
-run agent-chosen programs) and runs with a scrubbed environment, so even a program git does run
-sees none of the devbox's secrets.
+The agent can write anything into its workspace: ``.git/config`` (with ``run_command``), files
+that config includes and ``.gitattributes``. Git reads program names from configuration in many
+places, so the devbox's own git (diff, commit, apply, find_commit, clone, checkout) would run
+whatever the agent named, outside any sandbox its commands get. Three layers keep it from doing
+so (issue 12 item 10):
+
+1. **No configuration but the repository's.** ``GIT_CONFIG_NOSYSTEM`` and
+   ``GIT_CONFIG_GLOBAL=/dev/null`` drop the system and the user file (an unsandboxed command can
+   write ``~/.gitconfig``), and every ``GIT_*`` variable and editor/pager/askpass variable of the
+   devbox's environment is dropped, so nothing reaches git but what is set here.
+2. **Command-line overrides**, which beat the repository's config and need no reading of it (so
+   no race with a command rewriting it): every program-running key with a fixed name is set to a
+   harmless value, and ``GIT_DIR``/``GIT_WORK_TREE`` are pinned so ``core.worktree`` cannot move
+   the work tree outside the workspace. ``git diff`` also gets ``--no-ext-diff --no-textconv``.
+3. **Refusal** of what no override can reach: keys named after an agent-chosen driver or URL
+   (``filter.<driver>.clean``, ``merge.<driver>.driver``, ...). Before an operation that could
+   honour one, the repository's config (its includes followed) is read, and any such key makes
+   the operation fail with 409 naming the key and how to remove it.
+
+What is left: a command running at the same moment can rewrite the config between the check in
+(3) and git reading it. Closing that needs git's directory out of the commands' reach (the
+sandbox of item 8); (1) and (2) do not depend on timing.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,28 +39,94 @@ IDEMPOTENCY_TRAILER = "Charlie-Idempotency-Key"
 #: the tree of an empty commit; diffing against it works while HEAD is unborn.
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
 
-_CONFIG = (
-    "-c",
-    "user.name=Charlie",
-    "-c",
-    "user.email=charlie@localhost",
-    "-c",
-    "commit.gpgsign=false",
-    "-c",
-    f"core.hooksPath={os.devnull}",
-    "-c",
-    "core.fsmonitor=false",
-    "-c",
-    "protocol.ext.allow=never",
+#: ``-c`` settings on every devbox git; command-line config wins over every config file.
+_OVERRIDES: tuple[tuple[str, str], ...] = (
+    ("user.name", "Charlie"),
+    ("user.email", "charlie@localhost"),
+    # hooks and the file-system monitor are programs the repository names
+    ("core.hooksPath", os.devnull),
+    ("core.fsmonitor", "false"),
+    # never sign, never verify a signature (``log.showSignature`` runs gpg.program on git log)
+    ("commit.gpgSign", "false"),
+    ("tag.gpgSign", "false"),
+    ("log.showSignature", "false"),
+    ("gpg.program", "false"),
+    ("gpg.openpgp.program", "false"),
+    ("gpg.x509.program", "false"),
+    ("gpg.ssh.program", "false"),
+    ("gpg.ssh.defaultKeyCommand", "false"),
+    # ":" and "cat" are git's own spellings of "no editor" and "no pager"
+    ("core.editor", ":"),
+    ("sequence.editor", ":"),
+    ("core.pager", "cat"),
+    ("commit.verbose", "false"),
+    # an empty value empties the helper list; askpass and ssh are the defaults again
+    ("credential.helper", ""),
+    ("core.askPass", ""),
+    ("core.sshCommand", "ssh"),
+    ("diff.external", ""),
+    # transports: ext:: and fd:: run or reach programs; unknown ones are remote helpers
+    ("protocol.allow", "never"),
+    ("protocol.file.allow", "always"),
+    ("protocol.git.allow", "always"),
+    ("protocol.http.allow", "always"),
+    ("protocol.https.allow", "always"),
+    ("protocol.ssh.allow", "always"),
+    ("protocol.ext.allow", "never"),
+    ("protocol.fd.allow", "never"),
+    # no background gc or maintenance left running after the request (and holding locks)
+    ("gc.auto", "0"),
+    ("maintenance.auto", "false"),
 )
+_CONFIG: tuple[str, ...] = tuple(arg for k, v in _OVERRIDES for arg in ("-c", f"{k}={v}"))
+
+#: keys (lower-cased as ``git config --list`` prints them) that run a program and whose name
+#: has a part the agent chooses, so no ``-c`` can override them in advance.
+_REFUSED = re.compile(
+    r"""
+    filter\..+\.(clean|smudge|process)
+    | merge\..+\.driver
+    | credential\..+\.helper
+    | remote\..+\.(uploadpack|receivepack|vcs)
+    | trailer\..+\.(command|cmd)
+    | hook\..+\.command
+    | core\.(gitproxy|alternaterefscommand)
+    """,
+    re.VERBOSE,
+)
+#: git subcommands that read no work-tree content through filters and no remote, so need no
+#: check of the repository's config (``log`` shows no diff here, and never a signature).
+_NO_CHECK = frozenset({"rev-parse", "symbolic-ref", "log", "init", "clone", "config"})
+#: the devbox environment's variables that steer git or name programs it may run.
+_DROPPED_ENV = frozenset({"EDITOR", "VISUAL", "PAGER", "SSH_ASKPASS", "XDG_CONFIG_HOME"})
 
 
-def git_env() -> dict[str, str]:
-    """The devbox's environment without secret-looking names, and never prompting."""
-    env = {k: v for k, v in os.environ.items() if not is_secret_name(k)}
-    env["GIT_TERMINAL_PROMPT"] = "0"
-    env.pop("GIT_DIR", None)
-    env.pop("GIT_WORK_TREE", None)
+def git_env(cwd: Path, repo: Path | None = None) -> dict[str, str]:
+    """The environment for devbox git: no secrets, no ``GIT_*`` but these, no config files but
+    the repository's; with ``repo``, git's directory and work tree pinned to it."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not is_secret_name(k) and not k.startswith("GIT_") and k not in _DROPPED_ENV
+    }
+    env.update(
+        GIT_TERMINAL_PROMPT="0",
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_SYSTEM=os.devnull,
+        # checked before core.editor / core.askPass; ":" and "" mean none
+        GIT_EDITOR=":",
+        GIT_SEQUENCE_EDITOR=":",
+        GIT_PAGER="cat",
+        GIT_ASKPASS="",
+    )
+    if repo is not None:
+        # beats core.worktree, so a planted one cannot move the work tree out of the workspace
+        env["GIT_DIR"] = str(repo / ".git")
+        env["GIT_WORK_TREE"] = str(repo)
+    else:
+        # no walking up from a directory without a repository into one that has an agent's
+        env["GIT_CEILING_DIRECTORIES"] = str(Path(os.path.realpath(cwd)).parent)
     return env
 
 
@@ -54,13 +139,50 @@ def run_git(
     check: bool = True,
     status_on_error: int = 500,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``git args`` in ``cwd``; on failure raise ApiError carrying git's own message."""
-    cmd = ["git", *_CONFIG, *args]
+    """Run ``git args`` in ``cwd``; on failure raise ApiError carrying git's own message.
+
+    In a repository (``cwd/.git`` exists) the repository's config is checked first, unless the
+    subcommand cannot honour the refused keys; see the module docstring.
+    """
+    repo = _repository(cwd)
+    if repo is not None and args[0] not in _NO_CHECK:
+        check_repo_config(repo, timeout)
+    return _run(
+        args,
+        cwd,
+        repo,
+        timeout=timeout,
+        input_text=input_text,
+        check=check,
+        status_on_error=status_on_error,
+    )
+
+
+def _repository(cwd: Path) -> Path | None:
+    """``cwd`` when it holds a ``.git`` directory of its own; 409 for a symlinked ``.git``."""
+    dot_git = cwd / ".git"
+    if dot_git.is_symlink():
+        # git would act on another repository (another workspace's) in this one's name
+        raise ApiError(409, f"{dot_git} is a symlink; the devbox runs git only on its own .git")
+    return cwd if dot_git.is_dir() else None
+
+
+def _run(
+    args: Sequence[str],
+    cwd: Path,
+    repo: Path | None,
+    *,
+    timeout: float,
+    input_text: str | None = None,
+    check: bool = True,
+    status_on_error: int = 500,
+) -> subprocess.CompletedProcess[str]:
+    cmd = ["git", "--no-pager", *_CONFIG, *args]
     try:
         done = subprocess.run(
             cmd,
             cwd=cwd,
-            env=git_env(),
+            env=git_env(cwd, repo),
             input=input_text,
             capture_output=True,
             text=True,
@@ -76,6 +198,37 @@ def run_git(
         detail = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
         raise ApiError(status_on_error, f"git {args[0]} failed: {detail}")
     return done
+
+
+def check_repo_config(repo: Path, timeout: float) -> None:
+    """409 if the repository's config (includes followed) sets a key git would run a program
+    from and no override can neutralize; reading config runs nothing."""
+    done = _run(
+        ["config", "--list", "--includes", "--show-scope", "--show-origin", "-z"],
+        repo,
+        repo,
+        timeout=timeout,
+        check=False,
+    )
+    if done.returncode != 0:
+        detail = done.stderr.strip() or f"exit code {done.returncode}"
+        raise ApiError(409, f"cannot read the workspace's git config: {detail}")
+    # -z records: scope NUL origin NUL key LF value NUL
+    fields = done.stdout.split("\x00")
+    found: list[str] = []
+    for i in range(0, len(fields) - 2, 3):
+        scope, origin, entry = fields[i], fields[i + 1], fields[i + 2]
+        key = entry.split("\n", 1)[0]
+        if scope != "command" and _REFUSED.fullmatch(key):
+            found.append(f"{key} (from {origin.removeprefix('file:')})")
+    if found:
+        keys = " ".join(sorted({f.split(" ", 1)[0] for f in found}))
+        raise ApiError(
+            409,
+            "the workspace's git config sets a key that makes git run a program, which the "
+            f"devbox's own git never does: {'; '.join(found)}. Remove it "
+            f"(git config --unset-all <key>, for each of: {keys}) and retry.",
+        )
 
 
 def head(cwd: Path, timeout: float) -> str | None:

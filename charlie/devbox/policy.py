@@ -65,6 +65,14 @@ class Limits:
     sandbox: str = "bwrap"
     #: whether a command may keep the network when its request asks for it (``--allow-network``).
     allow_network: bool = False
+    #: the longest a connection may wait for one read or write: an idle keep-alive
+    #: connection, or a client gone quiet mid-request, is closed after this.
+    http_idle_seconds: float = 30.0
+    #: the longest a client may take to send a whole request (line, headers and body), so one
+    #: that trickles bytes just inside the idle timeout (slowloris) is still cut off.
+    http_request_seconds: float = 120.0
+    #: connections served at once; more are closed at accept, so a flood cannot exhaust threads.
+    http_connections: int = 64
 
 
 @dataclass(frozen=True)

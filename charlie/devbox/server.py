@@ -18,24 +18,36 @@ Routes (every one needs ``Authorization: Bearer <token>``)::
     GET  /workspaces/{id}/commits?idempotency_key=K   the commit carrying that key, if any
     GET  /health                           liveness
 
-Errors are ``{"error": message}`` with the HTTP status saying what kind.
+Errors are ``{"error": message}`` with the HTTP status saying what kind; a 500 says only
+``request_id``, under which the devbox's log has the traceback (issue 12 item 11).
+
+Against slow or hostile clients (whoever can connect, before any token check): every socket
+read and write times out (``Limits.http_idle_seconds``), a whole request must arrive within
+``Limits.http_request_seconds``, at most ``Limits.http_connections`` are served at once, and a
+body needs one plain Content-Length within ``Limits.request_bytes`` (413 unread otherwise). The
+token is accepted only in the Authorization header; a token-named query parameter is a 400, and
+log lines never carry the header, token-named values or the token itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hmac
 import json
 import logging
 import os
 import re
+import socket
+import sys
 import threading
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 from charlie.devbox.commands import CommandRunner, StartRequest
 from charlie.devbox.errors import ApiError
@@ -45,6 +57,7 @@ from charlie.devbox.policy import (
     Limits,
     argv_command_names,
     command_env,
+    is_secret_name,
     shell_command_names,
     validate_env,
 )
@@ -276,14 +289,106 @@ class _HTTPServer(ThreadingHTTPServer):
     # set after construction; typed here so the handler can reach them
     devbox: Devbox
     token: str
+    #: one per connection being served; see process_request
+    slots: threading.BoundedSemaphore
     #: set by stop(): a keep-alive connection accepted before is answered 503, not served on
     stopping: bool = False
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Past the cap a connection is answered 503 and closed at once: every served connection
+        # holds a thread, and the token is only checked once its headers have arrived, so
+        # without a cap anyone who can connect could exhaust the devbox's threads.
+        if not self.slots.acquire(blocking=False):
+            log.warning(
+                "devbox: refused a connection from %s: %d connections already open",
+                client_address[0],
+                self.devbox.limits.http_connections,
+            )
+            with contextlib.suppress(OSError):
+                request.settimeout(1.0)
+                request.sendall(_TOO_MANY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver would print a traceback to stderr; a client that went away or was cut
+        # off by a timeout is routine, anything else is a bug worth its traceback
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.info("devbox: connection from %s ended: %s", client_address[0], exc)
+        else:
+            log.exception("devbox: error serving a connection from %s", client_address[0])
+
+
+_TOO_MANY_BODY = b'{"error": "the devbox has too many open connections; retry later"}'
+_TOO_MANY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_TOO_MANY_BODY), _TOO_MANY_BODY)
+)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"  # keep-alive for httpx; every response has Content-Length
     server_version = "CharlieDevbox/1"
+
+    def setup(self) -> None:
+        super().setup()
+        # every read and write (the wait for the next request on a keep-alive connection
+        # included) gives up after this, so a silent client frees its thread
+        self.connection.settimeout(self.server.devbox.limits.http_idle_seconds)
+        self._deadline_lock = threading.Lock()
+        self._deadline: threading.Timer | None = None
+        self._cut_off = False
+
+    def handle_one_request(self) -> None:
+        # the whole request must arrive within http_request_seconds: the idle timeout alone
+        # restarts with every byte, so a client trickling its headers could hold on forever
+        self._start_deadline()
+        try:
+            super().handle_one_request()
+        finally:
+            self._stop_deadline()
+
+    def _start_deadline(self) -> None:
+        timer = threading.Timer(self.server.devbox.limits.http_request_seconds, self._cut)
+        timer.daemon = True
+        with self._deadline_lock:
+            self._deadline = timer
+        timer.start()
+
+    def _stop_deadline(self) -> None:
+        """The request has been read: from here the handler may take as long as it needs."""
+        with self._deadline_lock:
+            timer, self._deadline = self._deadline, None
+        if timer is not None:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        with self._deadline_lock:
+            if self._deadline is None:
+                return  # the request arrived just in time
+            self._deadline = None
+            self._cut_off = True
+        log.info(
+            "devbox: closed a connection from %s: no complete request within %gs",
+            self.client_address[0],
+            self.server.devbox.limits.http_request_seconds,
+        )
+        # unblocks the read in progress; the handler thread then finds the connection closed
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def do_GET(self) -> None:
         self._handle()
@@ -303,19 +408,57 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(503, {"error": "the devbox is stopping"})
             return
         try:
-            self._authorize()
-            # the body is read before routing so an error answer leaves the connection clean
-            body = self._body()
-            url = urlsplit(self.path)
-            segments = [unquote(s) for s in url.path.strip("/").split("/") if s]
-            handler, params = route(self.command, segments)
-            query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
-            self._send(200, handler(self.server.devbox, Request(self.command, params, query, body)))
+            status, payload = 200, self._dispatch()
         except ApiError as exc:
-            self._send(exc.status, {"error": exc.message})
-        except Exception as exc:  # the devbox must answer, not drop the connection
-            log.exception("devbox: %s %s failed", self.command, self.path)
-            self._send(500, {"error": f"internal devbox error: {type(exc).__name__}: {exc}"})
+            status, payload = exc.status, {"error": exc.message}
+        except Exception:  # the devbox must answer, not drop the connection
+            # The caller gets an id to quote, never the exception: its text can hold paths,
+            # file contents or git output from other workspaces. The log has it all.
+            request_id = uuid.uuid4().hex[:16]
+            log.exception(
+                "devbox: request %s (%s %s) failed",
+                request_id,
+                self.command,
+                _loggable_path(self.path),
+            )
+            status, payload = (
+                500,
+                {
+                    "error": "internal devbox error; the devbox's log has the details under "
+                    f"request id {request_id}",
+                    "request_id": request_id,
+                },
+            )
+        if self._cut_off:
+            return  # the connection is closed; nothing can be sent
+        self._send(status, payload)
+
+    def _dispatch(self) -> JSONDict:
+        url = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        # before the token check, so a right token in a URL is refused too: URLs end up in
+        # logs, proxies and shell histories
+        for name in query:
+            if name.lower() in _TOKEN_PARAMS:
+                self.close_connection = True
+                raise ApiError(
+                    400,
+                    f"the devbox token does not go in the URL (query parameter {name!r}); "
+                    "send it as the header Authorization: Bearer <token>",
+                )
+        self._authorize()
+        # the body is read before routing so an error answer leaves the connection clean
+        try:
+            body = self._body()
+        except TimeoutError:  # a socket timeout, or the rest of the body never came
+            self.close_connection = True
+            raise ApiError(408, "the request body stopped arriving before its end") from None
+        self._stop_deadline()
+        if self._cut_off:
+            raise ApiError(408, "the request took longer than the devbox allows to arrive")
+        segments = [unquote(s) for s in url.path.strip("/").split("/") if s]
+        handler, params = route(self.command, segments)
+        return handler(self.server.devbox, Request(self.command, params, query, body))
 
     def _authorize(self) -> None:
         header = self.headers.get("Authorization", "")
@@ -328,28 +471,42 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body, if any, is not read
             raise ApiError(401, "missing or wrong devbox token (Authorization: Bearer <token>)")
 
-    def _body(self) -> JSONDict:
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self.close_connection = True
-            raise ApiError(400, "invalid Content-Length") from None
+    def _content_length(self) -> int:
+        """The body's length from its one Content-Length header; 4xx (and the connection
+        closed, since where the body ends is unknown) for anything else."""
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise ApiError(411, "send the body with a Content-Length, not chunked")
-        if length <= 0:
-            return {}
-        if length > self.server.devbox.limits.request_bytes:
+        values = {v.strip() for v in self.headers.get_all("Content-Length") or []}
+        if not values:
+            if self.command in ("POST", "PUT"):
+                self.close_connection = True
+                raise ApiError(411, f"{self.command} needs a Content-Length (0 for no body)")
+            return 0
+        raw = values.pop()
+        # digits only: int() would also take "-1", "+5", " 5" and "1_0"
+        if values or not _DIGITS.fullmatch(raw):
             self.close_connection = True
+            raise ApiError(400, "invalid Content-Length: give one header with a byte count")
+        return int(raw)
+
+    def _body(self) -> JSONDict:
+        length = self._content_length()
+        if length == 0:
+            return {}
+        limit = self.server.devbox.limits.request_bytes
+        if length > limit:
+            self.close_connection = True  # the body is never read
             raise ApiError(
-                413,
-                f"request body of {length} bytes is over the devbox limit of "
-                f"{self.server.devbox.limits.request_bytes}",
+                413, f"request body of {length} bytes is over the devbox limit of {limit}"
             )
         raw = self.rfile.read(length)
+        if len(raw) != length:
+            self.close_connection = True
+            raise TimeoutError(f"body ended after {len(raw)} of {length} bytes")
         try:
             data = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ApiError(400, f"body is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "body must be a JSON object")
@@ -366,8 +523,36 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:
-        # the request line only; headers (and so the token) are never logged
-        log.debug("devbox %s - %s", self.address_string(), format % args)
+        # http.server passes the raw request line (the whole URL) in args; only its path, with
+        # secret-looking query values blanked, is logged, and the token nowhere, whatever
+        # carried it. Headers are never logged.
+        message = format % args
+        raw_path = getattr(self, "path", "")
+        if raw_path:
+            message = message.replace(raw_path, _loggable_path(raw_path))
+        # a request line too broken to parse is not in self.path; blank token-named values
+        # wherever they appear, and the devbox's own token whatever carried it
+        message = _TOKEN_VALUE.sub(r"\1=[redacted]", message)
+        message = message.replace(self.server.token, "[token]")
+        log.debug("devbox %s - %s", self.address_string(), message)
+
+
+#: query parameter names refused outright: a token there would be logged and kept in histories.
+_TOKEN_PARAMS = frozenset({"token", "access_token", "auth", "authorization", "bearer"})
+_DIGITS = re.compile(r"[0-9]{1,18}")
+_TOKEN_VALUE = re.compile(r"\b(" + "|".join(sorted(_TOKEN_PARAMS)) + r")=[^&\s\"']*", re.IGNORECASE)
+
+
+def _loggable_path(path: str) -> str:
+    """The request path with the values of secret-looking query parameters replaced."""
+    url = urlsplit(path)
+    if not url.query:
+        return url.path
+    parts = []
+    for name, value in parse_qsl(url.query, keep_blank_values=True):
+        secret = name.lower() in _TOKEN_PARAMS or is_secret_name(name)
+        parts.append(f"{name}={'[redacted]' if secret else value}")
+    return f"{url.path}?{'&'.join(parts)}"
 
 
 class DevboxServer:
@@ -401,6 +586,7 @@ class DevboxServer:
             raise
         self._http.devbox = self.devbox
         self._http.token = token
+        self._http.slots = threading.BoundedSemaphore(self.devbox.limits.http_connections)
         self._thread: threading.Thread | None = None
         self._serving = False
         self._stopped = False

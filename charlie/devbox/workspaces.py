@@ -238,7 +238,9 @@ class Workspaces:
         workspace = self.path(workspace_id)
         t = self.limits.git_timeout
         base = "HEAD" if git.head(workspace, t) else git.EMPTY_TREE
-        done = git.run_git(["diff", "--no-ext-diff", "--no-color", base], workspace, timeout=t)
+        done = git.run_git(
+            ["diff", "--no-ext-diff", "--no-textconv", "--no-color", base], workspace, timeout=t
+        )
         untracked = git.run_git(
             ["ls-files", "--others", "--exclude-standard", "-z"], workspace, timeout=t
         )

@@ -64,11 +64,11 @@ def workspace(client: DevboxClient) -> str:
 class ServerProcess:
     """``python -m charlie.devbox serve`` as a child process, so a test can SIGKILL it."""
 
-    def __init__(self, root: Path, log: Path) -> None:
+    def __init__(self, root: Path, log: Path, *args: str) -> None:
         env = {**os.environ, "CHARLIE_DEVBOX_TOKEN": TOKEN, "CHARLIE_DEVBOX_ROOT": str(root)}
         self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "charlie.devbox", "serve", "--port", "0"],
+            [sys.executable, "-m", "charlie.devbox", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=env,
@@ -90,11 +90,13 @@ class ServerProcess:
 
 
 @pytest.fixture
-def spawn_server(devbox_root: Path, tmp_path: Path) -> Iterator[Callable[[], ServerProcess]]:
+def spawn_server(devbox_root: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Start ``charlie.devbox serve`` processes (extra arguments passed on); stderr, the
+    server's log, goes to ``tmp_path/devbox-server.log``."""
     procs: list[ServerProcess] = []
 
-    def spawn() -> ServerProcess:
-        proc = ServerProcess(devbox_root, tmp_path / "devbox-server.log")
+    def spawn(*args: str) -> ServerProcess:
+        proc = ServerProcess(devbox_root, tmp_path / "devbox-server.log", *args)
         procs.append(proc)
         return proc
 
