@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
 from charlie.domain import JSON, Phase, TaskStatus, execution_id_for, utcnow
-from charlie.executor.ports import TransientSchedulerError
+from charlie.ports import TransientSchedulerError
 from charlie.store.calls import hold_live_task
 from charlie.store.engine import read, write
 from charlie.store.runs import ACTIVE

@@ -27,8 +27,8 @@ from charlie.executor.phases import (
     dispatch_tools,
     report_terminal,
 )
-from charlie.executor.ports import PhaseDeps, PhaseLimits, TransientSchedulerError
 from charlie.models.base import ModelRequest, ModelResponse, TransientModelError, tool_call_item
+from charlie.ports import PhaseDeps, PhaseLimits, TransientSchedulerError
 from charlie.tools.registry import ToolRegistry, build_tool
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
