@@ -29,6 +29,7 @@ from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
 from charlie.models import Model, resolve_model
 from charlie.ports import PhaseDeps, PhaseLimits
+from charlie.scheduler import DbScheduler
 from charlie.store import scans
 from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
 from charlie.tools.registry import REGISTRY, ToolRegistry
@@ -110,8 +111,6 @@ class Runtime(Producer):
         return self.phase_deps()
 
     def phase_deps(self) -> PhaseDeps:
-        from charlie.scheduler import DbScheduler
-
         s = self.settings
         return PhaseDeps(
             model_for=self.model_for,
