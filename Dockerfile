@@ -4,6 +4,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /
 WORKDIR /app
 COPY pyproject.toml README.md celeryconfig.py ./
 COPY charlie ./charlie
+# A plain install, no extras: the same step CI's fresh-install round checks (.ci/fresh-install),
+# which brings the Redis and RabbitMQ transports and both PostgreSQL drivers.
 RUN pip install --no-cache-dir .
 RUN useradd --create-home charlie && mkdir -p /data && chown charlie /data
 USER charlie

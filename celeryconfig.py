@@ -8,7 +8,7 @@ ticks at least once, and a phase task is safe to run twice, concurrently, late o
 from datetime import timedelta
 
 from charlie import broker
-from charlie.config import settings
+from charlie.config import SWEEP_QUEUE, TICK_QUEUE, settings
 
 _s = settings()
 
@@ -47,9 +47,10 @@ broker_connection_retry_on_startup = True
 
 # Phase ticks and tool invocations share one queue, so a busy turn cannot starve the loop.
 # Sweeps have their own: recovery must not wait behind the backlog it is there to clear.
-# `charlie worker` consumes both; operators may also run a small worker for sweeps alone.
-task_default_queue = "charlie"
-SWEEP_QUEUE = "charlie.sweeps"
+# `charlie worker` consumes both, and Celery's default queue (`celery`, CHARLIE_INTAKE_QUEUE),
+# where a producer that has only Celery and no routing sends `charlie.submit`; operators may
+# also run a small worker for sweeps alone.
+task_default_queue = TICK_QUEUE
 task_routes = {"charlie.sweep.*": {"queue": SWEEP_QUEUE}}
 
 # On the embedded broker a dead worker's broadcast queue is never removed, so every later

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from charlie.config import settings
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 def _fail(message: str) -> None:
@@ -27,6 +30,21 @@ def _short(value: Any, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _celery_app() -> Celery:
+    """The Celery app, once its broker transport is known to load: a missing transport
+    dependency is one clear line and exit status 2, not a traceback from inside Celery."""
+    from charlie.app import app
+    from charlie.doctor import transport_problem
+
+    try:
+        problem = transport_problem(app)
+    except ValueError as exc:  # a CHARLIE_* setting that does not parse
+        _fail(str(exc))
+    if problem:
+        _fail(problem)
+    return app
+
+
 @click.group()
 @click.version_option(package_name="charlie")
 def main() -> None:
@@ -37,14 +55,13 @@ def main() -> None:
 @click.pass_context
 def worker(ctx: click.Context) -> None:
     """Run a Celery worker with Charlie's configuration (extra arguments go to Celery)."""
-    from charlie.app import app
-
+    app = _celery_app()
     args = list(ctx.args)
     argv = ["worker", "--loglevel", "INFO"]
     if not any(a in ("-c", "--concurrency") or a.startswith("--concurrency=") for a in args):
         argv += ["--concurrency", "2"]
     if not any(a in ("-Q", "--queues") or a.startswith("--queues=") for a in args):
-        argv += ["--queues", "charlie,charlie.sweeps"]
+        argv += ["--queues", ",".join(settings().worker_queues)]
     if settings().is_embedded_broker:
         # The embedded broker has no fanout between hosts worth gossiping over.
         argv += ["--without-gossip", "--without-mingle"]
@@ -55,8 +72,7 @@ def worker(ctx: click.Context) -> None:
 @click.pass_context
 def beat(ctx: click.Context) -> None:
     """Run Celery beat, which drives the recovery sweeps. Run exactly one."""
-    from charlie.app import app
-
+    app = _celery_app()
     app.start(["beat", "--loglevel", "INFO", *ctx.args])
 
 
@@ -97,6 +113,54 @@ def submit(
         info = api.wait(tid, timeout=timeout or 3600)
         click.echo(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
         sys.exit(0 if info.status.value == "succeeded" else 1)
+
+
+@main.command()
+@click.argument("task_id")
+@click.option("--timeout", type=float, default=3600.0, help="Seconds to wait at most.")
+def wait(task_id: str, timeout: float) -> None:
+    """Wait for a task to end; print its status and result. Exit 0 only if it succeeded.
+
+    A task not created yet is waited for too: a producer's `charlie.submit` may still be
+    crossing the broker."""
+    import time
+
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = api.wait(task_id, timeout=max(0.0, deadline - time.monotonic()))
+            break
+        except TaskNotFound as exc:
+            if time.monotonic() >= deadline:
+                _fail(f"{exc} after {timeout:g} s")
+            time.sleep(0.5)
+        except TimeoutError as exc:
+            click.echo(f"charlie: {exc}", err=True)
+            sys.exit(1)
+    click.echo(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
+    sys.exit(0 if info.status.value == "succeeded" else 1)
+
+
+@main.command()
+@click.option("--timeout", type=float, default=3.0, help="Seconds each check may take.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(timeout: float, as_json: bool) -> None:
+    """Check this machine's view of the deployment: database, schema, broker, tools, devbox,
+    beat and workers. Exit 0 only when every check passes."""
+    from charlie import doctor as checks
+
+    results, code = checks.diagnose(timeout=timeout)
+    if as_json:
+        click.echo(json.dumps(checks.as_json(results), indent=2))
+    else:
+        for check in results:
+            click.echo(check.line())
+        failed = sum(c.failed for c in results)
+        click.echo("all checks passed" if not failed else f"{failed} check(s) failed")
+    sys.exit(code)
 
 
 @main.command()

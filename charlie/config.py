@@ -34,6 +34,11 @@ def _env_int(name: str, default: int) -> int:
 
 LOG_FORMATS = ("text", "json")
 
+#: the queue of ticks and tool invocations (every Charlie task but the sweeps).
+TICK_QUEUE = "charlie"
+#: the sweeps' own queue: recovery must not wait behind the backlog it is there to clear.
+SWEEP_QUEUE = "charlie.sweeps"
+
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name) or default
@@ -100,6 +105,21 @@ class Settings:
     #: worker log lines: ``text`` appends each record's context (run, phase, call) as
     #: key=value pairs; ``json`` prints one JSON object per line (charlie/logs.py).
     log_format: str = "text"
+    #: the queue a producer that has only Celery publishes ``charlie.submit`` to when it sets
+    #: no routing: Celery's default queue. Workers consume it too; empty: none.
+    intake_queue: str = "celery"
+    #: how the local run_command confines commands: ``bwrap`` (bubblewrap; commands are refused
+    #: where it cannot run) or ``off`` (the operator's explicit opt-out: commands run with the
+    #: worker's rights). charlie/sandbox.py says what the sandbox hides.
+    sandbox: str = "bwrap"
+    #: more directories (``:``-separated) the sandbox hides besides Charlie's own.
+    sandbox_hide: str = ""
+
+    @property
+    def worker_queues(self) -> tuple[str, ...]:
+        """The queues ``charlie worker`` consumes unless told otherwise."""
+        extra = (self.intake_queue,) if self.intake_queue else ()
+        return (TICK_QUEUE, SWEEP_QUEUE, *extra)
 
     @property
     def is_sqlite(self) -> bool:
@@ -157,6 +177,9 @@ def load_settings() -> Settings:
         devbox_poll_interval=_env_float("CHARLIE_DEVBOX_POLL_INTERVAL", 2.0),
         devbox_command_deadline=_env_float("CHARLIE_DEVBOX_COMMAND_DEADLINE", 900.0),
         log_format=_env_choice("CHARLIE_LOG_FORMAT", LOG_FORMATS, "text"),
+        intake_queue=os.environ.get("CHARLIE_INTAKE_QUEUE", "celery").strip(),
+        sandbox=_env_choice("CHARLIE_SANDBOX", ("bwrap", "off"), "bwrap"),
+        sandbox_hide=os.environ.get("CHARLIE_SANDBOX_HIDE", ""),
     )
 
 

@@ -93,6 +93,8 @@ class Runtime(Producer):
     worker: str
     tools: ToolRegistry
     _models: dict[str, Model] = field(default_factory=dict)
+    #: when this process last recorded each sweep's heartbeat (time.monotonic()).
+    heartbeats_sent: dict[str, float] = field(default_factory=dict)
 
     def model_for(self, spec: str) -> Model:
         model = self._models.get(spec)

@@ -12,6 +12,7 @@ run them are declared in :mod:`charlie.worker`.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,7 +25,8 @@ from charlie.executor.settle import settle_and_move
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
 from charlie.store import scans
-from charlie.store.engine import read, write
+from charlie.store.engine import read, write, write_one
+from charlie.store.heartbeats import record_heartbeat
 
 log = logging.getLogger("charlie.sweep")
 
@@ -265,3 +267,22 @@ def sweep_task_timeouts(rt: Runtime) -> int:
         stopped += scheduler.cancel_descendants(rt.engine, task_id)
     rt.poke(stopped)
     return len(expired)
+
+
+#: a sweep records that it ran at most this often per process (doctor's staleness is far longer).
+HEARTBEAT_EVERY = 5.0
+
+
+def heartbeat(rt: Runtime, name: str) -> None:
+    """Record in the database that sweep ``name`` ran, so `charlie doctor` can tell that a beat
+    drives recovery. Best effort: a refused write must not stop the sweep itself."""
+    now = time.monotonic()
+    if now - rt.heartbeats_sent.get(name, -HEARTBEAT_EVERY) < HEARTBEAT_EVERY:
+        return
+    try:
+        with write_one(rt.engine) as conn:
+            record_heartbeat(conn, name, rt.worker, utcnow())
+    except Exception:
+        log.warning("could not record the %s heartbeat", name, exc_info=True)
+        return
+    rt.heartbeats_sent[name] = now

@@ -24,6 +24,7 @@ from celery.signals import (
     worker_process_init,
     worker_ready,
 )
+from sqlalchemy.exc import OperationalError
 
 from charlie import logs, runtime, sweeps
 from charlie.app import app
@@ -60,36 +61,64 @@ def invoke_task(execution_id: str, turn: int, call_id: str, mode: str = "start")
 
 @app.task(name="charlie.sweep.stalled_runs", ignore_result=True)
 def stalled_runs() -> int:
-    return sweeps.sweep_stalled_runs(get_runtime())
+    rt = get_runtime()
+    sweeps.heartbeat(rt, "sweep.stalled_runs")  # for `charlie doctor`: a beat drives recovery
+    return sweeps.sweep_stalled_runs(rt)
 
 
 @app.task(name="charlie.sweep.tool_calls", ignore_result=True)
 def tool_call_sweep() -> dict[str, int]:
-    return sweeps.sweep_tool_calls(get_runtime())
+    rt = get_runtime()
+    sweeps.heartbeat(rt, "sweep.tool_calls")  # for `charlie doctor`: a beat drives recovery
+    return sweeps.sweep_tool_calls(rt)
 
 
 @app.task(name="charlie.sweep.task_timeouts", ignore_result=True)
 def task_timeouts() -> int:
-    return sweeps.sweep_task_timeouts(get_runtime())
+    rt = get_runtime()
+    sweeps.heartbeat(rt, "sweep.task_timeouts")  # for `charlie doctor`: a beat drives recovery
+    return sweeps.sweep_task_timeouts(rt)
 
 
-@app.task(name="charlie.submit", ignore_result=True)
+# A submit that finds the database unreachable is published again with backoff (2 s doubling
+# to 60 s, about 10 minutes in all) before the message is given up with an error naming the
+# task; the countdowns stay far below Redis's visibility timeout (CELERY-NOTES.md).
+@app.task(
+    name="charlie.submit",
+    ignore_result=True,
+    bind=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=2,
+    retry_backoff_max=60,
+    max_retries=15,
+)
 def submit_task(
+    self: Task,
     prompt: str,
     *,
     model: str,
-    task_id: str,
+    task_id: str | None = None,
     tools: list[str] | None = None,
     timeout: float | None = None,
     metadata: dict[str, object] | None = None,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
-    ``app.send_task("charlie.submit", kwargs=...)``. Pass your own ``task_id``: a redelivered
-    message then submits nothing twice."""
+    ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
+    queue (``celery``), which Charlie's workers consume too.
+
+    The task's id is ``task_id`` if given, else the Celery message's own id
+    (``send_task(..., task_id=...)``, or the one Celery generated): a redelivered or retried
+    message then submits nothing twice, and the producer's ``AsyncResult.id`` is the Charlie
+    task's id."""
     from charlie.api import submit  # the producer face; a worker imports it when first used
 
     return submit(
-        prompt, model=model, tools=tools, task_id=task_id, timeout=timeout, metadata=metadata
+        prompt,
+        model=model,
+        tools=tools,
+        task_id=task_id or self.request.id,
+        timeout=timeout,
+        metadata=metadata,
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support.cluster import (
+    SANDBOX_PROBLEM,
     Backend,
     Cluster,
     cluster_env,
@@ -49,6 +50,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     line = f"charlie backend: {BACKEND.name} (home {_HOME})"
     if BACKEND_PROBLEM:
         line += f"; cluster tests will be skipped: {BACKEND_PROBLEM}"
+    if SANDBOX_PROBLEM:
+        line += (
+            f"\nno sandbox here ({SANDBOX_PROBLEM}): commands run unsandboxed and the sandbox "
+            "tests are skipped"
+        )
     return line
 
 

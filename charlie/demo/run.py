@@ -32,7 +32,8 @@ import click
 
 from charlie import api
 from charlie.config import settings
-from charlie.devbox import DevboxClient, DevboxServer
+from charlie.devbox import DevboxClient, DevboxServer, Limits
+from charlie.sandbox import bwrap_problem
 from charlie.tools.devbox_tools import devbox_metadata, workspace_id_for
 from charlie.views import short
 
@@ -261,7 +262,13 @@ def run_demo(timeout: float = 120.0) -> int:
         where = f"devbox {url} (from CHARLIE_DEVBOX_URL)"
     else:
         token = secrets.token_urlsafe(24)
-        started_devbox = DevboxServer(here / "devbox", token).start()
+        no_sandbox = bwrap_problem()
+        if no_sandbox:
+            # The demo's own bundled commands only; a devbox started by an operator refuses to
+            # run without a sandbox unless told --no-sandbox.
+            click.echo(f"note: {no_sandbox}; the demo's commands run without a sandbox", err=True)
+        limits = Limits(sandbox="off" if no_sandbox else "bwrap")
+        started_devbox = DevboxServer(here / "devbox", token, limits=limits).start()
         url = started_devbox.url
         where = f"devbox {url} (started for the demo, root {started_devbox.root}, token generated)"
     metadata = {"devbox": devbox_metadata(str(repo), branch=BRANCH)}

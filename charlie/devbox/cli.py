@@ -13,6 +13,7 @@ import click
 
 from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits
 from charlie.devbox.server import DevboxServer
+from charlie.sandbox import SandboxUnavailable, check_mode
 
 
 def _default_root() -> Path:
@@ -52,6 +53,14 @@ def devbox() -> None:
 @click.option("--command-timeout", type=float, default=600.0, show_default=True)
 @click.option("--output-bytes", type=int, default=MIB, show_default=True)
 @click.option("--workspace-bytes", type=int, default=200 * MIB, show_default=True)
+@click.option(
+    "--no-sandbox",
+    is_flag=True,
+    help="Run commands without bubblewrap, with the devbox's rights (an explicit opt-out).",
+)
+@click.option(
+    "--allow-network", is_flag=True, help="Let a command keep the network when its task asks."
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log every request.")
 def serve(
     host: str,
@@ -63,6 +72,8 @@ def serve(
     command_timeout: float,
     output_bytes: int,
     workspace_bytes: int,
+    no_sandbox: bool,
+    allow_network: bool,
     verbose: bool,
 ) -> None:
     """Serve the devbox HTTP API until SIGTERM or Ctrl-C."""
@@ -75,10 +86,17 @@ def serve(
     policy = CommandPolicy(
         allow=list(allow) if allow else None, deny=list(deny) if deny else list(DEFAULT_DENY)
     )
+    if not no_sandbox:
+        try:
+            check_mode("bwrap")
+        except SandboxUnavailable as exc:
+            raise click.ClickException(f"refusing to start: {exc}") from exc
     limits = Limits(
         output_bytes=output_bytes,
         command_timeout=command_timeout,
         workspace_bytes=workspace_bytes,
+        sandbox="off" if no_sandbox else "bwrap",
+        allow_network=allow_network,
     )
     try:
         server = DevboxServer(root or _default_root(), token, host, port, policy, limits)
@@ -87,6 +105,8 @@ def serve(
     _stop_on_sigterm(server)
     # tests and supervisors read this line to learn the port when --port 0
     click.echo(f"devbox listening on {server.url} root={server.root}", err=False)
+    if no_sandbox:
+        click.echo("warning: --no-sandbox: commands run with the devbox's rights", err=True)
     if server.lost_on_start:
         click.echo(f"marked {len(server.lost_on_start)} command(s) lost after restart")
     try:

@@ -180,6 +180,7 @@ class DevboxClient:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         idempotency_key: str | None = None,
+        network: bool = False,
     ) -> StartedCommand:
         """Start ``argv`` (or a ``shell`` string); returns its execution id without waiting.
 
@@ -191,6 +192,8 @@ class DevboxClient:
             body["cwd"] = cwd
         if idempotency_key is not None:
             body["idempotency_key"] = idempotency_key
+        if network:
+            body["network"] = True  # the devbox gives it only when started --allow-network
         data = self._call("POST", f"{_ws(workspace_id)}/commands", json=body)
         return StartedCommand(
             data["execution_id"], data["status"], data["timeout"], bool(data.get("created", True))

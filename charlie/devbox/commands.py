@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from charlie.devbox.errors import ApiError
 from charlie.devbox.paths import check_execution_id, tree_bytes
+from charlie.sandbox import SandboxPolicy, wrap
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class StartRequest:
     #: a caller's key for this start: starting again with the same key (in the same workspace)
     #: returns the first command's execution id instead of running it twice.
     idempotency_key: str | None = None
+    #: the sandbox's view for this command (None: the operator opted out of the sandbox).
+    sandbox: SandboxPolicy | None = None
 
 
 class CommandRunner:
@@ -256,8 +259,17 @@ class CommandRunner:
         # the files exist from the start so a status right after start reads empty output
         (cdir / "stdout").touch()
         (cdir / "stderr").touch()
+        argv = req.argv
+        if req.sandbox is not None:
+            # bubblewrap would start and fail inside; a program that is not there is the
+            # caller's error (400), as it is without the sandbox
+            if shutil.which(req.argv[0], path=req.env.get("PATH"), mode=os.X_OK) is None and not (
+                os.sep in req.argv[0] and os.access(req.cwd / req.argv[0], os.X_OK)
+            ):
+                raise FileNotFoundError(2, "No such file or directory", req.argv[0])
+            argv = wrap(req.argv, req.sandbox, req.cwd)
         return subprocess.Popen(
-            req.argv,
+            argv,
             cwd=req.cwd,
             env=req.env,
             stdin=subprocess.DEVNULL,

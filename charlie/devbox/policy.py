@@ -60,6 +60,11 @@ class Limits:
     request_bytes: int = 64 * MIB
     #: how long a git operation (clone, commit, diff) may take.
     git_timeout: float = 300.0
+    #: ``bwrap``: every command runs in bubblewrap, and none runs where it cannot; ``off``: the
+    #: operator's explicit opt-out (``--no-sandbox``).
+    sandbox: str = "bwrap"
+    #: whether a command may keep the network when its request asks for it (``--allow-network``).
+    allow_network: bool = False
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from charlie.devbox.policy import (
     validate_env,
 )
 from charlie.devbox.workspaces import Workspaces
+from charlie.sandbox import SandboxPolicy, SandboxUnavailable, check_mode
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Devbox:
         if not cwd.is_dir():
             raise ApiError(400, f"cwd {req.body.get('cwd')!r} is not a directory in the workspace")
         env = command_env(str(workspace), validate_env(req.body.get("env")))
+        sandbox = self._sandbox(workspace, req.body.get("network"))
         raw_key = req.body.get("idempotency_key")
         key = None if raw_key is None else _key(raw_key)
         return self.commands.start(
@@ -111,8 +113,26 @@ class Devbox:
                 env=env,
                 timeout=self._timeout(req.body.get("timeout")),
                 idempotency_key=key,
+                sandbox=sandbox,
             )
         )
+
+    def _sandbox(self, workspace: Path, network: object) -> SandboxPolicy | None:
+        """The command's sandbox: its workspace writable, the rest of the devbox root (other
+        workspaces, commands' output) out of sight; or None where the operator opted out."""
+        if network not in (None, True, False):
+            raise ApiError(400, "network must be true or false")
+        if network and not self.limits.allow_network:
+            raise ApiError(
+                403, "this devbox gives commands no network (start it with --allow-network)"
+            )
+        if self.limits.sandbox == "off":
+            return None
+        try:
+            check_mode(self.limits.sandbox)
+        except SandboxUnavailable as exc:
+            raise ApiError(403, str(exc)) from None
+        return SandboxPolicy(workspace=workspace, hidden=(self.root,), network=bool(network))
 
     def _timeout(self, raw: object) -> float:
         """The request may lower the devbox's command timeout, never raise it."""

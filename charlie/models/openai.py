@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -83,19 +84,21 @@ class EndpointConfig:
         env = os.environ if environ is None else environ
         prefix = f"CHARLIE_MODEL_{env_name(model)}_"
 
-        def pick(key: str) -> str | None:
-            for name in (prefix + key, "CHARLIE_MODEL_" + key):
-                value = env.get(name, "").strip()
-                if value:
-                    return value
-            return None
+        def own(key: str) -> str | None:
+            return env.get(prefix + key, "").strip() or None
 
-        base_url = (pick("BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+        shared_url = (env.get("CHARLIE_MODEL_BASE_URL", "").strip() or DEFAULT_BASE_URL).rstrip("/")
+        base_url = (own("BASE_URL") or shared_url).rstrip("/")
         if not base_url.startswith(("http://", "https://")):
             raise ModelError(
                 f"model base URL {base_url!r} for {model!r} is not an http:// or https:// URL"
             )
-        api_key = pick("API_KEY")
+        # A key goes only to the host it was configured for: the shared CHARLIE_MODEL_API_KEY
+        # belongs to the shared base URL, so a model sent to another host (its own BASE_URL)
+        # gets it only when that host is the same origin; otherwise it needs its own key.
+        api_key = own("API_KEY")
+        if api_key is None and _origin(base_url) == _origin(shared_url):
+            api_key = env.get("CHARLIE_MODEL_API_KEY", "").strip() or None
         if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
             # said without the key: it would not survive a header, and could leak from the error
             raise ModelError(f"the API key for {model!r} has characters a header cannot carry")
@@ -109,6 +112,13 @@ class EndpointConfig:
             read_timeout=timeout,
             max_attempts=int(attempts),
         )
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """Scheme, host and port: what a credential is bound to."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, (parts.hostname or "").lower(), port
 
 
 def _env_number(name: str, env: Mapping[str, str], default: float) -> float:

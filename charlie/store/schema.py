@@ -191,9 +191,21 @@ class TransitionRecord(Base):
     note: Mapped[str | None] = mapped_column(Text, default=None)
 
 
+class Heartbeat(Base):
+    """The last time a piece of the deployment did its periodic work (the sweeps), so that
+    `charlie doctor` can tell from the database alone whether a beat is driving recovery."""
+
+    __tablename__ = "heartbeats"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    at: Mapped[datetime]
+    worker: Mapped[str] = mapped_column(String(200))
+
+
 # The Core tables the hot path uses (the ORM classes above are their typed description).
 tasks = cast(Table, Task.__table__)
 executions = cast(Table, Execution.__table__)
 transcript_items = cast(Table, TranscriptItem.__table__)
 tool_calls = cast(Table, ToolCall.__table__)
 transitions = cast(Table, TransitionRecord.__table__)
+heartbeats = cast(Table, Heartbeat.__table__)

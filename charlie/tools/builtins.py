@@ -1,7 +1,8 @@
 """The built-in local tools, confined to the task's workspace directory.
 
 These run in the worker process. Where a devbox is configured its tools take their place; these
-stay for the no-devbox case.
+stay for the no-devbox case. Commands run in a sandbox (charlie/sandbox.py) unless the operator
+opted out with CHARLIE_SANDBOX=off.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from charlie import sandbox
+from charlie.config import settings
 from charlie.domain import JSON
 from charlie.tools.context import ToolContext, ToolError
 from charlie.tools.registry import tool
@@ -81,10 +84,22 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
         if not k.startswith("CHARLIE_")
         and not any(s in k.upper() for s in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
     }
+    argv = ["/bin/sh", "-c", command]
+    s = settings()
+    if s.sandbox != "off":
+        try:
+            sandbox.check_mode(s.sandbox)
+        except sandbox.SandboxUnavailable as exc:
+            raise ToolError(str(exc)) from None
+        policy = sandbox.SandboxPolicy(
+            workspace=ctx.workspace,
+            hidden=(s.home, *sandbox.hidden_from_env(s.sandbox_hide)),
+            network=sandbox.network_allowed(ctx.metadata),
+        )
+        argv = sandbox.wrap(argv, policy)
     try:
         proc = subprocess.run(
-            command,
-            shell=True,
+            argv,
             cwd=ctx.workspace,
             env=env,
             capture_output=True,

@@ -55,6 +55,7 @@ from charlie.devbox.client import (
     Workspace,
 )
 from charlie.domain import JSON, Outcome
+from charlie.sandbox import network_allowed
 from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import REGISTRY, ToolRegistry, build_tool
 
@@ -470,7 +471,11 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON 
             # died before recording its id, this returns that command instead of a second one.
             started = _retry(
                 lambda: client.start_command(
-                    box.id, shell=command, timeout=timeout, idempotency_key=call_key(ctx)
+                    box.id,
+                    shell=command,
+                    timeout=timeout,
+                    idempotency_key=call_key(ctx),
+                    network=network_allowed(ctx.metadata),
                 )
             )
         # The one window where a crash leaves the command unrecorded: the keyed start above

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from tests.support.cluster import Cluster, free_port
+from tests.support.cluster import TEST_SANDBOX, Cluster, free_port
 
 
 class DevboxProcess:
@@ -54,6 +54,7 @@ class DevboxProcess:
                 str(self.port),
                 "--output-bytes",
                 str(self.output_bytes),
+                *(["--no-sandbox"] if TEST_SANDBOX == "off" else []),
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
@@ -15,6 +16,7 @@ import pytest
 
 from charlie.devbox import CommandPolicy, DevboxClient, DevboxServer, Limits
 from charlie.devbox.commands import proc_start_ticks
+from tests.support.cluster import TEST_SANDBOX
 
 TOKEN = "test-devbox-token-123"
 
@@ -32,6 +34,7 @@ def make_server(devbox_root: Path) -> Iterator[ServerFactory]:
     servers: list[DevboxServer] = []
 
     def make(policy: CommandPolicy | None = None, limits: Limits | None = None) -> DevboxServer:
+        limits = replace(limits or Limits(), sandbox=TEST_SANDBOX)
         server = DevboxServer(devbox_root, TOKEN, policy=policy, limits=limits).start()
         servers.append(server)
         return server

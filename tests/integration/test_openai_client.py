@@ -201,6 +201,34 @@ def test_per_model_overrides_win(fake: FakeOpenAI, env: pytest.MonkeyPatch) -> N
     assert fake.requests[0].headers["authorization"] == "Bearer sk-per-model"
 
 
+def test_the_shared_key_never_goes_to_a_models_own_host(
+    fake: FakeOpenAI, env: pytest.MonkeyPatch
+) -> None:
+    # Issue 12, item 12: CHARLIE_MODEL_API_KEY belongs to CHARLIE_MODEL_BASE_URL. A model whose
+    # own base URL is another host must not receive it (it would hand the key to that host).
+    shared = FakeOpenAI().start()
+    try:
+        env.setenv("CHARLIE_MODEL_BASE_URL", shared.url)
+        env.setenv("CHARLIE_MODEL_LOCAL_LLAMA_BASE_URL", fake.url)
+        fake.enqueue(chat_text("hi"))
+        make("openai:local-llama").complete(request())
+        assert "authorization" not in fake.requests[0].headers
+        # its own key goes to its own host
+        env.setenv("CHARLIE_MODEL_LOCAL_LLAMA_API_KEY", "sk-local")
+        fake.enqueue(chat_text("hi"))
+        make("openai:local-llama").complete(request())
+        assert fake.requests[1].headers["authorization"] == "Bearer sk-local"
+        # the shared key still goes to the shared host, and to a per-model URL on that origin
+        env.setenv("CHARLIE_MODEL_OTHER_BASE_URL", shared.url + "/")
+        shared.enqueue(chat_text("hi"))
+        shared.enqueue(chat_text("hi"))
+        make("openai:gpt-4.1").complete(request())
+        make("openai:other").complete(request())
+        assert [r.headers["authorization"] for r in shared.requests] == [f"Bearer {KEY}"] * 2
+    finally:
+        shared.stop()
+
+
 def test_no_key_sends_no_authorization(fake: FakeOpenAI, env: pytest.MonkeyPatch) -> None:
     env.delenv("CHARLIE_MODEL_API_KEY")
     fake.enqueue(chat_text("hi"))

@@ -236,6 +236,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _sandbox_problem() -> str | None:
+    from charlie.sandbox import bwrap_problem
+
+    return bwrap_problem()
+
+
+#: Why commands cannot run in bubblewrap here (None: they can). Where they cannot, the suite
+#: runs commands unsandboxed (the operator's opt-out) and the sandbox's own tests skip.
+SANDBOX_PROBLEM = _sandbox_problem()
+#: the devbox's and the workers' sandbox mode for this run.
+TEST_SANDBOX = "off" if SANDBOX_PROBLEM else "bwrap"
+
 #: The key the workers send to the fake model server; tests check it never leaks.
 FAKE_MODEL_KEY = "sk-charlie-test-0123456789"
 
@@ -253,6 +265,7 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         "CHARLIE_MAX_ATTEMPTS": "3",
         "CHARLIE_DISPATCH_BATCH": "4",
         "CHARLIE_TASK_EVENTS": "0",
+        "CHARLIE_SANDBOX": TEST_SANDBOX,
     }
     # Another inline-step budget for a whole suite (0: every step published):
     # CHARLIE_TEST_INLINE_PHASES=0 python -m pytest

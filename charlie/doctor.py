@@ -1,0 +1,384 @@
+"""`charlie doctor`: what an operator runs on any machine of a deployment to see what is wrong.
+
+Each check answers ok or FAIL on one line, and a failure says what to do. Checks that depend on
+an earlier one (the schema on the database, the workers on the broker) say so instead of
+piling a second error on the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from charlie.config import SWEEP_QUEUE, TICK_QUEUE, Settings
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+#: the sweeps beat drives, by the name their heartbeats carry (charlie/sweeps.py).
+SWEEPS = ("sweep.stalled_runs", "sweep.tool_calls", "sweep.task_timeouts")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    #: "ok", "FAIL", or "skip" (not applicable here, or not checked because of an earlier FAIL).
+    status: str
+    detail: str
+    #: what to do about a FAIL.
+    fix: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAIL"
+
+    def line(self) -> str:
+        text = f"{self.status:<4}  {self.name:<12}  {self.detail}"
+        return f"{text} -> {self.fix}" if self.fix else text
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _safe_url(url: str) -> str:
+    """A URL as it may be printed: without its password."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1] if "@" in url else url
+
+
+def transport_problem(app: Celery) -> str | None:
+    """Why the broker's kombu transport cannot be loaded on this machine, or None.
+
+    A transport whose dependencies are missing (kombu's Redis transport needs ``redis`` and
+    ``packaging``) fails only when the worker first connects, with a traceback; this names the
+    cause in one line before anything starts."""
+    url = str(app.conf.broker_url or "")
+    scheme = url.split(":", 1)[0] or "amqp"
+    try:
+        with app.connection_for_write() as conn:
+            conn.transport  # noqa: B018  (resolving it imports the transport module)
+    except ImportError as exc:
+        return (
+            f"the broker transport for {scheme}:// cannot be loaded: {_first_line(exc)}; "
+            f"install what it needs (`pip install 'kombu[{scheme}]'`); a plain install of "
+            "Charlie brings the Redis and RabbitMQ transports"
+        )
+    except Exception as exc:  # an unknown scheme, a malformed URL
+        return f"the broker URL {_safe_url(url)!r} is not usable: {_first_line(exc)}"
+    return None
+
+
+class _Doctor:
+    def __init__(self, settings: Settings, timeout: float) -> None:
+        self.s = settings
+        self.timeout = timeout
+        self.checks: list[Check] = []
+        self.schema_ok = False
+
+    def add(self, name: str, status: str, detail: str, fix: str = "") -> Check:
+        check = Check(name, status, detail, fix)
+        self.checks.append(check)
+        return check
+
+    def run(self) -> list[Check]:
+        engine = self.database()
+        self.schema(engine)
+        app = self.broker()
+        self.tools()
+        self.devbox()
+        self.beat(engine)
+        self.workers(app)
+        return self.checks
+
+    # -- the database ------------------------------------------------------------------------
+
+    def database(self) -> Any:
+        from sqlalchemy import create_engine, text
+
+        url = self.s.database_url
+        shown = _safe_url(url)
+        if self.s.is_sqlite:
+            from sqlalchemy.engine import make_url
+
+            path = make_url(url).database
+            if path and path != ":memory:" and not Path(path).exists():
+                # connecting would create an empty file where the workers may not look
+                self.add(
+                    "database",
+                    "FAIL",
+                    f"no database at {path} yet",
+                    "start `charlie worker` with this CHARLIE_HOME (it creates and migrates the "
+                    "embedded database), or run `charlie db upgrade`",
+                )
+                return None
+        try:
+            args: dict[str, Any] = {}
+            if url.startswith("postgresql"):
+                args["connect_args"] = {"connect_timeout": max(1, int(self.timeout))}
+            engine = create_engine(url, **args)
+            with engine.connect() as conn:
+                version = conn.execute(
+                    text("select sqlite_version()" if self.s.is_sqlite else "show server_version")
+                ).scalar()
+        except ImportError as exc:
+            self.add(
+                "database",
+                "FAIL",
+                f"{shown}: its driver cannot be loaded ({_first_line(exc)})",
+                "use postgresql:// (psycopg2), postgresql+psycopg:// (psycopg 3) or sqlite:///PATH",
+            )
+            return None
+        except Exception as exc:
+            self.add(
+                "database",
+                "FAIL",
+                f"cannot connect to {shown}: {_first_line(exc)}",
+                "check CHARLIE_DATABASE_URL (host, port, user, database) and that the server is up",
+            )
+            return None
+        kind = "SQLite" if self.s.is_sqlite else "PostgreSQL"
+        self.add("database", "ok", f"{shown} answers ({kind} {str(version).split()[0]})")
+        return engine
+
+    def schema(self, engine: Any) -> None:
+        from alembic.runtime.migration import MigrationContext
+        from sqlalchemy import inspect
+
+        from charlie.store.engine import head_revision
+
+        if engine is None:
+            self.add("schema", "skip", "not checked: the database is unreachable")
+            return
+        head = head_revision()
+        with engine.connect() as conn:
+            current = (
+                MigrationContext.configure(conn).get_current_revision()
+                if inspect(conn).has_table("alembic_version")
+                else None
+            )
+        if current == head:
+            self.schema_ok = True
+            self.add("schema", "ok", f"migrated to head ({head})")
+            return
+        fix = "run `charlie db upgrade` (once per release, from any machine)"
+        if self.s.is_sqlite:
+            fix += "; a worker also migrates the embedded database when it starts"
+        if current is None:
+            self.add("schema", "FAIL", "not migrated: Charlie's tables are missing", fix)
+        else:
+            self.add("schema", "FAIL", f"at revision {current}, head is {head}", fix)
+
+    # -- the broker --------------------------------------------------------------------------
+
+    def broker(self) -> Celery | None:
+        from charlie.app import app
+
+        shown = _safe_url(self.s.broker_url)
+        problem = transport_problem(app)
+        if problem:
+            self.add("broker", "FAIL", problem, "see the README's production section")
+            return None
+        try:
+            with app.connection_for_write(connect_timeout=self.timeout) as conn:
+                conn.ensure_connection(max_retries=1, interval_start=0, timeout=self.timeout)
+                depth = conn.default_channel.queue_declare(
+                    queue=TICK_QUEUE, passive=True
+                ).message_count
+        except Exception as exc:
+            if "NOT_FOUND" in str(exc) or "404" in str(exc):
+                depth = 0  # RabbitMQ: no worker has declared the queue yet
+            else:
+                self.add(
+                    "broker",
+                    "FAIL",
+                    f"cannot connect to {shown}: {_first_line(exc)}",
+                    "check CHARLIE_BROKER_URL and that the broker is up",
+                )
+                return None
+        self.add("broker", "ok", f"{shown} answers; {depth} message(s) wait in {TICK_QUEUE!r}")
+        return app
+
+    # -- what the workers import -------------------------------------------------------------
+
+    def tools(self) -> None:
+        from charlie.runtime import import_tool_modules
+        from charlie.tools.registry import REGISTRY
+
+        try:
+            import_tool_modules(self.s.tool_modules)
+        except Exception as exc:
+            self.add(
+                "tools",
+                "FAIL",
+                str(exc) if isinstance(exc, ImportError) else _first_line(exc),
+                "fix CHARLIE_TOOL_MODULES, or install the package that provides the module",
+            )
+            return
+        names = REGISTRY.names()
+        modules = ", ".join(self.s.tool_modules) or "built-ins only"
+        self.add("tools", "ok", f"{len(names)} tools register ({modules}): {', '.join(names)}")
+
+    def devbox(self) -> None:
+        from charlie.devbox.client import DevboxClient, DevboxError, DevboxUnavailable
+
+        url, token = self.s.devbox_url, self.s.devbox_token
+        if not url:
+            self.add("devbox", "skip", "not configured (CHARLIE_DEVBOX_URL): tools run locally")
+            return
+        if not token:
+            self.add(
+                "devbox",
+                "FAIL",
+                f"{url} is configured without a token",
+                "set CHARLIE_DEVBOX_TOKEN to the token `charlie devbox serve` was given",
+            )
+            return
+        try:
+            with DevboxClient(url, token, timeout=self.timeout) as client:
+                client.health()
+        except DevboxError as exc:
+            fix = (
+                "set CHARLIE_DEVBOX_TOKEN to the token `charlie devbox serve` was given"
+                if exc.status == 401
+                else "see the devbox's log"
+            )
+            self.add("devbox", "FAIL", f"{url} refused: {exc}", fix)
+            return
+        except (DevboxUnavailable, ValueError) as exc:
+            self.add(
+                "devbox",
+                "FAIL",
+                f"cannot reach {url}: {_first_line(exc)}",
+                "start `charlie devbox serve` there",
+            )
+            return
+        self.add("devbox", "ok", f"{url} answers with the token")
+
+    # -- the running deployment --------------------------------------------------------------
+
+    def beat(self, engine: Any) -> None:
+        from charlie.domain import utcnow
+        from charlie.store.heartbeats import load_heartbeats
+
+        if engine is None or not self.schema_ok:
+            self.add("beat", "skip", "not checked: the database is unreachable or not migrated")
+            return
+        try:
+            with engine.connect() as conn:
+                beats = load_heartbeats(conn)
+        except Exception as exc:
+            self.add("beat", "skip", f"not checked: {_first_line(exc)}")
+            return
+        fix = (
+            "run exactly one `charlie beat`, and a worker that consumes "
+            f"{SWEEP_QUEUE!r} (`charlie worker` does)"
+        )
+        limit = max(60.0, 10 * self.s.sweep_interval)
+        now = utcnow()
+        missing = [name for name in SWEEPS if name not in beats]
+        if missing:
+            self.add("beat", "FAIL", f"no {', '.join(missing)} has ever run", fix)
+            return
+        oldest = min((beats[name] for name in SWEEPS), key=lambda b: b.at)
+        age = (now - oldest.at).total_seconds()
+        if age > limit:
+            self.add(
+                "beat",
+                "FAIL",
+                f"the last {oldest.name} ran {_ago(age)} ago ({_when(oldest.at)}, {oldest.worker})",
+                fix,
+            )
+            return
+        self.add("beat", "ok", f"every sweep ran within {_ago(age)} (last by {oldest.worker})")
+
+    def workers(self, app: Celery | None) -> None:
+        if app is None:
+            self.add("workers", "skip", "not checked: the broker is unusable")
+            return
+        if self.s.is_embedded_broker:
+            self.add(
+                "workers",
+                "skip",
+                "the embedded broker has no remote control to ping workers; `beat` above "
+                "shows whether one consumes the sweeps",
+            )
+            return
+        try:
+            replies = app.control.inspect(timeout=self.timeout).active_queues() or {}
+        except Exception as exc:
+            self.add("workers", "FAIL", f"ping failed: {_first_line(exc)}", "check the broker")
+            return
+        if not replies:
+            self.add(
+                "workers",
+                "FAIL",
+                f"no worker answered within {self.timeout:g} s",
+                "start `charlie worker` (with remote control on, as it is by default)",
+            )
+            return
+        consumed = {q["name"] for queues in replies.values() for q in queues}
+        wanted = self.s.worker_queues
+        unserved = [q for q in wanted if q not in consumed]
+        if unserved:
+            self.add(
+                "workers",
+                "FAIL",
+                f"{len(replies)} alive, but none consumes {', '.join(map(repr, unserved))}",
+                f"start workers with `-Q {','.join(wanted)}` (the default of `charlie worker`)",
+            )
+            return
+        self.add("workers", "ok", f"{len(replies)} alive: {', '.join(sorted(replies))}")
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _when(at: datetime) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@contextmanager
+def _quiet_kombu() -> Iterator[None]:
+    """kombu logs every failed connection attempt; the check line already says it."""
+    import logging
+
+    logger = logging.getLogger("kombu")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def run_checks(settings: Settings, timeout: float = 3.0) -> list[Check]:
+    with _quiet_kombu():
+        return _Doctor(settings, timeout).run()
+
+
+def as_json(checks: list[Check]) -> list[dict[str, Any]]:
+    return [asdict(c) for c in checks]
+
+
+def diagnose(timeout: float = 3.0) -> tuple[list[Check], int]:
+    """Every check for this process's environment, and the exit status: 0 only when none
+    failed."""
+    from charlie.config import settings
+
+    try:
+        s = settings()
+    except ValueError as exc:
+        return [Check("config", "FAIL", str(exc), "fix the CHARLIE_* variable it names")], 1
+    checks = run_checks(s, timeout)
+    return checks, 1 if any(c.failed for c in checks) else 0
