@@ -1,19 +1,24 @@
 """Charlie: a durable executor for long-running LLM agent tasks, on Celery.
 
-The public names: ``submit``, ``get_task``, ``wait``, ``cancel``, ``transcript`` and ``tool``.
+The public names: ``submit``, ``get_task``, ``wait``, ``cancel``, ``transcript``, ``calls``,
+``history`` and ``tool`` (pinned by tests/unit/test_exports.py). Tool authors also have
+:mod:`charlie.testing`; Celery-only producers the task ``charlie.submit``.
 """
 
 from typing import Any
 
 from charlie.tools.registry import tool
 
-__all__ = ["cancel", "get_task", "submit", "tool", "transcript", "wait"]
+__all__ = ["calls", "cancel", "get_task", "history", "submit", "tool", "transcript", "wait"]
+
+#: The names served from charlie.api on first use.
+_API = frozenset({"calls", "cancel", "get_task", "history", "submit", "transcript", "wait"})
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     # The API pulls in Celery and SQLAlchemy; importing `charlie` to declare tools should not.
-    if name in ("submit", "get_task", "wait", "cancel", "transcript", "calls", "history"):
+    if name in _API:
         from charlie import api
 
         return getattr(api, name)

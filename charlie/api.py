@@ -9,18 +9,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection
 
 from charlie import scheduler
 from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
-from charlie.models import validate_model_spec
-from charlie.runtime import Runtime, get_runtime
+from charlie.models import normalise_model
+from charlie.runtime import Producer, get_producer, import_tool_modules
 from charlie.scheduler import TaskNotFound
+from charlie.store import reads
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
-from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
+from charlie.tools.registry import REGISTRY
 
 log = logging.getLogger("charlie.api")
 
@@ -101,13 +101,36 @@ class CallRecord:
     late_result: Any = None
 
 
-def normalise_model(model: str) -> str:
-    validate_model_spec(model)
-    provider, _, name = model.partition(":")
-    if provider == "scripted":
-        # Workers may run elsewhere in the tree: record the script's absolute path.
-        return f"scripted:{Path(name).resolve()}"
-    return model
+__all__ = [
+    "CallRecord",
+    "InvalidSubmission",
+    "PayloadTooLarge",
+    "TaskInfo",
+    "TranscriptEntry",
+    "UnknownToolError",
+    "calls",
+    "cancel",
+    "get_task",
+    "history",
+    "normalise_model",
+    "submit",
+    "transcript",
+    "wait",
+]
+
+
+def unknown_tools(names: list[str], modules: tuple[str, ...]) -> list[str]:
+    """The names no tool is registered under, in this process, for a submit to refuse.
+
+    A producer (a web app) knows the built-ins and the tools it declared itself without
+    importing anything of the worker's. Only a name it does not know sends it to the worker's
+    tool modules (CHARLIE_TOOL_MODULES), imported then, so a typo is still refused before
+    anything is written while a submit naming known tools imports none of them."""
+    unknown = [t for t in names if REGISTRY.get(t) is None]
+    if unknown and modules:
+        import_tool_modules(modules)
+        unknown = [t for t in unknown if REGISTRY.get(t) is None]
+    return unknown
 
 
 def submit(
@@ -121,7 +144,7 @@ def submit(
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
     id again returns it without starting a second run."""
-    rt = get_runtime()
+    rt = get_producer()
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidSubmission("prompt must be a non-empty string")
     size = len(prompt.encode())
@@ -134,10 +157,10 @@ def submit(
     if tools is not None:
         if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
             raise InvalidSubmission("tools must be a list of tool names")
-        unknown = [t for t in tools if rt.tools.get(t) is None]
+        unknown = unknown_tools(tools, rt.settings.tool_modules)
         if unknown:
             raise UnknownToolError(
-                f"unknown tool(s) {', '.join(unknown)}; registered: {', '.join(rt.tools.names())}"
+                f"unknown tool(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY.names())}"
                 " (user tools register through CHARLIE_TOOL_MODULES)"
             )
     if task_id is not None and not TASK_ID.match(task_id):
@@ -188,20 +211,8 @@ def submit(
 
 @retried_if_disconnected
 def get_task(task_id: str) -> TaskInfo:
-    rt = get_runtime()
-    t, e = tasks.c, executions.c
-    with read(rt.engine) as conn:
-        row = conn.execute(
-            select(
-                tasks,
-                e.phase.label("x_phase"),
-                e.turn.label("x_turn"),
-                e.model_calls.label("x_model_calls"),
-                e.model_repeats.label("x_model_repeats"),
-            )
-            .select_from(tasks.outerjoin(executions, e.task_id == t.id))
-            .where(t.id == task_id)
-        ).first()
+    with read(get_producer().engine) as conn:
+        row = reads.task_with_run(conn, task_id)
     if row is None:
         raise TaskNotFound(task_id)
     return TaskInfo(
@@ -246,9 +257,7 @@ def wait(task_id: str, timeout: float = 300.0, poll: float = 0.1) -> TaskInfo:
 def cancel(task_id: str) -> bool:
     """Cancel a task and its children. The run stops at its next boundary and the model is not
     called for it again (I18). False when it was already terminal."""
-    from charlie.sweeps import poke_tasks
-
-    rt = get_runtime()
+    rt = get_producer()
     tries = 0
 
     def stop() -> list[str]:
@@ -261,34 +270,22 @@ def cancel(task_id: str) -> bool:
         # The first try's commit may have gone through with its reply lost: count what is
         # canceled now as this call's (a task canceled just before by someone else, too).
         changed = _canceled_in_tree(rt, task_id)
-    poke_tasks(rt, changed)
+    rt.poke(changed)
     return task_id in changed
 
 
 @retried_if_disconnected
-def _canceled_in_tree(rt: Runtime, task_id: str) -> list[str]:
+def _canceled_in_tree(rt: Producer, task_id: str) -> list[str]:
     tree = [task_id, *scheduler.descendants(rt.engine, task_id)]
     with read(rt.engine) as conn:
-        rows = conn.execute(
-            select(tasks.c.id).where(
-                tasks.c.id.in_(tree), tasks.c.status == TaskStatus.CANCELED.value
-            )
-        )
-        return [r.id for r in rows]
+        return reads.canceled_among(conn, tree)
 
 
 @retried_if_disconnected
 def transcript(task_id: str) -> list[TranscriptEntry]:
     """The ordered transcript; a tool result carries its call's outcome."""
-    rt = get_runtime()
-    i = transcript_items.c
-    with read(rt.engine) as conn:
-        xid = _execution_id(conn, task_id)
-        rows = conn.execute(
-            select(i.seq, i.turn, i.kind, i.call_id, i.payload)
-            .where(i.execution_id == xid)
-            .order_by(i.seq)
-        ).all()
+    with read(get_producer().engine) as conn:
+        rows = reads.transcript_rows(conn, _execution_id(conn, task_id))
     return [
         TranscriptEntry(
             r.seq,
@@ -305,13 +302,8 @@ def transcript(task_id: str) -> list[TranscriptEntry]:
 @retried_if_disconnected
 def calls(task_id: str) -> list[CallRecord]:
     """The pending-tool records of a task, in turn and call order, with their evidence."""
-    rt = get_runtime()
-    c = tool_calls.c
-    with read(rt.engine) as conn:
-        xid = _execution_id(conn, task_id)
-        rows = conn.execute(
-            select(tool_calls).where(c.execution_id == xid).order_by(c.turn, c.idx)
-        ).all()
+    with read(get_producer().engine) as conn:
+        rows = reads.call_rows(conn, _execution_id(conn, task_id))
     return [
         CallRecord(
             r.call_id,
@@ -343,24 +335,12 @@ def calls(task_id: str) -> list[CallRecord]:
 @retried_if_disconnected
 def history(task_id: str) -> list[dict[str, Any]]:
     """Every transition of the task's run (I21): from, to, when, which worker, how long."""
-    rt = get_runtime()
-    tr = transitions.c
-    with read(rt.engine) as conn:
-        xid = _execution_id(conn, task_id)
-        rows = conn.execute(
-            select(
-                tr.from_phase, tr.to_phase, tr.version, tr.at, tr.worker, tr.duration_ms, tr.note
-            )
-            .where(tr.execution_id == xid)
-            .order_by(tr.id)
-        ).all()
-    return [dict(r._mapping) for r in rows]
+    with read(get_producer().engine) as conn:
+        return reads.transition_rows(conn, _execution_id(conn, task_id))
 
 
-def _execution_id(conn: Any, task_id: str) -> str:
-    xid = conn.execute(
-        select(executions.c.id).where(executions.c.task_id == task_id)
-    ).scalar_one_or_none()
+def _execution_id(conn: Connection, task_id: str) -> str:
+    xid = reads.execution_id_of(conn, task_id)
     if xid is None:
         raise TaskNotFound(task_id)
-    return str(xid)
+    return xid

@@ -1,7 +1,13 @@
-"""A process's runtime: settings, engine, identity, publisher and adapters.
+"""A process's runtime: settings, engine, publisher, and for a worker its identity and adapters.
 
-Built once per process (and again in each forked pool child); this and the Celery app are the
-only process-wide state.
+Two faces, each built once per process (and again in each forked pool child); these and the
+Celery app are the only process-wide state:
+
+- :class:`Producer` (:func:`get_producer`): what submitting and reading tasks needs, the
+  database and the broker. Building it imports no tool module and nothing of the executor, so
+  a web app that calls ``charlie.submit`` loads neither.
+- :class:`Runtime` (:func:`get_runtime`): a worker's, which adds its identity, its tools
+  (``CHARLIE_TOOL_MODULES``), its models, its lease keeper and the phases' ports.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from sqlalchemy import Engine
 
 from charlie.config import Settings, settings
 from charlie.domain import Phase
-from charlie.executor.ports import PhaseDeps, PhaseLimits
 from charlie.leases import LeaseKeeper
 from charlie.models import Model, resolve_model
-from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine
+from charlie.ports import PhaseDeps, PhaseLimits
+from charlie.scheduler import DbScheduler
+from charlie.store import scans
+from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
 from charlie.tools.registry import REGISTRY, ToolRegistry
 
 if TYPE_CHECKING:
@@ -60,11 +68,29 @@ class Publisher:
 
 
 @dataclass
-class Runtime:
+class Producer:
+    """What a producer needs: the settings, the database and the broker."""
+
     settings: Settings
     engine: Engine
-    worker: str
     publisher: Publisher
+
+    def poke(self, task_ids: list[str]) -> None:
+        """Publish the current tick of these tasks' runs so they reach a boundary now (a
+        cancel, a timeout: I18). Lost, the sweep's "stopping" clause publishes it later."""
+        if not task_ids:
+            return
+        with read(self.engine) as conn:
+            rows = scans.current_ticks(conn, task_ids)
+        for row in rows:
+            self.publisher.tick(row.id, Phase(row.phase), row.version)
+
+
+@dataclass
+class Runtime(Producer):
+    """A worker's runtime: a producer's, plus who it is, its tools and its models."""
+
+    worker: str
     tools: ToolRegistry
     _models: dict[str, Model] = field(default_factory=dict)
     #: when this process last recorded each sweep's heartbeat (time.monotonic()).
@@ -87,8 +113,6 @@ class Runtime:
         return self.phase_deps()
 
     def phase_deps(self) -> PhaseDeps:
-        from charlie.scheduler import DbScheduler
-
         s = self.settings
         return PhaseDeps(
             model_for=self.model_for,
@@ -103,6 +127,7 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+_producer: Producer | None = None
 _lock = threading.Lock()
 
 
@@ -118,6 +143,26 @@ def import_tool_modules(modules: Iterable[str]) -> None:
             ) from exc
 
 
+def _database_ready(s: Settings) -> Engine:
+    s.home.mkdir(parents=True, exist_ok=True)
+    ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)
+    return get_engine(s.database_url)
+
+
+def get_producer() -> Producer:
+    """The producer face: the worker's runtime where one is built, else database + broker."""
+    global _producer
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        if _producer is None:
+            from charlie.app import app
+
+            s = settings()
+            _producer = Producer(settings=s, engine=_database_ready(s), publisher=Publisher(app))
+        return _producer
+
+
 def get_runtime() -> Runtime:
     global _runtime
     with _lock:
@@ -125,12 +170,11 @@ def get_runtime() -> Runtime:
             from charlie.app import app
 
             s = settings()
-            s.home.mkdir(parents=True, exist_ok=True)
-            ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)
+            engine = _database_ready(s)
             import_tool_modules(s.tool_modules)
             _runtime = Runtime(
                 settings=s,
-                engine=get_engine(s.database_url),
+                engine=engine,
                 worker=f"{socket.gethostname()}:{os.getpid()}",
                 publisher=Publisher(app),
                 tools=REGISTRY,
@@ -139,6 +183,7 @@ def get_runtime() -> Runtime:
 
 
 def reset_after_fork() -> None:
-    global _runtime
+    global _runtime, _producer
     dispose_after_fork()
     _runtime = None
+    _producer = None

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, select, update
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
-from charlie.domain import JSON, Phase, TaskStatus, execution_id_for, utcnow
-from charlie.executor.ports import TransientSchedulerError
+from charlie.domain import JSON, TaskStatus, execution_id_for, utcnow
+from charlie.ports import TransientSchedulerError
+from charlie.store import tasks as task_store
 from charlie.store.calls import hold_live_task
 from charlie.store.engine import read, write
-from charlie.store.runs import ACTIVE
-from charlie.store.schema import executions, tasks
 
 
 class TaskNotFound(LookupError):
@@ -77,38 +75,18 @@ def submit(
                 if existing is not None:
                     return existing  # made before the stop, which stopped it too (I19)
                 raise ParentStopped(parent_id, task_id)
-            conn.execute(
-                insert(tasks).values(
-                    id=task_id,
-                    parent_id=parent_id,
-                    parent_call_id=parent_call_id,
-                    prompt=prompt,
-                    model=model,
-                    tools=tools,
-                    metadata=metadata or {},
-                    status=TaskStatus.QUEUED.value,
-                    timeout_at=now + timedelta(seconds=timeout) if timeout else None,
-                    created_at=now,
-                    input_tokens=0,
-                    output_tokens=0,
-                    reasoning_tokens=0,
-                )
-            )
-            conn.execute(
-                insert(executions).values(
-                    id=execution_id,
-                    task_id=task_id,
-                    phase=Phase.LOAD_CONTEXT.value,
-                    version=0,
-                    state={},
-                    turn=0,
-                    next_seq=0,
-                    updated_at=now,
-                    attempts=0,
-                    model_calls=0,
-                    model_repeats=0,
-                    created_at=now,
-                )
+            task_store.insert_task_and_run(
+                conn,
+                task_id=task_id,
+                execution_id=execution_id,
+                prompt=prompt,
+                model=model,
+                tools=tools,
+                timeout=timeout,
+                metadata=metadata,
+                parent_id=parent_id,
+                parent_call_id=parent_call_id,
+                now=now,
             )
     except IntegrityError:
         with read(engine) as conn:
@@ -122,7 +100,7 @@ def submit(
 def _already_submitted(conn: Connection, task_id: str, prompt: str, model: str) -> Submitted | None:
     """The task of an earlier submit of this same work; TaskConflict if the id names other
     work."""
-    row = conn.execute(select(tasks.c.prompt, tasks.c.model).where(tasks.c.id == task_id)).first()
+    row = task_store.submitted_work(conn, task_id)
     if row is None:
         return None
     if row.prompt != prompt or row.model != model:
@@ -141,12 +119,7 @@ def finish(
     now = utcnow()
     try:
         with write(engine) as conn:
-            done = conn.execute(
-                update(tasks)
-                .where(tasks.c.id == task_id, tasks.c.status.in_(ACTIVE))
-                .values(status=status.value, result=result, error=error, finished_at=now)
-            )
-            return done.rowcount == 1
+            return task_store.finish_task(conn, task_id, status, result, error, now)
     except OperationalError as exc:
         raise TransientSchedulerError(f"scheduler write for task {task_id} failed: {exc}") from exc
 
@@ -174,8 +147,7 @@ def descendants(engine: Engine, task_id: str) -> list[str]:
     found, frontier = [], [task_id]
     with read(engine) as conn:
         while frontier:
-            rows = conn.execute(select(tasks.c.id).where(tasks.c.parent_id.in_(frontier)))
-            frontier = [r.id for r in rows]
+            frontier = task_store.children_of(conn, frontier)
             found.extend(frontier)
     return found
 
@@ -187,14 +159,14 @@ def cancel(engine: Engine, task_id: str) -> list[str]:
         tree = _lock_tree(conn, task_id)
         if not tree:
             raise TaskNotFound(task_id)
-        return _mark_canceled(conn, tree, utcnow())
+        return task_store.mark_canceled(conn, tree, utcnow())
 
 
 def cancel_descendants(engine: Engine, task_id: str) -> list[str]:
     """Cancel a finished task's children (a parent that timed out no longer waits for them)."""
     with write(engine) as conn:
         tree = _lock_tree(conn, task_id)
-        return _mark_canceled(conn, tree[1:], utcnow()) if len(tree) > 1 else []
+        return task_store.mark_canceled(conn, tree[1:], utcnow()) if len(tree) > 1 else []
 
 
 def _lock_tree(conn: Connection, root: str) -> list[str]:
@@ -209,30 +181,9 @@ def _lock_tree(conn: Connection, root: str) -> list[str]:
     found: list[str] = []
     level = [root]
     while level:
-        locked = conn.execute(
-            select(tasks.c.id)
-            .where(tasks.c.id.in_(level))
-            .order_by(tasks.c.id)
-            .with_for_update(key_share=True)
-        ).all()
-        found += [r.id for r in locked]
-        level = list(conn.execute(select(tasks.c.id).where(tasks.c.parent_id.in_(level))).scalars())
+        found += task_store.lock_tasks(conn, level)
+        level = task_store.children_of(conn, level)
     return found
-
-
-def _mark_canceled(conn: Connection, ids: list[str], now: datetime) -> list[str]:
-    rows = conn.execute(
-        update(tasks)
-        .where(tasks.c.id.in_(ids), tasks.c.status.in_(ACTIVE))
-        .values(
-            status=TaskStatus.CANCELED.value,
-            cancel_requested_at=now,
-            finished_at=now,
-            error={"reason": "canceled"},
-        )
-        .returning(tasks.c.id)
-    )
-    return [r.id for r in rows]
 
 
 def expire(engine: Engine, task_ids: list[str]) -> list[str]:
@@ -241,23 +192,9 @@ def expire(engine: Engine, task_ids: list[str]) -> list[str]:
     expired: list[str] = []
     for task_id in task_ids:
         with write(engine) as conn:
-            conn.execute(
-                select(tasks.c.id).where(tasks.c.id == task_id).with_for_update(key_share=True)
-            ).all()
+            task_store.lock_task(conn, task_id)
             now = utcnow()  # after the lock, as in cancel (see _lock_tree)
-            done = conn.execute(
-                update(tasks)
-                .where(
-                    tasks.c.id == task_id,
-                    tasks.c.status.in_(ACTIVE),
-                    tasks.c.timeout_at < now,
-                )
-                .values(
-                    status=TaskStatus.TIMED_OUT.value,
-                    finished_at=now,
-                    error={"reason": "timed out"},
-                )
-            ).rowcount
+            done = task_store.time_out(conn, task_id, now)
         if done:
             expired.append(task_id)
     return expired

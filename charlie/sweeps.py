@@ -2,47 +2,37 @@
 
 Each sweep is bounded (at most ``LIMIT`` rows a run) and idempotent. Sweeps never execute a phase
 or a tool: they re-publish messages, or settle a call whose outcome is already decided
-(``interrupted``, ``deadline_exceeded``). Every action on a row is a compare-and-set, on
-``swept_at`` or on the call's state, so two beats started by mistake, or two overlapping runs of
-one sweep, act at most once per row per stall period.
+(``interrupted``, ``deadline_exceeded``) the way a worker settles one
+(:mod:`charlie.executor.settle`). Every action on a row is a compare-and-set, on ``swept_at`` or
+on the call's state (see :mod:`charlie.store.scans`), so two beats started by mistake, or two
+overlapping runs of one sweep, act at most once per row per stall period. The Celery tasks that
+run them are declared in :mod:`charlie.worker`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, exists, or_, select, update
+from sqlalchemy import Connection
 
 from charlie import scheduler
 from charlie.app import app
-from charlie.domain import JSON, CallState, Outcome, Phase, TaskStatus, utcnow
-from charlie.runtime import Runtime, get_runtime
+from charlie.domain import JSON, Outcome, Phase, utcnow
+from charlie.executor.settle import settle_and_move
+from charlie.runtime import Runtime
 from charlie.store import calls as call_store
-from charlie.store import runs
+from charlie.store import scans
 from charlie.store.engine import read, write, write_one
 from charlie.store.heartbeats import record_heartbeat
-from charlie.store.schema import executions, tasks, tool_calls
 
 log = logging.getLogger("charlie.sweep")
 
 LIMIT = 500
 #: overdue waits looked at per sweep: each look is a message and a worker's poll.
 WATCH_LIMIT = 50
-
-
-def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
-    return or_(column.is_(None), column < now - stall)
-
-
-#: A lease is only treated as lapsed this long after its expiry: a live worker's renewal that is
-#: a little late (a busy machine, a slow commit) must not look like a death.
-LEASE_GRACE = timedelta(seconds=1)
-
-ENDING = (Phase.REPORT_TERMINAL.value, Phase.REPORT_FAILURE.value, Phase.DONE.value)
 
 
 def sweep_stalled_runs(rt: Runtime) -> int:
@@ -58,47 +48,16 @@ def sweep_stalled_runs(rt: Runtime) -> int:
     """
     now = utcnow()
     stall = timedelta(seconds=rt.settings.stall_seconds)
-    e, c, t = executions.c, tool_calls.c, tasks.c
-    # An await whose turn has settled, quietly, for the stall period: its poke was lost.
-    turn_quiet = ~exists().where(
-        c.execution_id == e.id,
-        c.turn == e.turn,
-        or_(c.state != CallState.SETTLED.value, c.settled_at > now - stall),
-    )
-    stopped = exists().where(
-        t.id == e.task_id,
-        or_(
-            t.status.in_((TaskStatus.CANCELED.value, TaskStatus.TIMED_OUT.value)),
-            and_(t.status.in_(runs.ACTIVE), t.timeout_at < now),
-        ),
-    )
-    free = e.lease_owner.is_(None)
-    clauses = {
-        "lapsed": and_(e.lease_until.is_not(None), e.lease_until < now - LEASE_GRACE),
-        "wake": and_(free, e.wake_at.is_not(None), e.wake_at <= now),
-        "stalled": and_(
-            free,
-            e.updated_at < now - stall,
-            or_(
-                and_(e.phase != Phase.AWAIT_TOOLS.value, e.wake_at.is_(None)),
-                and_(e.phase == Phase.AWAIT_TOOLS.value, turn_quiet),
-            ),
-        ),
-        "stopping": and_(free, e.phase.not_in(ENDING), stopped),
-    }
+    reasons = list(scans.RUN_REASONS)
     if _backlogged(rt):
         # A deep queue means ticks are waiting, not lost: re-publishing them would only deepen
         # it (each re-publish is one more message to drain). Lost ticks are found once it
         # drains; lapsed leases, wake-ups and stops still go.
-        del clauses["stalled"]
+        reasons.remove("stalled")
     published = 0
-    for reason, clause in clauses.items():
+    for reason in reasons:
         with read(rt.engine) as conn:
-            rows = conn.execute(
-                select(e.id, e.phase, e.version)
-                .where(e.phase != Phase.DONE.value, _throttle(e.swept_at, now, stall), clause)
-                .limit(LIMIT)
-            ).all()
+            rows = scans.runs_due(conn, reason, now, stall, LIMIT)
         for row in rows:
             if _republish(
                 rt,
@@ -146,18 +105,8 @@ def _republish(
     reason: str = "",
 ) -> bool:
     """Publish a run's current tick if this sweeper wins the row for this stall period."""
-    e = executions.c
-    values: dict[str, Any] = {"swept_at": now}
-    if count_attempt:
-        # Only a re-publish that follows an earlier one which did not move the run counts: the
-        # first may just be a lost message; a second means the tick dies where it runs.
-        values["attempts"] = e.attempts + case((e.swept_at.is_not(None), 1), else_=0)
     with write(rt.engine) as conn:
-        won = conn.execute(
-            update(executions)
-            .where(e.id == execution_id, e.version == version, _throttle(e.swept_at, now, stall))
-            .values(**values)
-        ).rowcount
+        won = scans.win_run(conn, execution_id, version, now, stall, count_attempt=count_attempt)
     if not won:
         return False
     log.info(
@@ -188,7 +137,6 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
     the late watch on waits that deadline settled."""
     now = utcnow()
     stall = timedelta(seconds=rt.settings.stall_seconds)
-    c = tool_calls.c
     counts = {
         "republished": 0,
         "resumed": 0,
@@ -198,59 +146,12 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         "abandoned": 0,
         "watching": 0,
     }
-    e = executions.c
-    run_live = exists().where(e.id == c.execution_id, e.phase.not_in(ENDING))
-    lapsed = c.lease_until < now - LEASE_GRACE
     backlogged = _backlogged(rt)
     with read(rt.engine) as conn:
-        # Calls of a run that has ended (a failure, a race with a stop) are never dispatched
-        # again; they settle canceled so each still has its one outcome.
-        abandoned = conn.execute(
-            select(c.execution_id, c.turn, c.call_id)
-            .where(
-                c.state != CallState.SETTLED.value,
-                ~run_live,
-                or_(c.lease_owner.is_(None), lapsed),
-            )
-            .limit(LIMIT)
-        ).all()
-        overdue = conn.execute(
-            select(c.execution_id, c.turn, c.call_id, c.started_at, c.queued_at, c.deadline_at)
-            .where(c.state != CallState.SETTLED.value, c.deadline_at < now)
-            .limit(LIMIT)
-        ).all()
-        lost = conn.execute(
-            select(c.execution_id, c.turn, c.call_id)
-            .where(
-                c.state == CallState.PENDING.value,
-                c.queued_at < now - stall,
-                _throttle(c.swept_at, now, stall),
-                run_live,
-            )
-            .limit(LIMIT)
-        ).all()
-        orphaned = conn.execute(
-            select(
-                c.execution_id,
-                c.turn,
-                c.call_id,
-                c.name,
-                c.resumable,
-                c.attempts,
-                c.started_at,
-                c.started_by,
-                c.lease_owner,
-                c.lease_until,
-                c.handle,
-            )
-            .where(
-                c.state == CallState.STARTED.value,
-                lapsed,
-                _throttle(c.swept_at, now, stall),
-                run_live,
-            )
-            .limit(LIMIT)
-        ).all()
+        abandoned = scans.abandoned_calls(conn, now, LIMIT)
+        overdue = scans.overdue_calls(conn, now, LIMIT)
+        lost = scans.lost_calls(conn, now, stall, LIMIT)
+        orphaned = scans.orphaned_calls(conn, now, stall, LIMIT)
         watched = call_store.overdue_waits(
             conn, now - timedelta(seconds=rt.settings.late_watch_seconds), now - stall, WATCH_LIMIT
         )
@@ -285,23 +186,12 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 now,
             )
 
-        if _settle_as_a_worker_does(rt, late.execution_id, late.turn, past_deadline):
+        if settle_and_move(rt, late.execution_id, late.turn, past_deadline):
             counts["deadline"] += 1
 
     def take(row: Any) -> bool:
         with write(rt.engine) as conn:
-            return bool(
-                conn.execute(
-                    update(tool_calls)
-                    .where(
-                        c.execution_id == row.execution_id,
-                        c.turn == row.turn,
-                        c.call_id == row.call_id,
-                        _throttle(c.swept_at, now, stall),
-                    )
-                    .values(swept_at=now)
-                ).rowcount
-            )
+            return scans.win_call(conn, row.execution_id, row.turn, row.call_id, now, stall)
 
     for lost_row in [] if backlogged else lost:
         if take(lost_row) and rt.publisher.invoke(
@@ -343,30 +233,19 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 f"its worker died {row.attempts} times" if exhausted else "its worker stopped"
             ),
         }
-        # Only a call still started with a lapsed lease: never one a live worker holds.
-        interrupt = (
-            update(tool_calls)
-            .where(
-                c.execution_id == row.execution_id,
-                c.turn == row.turn,
-                c.call_id == row.call_id,
-                c.state == CallState.STARTED.value,
-                lapsed,
-            )
-            .values(
-                state=CallState.SETTLED.value,
-                outcome=Outcome.INTERRUPTED.value,
-                result=evidence,
-                settled_at=now,
-                settled_by=f"sweep@{rt.worker}",
-                lease_owner=None,
-            )
-        )
 
-        def interrupted(conn: Connection, interrupt: Any = interrupt) -> bool:
-            return bool(conn.execute(interrupt).rowcount == 1)
+        def interrupted(conn: Connection, row: Any = row, evidence: JSON = evidence) -> bool:
+            return scans.interrupt_call(
+                conn,
+                row.execution_id,
+                row.turn,
+                row.call_id,
+                evidence,
+                now,
+                f"sweep@{rt.worker}",
+            )
 
-        if _settle_as_a_worker_does(rt, row.execution_id, row.turn, interrupted):
+        if settle_and_move(rt, row.execution_id, row.turn, interrupted):
             counts["interrupted"] += 1
             log.warning(
                 "call interrupted",
@@ -375,57 +254,19 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
     return counts
 
 
-def _settle_as_a_worker_does(
-    rt: Runtime, execution_id: str, turn: int, settle: Callable[[Connection], bool]
-) -> bool:
-    """Settle one call as a worker does (I7): the run's row locked first, then the call, and in
-    the same transaction whether it was the turn's last open call. Of two settling a turn's
-    last two calls, the second sees the first's commit, so one of them always knows the turn
-    is complete and moves the run on; then this publishes the run's await tick."""
-    with write(rt.engine) as conn:
-        settled, await_version = call_store.settle_in_turn(conn, execution_id, turn, settle)
-    if await_version is not None:
-        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, await_version)
-    return settled
-
-
 def sweep_task_timeouts(rt: Runtime) -> int:
     """I18: time out tasks past their timeout, with their children; each run stops at its next
     boundary, which this publishes now rather than waiting for its tools."""
-    now = utcnow()
-    t = tasks.c
     with read(rt.engine) as conn:
-        due = [
-            r.id
-            for r in conn.execute(
-                select(t.id)
-                .where(t.status.in_(("queued", "running", "waiting")), t.timeout_at < now)
-                .limit(LIMIT)
-            )
-        ]
+        due = scans.tasks_past_timeout(conn, utcnow(), LIMIT)
     if not due:
         return 0
     expired = scheduler.expire(rt.engine, due)
     stopped = list(expired)
     for task_id in expired:
         stopped += scheduler.cancel_descendants(rt.engine, task_id)
-    poke_tasks(rt, stopped)
+    rt.poke(stopped)
     return len(expired)
-
-
-def poke_tasks(rt: Runtime, task_ids: list[str]) -> None:
-    """Publish the current tick of these tasks' runs so they reach a boundary now."""
-    if not task_ids:
-        return
-    e = executions.c
-    with read(rt.engine) as conn:
-        rows = conn.execute(
-            select(e.id, e.phase, e.version).where(
-                e.task_id.in_(task_ids), e.phase != Phase.DONE.value
-            )
-        ).all()
-    for row in rows:
-        rt.publisher.tick(row.id, Phase(row.phase), row.version)
 
 
 #: a sweep records that it ran at most this often per process (doctor's staleness is far longer).
@@ -445,24 +286,3 @@ def heartbeat(rt: Runtime, name: str) -> None:
         log.warning("could not record the %s heartbeat", name, exc_info=True)
         return
     rt.heartbeats_sent[name] = now
-
-
-@app.task(name="charlie.sweep.stalled_runs", ignore_result=True)
-def stalled_runs() -> int:
-    rt = get_runtime()
-    heartbeat(rt, "sweep.stalled_runs")
-    return sweep_stalled_runs(rt)
-
-
-@app.task(name="charlie.sweep.tool_calls", ignore_result=True)
-def tool_call_sweep() -> dict[str, int]:
-    rt = get_runtime()
-    heartbeat(rt, "sweep.tool_calls")
-    return sweep_tool_calls(rt)
-
-
-@app.task(name="charlie.sweep.task_timeouts", ignore_result=True)
-def task_timeouts() -> int:
-    rt = get_runtime()
-    heartbeat(rt, "sweep.task_timeouts")
-    return sweep_task_timeouts(rt)

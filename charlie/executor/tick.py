@@ -12,24 +12,22 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from sqlalchemy import Connection, update
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from charlie import faults
-from charlie.domain import CallState, Phase, RunView, Settlement, TaskStatus, Transition, utcnow
+from charlie.domain import CallState, Phase, RunView, Settlement, Transition, utcnow
 from charlie.executor import boundary
 from charlie.executor.events import InlineReports
+from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs, run_phase
+from charlie.executor.settle import CallResult, log_settled, move_turn, settle_result
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
-from charlie.store.calls import ClaimedCall
+from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import write, write_one
-from charlie.store.schema import tasks
-
-if TYPE_CHECKING:
-    from charlie.tools.invoke import CallResult
 
 log = logging.getLogger("charlie.tick")
 
@@ -154,15 +152,7 @@ def _commit(
         error=error,
     )
     if ok and transition.to is Phase.DONE and transition.state and "poison" in transition.state:
-        conn.execute(
-            update(tasks)
-            .where(tasks.c.id == view.task.id, tasks.c.status.in_(runs.ACTIVE))
-            .values(
-                status=TaskStatus.FAILED.value,
-                error=transition.state["poison"],
-                finished_at=utcnow(),
-            )
-        )
+        runs.fail_poisoned_task(conn, view.task.id, transition.state["poison"], utcnow())
     return ok
 
 
@@ -196,6 +186,20 @@ def _publish(
             rt.publisher.many(messages)
         except Exception:
             log.exception("publish failed after commit; the sweep will re-publish")
+
+
+def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) -> str:
+    """The ``charlie.tool.invoke`` task: run the call, then, if it completed the turn, the
+    run's await tick (here, with inline phases; else published, see settle.move_turn)."""
+    result, await_version = run_call(rt, execution_id, turn, call_id, mode)
+    if await_version is not None:
+        move_turn(rt, execution_id, await_version, lambda xid, v: advance_awaiting_run(rt, xid, v))
+    return result
+
+
+def advance_awaiting_run(rt: Runtime, execution_id: str, version: int) -> str:
+    """Run a run's await tick in this worker, inside the task that settled its turn."""
+    return run_tick(rt, execution_id, Phase.AWAIT_TOOLS, version, inline_first=True)
 
 
 def run_tick(
@@ -244,8 +248,6 @@ def run_tick(
                     if report is not None:
                         report.result = result
             else:
-                from charlie.tools.invoke import execute_call
-
                 args = (execution_id, step.call.turn, step.call.call_id, "start")
                 with reports.task("charlie.tool.invoke", args) as report:
                     done = execute_call(rt, step.call, "start")
@@ -273,8 +275,6 @@ def _settle_local_call(
 ) -> tuple[str, Follow | None]:
     """Settle a local call's result in the await tick's own transaction (the settle, the turn's
     completion and the move on commit together), or on its own if that tick cannot run here."""
-    from charlie.tools.invoke import log_settled, settle_result
-
     if chain:
         progress = _Progress(inline=chain, settlement=done)
         moved, follow = _guarded_tick(
@@ -288,7 +288,7 @@ def _settle_local_call(
         return settled, None
     if chain:
         return settled, NextTick(Phase.AWAIT_TOOLS, await_version)
-    rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, await_version)
+    move_turn(rt, execution_id, await_version)  # no time left to run it here: published
     return settled, None
 
 
@@ -522,8 +522,6 @@ def _run_tick(
         extra={**_ctx(view), "to": transition.to.value, "note": transition.note},
     )
     if transition.to is Phase.DONE:
-        from charlie.tools.invoke import poke_waiters
-
         poke_waiters(rt, view.task.id)
         return "done", None
     return "moved", follow

@@ -9,7 +9,12 @@ from charlie.models.base import (
     TransientModelError,
     Usage,
 )
-from charlie.models.resolve import UnknownModelError, resolve_model, validate_model_spec
+from charlie.models.resolve import (
+    UnknownModelError,
+    normalise_model,
+    resolve_model,
+    validate_model_spec,
+)
 
 __all__ = [
     "Model",
@@ -20,6 +25,7 @@ __all__ = [
     "TransientModelError",
     "UnknownModelError",
     "Usage",
+    "normalise_model",
     "resolve_model",
     "validate_model_spec",
 ]

@@ -32,6 +32,16 @@ def validate_model_spec(spec: str) -> None:
         load_script(Path(name))
 
 
+def normalise_model(spec: str) -> str:
+    """A validated spec as it is recorded on a task: a script by its absolute path, since
+    workers may run elsewhere in the tree."""
+    validate_model_spec(spec)
+    provider, _, name = spec.partition(":")
+    if provider == "scripted":
+        return f"scripted:{Path(name).resolve()}"
+    return spec
+
+
 def resolve_model(spec: str) -> Model:
     provider, name = _split(spec)
     if provider == "scripted":

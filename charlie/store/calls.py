@@ -467,3 +467,19 @@ def load_overdue_wait(
         {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
     ).first()
     return None if row is None else _as_call(execution_id, turn, call_id, row)
+
+
+def waiters_on(conn: Connection, task_id: str) -> list[Any]:
+    """The calls waiting on this task (their handle): parked resumable waits, and overdue ones
+    whose late report is still to come (I13): (execution_id, turn, call_id, state)."""
+    return list(
+        conn.execute(
+            select(_c.execution_id, _c.turn, _c.call_id, _c.state).where(
+                _c.handle == task_id,
+                or_(
+                    and_(_c.state == CallState.STARTED.value, _c.resumable.is_(True)),
+                    OVERDUE_WAIT,
+                ),
+            )
+        ).all()
+    )

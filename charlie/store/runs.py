@@ -552,3 +552,13 @@ def record_refused_tick(
     else:
         stmt = stmt.where(e.lease_owner.is_(None)).values(error=error, attempts=e.attempts + 1)
     conn.execute(stmt)
+
+
+def fail_poisoned_task(conn: Connection, task_id: str, error: JSON, now: datetime) -> None:
+    """The task of a run ended as poison (too many attempts): failed, with why, if still
+    active; in the transition's own transaction."""
+    conn.execute(
+        update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.status.in_(ACTIVE))
+        .values(status=TaskStatus.FAILED.value, error=error, finished_at=now)
+    )

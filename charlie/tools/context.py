@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from charlie.domain import JSON, Outcome
+from charlie.domain import JSON, Outcome, TaskStatus
 
 
 class ToolError(Exception):
@@ -43,6 +43,66 @@ class Reconciled:
     result: Any
 
 
+@dataclass(frozen=True)
+class TaskSnapshot:
+    """A task as a tool sees it through :class:`Children` (a child it started, its parent)."""
+
+    id: str
+    status: TaskStatus
+    result: Any
+    error: Any
+    model: str
+    metadata: JSON
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+
+@dataclass(frozen=True)
+class ChildSubmitted:
+    task_id: str
+    #: False: a task with this id existed already (a repeated delegate finds its child, I19).
+    created: bool
+
+
+class Children(Protocol):
+    """The port through which a tool starts and reads tasks (delegation, I19).
+
+    The engine hands one to every call in its ToolContext; the tool SDK imports nothing of the
+    scheduler, the store or the API to do this, so tools run the same under
+    :mod:`charlie.testing`, with a fake."""
+
+    def get(self, task_id: str) -> TaskSnapshot | None:
+        """The task, or None when there is none with this id."""
+        ...
+
+    def submit(
+        self,
+        *,
+        prompt: str,
+        model: str,
+        tools: list[str] | None,
+        task_id: str,
+        metadata: JSON,
+        parent_id: str,
+        parent_call_id: str,
+    ) -> ChildSubmitted:
+        """Start a child task (idempotent on ``task_id``, whatever its parent's state since).
+        Raises ToolError when it cannot: an unknown tool, a parent no longer active (I18)."""
+        ...
+
+
+class NoChildren:
+    """The Children of a context built without one: every use says so."""
+
+    def get(self, task_id: str) -> TaskSnapshot | None:
+        raise ToolError("this tool context has no Children port (no child tasks here)")
+
+    def submit(self, **_: Any) -> ChildSubmitted:
+        raise ToolError("this tool context has no Children port (no child tasks here)")
+
+
 @dataclass
 class ToolContext:
     task_id: str
@@ -62,6 +122,8 @@ class ToolContext:
     #: (a Pending if the work still runs) rather than wait inline; a result or a ToolError is
     #: recorded as the work's end, any other exception means "look again later".
     overdue: bool = False
+    #: starts and reads tasks (delegation); the engine's, or a fake under charlie.testing.
+    children: Children = field(default_factory=NoChildren, repr=False)
 
     def record_handle(self, handle: str) -> None:
         """Durably record a handle on outside work before waiting on it, so a resumed attempt

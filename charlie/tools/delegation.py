@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-from charlie.domain import JSON, MAX_TASK_ID, Outcome, Phase
+from charlie.domain import JSON, MAX_TASK_ID, Outcome
+from charlie.models import normalise_model
 from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import tool
 
@@ -54,23 +55,14 @@ def delegate(
 
     Wait for its result with wait_for_task. The child uses this task's model unless ``model``
     is given, and works in the same workspace."""
-    from charlie import api, scheduler
-    from charlie.runtime import get_runtime
-    from charlie.store import runs
-    from charlie.store.engine import read
+    # Imported here: the devbox tools replace built-ins, so they load after them (tools/__init__).
     from charlie.tools.devbox_tools import inherited_devbox
 
-    rt = get_runtime()
-    with read(rt.engine) as conn:
-        parent = runs.load_task(conn, ctx.task_id)
+    parent = ctx.children.get(ctx.task_id)
     if parent is None:
         raise ToolError(f"parent task {ctx.task_id} is gone")
     try:
-        spec = api.normalise_model(model) if model else parent.model
-        if tools is not None:
-            unknown = [t for t in tools if rt.tools.get(t) is None]
-            if unknown:
-                raise ValueError(f"unknown tool(s): {', '.join(unknown)}")
+        spec = normalise_model(model) if model else parent.model
     except ValueError as exc:
         raise ToolError(f"cannot delegate: {exc}") from None
     metadata: JSON = {"delegated_by": {"task_id": ctx.task_id, "call_id": ctx.call_id}}
@@ -80,35 +72,26 @@ def delegate(
     devbox = inherited_devbox(ctx.task_id, parent.metadata)
     if devbox is not None:
         metadata["devbox"] = devbox
-    try:
-        submitted = scheduler.submit(
-            rt.engine,
-            prompt=prompt,
-            model=spec,
-            tools=tools,
-            task_id=child_task_id(ctx),
-            timeout=None,
-            metadata=metadata,
-            parent_id=ctx.task_id,
-            parent_call_id=ctx.call_id,
-        )
-    except scheduler.ParentStopped as stopped:
-        raise ToolError(str(stopped)) from None
-    if submitted.created:
-        rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0)
+    # The port refuses unknown tools and a stopped parent (a ToolError), and starts the child's
+    # run when it created it.
+    submitted = ctx.children.submit(
+        prompt=prompt,
+        model=spec,
+        tools=tools,
+        task_id=child_task_id(ctx),
+        metadata=metadata,
+        parent_id=ctx.task_id,
+        parent_call_id=ctx.call_id,
+    )
     return {"task_id": submitted.task_id, "created": submitted.created}
 
 
 @tool(effect="wait", resumable=True, deadline=3600)
 def wait_for_task(task_id: str, ctx: ToolContext) -> JSON | Pending:
     """Wait for a task (usually a delegated child) to finish and return its result."""
-    from charlie import api
-    from charlie.scheduler import TaskNotFound
-
-    try:
-        info = api.get_task(task_id)
-    except TaskNotFound:
-        raise ToolError(f"no task with id {task_id!r}") from None
+    info = ctx.children.get(task_id)
+    if info is None:
+        raise ToolError(f"no task with id {task_id!r}")
     if ctx.handle is None:
         # Durable before anything else: a resumed wait observes this same task (I19).
         ctx.record_handle(task_id)

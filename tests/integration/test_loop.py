@@ -262,7 +262,7 @@ def test_submitting_one_id_twice_runs_once(cluster: Cluster, script) -> None:
 
 def test_celery_producer_can_submit_with_delay(cluster: Cluster, script) -> None:
     """A producer that has only Celery starts a task with .delay() and its own id."""
-    from charlie.executor.tasks import submit_task
+    from charlie.worker import submit_task
 
     model, ledger = script([{"say": "via celery"}])
     task_id = tid()

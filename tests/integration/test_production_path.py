@@ -220,7 +220,7 @@ def _exists(task_id: str) -> bool:
 
 def test_submit_task_delay_keeps_working(cluster: Cluster, script: Any) -> None:
     from charlie import api
-    from charlie.executor.tasks import submit_task
+    from charlie.worker import submit_task
 
     model, _ = script([{"say": "done"}])
     submit_task.delay("hello", model=model, task_id="delay-keeps-working")

@@ -30,6 +30,7 @@ from charlie.store import calls
 from charlie.store.engine import get_engine, upgrade, write
 from charlie.store.schema import executions, tasks, tool_calls
 from charlie.sweeps import sweep_tool_calls
+from charlie.testing import RecordingPublisher
 from charlie.tools.registry import ToolRegistry
 from tests.conftest import BACKEND, BACKEND_PROBLEM
 from tests.support.cluster import recreate_postgres_database
@@ -337,20 +338,6 @@ def test_a_claim_after_a_committed_cancel_starts_nothing(engine: Engine) -> None
     assert scheduler.cancel(engine, task_id) == [task_id]
     assert calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0) is None
     assert call_row(engine, execution_id).state == CallState.PENDING.value
-
-
-class RecordingPublisher:
-    """Stands in for the broker: these tests are about the database's ordering of writers."""
-
-    def __init__(self) -> None:
-        self.ticks: list[tuple[str, Phase, int]] = []
-
-    def tick(self, execution_id: str, phase: Phase, version: int) -> bool:
-        self.ticks.append((execution_id, phase, version))
-        return True
-
-    def invoke(self, *args: Any, **kwargs: Any) -> bool:
-        return True
 
 
 def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_before(

@@ -27,8 +27,9 @@ from charlie.executor.phases import (
     dispatch_tools,
     report_terminal,
 )
-from charlie.executor.ports import PhaseDeps, PhaseLimits, TransientSchedulerError
-from charlie.models.base import ModelRequest, ModelResponse, TransientModelError, tool_call_item
+from charlie.models.base import ModelResponse, TransientModelError, tool_call_item
+from charlie.ports import PhaseDeps, PhaseLimits
+from charlie.testing import FakeModel, FakeScheduler
 from charlie.tools.registry import ToolRegistry, build_tool
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -48,36 +49,6 @@ def registry() -> ToolRegistry:
     tools.add(build_tool(a_tool, name="read", deadline=10))
     tools.add(build_tool(a_wait, name="wait", effect="wait", resumable=True))
     return tools
-
-
-class FakeModel:
-    spec = "fake:1"
-
-    def __init__(self, response: ModelResponse | Exception) -> None:
-        self.response = response
-        self.requests: list[ModelRequest] = []
-
-    def complete(self, request: ModelRequest) -> ModelResponse:
-        self.requests.append(request)
-        if isinstance(self.response, Exception):
-            raise self.response
-        return self.response
-
-
-class FakeScheduler:
-    def __init__(self, failures: int = 0, accept: bool = True) -> None:
-        self.failures = failures
-        self.accept = accept
-        self.calls: list[tuple[str, TaskStatus, Any]] = []
-
-    def finish(
-        self, task_id: str, status: TaskStatus, *, result: Any = None, error: Any = None
-    ) -> bool:
-        self.calls.append((task_id, status, result))
-        if self.failures:
-            self.failures -= 1
-            raise TransientSchedulerError("db went away")
-        return self.accept
 
 
 def deps(

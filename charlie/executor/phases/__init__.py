@@ -17,7 +17,7 @@ from charlie.executor.phases import (
     report_failure,
     report_terminal,
 )
-from charlie.executor.ports import PhaseDeps
+from charlie.ports import PhaseDeps
 
 PhaseFn = Callable[[RunView, PhaseDeps], Transition]
 

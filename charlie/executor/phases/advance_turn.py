@@ -13,8 +13,8 @@ from charlie.domain import (
     TaskStatus,
     Transition,
 )
-from charlie.executor.ports import PhaseDeps
 from charlie.models.base import render_tool_result
+from charlie.ports import PhaseDeps
 
 NEEDS = frozenset({"calls"})
 

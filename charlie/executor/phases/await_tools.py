@@ -7,7 +7,7 @@ publishes the next await tick, and the sweep wakes the run at the earliest deadl
 from __future__ import annotations
 
 from charlie.domain import CallState, Outcome, Phase, RunView, Settlement, Transition
-from charlie.executor.ports import PhaseDeps
+from charlie.ports import PhaseDeps
 
 NEEDS = frozenset({"calls"})
 

@@ -18,8 +18,8 @@ from charlie.domain import (
     RunView,
     Transition,
 )
-from charlie.executor.ports import PhaseDeps
 from charlie.models.base import ModelError, ModelRequest, TransientModelError
+from charlie.ports import PhaseDeps
 from charlie.tools.registry import ToolRegistry
 
 NEEDS = frozenset({"items"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from charlie.domain import CallState, Effect, Phase, RunView, TaskStatus, Transition
-from charlie.executor.ports import PhaseDeps
+from charlie.ports import PhaseDeps
 
 NEEDS = frozenset({"calls"})
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from charlie.domain import ItemKind, NewItem, Phase, RunView, TaskStatus, Transition
-from charlie.executor.ports import PhaseDeps
+from charlie.ports import PhaseDeps
 
 NEEDS: frozenset[str] = frozenset()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from charlie.domain import RunView, TaskStatus, Transition
 from charlie.executor.phases.report_terminal import report
-from charlie.executor.ports import PhaseDeps
+from charlie.ports import PhaseDeps
 
 NEEDS: frozenset[str] = frozenset()
 

@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from charlie.domain import ItemKind, Phase, RunView, TaskStatus, Transition
-from charlie.executor.ports import PhaseDeps, TransientSchedulerError
+from charlie.ports import PhaseDeps, TransientSchedulerError
 
 NEEDS = frozenset({"items"})
 

@@ -1,5 +1,9 @@
 """Invoking one tool call: mark started (I9) → run the handler → settle, first result wins (I12).
 
+Engine work, not the tool SDK's: the SDK says how a handler is called (tools/calling.py); this
+claims the call, builds its ToolContext with the engine's ports, runs it under a lease and
+hands the result to :mod:`charlie.executor.settle`.
+
 The handler runs outside any transaction while a heartbeat renews the call's lease (I5). A
 worker killed mid-handler leaves the call started with a lapsing lease; the sweep then settles
 it ``interrupted`` (I10), or re-dispatches it here in ``resume`` mode if the tool is a
@@ -9,27 +13,24 @@ settled past its deadline is observed again in ``observe`` mode, for its late re
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import traceback
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from sqlalchemy import Connection, and_, or_, select
+from sqlalchemy import Connection
 
 from charlie import faults
-from charlie.domain import JSON, CallState, Outcome, Phase, task_id_of, utcnow
+from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
+from charlie.executor.children import DbChildren
+from charlie.executor.settle import CallResult, log_settled, settle_result
 from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
-from charlie.store.schema import tool_calls
-from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
-from charlie.tools.registry import ToolDef
+from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
+from charlie.tools.context import Pending, ToolContext
 
 log = logging.getLogger("charlie.tool")
 
@@ -39,18 +40,6 @@ def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
     path = Path(configured) if configured else rt.settings.workspaces_dir / task_id
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def cap_result(result: Any, limit: int) -> Any:
-    """Oversized results are cut, and say so, rather than refused: the call still settles."""
-    text = json.dumps(result, default=str, ensure_ascii=False)
-    if len(text.encode()) <= limit:
-        return json.loads(text)
-    return {
-        "truncated": True,
-        "original_bytes": len(text.encode()),
-        "head": text.encode()[: limit // 2].decode(errors="ignore"),
-    }
 
 
 def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[None]:
@@ -63,47 +52,6 @@ def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[No
     return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
 
 
-class LookFailed(Exception):
-    """An overdue wait's look raised something other than a ToolError: no answer about the
-    outside work (a database or network hiccup), so the late watch looks again later."""
-
-
-def _run_handler(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
-    kwargs = dict(call.arguments)
-    if definition.context_param:
-        kwargs[definition.context_param] = ctx
-    try:
-        return Outcome.OK, definition.handler(**kwargs)
-    except ToolError as exc:
-        return Outcome.ERROR, exc.as_result()
-    except Exception as exc:
-        if ctx.overdue:
-            raise LookFailed(f"{type(exc).__name__}: {exc}") from exc
-        # I15: a tool that raises is a result the model sees, not a failed run.
-        return Outcome.ERROR, {
-            "error": f"{type(exc).__name__}: {exc}",
-            "traceback": "".join(traceback.format_exception(exc))[-4000:],
-        }
-
-
-def _reconcile(definition: ToolDef, call: ClaimedCall, ctx: ToolContext) -> tuple[Outcome, Any]:
-    assert definition.reconcile is not None
-    evidence = _evidence(call)
-    try:
-        found = definition.reconcile(**{**call.arguments, **_ctx_kw(definition, ctx)})
-    except Exception as exc:
-        found = None
-        evidence["reconcile_error"] = f"{type(exc).__name__}: {exc}"
-    if isinstance(found, Reconciled):
-        result = found.result if isinstance(found.result, dict) else {"result": found.result}
-        return found.outcome, {**result, "reconciled": True, "evidence": evidence}
-    return Outcome.INTERRUPTED, {**evidence, "reconciled": False}
-
-
-def _ctx_kw(definition: ToolDef, ctx: ToolContext) -> dict[str, Any]:
-    return {definition.context_param: ctx} if definition.context_param else {}
-
-
 def _evidence(call: ClaimedCall) -> JSON:
     return {
         "started_at": call.started_at.isoformat() if call.started_at else None,
@@ -111,15 +59,6 @@ def _evidence(call: ClaimedCall) -> JSON:
         "attempts": call.attempts,
         "handle": call.handle,
     }
-
-
-def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) -> str:
-    """The ``charlie.tool.invoke`` task: run the call, then the run's await tick if this call
-    completed the turn."""
-    result, await_version = run_call(rt, execution_id, turn, call_id, mode)
-    if await_version is not None:
-        advance_awaiting_run(rt, execution_id, await_version)
-    return result
 
 
 def run_call(
@@ -185,17 +124,6 @@ def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str
     return "late"
 
 
-@dataclass(frozen=True)
-class CallResult:
-    """What a call's handler produced, ready to settle."""
-
-    call: ClaimedCall
-    outcome: Outcome
-    result: Any
-    duration_ms: float
-    mode: Mode
-
-
 def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str:
     """Run the handler of a call whose start (or take-over) is committed (I9): a result to
     settle, or ``"parked"``/``"lost_lease"`` for a resumable wait that is still waiting
@@ -229,13 +157,14 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             handle=call.handle,
             _record_handle=keep_handle,
             overdue=mode == "observe",
+            children=DbChildren(rt),
         )
         # An overdue wait is settled: it has no lease to renew.
         with _call_heartbeat(rt, call) if mode != "observe" else nullcontext():
             if mode == "reconcile":
-                outcome, result = _reconcile(definition, call, ctx)
+                outcome, result = run_reconcile(definition, call.arguments, ctx, _evidence(call))
             else:
-                outcome, result = _run_handler(definition, call, ctx)
+                outcome, result = run_handler(definition, call.arguments, ctx)
     faults.hit("tool.before_settle", tool=call.name, call_id=call.call_id)
     if isinstance(result, Pending):
         if mode == "observe":
@@ -245,66 +174,6 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
         outcome, result = Outcome.ERROR, {"error": f"{call.name!r} is not a resumable wait"}
     result = cap_result(result, rt.settings.max_result_bytes)
     return CallResult(call, outcome, result, (time.perf_counter() - started) * 1000, mode)
-
-
-def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
-    """Settle in a transaction of its own; see :func:`run_call` for what it returns."""
-    settled, await_version = again_if_disconnected(lambda: _settle(rt, done), "settle a tool call")
-    log_settled(done, settled)
-    if await_version is not None:
-        return "settled", await_version
-    return ("settled" if settled else "late"), None
-
-
-def log_settled(done: CallResult, settled: bool) -> None:
-    call = done.call
-    log.info(
-        "call settled" if settled else "late report",
-        extra={
-            "execution_id": call.execution_id,
-            "call_id": call.call_id,
-            "tool": call.name,
-            "mode": done.mode,
-            "outcome": done.outcome,
-        },
-    )
-    faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
-
-
-def _settle(rt: Runtime, done: CallResult) -> tuple[bool, int | None]:
-    """Settle the call, or record a late report (see calls.settle_in_turn)."""
-    call = done.call
-    key = (call.execution_id, call.turn, call.call_id)
-    outcome = done.outcome.value
-
-    def settle(conn: Connection) -> bool:
-        if calls.settle_call(
-            conn, *key, outcome, done.result, rt.worker, utcnow(), done.duration_ms
-        ):
-            return True
-        if calls.settled_by(conn, *key) == rt.worker:
-            return True  # a retry after a lost connection: the first attempt's commit went through
-        # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it; a wait's
-        # observation only if the late watch has not recorded that same end already.
-        calls.record_late_report(conn, *key, outcome, done.result, first_only=call.resumable)
-        return False
-
-    with write(rt.engine) as conn:
-        return calls.settle_in_turn(conn, call.execution_id, call.turn, settle)
-
-
-def advance_awaiting_run(rt: Runtime, execution_id: str, version: int) -> None:
-    """The turn has settled and its run waits in await_tools: run that tick (I7).
-
-    With inline phases this worker runs it at once (it is committed and recorded as its own
-    transition like any other); otherwise it is published. Either way a crash before it leaves
-    a run in await_tools with every call settled, which the sweep re-publishes (I4)."""
-    if rt.settings.inline_phases > 0:
-        from charlie.executor.tick import run_tick
-
-        run_tick(rt, execution_id, Phase.AWAIT_TOOLS, version, inline_first=True)
-    else:
-        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, version)
 
 
 def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
@@ -318,17 +187,8 @@ def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
 def poke_waiters(rt: Runtime, task_id: str) -> None:
     """A task finished: observe the parked waits on it now rather than at their next poll,
     and the overdue ones too, for their late report (I13)."""
-    c = tool_calls.c
     with read(rt.engine) as conn:
-        rows = conn.execute(
-            select(c.execution_id, c.turn, c.call_id, c.state).where(
-                c.handle == task_id,
-                or_(
-                    and_(c.state == CallState.STARTED.value, c.resumable.is_(True)),
-                    calls.OVERDUE_WAIT,
-                ),
-            )
-        ).all()
+        rows = calls.waiters_on(conn, task_id)
     for row in rows:
         mode: Mode = "resume" if row.state == CallState.STARTED.value else "observe"
         rt.publisher.invoke(row.execution_id, row.turn, row.call_id, mode)

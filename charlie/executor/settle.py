@@ -1,0 +1,133 @@
+"""Settling a call and moving its turn: the one way every settler does it (I7, I12, I13).
+
+Workers (a published invocation, a turn's local call) and the sweeps (a deadline, a dead
+worker's call) all settle through here: the run's row locked first, then the call, first result
+wins, and in the same transaction whether that was the turn's last open call. Of two settlers of
+a turn's last two calls the second sees the first's commit, so exactly one of them learns the
+turn is complete; that one moves the run (its await tick), after the commit.
+
+This module runs no tick itself: it returns the await tick's version and :func:`move_turn`
+publishes it, or hands it to the ``run_here`` callable a worker passes (the tick shell), so the
+dependency points from the tick down to here and never back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+
+from charlie import faults
+from charlie.domain import Outcome, Phase, utcnow
+from charlie.runtime import Runtime
+from charlie.store import calls
+from charlie.store.calls import ClaimedCall, Mode
+from charlie.store.engine import again_if_disconnected, write
+
+log = logging.getLogger("charlie.tool")
+
+#: Runs a run's await tick in this worker: ``run_here(execution_id, version)``.
+RunHere = Callable[[str, int], object]
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """What a call's handler produced, ready to settle."""
+
+    call: ClaimedCall
+    outcome: Outcome
+    result: Any
+    duration_ms: float
+    mode: Mode
+
+
+def settle_in_turn(
+    rt: Runtime, execution_id: str, turn: int, settle: Callable[[Connection], bool]
+) -> tuple[bool, int | None]:
+    """Run ``settle`` (False: it settled nothing) in one transaction with the run locked first
+    (see store.calls.settle_in_turn). Returns whether it settled, and the version of the run's
+    await tick when this completed the turn of a run waiting in await_tools, else None."""
+    with write(rt.engine) as conn:
+        return calls.settle_in_turn(conn, execution_id, turn, settle)
+
+
+def move_turn(
+    rt: Runtime, execution_id: str, version: int, run_here: RunHere | None = None
+) -> None:
+    """The turn has settled and its run waits in await_tools at ``version``: move it (I7).
+
+    A worker with inline phases runs that tick at once (committed and recorded as its own
+    transition like any other); otherwise, and always for the sweeps (which never run a
+    phase), it is published. Either way a crash before it leaves a run in await_tools with
+    every call settled, which the sweep re-publishes (I4)."""
+    if run_here is not None and rt.settings.inline_phases > 0:
+        run_here(execution_id, version)
+    else:
+        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, version)
+
+
+def settle_and_move(
+    rt: Runtime,
+    execution_id: str,
+    turn: int,
+    settle: Callable[[Connection], bool],
+    run_here: RunHere | None = None,
+) -> bool:
+    """Settle one call and, if that completed the turn, move the run. Returns whether it
+    settled (False: the call had an outcome already, I12)."""
+    settled, await_version = settle_in_turn(rt, execution_id, turn, settle)
+    if await_version is not None:
+        move_turn(rt, execution_id, await_version, run_here)
+    return settled
+
+
+def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
+    """Settle a handler's result in a transaction of its own: ``("settled", await_version)``
+    when it completed the turn, ``("settled" | "late", None)`` otherwise."""
+    settled, await_version = again_if_disconnected(
+        lambda: settle_in_turn(rt, done.call.execution_id, done.call.turn, _first_wins(rt, done)),
+        "settle a tool call",
+    )
+    log_settled(done, settled)
+    if await_version is not None:
+        return "settled", await_version
+    return ("settled" if settled else "late"), None
+
+
+def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
+    """Settle the call, or record a late report when it has an outcome already (I12)."""
+    call = done.call
+    key = (call.execution_id, call.turn, call.call_id)
+    outcome = done.outcome.value
+
+    def settle(conn: Connection) -> bool:
+        if calls.settle_call(
+            conn, *key, outcome, done.result, rt.worker, utcnow(), done.duration_ms
+        ):
+            return True
+        if calls.settled_by(conn, *key) == rt.worker:
+            return True  # a retry after a lost connection: the first attempt's commit went through
+        # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it; a wait's
+        # observation only if the late watch has not recorded that same end already.
+        calls.record_late_report(conn, *key, outcome, done.result, first_only=call.resumable)
+        return False
+
+    return settle
+
+
+def log_settled(done: CallResult, settled: bool) -> None:
+    call = done.call
+    log.info(
+        "call settled" if settled else "late report",
+        extra={
+            "execution_id": call.execution_id,
+            "call_id": call.call_id,
+            "tool": call.name,
+            "mode": done.mode,
+            "outcome": done.outcome,
+        },
+    )
+    faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)

@@ -1,0 +1,265 @@
+"""The sweeps' statements: bounded scans for work that is due, and the compare-and-sets by which
+one sweeper wins a row for a stall period (I4, I10, I11, I13, I18).
+
+Every scan is limited; every action is a compare-and-set on ``swept_at`` or on the call's state,
+so two beats, or two overlapping runs of one sweep, act at most once per row per stall period.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, and_, case, exists, or_, select, update
+
+from charlie.domain import JSON, CallState, Outcome, Phase, TaskStatus
+from charlie.store.runs import ACTIVE
+from charlie.store.schema import executions, tasks, tool_calls
+
+_e, _c, _t = executions.c, tool_calls.c, tasks.c
+
+#: A lease is only treated as lapsed this long after its expiry: a live worker's renewal that is
+#: a little late (a busy machine, a slow commit) must not look like a death.
+LEASE_GRACE = timedelta(seconds=1)
+
+ENDING = (Phase.REPORT_TERMINAL.value, Phase.REPORT_FAILURE.value, Phase.DONE.value)
+
+#: Why a run's tick is re-published (see sweeps.sweep_stalled_runs).
+RUN_REASONS = ("lapsed", "wake", "stalled", "stopping")
+
+
+def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
+    return or_(column.is_(None), column < now - stall)
+
+
+def _run_clause(reason: str, now: datetime, stall: timedelta) -> Any:
+    free = _e.lease_owner.is_(None)
+    if reason == "lapsed":
+        return and_(_e.lease_until.is_not(None), _e.lease_until < now - LEASE_GRACE)
+    if reason == "wake":
+        return and_(free, _e.wake_at.is_not(None), _e.wake_at <= now)
+    if reason == "stalled":
+        # An await whose turn has settled, quietly, for the stall period: its poke was lost.
+        turn_quiet = ~exists().where(
+            _c.execution_id == _e.id,
+            _c.turn == _e.turn,
+            or_(_c.state != CallState.SETTLED.value, _c.settled_at > now - stall),
+        )
+        return and_(
+            free,
+            _e.updated_at < now - stall,
+            or_(
+                and_(_e.phase != Phase.AWAIT_TOOLS.value, _e.wake_at.is_(None)),
+                and_(_e.phase == Phase.AWAIT_TOOLS.value, turn_quiet),
+            ),
+        )
+    if reason == "stopping":
+        stopped = exists().where(
+            _t.id == _e.task_id,
+            or_(
+                _t.status.in_((TaskStatus.CANCELED.value, TaskStatus.TIMED_OUT.value)),
+                and_(_t.status.in_(ACTIVE), _t.timeout_at < now),
+            ),
+        )
+        return and_(free, _e.phase.not_in(ENDING), stopped)
+    raise ValueError(f"unknown sweep reason {reason!r}")
+
+
+def runs_due(
+    conn: Connection, reason: str, now: datetime, stall: timedelta, limit: int
+) -> list[Any]:
+    """Runs whose tick is due for ``reason`` and not swept this stall period:
+    (id, phase, version)."""
+    return list(
+        conn.execute(
+            select(_e.id, _e.phase, _e.version)
+            .where(
+                _e.phase != Phase.DONE.value,
+                _throttle(_e.swept_at, now, stall),
+                _run_clause(reason, now, stall),
+            )
+            .limit(limit)
+        ).all()
+    )
+
+
+def win_run(
+    conn: Connection,
+    execution_id: str,
+    version: int,
+    now: datetime,
+    stall: timedelta,
+    *,
+    count_attempt: bool,
+) -> bool:
+    """Mark the run swept if no sweeper has this stall period. ``count_attempt``: a re-publish
+    that follows an earlier one which did not move the run counts an attempt (the first may
+    just be a lost message; a second means the tick dies where it runs)."""
+    values: dict[str, Any] = {"swept_at": now}
+    if count_attempt:
+        values["attempts"] = _e.attempts + case((_e.swept_at.is_not(None), 1), else_=0)
+    return bool(
+        conn.execute(
+            update(executions)
+            .where(
+                _e.id == execution_id,
+                _e.version == version,
+                _throttle(_e.swept_at, now, stall),
+            )
+            .values(**values)
+        ).rowcount
+    )
+
+
+def _lapsed(now: datetime) -> Any:
+    return _c.lease_until < now - LEASE_GRACE
+
+
+def _run_live() -> Any:
+    return exists().where(_e.id == _c.execution_id, _e.phase.not_in(ENDING))
+
+
+def abandoned_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
+    """Open calls of a run that has ended (a failure, a race with a stop), held by no live
+    worker: they settle canceled so each still has its one outcome."""
+    return list(
+        conn.execute(
+            select(_c.execution_id, _c.turn, _c.call_id)
+            .where(
+                _c.state != CallState.SETTLED.value,
+                ~_run_live(),
+                or_(_c.lease_owner.is_(None), _lapsed(now)),
+            )
+            .limit(limit)
+        ).all()
+    )
+
+
+def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
+    """Open calls past their deadline (I13)."""
+    return list(
+        conn.execute(
+            select(
+                _c.execution_id, _c.turn, _c.call_id, _c.started_at, _c.queued_at, _c.deadline_at
+            )
+            .where(_c.state != CallState.SETTLED.value, _c.deadline_at < now)
+            .limit(limit)
+        ).all()
+    )
+
+
+def lost_calls(conn: Connection, now: datetime, stall: timedelta, limit: int) -> list[Any]:
+    """Calls queued a stall period ago and never started: their invoke was lost (I11)."""
+    return list(
+        conn.execute(
+            select(_c.execution_id, _c.turn, _c.call_id)
+            .where(
+                _c.state == CallState.PENDING.value,
+                _c.queued_at < now - stall,
+                _throttle(_c.swept_at, now, stall),
+                _run_live(),
+            )
+            .limit(limit)
+        ).all()
+    )
+
+
+def orphaned_calls(conn: Connection, now: datetime, stall: timedelta, limit: int) -> list[Any]:
+    """Started calls whose worker's lease lapsed (I10), with the evidence of their start."""
+    return list(
+        conn.execute(
+            select(
+                _c.execution_id,
+                _c.turn,
+                _c.call_id,
+                _c.name,
+                _c.resumable,
+                _c.attempts,
+                _c.started_at,
+                _c.started_by,
+                _c.lease_owner,
+                _c.lease_until,
+                _c.handle,
+            )
+            .where(
+                _c.state == CallState.STARTED.value,
+                _lapsed(now),
+                _throttle(_c.swept_at, now, stall),
+                _run_live(),
+            )
+            .limit(limit)
+        ).all()
+    )
+
+
+def win_call(
+    conn: Connection, execution_id: str, turn: int, call_id: str, now: datetime, stall: timedelta
+) -> bool:
+    """Mark the call swept if no sweeper has this stall period."""
+    return bool(
+        conn.execute(
+            update(tool_calls)
+            .where(
+                _c.execution_id == execution_id,
+                _c.turn == turn,
+                _c.call_id == call_id,
+                _throttle(_c.swept_at, now, stall),
+            )
+            .values(swept_at=now)
+        ).rowcount
+    )
+
+
+def interrupt_call(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    evidence: JSON,
+    now: datetime,
+    by: str,
+) -> bool:
+    """Settle a started call ``interrupted`` with its evidence (I10): only one still started
+    with a lapsed lease, never one a live worker holds."""
+    return bool(
+        conn.execute(
+            update(tool_calls)
+            .where(
+                _c.execution_id == execution_id,
+                _c.turn == turn,
+                _c.call_id == call_id,
+                _c.state == CallState.STARTED.value,
+                _lapsed(now),
+            )
+            .values(
+                state=CallState.SETTLED.value,
+                outcome=Outcome.INTERRUPTED.value,
+                result=evidence,
+                settled_at=now,
+                settled_by=by,
+                lease_owner=None,
+            )
+        ).rowcount
+        == 1
+    )
+
+
+def tasks_past_timeout(conn: Connection, now: datetime, limit: int) -> list[str]:
+    """Active tasks whose timeout has passed (I18)."""
+    return [
+        r.id
+        for r in conn.execute(
+            select(_t.id).where(_t.status.in_(ACTIVE), _t.timeout_at < now).limit(limit)
+        )
+    ]
+
+
+def current_ticks(conn: Connection, task_ids: list[str]) -> list[Any]:
+    """The current (id, phase, version) of these tasks' unfinished runs, to poke them."""
+    return list(
+        conn.execute(
+            select(_e.id, _e.phase, _e.version).where(
+                _e.task_id.in_(task_ids), _e.phase != Phase.DONE.value
+            )
+        ).all()
+    )

@@ -1,0 +1,140 @@
+"""The worker shell: every Celery task and signal hook Charlie declares, and nothing else.
+
+- ``charlie.phase.<phase>``: one task per phase (I21). A message carries (execution_id,
+  version); the task name is the phase. Each is a thin shell over
+  :func:`charlie.executor.tick.run_tick`, safe to run twice, late or never (I2).
+- ``charlie.tool.invoke``: one tool call (start, resume, reconcile or observe).
+- ``charlie.sweep.*``: the beat sweeps, on their own queue (celeryconfig.task_routes).
+- ``charlie.submit``: a task submitted by a producer that has only Celery.
+- the signal hooks: structured logs, a fresh runtime per forked child, fail fast when ready.
+
+The app (:mod:`charlie.app`) includes this module, so a worker registers all of these; a
+producer that only submits never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    worker_process_init,
+    worker_ready,
+)
+from sqlalchemy.exc import OperationalError
+
+from charlie import logs, runtime, sweeps
+from charlie.app import app
+from charlie.config import settings
+from charlie.domain import Phase
+from charlie.executor import tick
+from charlie.runtime import get_runtime
+
+INVOKE_MODES = ("start", "resume", "reconcile", "observe")
+
+
+def _phase_task(phase: Phase) -> Task:
+    def run(self: Task, execution_id: str, version: int) -> str:
+        # A redelivered message (RabbitMQ gives back a dead worker's unacked message at once)
+        # may be the one that killed it: its claim is committed on its own, so the attempt is
+        # counted even if this worker dies too (poison messages).
+        redelivered = bool((self.request.delivery_info or {}).get("redelivered"))
+        return tick.run_tick(get_runtime(), execution_id, phase, version, durable_claim=redelivered)
+
+    run.__name__ = phase.value
+    run.__doc__ = f"Run the {phase.value} phase of one execution at one version."
+    return app.task(name=f"charlie.phase.{phase.value}", ignore_result=True, bind=True)(run)
+
+
+PHASE_TASKS = {phase: _phase_task(phase) for phase in Phase if phase is not Phase.DONE}
+
+
+@app.task(name="charlie.tool.invoke", ignore_result=True)
+def invoke_task(execution_id: str, turn: int, call_id: str, mode: str = "start") -> str:
+    if mode not in INVOKE_MODES:
+        raise ValueError(f"unknown invoke mode {mode!r}")
+    return tick.invoke(get_runtime(), execution_id, turn, call_id, mode)  # type: ignore[arg-type]
+
+
+@app.task(name="charlie.sweep.stalled_runs", ignore_result=True)
+def stalled_runs() -> int:
+    rt = get_runtime()
+    sweeps.heartbeat(rt, "sweep.stalled_runs")  # for `charlie doctor`: a beat drives recovery
+    return sweeps.sweep_stalled_runs(rt)
+
+
+@app.task(name="charlie.sweep.tool_calls", ignore_result=True)
+def tool_call_sweep() -> dict[str, int]:
+    rt = get_runtime()
+    sweeps.heartbeat(rt, "sweep.tool_calls")  # for `charlie doctor`: a beat drives recovery
+    return sweeps.sweep_tool_calls(rt)
+
+
+@app.task(name="charlie.sweep.task_timeouts", ignore_result=True)
+def task_timeouts() -> int:
+    rt = get_runtime()
+    sweeps.heartbeat(rt, "sweep.task_timeouts")  # for `charlie doctor`: a beat drives recovery
+    return sweeps.sweep_task_timeouts(rt)
+
+
+# A submit that finds the database unreachable is published again with backoff (2 s doubling
+# to 60 s, about 10 minutes in all) before the message is given up with an error naming the
+# task; the countdowns stay far below Redis's visibility timeout (CELERY-NOTES.md).
+@app.task(
+    name="charlie.submit",
+    ignore_result=True,
+    bind=True,
+    autoretry_for=(OperationalError,),
+    retry_backoff=2,
+    retry_backoff_max=60,
+    max_retries=15,
+)
+def submit_task(
+    self: Task,
+    prompt: str,
+    *,
+    model: str,
+    task_id: str | None = None,
+    tools: list[str] | None = None,
+    timeout: float | None = None,
+    metadata: dict[str, object] | None = None,
+) -> str:
+    """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
+    ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
+    queue (``celery``), which Charlie's workers consume too.
+
+    The task's id is ``task_id`` if given, else the Celery message's own id
+    (``send_task(..., task_id=...)``, or the one Celery generated): a redelivered or retried
+    message then submits nothing twice, and the producer's ``AsyncResult.id`` is the Charlie
+    task's id."""
+    from charlie.api import submit  # the producer face; a worker imports it when first used
+
+    return submit(
+        prompt,
+        model=model,
+        tools=tools,
+        task_id=task_id or self.request.id,
+        timeout=timeout,
+        metadata=metadata,
+    )
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _structured_logs(logger: logging.Logger, **_: Any) -> None:
+    # Celery's format string prints no context; each line should say which run it is about.
+    logs.install(logger, json_lines=settings().log_format == "json")
+
+
+@worker_process_init.connect
+def _after_fork(**_: Any) -> None:
+    # A prefork child must open its own database connections and take its own worker identity.
+    runtime.reset_after_fork()
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    get_runtime()  # fail fast on a missing schema or a bad tool module
