@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -69,11 +71,40 @@ def worker(ctx: click.Context) -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option(
+    "--schedule",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A file touched after every sweep round, for supervisors that check its age.",
+)
+@click.option(
+    "--celery-beat",
+    is_flag=True,
+    help="Run Celery beat instead: the sweeps are queued to the workers (charlie.sweeps).",
+)
 @click.pass_context
-def beat(ctx: click.Context) -> None:
-    """Run Celery beat, which drives the recovery sweeps. Run exactly one."""
+def beat(ctx: click.Context, schedule: Path | None, celery_beat: bool) -> None:
+    """Run the recovery sweeps every CHARLIE_SWEEP_INTERVAL, in this process. Run one (two do
+    no harm: every action is a compare-and-set)."""
     app = _celery_app()
-    app.start(["beat", "--loglevel", "INFO", *ctx.args])
+    if celery_beat:
+        extra = ["--schedule", str(schedule)] if schedule else []
+        app.start(["beat", "--loglevel", "INFO", *extra, *ctx.args])
+        return
+    if ctx.args:
+        _fail(f"unexpected arguments {' '.join(ctx.args)!r} (Celery's go with --celery-beat)")
+    import signal
+    import threading
+
+    from charlie import logs, sweeps
+    from charlie.runtime import get_runtime
+
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/beat] %(message)s")
+    logs.install(logging.getLogger(), json_lines=settings().log_format == "json")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sweeps.run_beat(get_runtime(), stop, liveness=schedule)
 
 
 @main.command()

@@ -70,6 +70,9 @@ class Settings:
     #: while more messages than this wait in the broker queue, the sweep does not re-publish
     #: runs that merely look stalled: in a backlog their ticks are queued, not lost.
     sweep_backlog_limit: int = 200
+    #: ...but a run stalled this long is re-published even in a backlog (once per this period),
+    #: so a tick that was really lost while the queue was deep waits at most this long (I4).
+    sweep_backlog_max_wait: float = 120.0
     #: poison messages: a tick or a tool invocation claimed this many times without finishing
     #: ends the run in report_failure (or the call as interrupted) instead of looping.
     max_attempts: int = 5
@@ -162,6 +165,7 @@ def load_settings() -> Settings:
         stall_seconds=_env_float("CHARLIE_STALL_SECONDS", 5.0),
         max_attempts=_env_int("CHARLIE_MAX_ATTEMPTS", 5),
         sweep_backlog_limit=_env_int("CHARLIE_SWEEP_BACKLOG_LIMIT", 200),
+        sweep_backlog_max_wait=_env_float("CHARLIE_SWEEP_BACKLOG_MAX_WAIT", 120.0),
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 10),
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
         late_watch_seconds=_env_float("CHARLIE_LATE_WATCH_SECONDS", 3600.0),

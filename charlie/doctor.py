@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from charlie.config import SWEEP_QUEUE, TICK_QUEUE, Settings
+from charlie.config import TICK_QUEUE, Settings
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -279,10 +279,7 @@ class _Doctor:
         except Exception as exc:
             self.add("beat", "skip", f"not checked: {_first_line(exc)}")
             return
-        fix = (
-            "run exactly one `charlie beat`, and a worker that consumes "
-            f"{SWEEP_QUEUE!r} (`charlie worker` does)"
-        )
+        fix = "run one `charlie beat` (it runs the sweeps itself)"
         limit = max(60.0, 10 * self.s.sweep_interval)
         now = utcnow()
         missing = [name for name in SWEEPS if name not in beats]

@@ -47,8 +47,12 @@ class Publisher:
     def __init__(self, app: Celery) -> None:
         self.app = app
 
-    def tick(self, execution_id: str, phase: Phase, version: int) -> bool:
-        return self._send(f"charlie.phase.{phase.value}", (execution_id, version))
+    def tick(self, execution_id: str, phase: Phase, version: int, *, durable: bool = False) -> bool:
+        """``durable``: the worker commits its claim (and the attempt) before running the
+        phase, so a tick that kills its worker is counted wherever it dies (the sweep's
+        re-publishes; poison messages)."""
+        args = (execution_id, version, True) if durable else (execution_id, version)
+        return self._send(f"charlie.phase.{phase.value}", args)
 
     def invoke(self, execution_id: str, turn: int, call_id: str, mode: str = "start") -> bool:
         return self._send("charlie.tool.invoke", (execution_id, turn, call_id, mode))

@@ -11,9 +11,13 @@ run them are declared in :mod:`charlie.worker`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Connection
@@ -47,15 +51,20 @@ def sweep_stalled_runs(rt: Runtime) -> int:
       that should have woken it was lost.
     """
     now = utcnow()
-    stall = timedelta(seconds=rt.settings.stall_seconds)
-    reasons = list(scans.RUN_REASONS)
-    if _backlogged(rt):
-        # A deep queue means ticks are waiting, not lost: re-publishing them would only deepen
-        # it (each re-publish is one more message to drain). Lost ticks are found once it
-        # drains; lapsed leases, wake-ups and stops still go.
-        reasons.remove("stalled")
+    normal = timedelta(seconds=rt.settings.stall_seconds)
+    # A deep queue means ticks are waiting, not lost: re-publishing every run that merely looks
+    # stalled would only deepen it (each re-publish is one more message to drain). In a backlog
+    # a run counts as stalled only after CHARLIE_SWEEP_BACKLOG_MAX_WAIT, and is re-published at
+    # most once per that period, so a tick really lost meanwhile waits that long, not for the
+    # backlog to drain; lapsed leases, wake-ups and stops still go at once.
+    backlog = (
+        timedelta(seconds=max(rt.settings.sweep_backlog_max_wait, rt.settings.stall_seconds))
+        if _backlogged(rt)
+        else None
+    )
     published = 0
-    for reason in reasons:
+    for reason in scans.RUN_REASONS:
+        stall = backlog if backlog is not None and reason == "stalled" else normal
         with read(rt.engine) as conn:
             rows = scans.runs_due(conn, reason, now, stall, LIMIT)
         for row in rows:
@@ -66,7 +75,6 @@ def sweep_stalled_runs(rt: Runtime) -> int:
                 row.version,
                 now,
                 stall,
-                count_attempt=reason == "stalled",
                 reason=reason,
             ):
                 published += 1
@@ -101,12 +109,15 @@ def _republish(
     now: datetime,
     stall: timedelta,
     *,
-    count_attempt: bool = False,
     reason: str = "",
 ) -> bool:
-    """Publish a run's current tick if this sweeper wins the row for this stall period."""
+    """Publish a run's current tick if this sweeper wins the row for this stall period.
+
+    The tick goes out durable: the worker that takes it commits its claim, and the attempt,
+    before the phase runs. A tick that dies where it runs is thus counted on every try (poison
+    messages end in report_failure), and one that only waited behind busy workers is not."""
     with write(rt.engine) as conn:
-        won = scans.win_run(conn, execution_id, version, now, stall, count_attempt=count_attempt)
+        won = scans.win_run(conn, execution_id, version, now, stall)
     if not won:
         return False
     log.info(
@@ -118,7 +129,7 @@ def _republish(
             "reason": reason,
         },
     )
-    return rt.publisher.tick(execution_id, phase, version)
+    return rt.publisher.tick(execution_id, phase, version, durable=True)
 
 
 def _deadline_result(
@@ -286,3 +297,59 @@ def heartbeat(rt: Runtime, name: str) -> None:
         log.warning("could not record the %s heartbeat", name, exc_info=True)
         return
     rt.heartbeats_sent[name] = now
+
+
+#: the sweeps by the names their heartbeats (and `charlie doctor`) know them by.
+SWEEPS: dict[str, Callable[[Runtime], object]] = {
+    "sweep.stalled_runs": sweep_stalled_runs,
+    "sweep.tool_calls": sweep_tool_calls,
+    "sweep.task_timeouts": sweep_task_timeouts,
+}
+
+
+def run_sweep(rt: Runtime, name: str) -> object:
+    """Run one sweep and record its heartbeat (for `charlie doctor`: a beat drives recovery)."""
+    result = SWEEPS[name](rt)
+    heartbeat(rt, name)
+    return result
+
+
+def sweep_round(rt: Runtime) -> dict[str, object]:
+    """Every sweep once. One failing (the database away, a broker hiccup) does not stop the
+    others, nor the next round."""
+    results: dict[str, object] = {}
+    for name in SWEEPS:
+        try:
+            results[name] = run_sweep(rt, name)
+        except Exception:
+            log.exception("%s failed; trying again next round", name)
+    return results
+
+
+def run_beat(rt: Runtime, stop: threading.Event, liveness: Path | None = None) -> None:
+    """`charlie beat`: run the sweeps in this process every CHARLIE_SWEEP_INTERVAL.
+
+    Recovery runs here, not as tasks on the workers' pools: pools busy with hour-long tools
+    would leave a queued sweep waiting for a free slot while lost ticks stay lost (I4). What
+    the sweeps decide is still carried out by the workers (a re-published tick queues for the
+    next free slot); finding it does not wait. ``liveness`` is touched after every round, for
+    supervisors that check a file's age."""
+    interval = rt.settings.sweep_interval
+    log.info("sweeping every %ss (stall %ss, lease %ss)", interval, rt.settings.stall_seconds,
+             rt.settings.lease_seconds)  # fmt: skip
+    while not stop.is_set():
+        started = time.monotonic()
+        results = sweep_round(rt)
+        acted = {name: r for name, r in results.items() if _acted(r)}
+        if acted:
+            log.info("sweep round: %s", acted)
+        if liveness is not None:
+            with contextlib.suppress(OSError):
+                liveness.touch()
+        stop.wait(max(0.0, interval - (time.monotonic() - started)))
+
+
+def _acted(result: object) -> bool:
+    if isinstance(result, dict):
+        return any(result.values())
+    return bool(result)

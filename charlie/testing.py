@@ -279,7 +279,7 @@ class RecordingPublisher:
         self.ticks: list[tuple[str, Phase, int]] = []
         self.invokes: list[tuple[str, int, str, str]] = []
 
-    def tick(self, execution_id: str, phase: Phase, version: int) -> bool:
+    def tick(self, execution_id: str, phase: Phase, version: int, *, durable: bool = False) -> bool:
         self.ticks.append((execution_id, phase, version))
         return True
 

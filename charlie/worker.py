@@ -37,12 +37,15 @@ INVOKE_MODES = ("start", "resume", "reconcile", "observe")
 
 
 def _phase_task(phase: Phase) -> Task:
-    def run(self: Task, execution_id: str, version: int) -> str:
-        # A redelivered message (RabbitMQ gives back a dead worker's unacked message at once)
-        # may be the one that killed it: its claim is committed on its own, so the attempt is
-        # counted even if this worker dies too (poison messages).
+    def run(self: Task, execution_id: str, version: int, durable: bool = False) -> str:
+        # A redelivered message (RabbitMQ gives back a dead worker's unacked message at once),
+        # or a tick the sweep re-published (``durable``), may be the one that killed a worker:
+        # its claim is committed on its own, so the attempt is counted even if this worker dies
+        # too (poison messages), and a tick that merely waited in a busy queue counts none.
         redelivered = bool((self.request.delivery_info or {}).get("redelivered"))
-        return tick.run_tick(get_runtime(), execution_id, phase, version, durable_claim=redelivered)
+        return tick.run_tick(
+            get_runtime(), execution_id, phase, version, durable_claim=redelivered or durable
+        )
 
     run.__name__ = phase.value
     run.__doc__ = f"Run the {phase.value} phase of one execution at one version."
@@ -59,25 +62,22 @@ def invoke_task(execution_id: str, turn: int, call_id: str, mode: str = "start")
     return tick.invoke(get_runtime(), execution_id, turn, call_id, mode)  # type: ignore[arg-type]
 
 
+# The sweeps as Celery tasks, for `celery -A charlie.app beat` (celeryconfig's beat_schedule):
+# they then queue on charlie.sweeps for the workers' pools. `charlie beat` runs them in its own
+# process instead (sweeps.run_beat), so recovery never waits for a free slot.
 @app.task(name="charlie.sweep.stalled_runs", ignore_result=True)
-def stalled_runs() -> int:
-    rt = get_runtime()
-    sweeps.heartbeat(rt, "sweep.stalled_runs")  # for `charlie doctor`: a beat drives recovery
-    return sweeps.sweep_stalled_runs(rt)
+def stalled_runs() -> object:
+    return sweeps.run_sweep(get_runtime(), "sweep.stalled_runs")
 
 
 @app.task(name="charlie.sweep.tool_calls", ignore_result=True)
-def tool_call_sweep() -> dict[str, int]:
-    rt = get_runtime()
-    sweeps.heartbeat(rt, "sweep.tool_calls")  # for `charlie doctor`: a beat drives recovery
-    return sweeps.sweep_tool_calls(rt)
+def tool_call_sweep() -> object:
+    return sweeps.run_sweep(get_runtime(), "sweep.tool_calls")
 
 
 @app.task(name="charlie.sweep.task_timeouts", ignore_result=True)
-def task_timeouts() -> int:
-    rt = get_runtime()
-    sweeps.heartbeat(rt, "sweep.task_timeouts")  # for `charlie doctor`: a beat drives recovery
-    return sweeps.sweep_task_timeouts(rt)
+def task_timeouts() -> object:
+    return sweeps.run_sweep(get_runtime(), "sweep.task_timeouts")
 
 
 # A submit that finds the database unreachable is published again with backoff (2 s doubling

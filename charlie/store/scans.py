@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, exists, or_, select, update
+from sqlalchemy import Connection, and_, exists, or_, select, update
 
 from charlie.domain import JSON, CallState, Outcome, Phase, TaskStatus
 from charlie.store.runs import ACTIVE
@@ -89,15 +89,8 @@ def win_run(
     version: int,
     now: datetime,
     stall: timedelta,
-    *,
-    count_attempt: bool,
 ) -> bool:
-    """Mark the run swept if no sweeper has this stall period. ``count_attempt``: a re-publish
-    that follows an earlier one which did not move the run counts an attempt (the first may
-    just be a lost message; a second means the tick dies where it runs)."""
-    values: dict[str, Any] = {"swept_at": now}
-    if count_attempt:
-        values["attempts"] = _e.attempts + case((_e.swept_at.is_not(None), 1), else_=0)
+    """Mark the run swept if no sweeper has this stall period."""
     return bool(
         conn.execute(
             update(executions)
@@ -106,7 +99,7 @@ def win_run(
                 _e.version == version,
                 _throttle(_e.swept_at, now, stall),
             )
-            .values(**values)
+            .values(swept_at=now)
         ).rowcount
     )
 

@@ -128,8 +128,11 @@ def test_a_backlog_is_not_mistaken_for_lost_ticks(
     private_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """I4 without a feedback loop: while the broker queue is deep, runs that only look stalled
-    (their ticks are queued) are not re-published; once it drains they are. A re-publish counts
-    as an attempt only when an earlier one did not move the run."""
+    (their ticks are queued) are not re-published; once it drains they are. A run stalled past
+    CHARLIE_SWEEP_BACKLOG_MAX_WAIT is re-published even in a backlog (issue 12, item 6: a tick
+    really lost meanwhile waits that long at most), once per that period. Every re-published
+    tick is durable (its worker commits the claim and the attempt first), so the sweep itself
+    counts no attempt: a tick that only waited in the queue is not taken for poison."""
     from charlie import sweeps
     from charlie.config import load_settings
     from charlie.runtime import Runtime
@@ -137,33 +140,40 @@ def test_a_backlog_is_not_mistaken_for_lost_ticks(
     from tests.support.sweeper import RecordingPublisher
 
     engine = get_engine(private_database)
-    long_ago = datetime.now(UTC) - timedelta(minutes=5)
-    ids = []
-    for _ in range(5):
-        ids.append(stalled_run(engine, "backlog", long_ago))
+    settings = load_settings()
+    max_wait = timedelta(seconds=settings.sweep_backlog_max_wait)
+    recent = datetime.now(UTC) - max_wait / 2  # stalled, but within the backlog's patience
+    long_ago = datetime.now(UTC) - max_wait * 2
+    waiting = [stalled_run(engine, "backlog", recent) for _ in range(5)]
+    lost = [stalled_run(engine, "backlog-lost", long_ago) for _ in range(2)]
     publisher = RecordingPublisher()
     rt = Runtime(
-        settings=load_settings(),
+        settings=settings,
         engine=engine,
         worker="sweeper-test",
         publisher=publisher,  # type: ignore[arg-type]
         tools=REGISTRY,
     )
     monkeypatch.setattr(sweeps, "queue_depth", lambda queue="charlie": 10_000)
-    assert sweeps.sweep_stalled_runs(rt) == 0 and publisher.sent == []
+    assert sweeps.sweep_stalled_runs(rt) == 2
+    assert sorted(m[1] for m in publisher.sent) == sorted(lost)
+    assert sweeps.sweep_stalled_runs(rt) == 0  # once per max-wait period, not every round
     monkeypatch.setattr(sweeps, "queue_depth", lambda queue="charlie": 0)
-    assert sweeps.sweep_stalled_runs(rt) == 5
+    assert sweeps.sweep_stalled_runs(rt) == 5  # drained: the rest go too
+    assert {m[1] for m in publisher.sent} == set(waiting + lost)
+    assert all(m[4] is True for m in publisher.sent)  # durable: the claim counts the attempt
 
     def attempts() -> list[int]:
         with engine.connect() as conn:
-            rows = conn.execute(select(executions.c.attempts).where(executions.c.id.in_(ids)))
+            rows = conn.execute(select(executions.c.attempts).where(executions.c.id.in_(waiting)))
             return [r.attempts for r in rows]
 
-    assert attempts() == [0] * 5  # the first re-publish may just be a lost message
     with write(engine) as conn:  # the stall period passes and nothing moved
-        conn.execute(update(executions).where(executions.c.id.in_(ids)).values(swept_at=long_ago))
+        conn.execute(
+            update(executions).where(executions.c.id.in_(waiting)).values(swept_at=long_ago)
+        )
     assert sweeps.sweep_stalled_runs(rt) == 5
-    assert attempts() == [1] * 5
+    assert attempts() == [0] * 5  # a queued tick is not counted as a dying one
 
 
 def test_the_late_watch_looks_only_at_overdue_waits_in_its_window(private_database: str) -> None:

@@ -20,8 +20,8 @@ class RecordingPublisher:
     def __init__(self) -> None:
         self.sent: list[list[Any]] = []
 
-    def tick(self, execution_id: str, phase: Phase, version: int) -> bool:
-        self.sent.append(["tick", execution_id, phase.value, version])
+    def tick(self, execution_id: str, phase: Phase, version: int, *, durable: bool = False) -> bool:
+        self.sent.append(["tick", execution_id, phase.value, version, durable])
         return True
 
     def invoke(self, execution_id: str, turn: int, call_id: str, mode: str = "start") -> bool:
