@@ -53,10 +53,11 @@ broker_connection_retry_on_startup = True
 task_default_queue = TICK_QUEUE
 task_routes = {"charlie.sweep.*": {"queue": SWEEP_QUEUE}}
 
-# On the embedded broker a dead worker's broadcast queue is never removed, so every later
-# broadcast would leave a file behind for it: no remote control there (Flower needs a server
-# broker anyway).
-worker_enable_remote_control = not _s.is_embedded_broker
+# Remote control (inspect, ping, broadcasts) only when asked for (CHARLIE_REMOTE_CONTROL=1, for
+# Flower's worker pages): anyone who can publish to the broker could use it. Never on the
+# embedded broker, where a dead worker's broadcast queue is never removed and every later
+# broadcast would leave a file behind for it.
+worker_enable_remote_control = _s.remote_control and not _s.is_embedded_broker
 
 # Flower shows the loop as it runs (I21): each phase is its own task name.
 worker_send_task_events = _s.task_events

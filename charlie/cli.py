@@ -107,6 +107,33 @@ def beat(ctx: click.Context, schedule: Path | None, celery_beat: bool) -> None:
     sweeps.run_beat(get_runtime(), stop, liveness=schedule)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option(
+    "--basic-auth",
+    envvar="FLOWER_BASIC_AUTH",
+    default=None,
+    help="user:password (or FLOWER_BASIC_AUTH); required unless --auth (OAuth) is given.",
+)
+@click.pass_context
+def flower(ctx: click.Context, basic_auth: str | None) -> None:
+    """Run Flower on Charlie's broker (extra arguments go to Flower). It refuses to start
+    without authentication: it shows every task and can control workers."""
+    from charlie import flowerconfig
+
+    args = list(ctx.args)
+    oauth = any(a == "--auth" or a.startswith("--auth=") for a in args)
+    if not basic_auth and not oauth:
+        _fail(
+            "refusing to start Flower without authentication: give --basic-auth user:password "
+            "(or FLOWER_BASIC_AUTH), or --auth with Flower's OAuth settings"
+        )
+    if basic_auth and ":" not in basic_auth:
+        _fail("--basic-auth takes user:password")
+    app = _celery_app()
+    extra = [f"--basic-auth={basic_auth}"] if basic_auth else []
+    app.start(["flower", f"--conf={flowerconfig.__file__}", *extra, *args])
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", required=True, help="scripted:PATH, openai:NAME, ...")

@@ -32,6 +32,15 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={raw!r} is not a whole number") from exc
 
 
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={raw!r} is not one of 1, 0, true, false, yes, no, on, off")
+
+
 LOG_FORMATS = ("text", "json")
 
 #: the queue of ticks and tool invocations (every Charlie task but the sweeps).
@@ -111,6 +120,10 @@ class Settings:
     #: the queue a producer that has only Celery publishes ``charlie.submit`` to when it sets
     #: no routing: Celery's default queue. Workers consume it too; empty: none.
     intake_queue: str = "celery"
+    #: Celery's remote control (inspect, ping, revoke broadcasts) for workers: off unless asked
+    #: for (CHARLIE_REMOTE_CONTROL=1; Flower's worker pages need it). Anyone who can publish to
+    #: the broker can use it; `charlie doctor` sees workers through their heartbeats instead.
+    remote_control: bool = False
     #: how the local run_command confines commands: ``bwrap`` (bubblewrap; commands are refused
     #: where it cannot run) or ``off`` (the operator's explicit opt-out: commands run with the
     #: worker's rights). charlie/sandbox.py says what the sandbox hides.
@@ -182,6 +195,7 @@ def load_settings() -> Settings:
         devbox_command_deadline=_env_float("CHARLIE_DEVBOX_COMMAND_DEADLINE", 900.0),
         log_format=_env_choice("CHARLIE_LOG_FORMAT", LOG_FORMATS, "text"),
         intake_queue=os.environ.get("CHARLIE_INTAKE_QUEUE", "celery").strip(),
+        remote_control=_env_flag("CHARLIE_REMOTE_CONTROL"),
         sandbox=_env_choice("CHARLIE_SANDBOX", ("bwrap", "off"), "bwrap"),
         sandbox_hide=os.environ.get("CHARLIE_SANDBOX_HIDE", ""),
     )

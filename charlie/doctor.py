@@ -84,6 +84,8 @@ class _Doctor:
         self.timeout = timeout
         self.checks: list[Check] = []
         self.schema_ok = False
+        #: every heartbeat in the database, once read (None: it could not be).
+        self.heartbeats: dict[str, Any] | None = None
 
     def add(self, name: str, status: str, detail: str, fix: str = "") -> Check:
         check = Check(name, status, detail, fix)
@@ -93,17 +95,19 @@ class _Doctor:
     def run(self) -> list[Check]:
         engine = self.database()
         self.schema(engine)
-        app = self.broker()
+        self.broker()
         self.tools()
         self.devbox()
         self.beat(engine)
-        self.workers(app)
+        self.workers()
         return self.checks
 
     # -- the database ------------------------------------------------------------------------
 
     def database(self) -> Any:
-        from sqlalchemy import create_engine, text
+        from sqlalchemy import create_engine
+
+        from charlie.store.engine import server_version
 
         url = self.s.database_url
         shown = _safe_url(url)
@@ -127,9 +131,7 @@ class _Doctor:
                 args["connect_args"] = {"connect_timeout": max(1, int(self.timeout))}
             engine = create_engine(url, **args)
             with engine.connect() as conn:
-                version = conn.execute(
-                    text("select sqlite_version()" if self.s.is_sqlite else "show server_version")
-                ).scalar()
+                version = server_version(conn)
         except ImportError as exc:
             self.add(
                 "database",
@@ -147,7 +149,7 @@ class _Doctor:
             )
             return None
         kind = "SQLite" if self.s.is_sqlite else "PostgreSQL"
-        self.add("database", "ok", f"{shown} answers ({kind} {str(version).split()[0]})")
+        self.add("database", "ok", f"{shown} answers ({kind} {version})")
         return engine
 
     def schema(self, engine: Any) -> None:
@@ -180,14 +182,14 @@ class _Doctor:
 
     # -- the broker --------------------------------------------------------------------------
 
-    def broker(self) -> Celery | None:
+    def broker(self) -> None:
         from charlie.app import app
 
         shown = _safe_url(self.s.broker_url)
         problem = transport_problem(app)
         if problem:
             self.add("broker", "FAIL", problem, "see the README's production section")
-            return None
+            return
         try:
             with app.connection_for_write(connect_timeout=self.timeout) as conn:
                 conn.ensure_connection(max_retries=1, interval_start=0, timeout=self.timeout)
@@ -204,9 +206,8 @@ class _Doctor:
                     f"cannot connect to {shown}: {_first_line(exc)}",
                     "check CHARLIE_BROKER_URL and that the broker is up",
                 )
-                return None
+                return
         self.add("broker", "ok", f"{shown} answers; {depth} message(s) wait in {TICK_QUEUE!r}")
-        return app
 
     # -- what the workers import -------------------------------------------------------------
 
@@ -275,7 +276,7 @@ class _Doctor:
             return
         try:
             with engine.connect() as conn:
-                beats = load_heartbeats(conn)
+                beats = self.heartbeats = load_heartbeats(conn)
         except Exception as exc:
             self.add("beat", "skip", f"not checked: {_first_line(exc)}")
             return
@@ -298,43 +299,41 @@ class _Doctor:
             return
         self.add("beat", "ok", f"every sweep ran within {_ago(age)} (last by {oldest.worker})")
 
-    def workers(self, app: Celery | None) -> None:
-        if app is None:
-            self.add("workers", "skip", "not checked: the broker is unusable")
+    def workers(self) -> None:
+        from charlie.domain import utcnow
+        from charlie.presence import EVERY
+        from charlie.store.heartbeats import WORKER_PREFIX
+
+        if self.heartbeats is None:
+            self.add("workers", "skip", "not checked: the database is unreachable or not migrated")
             return
-        if self.s.is_embedded_broker:
-            self.add(
-                "workers",
-                "skip",
-                "the embedded broker has no remote control to ping workers; `beat` above "
-                "shows whether one consumes the sweeps",
-            )
-            return
-        try:
-            replies = app.control.inspect(timeout=self.timeout).active_queues() or {}
-        except Exception as exc:
-            self.add("workers", "FAIL", f"ping failed: {_first_line(exc)}", "check the broker")
-            return
-        if not replies:
+        now = utcnow()
+        alive = {
+            name.removeprefix(WORKER_PREFIX): beat
+            for name, beat in self.heartbeats.items()
+            if name.startswith(WORKER_PREFIX) and (now - beat.at).total_seconds() <= 6 * EVERY
+        }
+        if not alive:
             self.add(
                 "workers",
                 "FAIL",
-                f"no worker answered within {self.timeout:g} s",
-                "start `charlie worker` (with remote control on, as it is by default)",
+                f"no worker has said it is alive in the last {6 * EVERY:.0f} s",
+                "start `charlie worker` (each records a heartbeat in the database)",
             )
             return
-        consumed = {q["name"] for queues in replies.values() for q in queues}
-        wanted = self.s.worker_queues
+        consumed = {q for beat in alive.values() for q in (beat.detail or "").split(",") if q}
+        wanted = [TICK_QUEUE, *([self.s.intake_queue] if self.s.intake_queue else [])]
         unserved = [q for q in wanted if q not in consumed]
         if unserved:
             self.add(
                 "workers",
                 "FAIL",
-                f"{len(replies)} alive, but none consumes {', '.join(map(repr, unserved))}",
-                f"start workers with `-Q {','.join(wanted)}` (the default of `charlie worker`)",
+                f"{len(alive)} alive, but none consumes {', '.join(map(repr, unserved))}",
+                f"start workers with `-Q {','.join(self.s.worker_queues)}` (the default of "
+                "`charlie worker`)",
             )
             return
-        self.add("workers", "ok", f"{len(replies)} alive: {', '.join(sorted(replies))}")
+        self.add("workers", "ok", f"{len(alive)} alive: {', '.join(sorted(alive))}")
 
 
 def _ago(seconds: float) -> str:

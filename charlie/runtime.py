@@ -29,6 +29,7 @@ from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
 from charlie.models import Model, resolve_model
 from charlie.ports import PhaseDeps, PhaseLimits
+from charlie.presence import Presence
 from charlie.scheduler import DbScheduler
 from charlie.store import scans
 from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
@@ -99,6 +100,8 @@ class Runtime(Producer):
     _models: dict[str, Model] = field(default_factory=dict)
     #: when this process last recorded each sweep's heartbeat (time.monotonic()).
     heartbeats_sent: dict[str, float] = field(default_factory=dict)
+    #: a worker main process's heartbeat in the database (charlie/presence.py), once ready.
+    presence: Presence | None = None
 
     def model_for(self, spec: str) -> Model:
         model = self._models.get(spec)
@@ -184,6 +187,11 @@ def get_runtime() -> Runtime:
                 tools=REGISTRY,
             )
         return _runtime
+
+
+def current() -> Runtime | None:
+    """This process's runtime if one was built (a shutdown hook must not build one)."""
+    return _runtime
 
 
 def reset_after_fork() -> None:

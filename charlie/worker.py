@@ -23,14 +23,17 @@ from celery.signals import (
     after_setup_task_logger,
     worker_process_init,
     worker_ready,
+    worker_shutdown,
 )
+from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
 
-from charlie import logs, runtime, sweeps
+from charlie import logs, redact, runtime, sweeps
 from charlie.app import app
 from charlie.config import settings
 from charlie.domain import Phase
 from charlie.executor import tick
+from charlie.presence import Presence
 from charlie.runtime import get_runtime
 
 INVOKE_MODES = ("start", "resume", "reconcile", "observe")
@@ -80,11 +83,34 @@ def task_timeouts() -> object:
     return sweeps.run_sweep(get_runtime(), "sweep.task_timeouts")
 
 
+class _SubmitTask(Task):  # type: ignore[misc]
+    """``charlie.submit`` as sent from a Charlie process: its prompt and metadata do not ride
+    in the message's repr headers, which task events carry to Flower (charlie/redact.py)."""
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        if "argsrepr" not in options or "kwargsrepr" not in options:
+            argsrepr, kwargsrepr = redact.submit_reprs(args, kwargs)
+            options.setdefault("argsrepr", argsrepr)
+            options.setdefault("kwargsrepr", kwargsrepr)
+        return super().apply_async(args, kwargs, **options)
+
+
+class _SubmitRequest(Request):  # type: ignore[misc]
+    """The worker's view of a received ``charlie.submit``: whatever repr its producer sent (a
+    plain Celery app sends the prompt), the events and inspection show the redacted one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._argsrepr, self._kwargsrepr = redact.submit_reprs(self._args, self._kwargs)
+
+
 # A submit that finds the database unreachable is published again with backoff (2 s doubling
 # to 60 s, about 10 minutes in all) before the message is given up with an error naming the
 # task; the countdowns stay far below Redis's visibility timeout (CELERY-NOTES.md).
 @app.task(
     name="charlie.submit",
+    base=_SubmitTask,
+    Request=_SubmitRequest,
     ignore_result=True,
     bind=True,
     autoretry_for=(OperationalError,),
@@ -136,5 +162,16 @@ def _after_fork(**_: Any) -> None:
 
 
 @worker_ready.connect
-def _ready(**_: Any) -> None:
-    get_runtime()  # fail fast on a missing schema or a bad tool module
+def _ready(sender: Any = None, **_: Any) -> None:
+    rt = get_runtime()  # fail fast on a missing schema or a bad tool module
+    # The main process says it is alive, and what it consumes, for `charlie doctor`.
+    queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
+    node = getattr(sender, "hostname", None) or rt.worker
+    rt.presence = Presence(rt.engine, node, queues).start()
+
+
+@worker_shutdown.connect
+def _shutdown(**_: Any) -> None:
+    rt = runtime.current()
+    if rt is not None and rt.presence is not None:
+        rt.presence.stop()

@@ -160,6 +160,12 @@ def read(engine: Engine) -> Iterator[Connection]:
         yield conn
 
 
+def server_version(conn: Connection) -> str:
+    """The database server's version, e.g. ``15.4`` or SQLite's ``3.40.1``."""
+    sql = "select sqlite_version()" if conn.dialect.name == "sqlite" else "show server_version"
+    return str(conn.exec_driver_sql(sql).scalar()).split()[0]
+
+
 def migrations_dir() -> Path:
     return Path(__file__).parent / "migrations"
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from charlie.store.schema import heartbeats
+
+#: the heartbeats of workers are named this, then their node name.
+WORKER_PREFIX = "worker:"
 
 
 @dataclass(frozen=True)
@@ -20,20 +23,25 @@ class Heartbeat:
     name: str
     at: datetime
     worker: str
+    detail: str | None = None
 
 
-def record_heartbeat(conn: Connection, name: str, worker: str, now: datetime) -> None:
+def record_heartbeat(
+    conn: Connection, name: str, worker: str, now: datetime, detail: str | None = None
+) -> None:
     """Upsert ``name``'s heartbeat: one statement, whichever process wrote it last wins."""
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    stmt = dialect.insert(heartbeats).values(name=name, at=now, worker=worker)
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[heartbeats.c.name], set_={"at": now, "worker": worker}
-        )
-    )
+    values = {"at": now, "worker": worker, "detail": detail}
+    stmt = dialect.insert(heartbeats).values(name=name, **values)
+    conn.execute(stmt.on_conflict_do_update(index_elements=[heartbeats.c.name], set_=values))
 
 
 def load_heartbeats(conn: Connection) -> dict[str, Heartbeat]:
     h = heartbeats.c
-    rows = conn.execute(select(h.name, h.at, h.worker)).all()
-    return {r.name: Heartbeat(r.name, r.at, r.worker) for r in rows}
+    rows = conn.execute(select(h.name, h.at, h.worker, h.detail)).all()
+    return {r.name: Heartbeat(r.name, r.at, r.worker, r.detail) for r in rows}
+
+
+def forget_heartbeat(conn: Connection, name: str) -> None:
+    """A worker that shuts down cleanly says so: doctor then does not count it alive."""
+    conn.execute(delete(heartbeats).where(heartbeats.c.name == name))

@@ -200,6 +200,8 @@ class Heartbeat(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     at: Mapped[datetime]
     worker: Mapped[str] = mapped_column(String(200))
+    #: what the beating process reports of itself (a worker: the queues it consumes).
+    detail: Mapped[str | None] = mapped_column(Text, default=None)
 
 
 # The Core tables the hot path uses (the ORM classes above are their typed description).

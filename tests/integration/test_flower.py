@@ -6,12 +6,14 @@ separate database, so the session cluster (events off) cannot take the messages.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +22,35 @@ import pytest
 from tests.support.cluster import REPO, Backend, free_port, recreate_postgres_database
 
 pytestmark = pytest.mark.timeout(120)
+
+AUTH = "charlie:flower-test-password"
+SECRET = "SECRET-PROMPT-4f1c9a"
+
+
+def _request(port: int, path: str) -> urllib.request.Request:
+    token = base64.b64encode(AUTH.encode()).decode()
+    return urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Basic {token}"}
+    )
+
+
+def _get(port: int, path: str) -> dict[str, dict[str, object]]:
+    with urllib.request.urlopen(_request(port, path), timeout=5) as r:
+        return dict(json.load(r))
+
+
+def test_flower_refuses_to_start_without_authentication(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "FLOWER_"))}
+    env.update(CHARLIE_HOME=str(tmp_path), PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "charlie", "flower"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "refusing to start Flower without authentication" in done.stderr
 
 
 def test_flower_shows_every_phase(backend: Backend, tmp_path: Path) -> None:
@@ -39,7 +70,7 @@ def test_flower_shows_every_phase(backend: Backend, tmp_path: Path) -> None:
         CHARLIE_DATABASE_URL=db,
         CHARLIE_BROKER_URL=broker,
         CHARLIE_TASK_EVENTS="1",
-        FLOWER_UNAUTHENTICATED_API="true",
+        CHARLIE_REMOTE_CONTROL="1",
         PYTHONPATH=str(REPO),
     )
     port = free_port()
@@ -54,16 +85,7 @@ def test_flower_shows_every_phase(backend: Backend, tmp_path: Path) -> None:
             stderr=subprocess.DEVNULL,
         ),
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "charlie.app",
-                "flower",
-                f"--port={port}",
-                "--address=127.0.0.1",
-            ],
+            [*run, "flower", f"--port={port}", "--address=127.0.0.1", f"--basic-auth={AUTH}"],
             env=env,
             start_new_session=True,
             stdout=subprocess.DEVNULL,
@@ -109,15 +131,38 @@ def test_flower_shows_every_phase(backend: Backend, tmp_path: Path) -> None:
                 "report_terminal",
             )
         } | {"charlie.tool.invoke"}
-        deadline = time.monotonic() + 20
+        # Prompts and metadata never reach Flower (issue 12, item 13): sent through Charlie's
+        # Celery task, and by a producer whose plain Celery app puts them in its reprs.
+        sent = (
+            "from celery import Celery; from charlie.worker import submit_task\n"
+            f"submit_task.delay({SECRET!r}, model='scripted:{script}', task_id='flower-delay',"
+            f" metadata={{'token': {SECRET!r}}})\n"
+            f"Celery(broker={broker!r}).send_task('charlie.submit', kwargs={{'prompt': {SECRET!r},"
+            f" 'model': 'scripted:{script}', 'task_id': 'flower-plain'}})\n"
+        )
+        subprocess.run([sys.executable, "-c", sent], env=env, check=True, timeout=60)
+        deadline = time.monotonic() + 30
         names: set[str] = set()
-        while time.monotonic() < deadline and not expected <= names:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks", timeout=5) as r:
-                names = {t["name"] for t in json.load(r).values()}
+        tasks: dict[str, dict[str, object]] = {}
+        while time.monotonic() < deadline:
+            tasks = _get(port, "/api/tasks")
+            names = {str(t["name"]) for t in tasks.values()}
+            submits = [t for t in tasks.values() if t["name"] == "charlie.submit"]
+            if expected <= names and len(submits) == 2 and all(t["kwargs"] for t in submits):
+                break
             time.sleep(0.5)
         assert expected <= names
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            assert "charlie.phase.call_model" in r.read().decode()
+        submits = [t for t in tasks.values() if t["name"] == "charlie.submit"]
+        assert len(submits) == 2, submits
+        assert SECRET not in json.dumps(tasks)
+        assert all("<prompt:" in str(t["args"]) + str(t["kwargs"]) for t in submits), submits
+        metrics = urllib.request.urlopen(_request(port, "/metrics"), timeout=5).read().decode()
+        assert "charlie.phase.call_model" in metrics
+        assert SECRET not in metrics
+        # and nothing without the password
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/tasks", timeout=5)
+        assert refused.value.code == 401
     finally:
         for proc in procs:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -20,6 +20,7 @@ def upgrade() -> None:
         sa.Column("name", sa.String(64), primary_key=True),
         sa.Column("at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("worker", sa.String(200), nullable=False),
+        sa.Column("detail", sa.Text(), nullable=True),
     )
 
 
