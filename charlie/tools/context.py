@@ -25,6 +25,12 @@ class WorkspaceEscape(ToolError):
     pass
 
 
+class Interrupted(ToolError):
+    """The tool cannot tell what became of work an earlier attempt of this call may have
+    started (I10): the call settles ``interrupted`` with these details as its evidence, and the
+    model sees it like any interrupted call. Never a reason to start the work again."""
+
+
 @dataclass(frozen=True)
 class Pending:
     """Returned by a resumable wait that is still waiting: the call stays open under the same

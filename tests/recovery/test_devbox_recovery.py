@@ -156,3 +156,36 @@ def test_devbox_restart_while_a_command_runs_is_reported_lost(
     )
     assert "devbox restarted while the command was running" in seen.payload["content"]
     assert devbox.commands_in(task_id) == [long.handle]  # not started again
+
+
+def test_resume_without_a_handle_never_starts_the_command_again(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """Issue 12 item 4, I10, I20: the worker dies after the devbox started the command and
+    before its id was recorded, and the devbox then loses its idempotency-key files (a root
+    restored from an older copy, a devbox replaced). The resume cannot confirm the command, so
+    it settles the call `interrupted` with the evidence; it never starts the command again."""
+    point = "devbox.before_record_handle"
+    cluster.set_faults({point: {"action": "kill", "times": 1, "match": {"tool": "run_command"}}})
+    model, _ = script(
+        [{"tool_calls": [call("cmd", "run_command", command=MARKED)]}, {"say": "It was lost."}]
+    )
+    task_id = charlie.submit("keys lost", model=model, metadata={"devbox": {}})
+    # The call's lease (2 s) must lapse before any resume: wipe the keys inside that window.
+    wait_for(lambda: cluster.fault_count(point) == 1, timeout=30, interval=0.02)
+    for key_file in (devbox.root / "commands" / "by-key").iterdir():
+        key_file.unlink()
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    cmd = only_call(task_id, "cmd")
+    assert cmd.outcome == "interrupted", cmd.result
+    assert "not started again" in cmd.result["error"]
+    assert cmd.result["idempotency_key"] and cmd.handle is None
+    wait_for(lambda: devbox.status_of(task_id) == ["exited"], timeout=30)
+    assert len(devbox.commands_in(task_id)) == 1  # started once
+    assert (devbox.workspace(task_id) / "marker.log").read_text() == "start\nend\n"
+    seen = next(
+        i for i in charlie.transcript(task_id) if i.call_id == "cmd" and i.kind == "tool_result"
+    )
+    assert "INTERRUPTED" in seen.payload["content"]
+    assert_every_call_has_one_result(task_id)
