@@ -24,7 +24,7 @@ from sqlalchemy import Connection
 from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
 from charlie.executor.children import DbChildren
-from charlie.executor.settle import CallResult, log_settled, settle_result
+from charlie.executor.settle import CallResult, log_settled, settle_in_turn, settle_result
 from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
@@ -58,6 +58,7 @@ def _evidence(call: ClaimedCall) -> JSON:
         "started_by": call.started_by,
         "attempts": call.attempts,
         "handle": call.handle,
+        "implementation": call.implementation,
     }
 
 
@@ -72,17 +73,90 @@ def run_call(
 
     def claim() -> ClaimedCall | None:
         return calls.claim_call_alone(
-            rt.engine, execution_id, turn, call_id, mode, rt.worker, rt.settings.lease_seconds
+            rt.engine,
+            execution_id,
+            turn,
+            call_id,
+            mode,
+            rt.worker,
+            rt.settings.lease_seconds,
+            implementations=rt.tools.implementations(),
         )
 
     call = again_if_disconnected(claim, "claim a tool call")
     if call is None:
+        if mode in ("resume", "reconcile"):
+            refused = again_if_disconnected(
+                lambda: _refuse(rt, execution_id, turn, call_id), "refuse a take-over"
+            )
+            if refused is not None:
+                return refused
         log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
         return "not_claimable", None
     done = execute_call(rt, call, mode)
     if isinstance(done, str):
         return done, None
     return settle_result(rt, done)
+
+
+def _refuse(
+    rt: Runtime, execution_id: str, turn: int, call_id: str
+) -> tuple[str, int | None] | None:
+    """A take-over this worker cannot do: the call was started with an implementation it
+    lacks (issue 12 item 3). It is left for a worker that has it (the sweep publishes the
+    take-over again next stall period), and the refusal counts an attempt; the refusal that
+    reaches CHARLIE_MAX_ATTEMPTS settles the call ``interrupted``, naming the implementation,
+    since no worker that could run it has come for it. None: not a refusal (someone live holds
+    the call, it settled, ...)."""
+    now = utcnow()
+    refused: list[calls.Refusal] = []
+
+    def settle(conn: Connection) -> bool:
+        refusal = calls.refuse_claim(
+            conn, execution_id, turn, call_id, rt.tools.implementations(), now
+        )
+        if refusal is None:
+            return False
+        refused.append(refusal)
+        if refusal.attempts < rt.settings.max_attempts:
+            return False
+        definition = rt.tools.get(refusal.name)
+        evidence: JSON = {
+            "reason": f"it was started with {refusal.implementation}, which the workers that "
+            f"took it over {refusal.attempts - 1} times do not have (this one has "
+            f"{definition.implementation if definition else 'no tool of its name'}); "
+            "no other implementation is run in its place",
+            "implementation": refusal.implementation,
+            "started_at": refusal.started_at.isoformat() if refusal.started_at else None,
+            "started_by": refusal.started_by,
+            "attempts": refusal.attempts,
+            "handle": refusal.handle,
+        }
+        return calls.settle_call(
+            conn,
+            execution_id,
+            turn,
+            call_id,
+            Outcome.INTERRUPTED.value,
+            evidence,
+            rt.worker,
+            now,
+        )
+
+    settled, await_version = settle_in_turn(rt, execution_id, turn, settle)
+    if not refused:
+        return None
+    extra = {
+        "execution_id": execution_id,
+        "call_id": call_id,
+        "implementation": refused[0].implementation,
+        "attempts": refused[0].attempts,
+    }
+    if settled:
+        log.warning("call interrupted: no worker has its implementation", extra=extra)
+        return "interrupted", await_version
+    log.info("take-over refused: this worker lacks the call's implementation", extra=extra)
+    return "refused", None
 
 
 def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str) -> str:
@@ -161,7 +235,12 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
         )
         # An overdue wait is settled: it has no lease to renew.
         with _call_heartbeat(rt, call) if mode != "observe" else nullcontext():
-            if mode == "reconcile":
+            if mode == "reconcile" and definition.reconcile is None:
+                # The sweep asked on behalf of an implementation it does not have itself; this
+                # one has no read-back, so the call is what any interrupted call is (I10).
+                evidence: JSON = {**_evidence(call), "reconciled": False}
+                outcome, result = Outcome.INTERRUPTED, evidence
+            elif mode == "reconcile":
                 outcome, result = run_reconcile(definition, call.arguments, ctx, _evidence(call))
             else:
                 outcome, result = run_handler(definition, call.arguments, ctx)

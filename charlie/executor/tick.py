@@ -496,7 +496,13 @@ def _run_tick(
             local_id = _local_call_id(progress, view, transition)
             if local_id is not None:
                 local = calls.start_local_call(
-                    conn, execution_id, claim.turn, local_id, rt.worker, rt.settings.lease_seconds
+                    conn,
+                    execution_id,
+                    claim.turn,
+                    local_id,
+                    rt.worker,
+                    rt.settings.lease_seconds,
+                    implementations=rt.tools.implementations(),
                 )
         progress.claim_committed = True
         if progress.settlement is not None:
