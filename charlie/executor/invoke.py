@@ -25,12 +25,13 @@ from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
 from charlie.executor.children import DbChildren
 from charlie.executor.settle import CallResult, log_settled, settle_in_turn, settle_result
+from charlie.leases import Held
 from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
-from charlie.tools.context import Pending, ToolContext
+from charlie.tools.context import LeaseLost, Pending, ToolContext
 
 log = logging.getLogger("charlie.tool")
 
@@ -42,14 +43,15 @@ def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
     return path
 
 
-def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[None]:
-    """Renew the call's lease while its handler runs (I5)."""
+def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[Held]:
+    """Renew the call's lease while its handler runs (I5); the Held says when it was lost."""
 
     def renew(conn: Connection) -> bool:
         until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
         return calls.renew_call_lease(conn, call, rt.worker, until)
 
-    return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
+    seconds = rt.settings.lease_seconds
+    return rt.leases.held(renew, seconds / 3, f"call-{call.call_id}", lease_seconds=seconds)
 
 
 def _evidence(call: ClaimedCall) -> JSON:
@@ -208,15 +210,23 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
     if definition is None:
         outcome, result = Outcome.ERROR, {"error": f"tool {call.name!r} is not registered here"}
     else:
+        lease: Held | None = None
 
         def keep_handle(handle: str) -> None:
-            def record() -> None:
+            def record() -> bool:
                 with write_one(rt.engine) as c:
-                    calls.record_handle(c, call, handle)
+                    return calls.record_handle(c, call, rt.worker, handle)
 
             # The handle names work already running outside (I20): it must not be lost to a
             # connection that died since the claim.
-            again_if_disconnected(record, "record a call's handle")
+            if not again_if_disconnected(record, "record a call's handle"):
+                if lease is not None:
+                    lease.lost.set()
+                raise LeaseLost(
+                    "this attempt no longer holds the call (its lease lapsed and it was taken "
+                    "over or settled); the handle was not recorded",
+                    handle=handle,
+                )
 
         task_id = task_id_of(call.execution_id)
         metadata = call.task_metadata or {}
@@ -234,7 +244,11 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             children=DbChildren(rt),
         )
         # An overdue wait is settled: it has no lease to renew.
-        with _call_heartbeat(rt, call) if mode != "observe" else nullcontext():
+        with _call_heartbeat(rt, call) if mode != "observe" else nullcontext() as held:
+            if held is not None:
+                lease = held
+                ctx.lease_lost = held.lost
+                ctx._confirm_lease = held.confirm
             if mode == "reconcile" and definition.reconcile is None:
                 # The sweep asked on behalf of an implementation it does not have itself; this
                 # one has no read-back, so the call is what any interrupted call is (I10).

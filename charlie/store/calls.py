@@ -364,18 +364,31 @@ def refuse_claim(
     )
 
 
+#: The lease a call was taken under: its owner and the attempt count its claim left (every
+#: claim, start or take-over, increments it; a refused take-over too, since it comes only after
+#: the lease lapsed). A holder whose lease another worker took over, or whose call was settled,
+#: matches neither, so none of its writes land (issue 12 item 5).
+HELD_BY = and_(
+    _c.state == CallState.STARTED.value,
+    _c.lease_owner == bindparam("b_owner"),
+    _c.attempts == bindparam("b_token"),
+)
+
+
+def _held(call: ClaimedCall, owner: str) -> dict[str, Any]:
+    return {**_own_key(call), "b_owner": owner, "b_token": call.attempts}
+
+
+_RENEW = (
+    update(tool_calls)
+    .where(CALL_KEY, HELD_BY)
+    .values(lease_until=bindparam("b_until", type_=_c.lease_until.type))
+)
+
+
 def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: datetime) -> bool:
-    c = tool_calls.c
-    stmt = (
-        update(tool_calls)
-        .where(
-            CALL_KEY,
-            c.state == CallState.STARTED.value,
-            c.lease_owner == owner,
-        )
-        .values(lease_until=until)
-    )
-    return conn.execute(stmt, _own_key(call)).rowcount == 1
+    """Renew the lease this attempt took; False once it is not this attempt's any more."""
+    return conn.execute(_RENEW, {**_held(call, owner), "b_until": until}).rowcount == 1
 
 
 def park_call(
@@ -383,22 +396,22 @@ def park_call(
 ) -> bool:
     """A resumable wait that is still waiting: keep it started, drop the owner, and let the
     sweep observe it again at ``poll_at``. A normal return, so the crash counter resets."""
-    c = tool_calls.c
     done = conn.execute(
         update(tool_calls)
-        .where(
-            CALL_KEY,
-            c.state == CallState.STARTED.value,
-            c.lease_owner == owner,
-        )
+        .where(CALL_KEY, HELD_BY)
         .values(handle=handle, lease_owner=None, lease_until=poll_at, attempts=0, swept_at=None),
-        _own_key(call),
+        _held(call, owner),
     )
     return done.rowcount == 1
 
 
-def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:
-    conn.execute(update(tool_calls).where(CALL_KEY).values(handle=handle), _own_key(call))
+_RECORD_HANDLE = update(tool_calls).where(CALL_KEY, HELD_BY).values(handle=bindparam("b_handle"))
+
+
+def record_handle(conn: Connection, call: ClaimedCall, owner: str, handle: str) -> bool:
+    """Record the handle of the call's outside work; False (nothing written) when this attempt
+    no longer holds the call: the handle of whoever holds it now stands."""
+    return conn.execute(_RECORD_HANDLE, {**_held(call, owner), "b_handle": handle}).rowcount == 1
 
 
 #: The first result wins (I12): only an unsettled call takes an outcome.
@@ -418,6 +431,13 @@ SETTLE = (
 )
 
 
+#: A holder's settle: only while the call is still held under the lease it was taken with
+#: (issue 12 item 5). A holder whose lease lapsed and was taken over settles nothing.
+SETTLE_HELD = SETTLE.where(
+    _c.lease_owner == bindparam("b_owner"), _c.attempts == bindparam("b_token")
+)
+
+
 def settle_call(
     conn: Connection,
     execution_id: str,
@@ -428,12 +448,16 @@ def settle_call(
     owner: str,
     now: datetime,
     duration_ms: float | None = None,
+    *,
+    token: int | None = None,
 ) -> bool:
     """The first result wins (I12): only an unsettled call takes an outcome. On False the
-    caller records a late report instead."""
+    caller records a late report instead. ``token``: a holder settles, fenced by the lease it
+    took (owner and attempt count, see HELD_BY); without it, a sweep or a stop."""
     done = conn.execute(
-        SETTLE,
+        SETTLE if token is None else SETTLE_HELD,
         {
+            **({} if token is None else {"b_token": token}),
             **key_params(execution_id, turn, call_id),
             "b_outcome": outcome,
             "b_result": result,

@@ -59,7 +59,14 @@ from charlie.devbox.client import (
 )
 from charlie.domain import JSON, Outcome
 from charlie.sandbox import network_allowed
-from charlie.tools.context import Interrupted, Pending, Reconciled, ToolContext, ToolError
+from charlie.tools.context import (
+    Interrupted,
+    LeaseLost,
+    Pending,
+    Reconciled,
+    ToolContext,
+    ToolError,
+)
 from charlie.tools.registry import REGISTRY, ToolRegistry, build_tool
 
 #: the most of a file read_file returns, and of each output stream run_command returns (the
@@ -442,6 +449,10 @@ def git_commit(message: str, ctx: ToolContext) -> JSON:
     if box.rebuilt:
         raise ToolError(f"git_commit: nothing committed: {box.rebuilt}")
     key = call_key(ctx)
+    if not ctx.holds_lease():
+        # Another worker took this call over (its reconcile may have answered "not
+        # committed"): committing now would contradict it (issue 12 item 5).
+        raise LeaseLost("git_commit: nothing committed: this attempt lost the call's lease")
     with _calling("git_commit"):
         # Safe to retry: the devbox returns the first commit made with this key.
         done = _retry(lambda: box.client.commit(box.id, message, key))
@@ -474,6 +485,8 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON 
     elif ctx.handle is None:
         box = _open(ctx, "run_command")
         rebuilt = box.rebuilt
+        if not ctx.holds_lease():
+            raise LeaseLost("run_command: not started: this attempt lost the call's lease")
         with _calling("run_command"):
             # Keyed by the call: if an earlier attempt of this call started the command but
             # died before recording its id, this returns that command instead of a second one.
@@ -535,6 +548,13 @@ def _observe(
     delay = 0.05
     polls = 0
     while True:
+        if ctx.lease_lost.is_set():
+            # Another worker observes the command now, or the call was settled: stop watching
+            # (the command itself runs on; it is not ours to stop, I13).
+            raise LeaseLost(
+                "run_command: stopped observing: this attempt lost the call's lease",
+                execution_id=eid,
+            )
         status: CommandStatus | None = None
         polls += 1
         try:
