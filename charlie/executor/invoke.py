@@ -259,6 +259,14 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             else:
                 outcome, result = run_handler(definition, call.arguments, ctx)
     faults.hit("tool.before_settle", tool=call.name, call_id=call.call_id)
+    if outcome is Outcome.ERROR and isinstance(result, dict) and bool(result.get("lease_lost")):
+        # The handler stopped because this attempt lost the call (LeaseLost): it says nothing
+        # about the work, so it is neither the outcome nor a late report (issue 12 item 5).
+        log.warning(
+            "handler stopped: lease lost",
+            extra={"execution_id": call.execution_id, "call_id": call.call_id, "mode": mode},
+        )
+        return "lost_lease"
     if isinstance(result, Pending):
         if mode == "observe":
             return "still_running"

@@ -35,7 +35,11 @@ class Interrupted(ToolError):
 class LeaseLost(ToolError):
     """This attempt no longer holds the call: its lease lapsed and another worker took the
     call over, or it was settled (a sweep, a deadline). The handler stops and does nothing more
-    for the call; what it returns is at most a late report (I12, issue 12 item 5)."""
+    for the call. It is no report about the call's work, so nothing of it is recorded: not the
+    outcome, not a late report (the late watch, or the new holder, reports the work's end)."""
+
+    def as_result(self) -> JSON:
+        return {**super().as_result(), "lease_lost": True}
 
 
 def _always_held() -> bool:
