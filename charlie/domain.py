@@ -149,6 +149,9 @@ class CallView:
     started_at: datetime | None
     settled_at: datetime | None
     deadline_at: datetime | None
+    #: the lease a worker holds it under (owner, attempt count): a holder's settle checks it.
+    lease_owner: str | None = None
+    attempts: int = 0
 
 
 @dataclass(frozen=True)

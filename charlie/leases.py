@@ -1,8 +1,10 @@
 """Lease heartbeats: who is working on a run or a call, renewed while the work lasts (I5).
 
 A killed worker stops renewing, so its lease lapses within the lease period and the sweep can
-reclaim the work. Renewal is a compare-and-set on the owner: once another worker has taken the
-lease over, renewing stops.
+reclaim the work. Renewal is a compare-and-set on the owner (and, for a call, the attempt it was
+taken under): once another worker has taken the lease over, renewing stops and the holder is
+told (``Held.lost``), so a live worker whose lease lapsed (a pause, long lock waits) stops acting
+for work that is no longer its own (issue 12 item 5).
 
 One keeper thread per process renews every lease its work holds. Most work (an instant tool, a
 fast model) ends long before its first renewal is due, so holding a lease costs a dictionary
@@ -35,6 +37,46 @@ class _Lease:
     interval: float
     due: float
     name: str
+    held: Held
+
+
+class Held:
+    """One lease as its holder sees it: ``lost`` is set once a renewal matched no row (another
+    worker took the work over, or it was settled), and ``confirm()`` says, before an
+    irreversible step, whether the lease is still this holder's (issue 12 item 5)."""
+
+    def __init__(self, keeper: LeaseKeeper, renew: Renew, seconds: float | None) -> None:
+        self.lost = threading.Event()
+        self._keeper = keeper
+        self._renew = renew
+        self._seconds = seconds
+        self._valid_until = time.monotonic() + (seconds or 0.0)
+
+    def renewed(self, at: float) -> None:
+        if self._seconds is not None:
+            self._valid_until = at + self._seconds
+
+    def confirm(self) -> bool:
+        """True while the lease is this holder's. Within the lease period of the last renewal,
+        by this process's clock, that is known without asking; past it (the process was paused,
+        or renewals failed) one renewal decides. A renewal that cannot be made (the database is
+        unreachable) is not a confirmation."""
+        if self.lost.is_set():
+            return False
+        if self._seconds is not None and time.monotonic() < self._valid_until:
+            return True
+        at = time.monotonic()
+        try:
+            with write(self._keeper.engine) as conn:
+                held = self._renew(conn)
+        except Exception:
+            log.warning("lease confirmation failed", exc_info=True)
+            return False
+        if not held:
+            self.lost.set()
+            return False
+        self.renewed(at)
+        return True
 
 
 class LeaseKeeper:
@@ -50,15 +92,19 @@ class LeaseKeeper:
         self._pid = 0
 
     @contextmanager
-    def held(self, renew: Renew, interval: float, name: str) -> Iterator[None]:
-        """Keep the lease renewed while the block runs."""
+    def held(
+        self, renew: Renew, interval: float, name: str, lease_seconds: float | None = None
+    ) -> Iterator[Held]:
+        """Keep the lease renewed while the block runs. ``lease_seconds``: how long a renewal
+        holds it, for ``Held.confirm`` to know without asking."""
         key = next(self._ids)
+        held = Held(self, renew, lease_seconds)
         with self._changed:
-            self._leases[key] = _Lease(renew, interval, time.monotonic() + interval, name)
+            self._leases[key] = _Lease(renew, interval, time.monotonic() + interval, name, held)
             self._ensure_thread()
             self._changed.notify()
         try:
-            yield
+            yield held
         finally:
             with self._changed:
                 self._leases.pop(key, None)
@@ -83,17 +129,23 @@ class LeaseKeeper:
                     lease.due = now + lease.interval
             for key, lease in due:
                 if not self._renew(lease):
+                    lease.held.lost.set()
+                    log.warning("lease lost", extra={"lease": lease.name})
                     with self._changed:
                         self._leases.pop(key, None)
 
     def _renew(self, lease: _Lease) -> bool:
+        at = time.monotonic()
         try:
             with write(self.engine) as conn:
-                return lease.renew(conn)
+                held = lease.renew(conn)
+            if held:
+                lease.held.renewed(at)
+            return held
         except Exception:
             # Keep trying: a renewal that fails now may succeed before the lease lapses.
             log.warning("lease heartbeat failed", exc_info=True, extra={"lease": lease.name})
             return True
 
 
-__all__ = ["LeaseKeeper", "Renew"]
+__all__ = ["Held", "LeaseKeeper", "Renew"]

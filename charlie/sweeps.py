@@ -227,7 +227,15 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             if take(row) and rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "resume"):
                 counts["resumed"] += 1
             continue
-        if definition is not None and definition.reconcile is not None and not exhausted:
+        # Whether the call's own implementation can read back what happened, only a worker that
+        # has it can tell: for a call started with one this process lacks, ask for a reconcile
+        # (a worker with it runs its hook or settles the call interrupted; the others refuse,
+        # see executor.invoke._refuse), and never decide by another tool of the same name.
+        foreign = row.implementation is not None and (
+            definition is None or definition.implementation != row.implementation
+        )
+        reconciles = foreign or (definition is not None and definition.reconcile is not None)
+        if reconciles and not exhausted:
             if take(row) and rt.publisher.invoke(
                 row.execution_id, row.turn, row.call_id, "reconcile"
             ):
@@ -240,6 +248,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
             "lease_until": row.lease_until.isoformat() if row.lease_until else None,
             "attempts": row.attempts,
             "handle": row.handle,
+            "implementation": row.implementation,
             "reason": (
                 f"its worker died {row.attempts} times" if exhausted else "its worker stopped"
             ),

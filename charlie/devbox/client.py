@@ -199,6 +199,19 @@ class DevboxClient:
             data["execution_id"], data["status"], data["timeout"], bool(data.get("created", True))
         )
 
+    def find_command(self, workspace_id: str, idempotency_key: str) -> StartedCommand | None:
+        """The command started under ``idempotency_key`` in the workspace, or None; never starts
+        one. None also seals the key: a start with it from now on is refused (409), so a caller
+        that reports "not confirmed" cannot be contradicted by a start still on its way."""
+        data = self._call(
+            "POST",
+            f"{_ws(workspace_id)}/commands/lookup",
+            json={"idempotency_key": idempotency_key},
+        )
+        if data.get("execution_id") is None:
+            return None
+        return StartedCommand(data["execution_id"], data["status"], data["timeout"], False)
+
     def command_status(self, execution_id: str, *, tail: int | None = None) -> CommandStatus:
         params = {"tail": tail} if tail is not None else None
         return _status(self._call("GET", f"/commands/{quote(execution_id)}", params=params))

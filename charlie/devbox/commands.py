@@ -182,13 +182,17 @@ class CommandRunner:
         # The key file is written, after the command's metadata and before its process, under
         # a lock: a second start with the key finds it (across devbox restarts too) and gets
         # the first command back, so a caller that lost the answer can ask again safely.
-        digest = hashlib.sha256(f"{req.workspace_id}\0{req.idempotency_key}".encode()).hexdigest()
-        key_file = self._keys / digest
+        key_file = self._key_file(req.workspace_id, req.idempotency_key)
         with self._keys_lock:
-            try:
-                existing = key_file.read_text().strip()
-            except FileNotFoundError:
-                existing = ""
+            existing = _read_key(key_file)
+            if existing.startswith(SEALED):
+                # A lookup found no command under this key and sealed it (issue 12 item 4): the
+                # caller settled its call as interrupted, so no start under the key may follow.
+                raise ApiError(
+                    409,
+                    "a lookup found no command with this idempotency key and sealed it; "
+                    "the command is not started under this key",
+                )
             if existing and (self.dir / existing / "meta.json").is_file():
                 meta = self._meta(existing)
                 return {
@@ -198,6 +202,34 @@ class CommandRunner:
                     "created": False,
                 }
             return self._start(req, key_file)
+
+    def _key_file(self, workspace_id: str, key: str) -> Path:
+        digest = hashlib.sha256(f"{workspace_id}\0{key}".encode()).hexdigest()
+        return self._keys / digest
+
+    def find(self, workspace_id: str, key: str) -> dict[str, Any]:
+        """Find the command started under ``key`` in the workspace, never starting one.
+
+        For a caller that cannot tell whether an earlier attempt started its command (it died
+        before recording the execution id): found, it observes that command; not found, the
+        key is sealed, so a start with it that is still on its way (from a holder that lost its
+        lease, or a retry) is refused rather than run, and the caller may report the command as
+        not confirmed without it ever running later (issue 12 items 4, 5; I10)."""
+        key_file = self._key_file(workspace_id, key)
+        with self._keys_lock:
+            existing = _read_key(key_file)
+            sealed = existing.startswith(SEALED)
+            if existing and not sealed and (self.dir / existing / "meta.json").is_file():
+                meta = self._meta(existing)
+                return {
+                    "execution_id": existing,
+                    "status": meta["status"],
+                    "timeout": meta["timeout"],
+                    "created": False,
+                }
+            if not sealed:
+                _write_text_atomic(key_file, f"{SEALED} {now_iso()}")
+            return {"execution_id": None, "sealed": True}
 
     def _start(self, req: StartRequest, key_file: Path | None = None) -> dict[str, Any]:
         execution_id = str(uuid.uuid4())
@@ -477,6 +509,17 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+#: what a key file holds once a lookup found no command under its key (see CommandRunner.find).
+SEALED = "sealed"
+
+
+def _read_key(key_file: Path) -> str:
+    try:
+        return key_file.read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def _forget(cdir: Path, key_file: Path | None) -> None:

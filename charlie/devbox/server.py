@@ -7,6 +7,9 @@ Routes (every one needs ``Authorization: Bearer <token>``)::
     POST /workspaces/{id}/commands         start a command -> execution id, at once (an
                                            idempotency_key makes a repeated start return the
                                            first command's id)
+    POST /workspaces/{id}/commands/lookup  the command started under an idempotency_key, never
+                                           starting one; none: the key is sealed, so no start
+                                           with it runs afterwards
     GET  /commands/{execution_id}?tail=N   status, exit code and output tails
     POST /commands/{execution_id}/cancel   kill its process group
     GET  /workspaces/{id}/files?path=      read a file
@@ -51,7 +54,7 @@ from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 from charlie.devbox.commands import CommandRunner, StartRequest
 from charlie.devbox.errors import ApiError
-from charlie.devbox.paths import resolve_inside
+from charlie.devbox.paths import check_workspace_id, resolve_inside
 from charlie.devbox.policy import (
     CommandPolicy,
     Limits,
@@ -129,6 +132,10 @@ class Devbox:
                 sandbox=sandbox,
             )
         )
+
+    def find_command(self, req: Request) -> JSONDict:
+        workspace_id = check_workspace_id(req.params[0])
+        return self.commands.find(workspace_id, _key(req.body.get("idempotency_key")))
 
     def _sandbox(self, workspace: Path, network: object) -> SandboxPolicy | None:
         """The command's sandbox: its workspace writable, the rest of the devbox root (other
@@ -217,6 +224,7 @@ ROUTES: list[tuple[str, tuple[str, ...], Handler]] = [
     ("PUT", ("workspaces", "{}"), Devbox.put_workspace),
     ("GET", ("workspaces", "{}"), Devbox.get_workspace),
     ("POST", ("workspaces", "{}", "commands"), Devbox.start_command),
+    ("POST", ("workspaces", "{}", "commands", "lookup"), Devbox.find_command),
     ("GET", ("commands", "{}"), Devbox.command_status),
     ("POST", ("commands", "{}", "cancel"), Devbox.cancel_command),
     ("GET", ("workspaces", "{}", "files"), Devbox.read_file),

@@ -276,8 +276,12 @@ class Workspaces:
         return {"commit": sha, "created": True}
 
     def find_commit(self, workspace_id: str, key: str) -> dict[str, Any]:
+        """The commit carrying ``key``, under the workspace's lock: a reconcile asking while a
+        commit with that key is being made waits for it, so it never answers "not committed"
+        in the middle of one (issue 12 item 5)."""
         workspace = self.path(workspace_id)
-        return {"commit": git.find_commit(workspace, key, self.limits.git_timeout)}
+        with self.lock(workspace_id):
+            return {"commit": git.find_commit(workspace, key, self.limits.git_timeout)}
 
 
 def _spec(body: dict[str, Any]) -> dict[str, Any]:

@@ -24,13 +24,14 @@ from sqlalchemy import Connection
 from charlie import faults
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
 from charlie.executor.children import DbChildren
-from charlie.executor.settle import CallResult, log_settled, settle_result
+from charlie.executor.settle import CallResult, log_settled, settle_in_turn, settle_result
+from charlie.leases import Held
 from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
-from charlie.tools.context import Pending, ToolContext
+from charlie.tools.context import LeaseLost, Pending, ToolContext
 
 log = logging.getLogger("charlie.tool")
 
@@ -42,14 +43,15 @@ def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
     return path
 
 
-def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[None]:
-    """Renew the call's lease while its handler runs (I5)."""
+def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[Held]:
+    """Renew the call's lease while its handler runs (I5); the Held says when it was lost."""
 
     def renew(conn: Connection) -> bool:
         until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
         return calls.renew_call_lease(conn, call, rt.worker, until)
 
-    return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"call-{call.call_id}")
+    seconds = rt.settings.lease_seconds
+    return rt.leases.held(renew, seconds / 3, f"call-{call.call_id}", lease_seconds=seconds)
 
 
 def _evidence(call: ClaimedCall) -> JSON:
@@ -58,6 +60,7 @@ def _evidence(call: ClaimedCall) -> JSON:
         "started_by": call.started_by,
         "attempts": call.attempts,
         "handle": call.handle,
+        "implementation": call.implementation,
     }
 
 
@@ -72,17 +75,90 @@ def run_call(
 
     def claim() -> ClaimedCall | None:
         return calls.claim_call_alone(
-            rt.engine, execution_id, turn, call_id, mode, rt.worker, rt.settings.lease_seconds
+            rt.engine,
+            execution_id,
+            turn,
+            call_id,
+            mode,
+            rt.worker,
+            rt.settings.lease_seconds,
+            implementations=rt.tools.implementations(),
         )
 
     call = again_if_disconnected(claim, "claim a tool call")
     if call is None:
+        if mode in ("resume", "reconcile"):
+            refused = again_if_disconnected(
+                lambda: _refuse(rt, execution_id, turn, call_id), "refuse a take-over"
+            )
+            if refused is not None:
+                return refused
         log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
         return "not_claimable", None
     done = execute_call(rt, call, mode)
     if isinstance(done, str):
         return done, None
     return settle_result(rt, done)
+
+
+def _refuse(
+    rt: Runtime, execution_id: str, turn: int, call_id: str
+) -> tuple[str, int | None] | None:
+    """A take-over this worker cannot do: the call was started with an implementation it
+    lacks (issue 12 item 3). It is left for a worker that has it (the sweep publishes the
+    take-over again next stall period), and the refusal counts an attempt; the refusal that
+    reaches CHARLIE_MAX_ATTEMPTS settles the call ``interrupted``, naming the implementation,
+    since no worker that could run it has come for it. None: not a refusal (someone live holds
+    the call, it settled, ...)."""
+    now = utcnow()
+    refused: list[calls.Refusal] = []
+
+    def settle(conn: Connection) -> bool:
+        refusal = calls.refuse_claim(
+            conn, execution_id, turn, call_id, rt.tools.implementations(), now
+        )
+        if refusal is None:
+            return False
+        refused.append(refusal)
+        if refusal.attempts < rt.settings.max_attempts:
+            return False
+        definition = rt.tools.get(refusal.name)
+        evidence: JSON = {
+            "reason": f"it was started with {refusal.implementation}, which the workers that "
+            f"took it over {refusal.attempts - 1} times do not have (this one has "
+            f"{definition.implementation if definition else 'no tool of its name'}); "
+            "no other implementation is run in its place",
+            "implementation": refusal.implementation,
+            "started_at": refusal.started_at.isoformat() if refusal.started_at else None,
+            "started_by": refusal.started_by,
+            "attempts": refusal.attempts,
+            "handle": refusal.handle,
+        }
+        return calls.settle_call(
+            conn,
+            execution_id,
+            turn,
+            call_id,
+            Outcome.INTERRUPTED.value,
+            evidence,
+            rt.worker,
+            now,
+        )
+
+    settled, await_version = settle_in_turn(rt, execution_id, turn, settle)
+    if not refused:
+        return None
+    extra = {
+        "execution_id": execution_id,
+        "call_id": call_id,
+        "implementation": refused[0].implementation,
+        "attempts": refused[0].attempts,
+    }
+    if settled:
+        log.warning("call interrupted: no worker has its implementation", extra=extra)
+        return "interrupted", await_version
+    log.info("take-over refused: this worker lacks the call's implementation", extra=extra)
+    return "refused", None
 
 
 def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str) -> str:
@@ -134,15 +210,23 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
     if definition is None:
         outcome, result = Outcome.ERROR, {"error": f"tool {call.name!r} is not registered here"}
     else:
+        lease: Held | None = None
 
         def keep_handle(handle: str) -> None:
-            def record() -> None:
+            def record() -> bool:
                 with write_one(rt.engine) as c:
-                    calls.record_handle(c, call, handle)
+                    return calls.record_handle(c, call, rt.worker, handle)
 
             # The handle names work already running outside (I20): it must not be lost to a
             # connection that died since the claim.
-            again_if_disconnected(record, "record a call's handle")
+            if not again_if_disconnected(record, "record a call's handle"):
+                if lease is not None:
+                    lease.lost.set()
+                raise LeaseLost(
+                    "this attempt no longer holds the call (its lease lapsed and it was taken "
+                    "over or settled); the handle was not recorded",
+                    handle=handle,
+                )
 
         task_id = task_id_of(call.execution_id)
         metadata = call.task_metadata or {}
@@ -160,12 +244,29 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             children=DbChildren(rt),
         )
         # An overdue wait is settled: it has no lease to renew.
-        with _call_heartbeat(rt, call) if mode != "observe" else nullcontext():
-            if mode == "reconcile":
+        with _call_heartbeat(rt, call) if mode != "observe" else nullcontext() as held:
+            if held is not None:
+                lease = held
+                ctx.lease_lost = held.lost
+                ctx._confirm_lease = held.confirm
+            if mode == "reconcile" and definition.reconcile is None:
+                # The sweep asked on behalf of an implementation it does not have itself; this
+                # one has no read-back, so the call is what any interrupted call is (I10).
+                evidence: JSON = {**_evidence(call), "reconciled": False}
+                outcome, result = Outcome.INTERRUPTED, evidence
+            elif mode == "reconcile":
                 outcome, result = run_reconcile(definition, call.arguments, ctx, _evidence(call))
             else:
                 outcome, result = run_handler(definition, call.arguments, ctx)
     faults.hit("tool.before_settle", tool=call.name, call_id=call.call_id)
+    if outcome is Outcome.ERROR and isinstance(result, dict) and bool(result.get("lease_lost")):
+        # The handler stopped because this attempt lost the call (LeaseLost): it says nothing
+        # about the work, so it is neither the outcome nor a late report (issue 12 item 5).
+        log.warning(
+            "handler stopped: lease lost",
+            extra={"execution_id": call.execution_id, "call_id": call.call_id, "mode": mode},
+        )
+        return "lost_lease"
     if isinstance(result, Pending):
         if mode == "observe":
             return "still_running"

@@ -104,8 +104,17 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
     outcome = done.outcome.value
 
     def settle(conn: Connection) -> bool:
+        # Fenced by the lease the call was taken under: a holder whose lease lapsed and was
+        # taken over (or settled) records at most a late report, never the outcome (item 5).
         if calls.settle_call(
-            conn, *key, outcome, done.result, rt.worker, utcnow(), done.duration_ms
+            conn,
+            *key,
+            outcome,
+            done.result,
+            rt.worker,
+            utcnow(),
+            done.duration_ms,
+            token=call.attempts,
         ):
             return True
         if calls.settled_by(conn, *key) == rt.worker:

@@ -93,7 +93,7 @@ def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
     return None
 
 
-def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[None]:
+def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[object]:
     """Renew the run's lease while slow work runs (I5)."""
 
     def renew(conn: Connection) -> bool:
@@ -390,13 +390,23 @@ def _local_call_id(progress: _Progress, view: RunView, transition: Transition) -
 
 
 def _take_settlement(
-    conn: Connection, view: RunView, done: CallResult
+    rt: Runtime, conn: Connection, view: RunView, done: CallResult
 ) -> tuple[RunView, Settlement | None]:
-    """Apply a call's result to the view the phase sees, if the call is still open; a call
-    settled meanwhile (a deadline, a cancel) gets a late report instead (I12, I13)."""
+    """Apply a call's result to the view the phase sees, if the call is still open and still
+    held under the lease this worker started it with; a call settled meanwhile (a deadline, a
+    cancel), or taken over after this worker's lease lapsed, gets a late report instead (I12,
+    I13, issue 12 item 5). The turn's calls are locked in this transaction, so what is checked
+    here is what commits."""
     call = done.call
     open_call = next(
-        (c for c in view.calls if c.call_id == call.call_id and c.state is not CallState.SETTLED),
+        (
+            c
+            for c in view.calls
+            if c.call_id == call.call_id
+            and c.state is not CallState.SETTLED
+            and c.lease_owner == rt.worker
+            and c.attempts == call.attempts
+        ),
         None,
     )
     if open_call is None:
@@ -484,7 +494,7 @@ def _run_tick(
             view = _view(conn, claim, now)
             settlement = None
             if progress.settlement is not None:
-                view, settlement = _take_settlement(conn, view, progress.settlement)
+                view, settlement = _take_settlement(rt, conn, view, progress.settlement)
             transition = _decide_at_boundary(rt, view)
             if transition is None:
                 transition = _compute(rt, view)
@@ -496,7 +506,13 @@ def _run_tick(
             local_id = _local_call_id(progress, view, transition)
             if local_id is not None:
                 local = calls.start_local_call(
-                    conn, execution_id, claim.turn, local_id, rt.worker, rt.settings.lease_seconds
+                    conn,
+                    execution_id,
+                    claim.turn,
+                    local_id,
+                    rt.worker,
+                    rt.settings.lease_seconds,
+                    implementations=rt.tools.implementations(),
                 )
         progress.claim_committed = True
         if progress.settlement is not None:

@@ -9,7 +9,19 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine, and_, bindparam, exists, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    case,
+    exists,
+    func,
+    null,
+    or_,
+    select,
+    update,
+)
 
 from charlie.domain import (
     ENDING_PHASES,
@@ -32,6 +44,9 @@ ACTIVE_STATUSES = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus
 #: not a claim, since the call already has its outcome.
 Mode = Literal["start", "resume", "reconcile", "observe"]
 
+#: A worker's tools as (name, implementation) pairs, sorted (ToolRegistry.implementations()).
+Implementations = tuple[tuple[str, str], ...]
+
 
 @dataclass(frozen=True)
 class ClaimedCall:
@@ -48,6 +63,8 @@ class ClaimedCall:
     deadline_at: datetime | None
     #: the task's metadata, read in the same statement (tools see it through their context).
     task_metadata: dict[str, Any] | None = None
+    #: the implementation the call was started with (None: a call from before migration 0005).
+    implementation: str | None = None
 
 
 _c, _e, _t = tool_calls.c, executions.c, tasks.c
@@ -80,6 +97,7 @@ def _call_columns() -> tuple[Any, ...]:
         _c.attempts,
         _c.deadline_at,
         metadata.label("task_metadata"),
+        _c.implementation,
     )
 
 
@@ -97,12 +115,26 @@ def _as_call(execution_id: str, turn: int, call_id: str, row: Any) -> ClaimedCal
         row.attempts,
         row.deadline_at,
         row.task_metadata,
+        row.implementation,
     )
 
 
+def _implementation_of_name(implementations: Implementations) -> Any:
+    """SQL for "this worker's implementation of the call's tool" (NULL: it has none)."""
+    if not implementations:
+        return null()
+    return case(dict(implementations), value=_c.name, else_=null())
+
+
 @functools.cache
-def _claim_statement(mode: Mode) -> Any:
+def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
+    """The claim of one call, built once per mode and tool set. ``start`` records which
+    implementation this worker starts the call with, in the statement that marks it started;
+    ``resume``/``reconcile`` take over only a call started with an implementation this worker
+    has (or one from before implementations were recorded): never another tool of the same name
+    in its place (issue 12 item 3)."""
     now = bindparam("b_now", type_=_c.lease_until.type)
+    mine = _implementation_of_name(implementations)
     # Work starts only for a live run of an active task: never after a cancel, a timeout or a
     # failure (I18), whatever messages are still in flight.
     live = exists().where(
@@ -117,7 +149,10 @@ def _claim_statement(mode: Mode) -> Any:
     stmt = update(tool_calls).where(CALL_KEY, live)
     if mode == "start":
         stmt = stmt.where(_c.state == CallState.PENDING.value, _c.queued_at.is_not(None)).values(
-            state=CallState.STARTED.value, started_at=now, started_by=bindparam("b_owner")
+            state=CallState.STARTED.value,
+            started_at=now,
+            started_by=bindparam("b_owner"),
+            implementation=mine,
         )
     elif mode == "resume":
         # A parked wait (no owner) may be observed at any time; a held one only once its
@@ -129,6 +164,8 @@ def _claim_statement(mode: Mode) -> Any:
         )
     else:
         stmt = stmt.where(_c.state == CallState.STARTED.value, _c.lease_until < now)
+    if mode != "start":
+        stmt = stmt.where(or_(_c.implementation.is_(None), _c.implementation == mine))
     return stmt.values(
         lease_owner=bindparam("b_owner"),
         lease_until=bindparam("b_until", type_=_c.lease_until.type),
@@ -177,10 +214,12 @@ def claim_call(
     lease_seconds: float,
     *,
     task_held: bool = False,
+    implementations: Implementations = (),
 ) -> ClaimedCall | None:
     """``start``: pending → started, committed before the handler runs (I9).
     ``resume``/``reconcile``: take over a started call whose lease lapsed (I10).
-    ``None``: not claimable (already started, settled, or someone live holds it).
+    ``None``: not claimable (already started, settled, someone live holds it, or it was
+    started with an implementation not among ``implementations``, see refuse_claim).
 
     In a transaction: raises TaskStopped, for the caller to roll back, when the task stopped
     while the call was being claimed, unless the caller already holds the task (``task_held``,
@@ -189,7 +228,7 @@ def claim_call(
     # The claim and the task's lock must commit together (rolled back on TaskStopped).
     assert conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT"
     row = conn.execute(
-        _claim_statement(mode),
+        _claim_statement(mode, implementations),
         {
             **key_params(execution_id, turn, call_id),
             "b_task": task_id_of(execution_id),
@@ -214,13 +253,25 @@ def claim_call_alone(
     mode: Mode,
     owner: str,
     lease_seconds: float,
+    *,
+    implementations: Implementations = (),
 ) -> ClaimedCall | None:
     """claim_call in a transaction of its own, committed before the handler runs (I9); None
     also when the task stopped during the claim (I18)."""
     try:
         with write(engine) as conn:
             now = utcnow()  # after BEGIN (SQLite's write lock), so the lease is not born expired
-            return claim_call(conn, execution_id, turn, call_id, mode, owner, now, lease_seconds)
+            return claim_call(
+                conn,
+                execution_id,
+                turn,
+                call_id,
+                mode,
+                owner,
+                now,
+                lease_seconds,
+                implementations=implementations,
+            )
     except TaskStopped as stopped:
         log.info(
             "call not started: its task stopped while it was being claimed",
@@ -236,6 +287,8 @@ def start_local_call(
     call_id: str,
     owner: str,
     lease_seconds: float,
+    *,
+    implementations: Implementations = (),
 ) -> ClaimedCall | None:
     """Mark the turn's only call started in the dispatch's own transaction (I9), which holds
     the turn's calls already: the task is held before the claim (not after, as claim_call
@@ -245,22 +298,97 @@ def start_local_call(
     if conn.dialect.name != "sqlite" and not hold_live_task(conn, task_id_of(execution_id), now):
         return None
     return claim_call(
-        conn, execution_id, turn, call_id, "start", owner, now, lease_seconds, task_held=True
+        conn,
+        execution_id,
+        turn,
+        call_id,
+        "start",
+        owner,
+        now,
+        lease_seconds,
+        task_held=True,
+        implementations=implementations,
     )
 
 
-def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: datetime) -> bool:
-    c = tool_calls.c
-    stmt = (
+@dataclass(frozen=True)
+class Refusal:
+    """A take-over this worker refused: the call was started with an implementation it lacks."""
+
+    name: str
+    implementation: str
+    attempts: int
+    started_at: datetime | None
+    started_by: str | None
+    handle: str | None
+
+
+@functools.cache
+def _refuse_statement(implementations: Implementations) -> Any:
+    mine = _implementation_of_name(implementations)
+    return (
         update(tool_calls)
         .where(
             CALL_KEY,
-            c.state == CallState.STARTED.value,
-            c.lease_owner == owner,
+            _c.state == CallState.STARTED.value,
+            _c.lease_until < bindparam("b_now", type_=_c.lease_until.type),
+            _c.implementation.is_not(None),
+            or_(mine.is_(None), _c.implementation != mine),
         )
-        .values(lease_until=until)
+        .values(attempts=_c.attempts + 1)
+        .returning(_c.name, _c.implementation, _c.attempts, _c.started_at, _c.started_by, _c.handle)
     )
-    return conn.execute(stmt, _own_key(call)).rowcount == 1
+
+
+def refuse_claim(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    implementations: Implementations,
+    now: datetime,
+) -> Refusal | None:
+    """Count a take-over refused because the call's lapsed lease was taken under an
+    implementation this worker lacks (it has another tool of that name, or none).
+    Each refusal is an attempt, so a call that no worker taking it over can run reaches the
+    attempt limit and is settled interrupted by its refuser (issue 12 item 3). Only on the path
+    of a resume or reconcile that claimed nothing, never on the hot path."""
+    row = conn.execute(
+        _refuse_statement(implementations),
+        {**key_params(execution_id, turn, call_id), "b_now": now},
+    ).first()
+    if row is None:
+        return None
+    return Refusal(
+        row.name, row.implementation, row.attempts, row.started_at, row.started_by, row.handle
+    )
+
+
+#: The lease a call was taken under: its owner and the attempt count its claim left (every
+#: claim, start or take-over, increments it; a refused take-over too, since it comes only after
+#: the lease lapsed). A holder whose lease another worker took over, or whose call was settled,
+#: matches neither, so none of its writes land (issue 12 item 5).
+HELD_BY = and_(
+    _c.state == CallState.STARTED.value,
+    _c.lease_owner == bindparam("b_owner"),
+    _c.attempts == bindparam("b_token"),
+)
+
+
+def _held(call: ClaimedCall, owner: str) -> dict[str, Any]:
+    return {**_own_key(call), "b_owner": owner, "b_token": call.attempts}
+
+
+_RENEW = (
+    update(tool_calls)
+    .where(CALL_KEY, HELD_BY)
+    .values(lease_until=bindparam("b_until", type_=_c.lease_until.type))
+)
+
+
+def renew_call_lease(conn: Connection, call: ClaimedCall, owner: str, until: datetime) -> bool:
+    """Renew the lease this attempt took; False once it is not this attempt's any more."""
+    return conn.execute(_RENEW, {**_held(call, owner), "b_until": until}).rowcount == 1
 
 
 def park_call(
@@ -268,22 +396,22 @@ def park_call(
 ) -> bool:
     """A resumable wait that is still waiting: keep it started, drop the owner, and let the
     sweep observe it again at ``poll_at``. A normal return, so the crash counter resets."""
-    c = tool_calls.c
     done = conn.execute(
         update(tool_calls)
-        .where(
-            CALL_KEY,
-            c.state == CallState.STARTED.value,
-            c.lease_owner == owner,
-        )
+        .where(CALL_KEY, HELD_BY)
         .values(handle=handle, lease_owner=None, lease_until=poll_at, attempts=0, swept_at=None),
-        _own_key(call),
+        _held(call, owner),
     )
     return done.rowcount == 1
 
 
-def record_handle(conn: Connection, call: ClaimedCall, handle: str) -> None:
-    conn.execute(update(tool_calls).where(CALL_KEY).values(handle=handle), _own_key(call))
+_RECORD_HANDLE = update(tool_calls).where(CALL_KEY, HELD_BY).values(handle=bindparam("b_handle"))
+
+
+def record_handle(conn: Connection, call: ClaimedCall, owner: str, handle: str) -> bool:
+    """Record the handle of the call's outside work; False (nothing written) when this attempt
+    no longer holds the call: the handle of whoever holds it now stands."""
+    return conn.execute(_RECORD_HANDLE, {**_held(call, owner), "b_handle": handle}).rowcount == 1
 
 
 #: The first result wins (I12): only an unsettled call takes an outcome.
@@ -303,6 +431,13 @@ SETTLE = (
 )
 
 
+#: A holder's settle: only while the call is still held under the lease it was taken with
+#: (issue 12 item 5). A holder whose lease lapsed and was taken over settles nothing.
+SETTLE_HELD = SETTLE.where(
+    _c.lease_owner == bindparam("b_owner"), _c.attempts == bindparam("b_token")
+)
+
+
 def settle_call(
     conn: Connection,
     execution_id: str,
@@ -313,12 +448,16 @@ def settle_call(
     owner: str,
     now: datetime,
     duration_ms: float | None = None,
+    *,
+    token: int | None = None,
 ) -> bool:
     """The first result wins (I12): only an unsettled call takes an outcome. On False the
-    caller records a late report instead."""
+    caller records a late report instead. ``token``: a holder settles, fenced by the lease it
+    took (owner and attempt count, see HELD_BY); without it, a sweep or a stop."""
     done = conn.execute(
-        SETTLE,
+        SETTLE if token is None else SETTLE_HELD,
         {
+            **({} if token is None else {"b_token": token}),
             **key_params(execution_id, turn, call_id),
             "b_outcome": outcome,
             "b_result": result,

@@ -205,6 +205,8 @@ def call_view(r: Any) -> CallView:
         started_at=r.started_at,
         settled_at=r.settled_at,
         deadline_at=r.deadline_at,
+        lease_owner=r.lease_owner,
+        attempts=r.attempts,
     )
 
 
@@ -221,6 +223,8 @@ CALL_COLUMNS = (
     tool_calls.c.started_at,
     tool_calls.c.settled_at,
     tool_calls.c.deadline_at,
+    tool_calls.c.lease_owner,
+    tool_calls.c.attempts,
 )
 
 

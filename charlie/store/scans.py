@@ -173,6 +173,7 @@ def orphaned_calls(conn: Connection, now: datetime, stall: timedelta, limit: int
                 _c.lease_owner,
                 _c.lease_until,
                 _c.handle,
+                _c.implementation,
             )
             .where(
                 _c.state == CallState.STARTED.value,

@@ -172,6 +172,9 @@ class ToolCall(Base):
     late_result: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     swept_at: Mapped[datetime | None] = mapped_column(default=None)
     duration_ms: Mapped[float | None] = mapped_column(Float, default=None)
+    #: which code the call was started with (a ToolDef's ``implementation``), written by the
+    #: claim that marks it started; a resume or reconcile runs only that code (issue 12 item 3).
+    implementation: Mapped[str | None] = mapped_column(String(300), default=None)
 
 
 class TransitionRecord(Base):

@@ -3,11 +3,20 @@
 from charlie.tools import builtins as _builtins  # noqa: F401  (registers the built-in tools)
 from charlie.tools import delegation as _delegation  # noqa: F401
 from charlie.tools import devbox_tools as _devbox_tools  # noqa: F401  (after the builtins)
-from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
+from charlie.tools.context import (
+    Interrupted,
+    LeaseLost,
+    Pending,
+    Reconciled,
+    ToolContext,
+    ToolError,
+)
 from charlie.tools.registry import REGISTRY, ToolDef, ToolRegistry, tool
 
 __all__ = [
     "REGISTRY",
+    "Interrupted",
+    "LeaseLost",
     "Pending",
     "Reconciled",
     "ToolContext",

@@ -12,7 +12,7 @@ import traceback
 from typing import Any
 
 from charlie.domain import JSON, Outcome
-from charlie.tools.context import Reconciled, ToolContext, ToolError
+from charlie.tools.context import Interrupted, Reconciled, ToolContext, ToolError
 from charlie.tools.registry import ToolDef
 
 
@@ -31,6 +31,8 @@ def run_handler(definition: ToolDef, arguments: JSON, ctx: ToolContext) -> tuple
     non-ToolError exception is no answer at all: LookFailed."""
     try:
         return Outcome.OK, definition.handler(**{**arguments, **_ctx_kw(definition, ctx)})
+    except Interrupted as exc:
+        return Outcome.INTERRUPTED, exc.as_result()
     except ToolError as exc:
         return Outcome.ERROR, exc.as_result()
     except Exception as exc:

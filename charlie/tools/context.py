@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,26 @@ class ToolError(Exception):
 
 class WorkspaceEscape(ToolError):
     pass
+
+
+class Interrupted(ToolError):
+    """The tool cannot tell what became of work an earlier attempt of this call may have
+    started (I10): the call settles ``interrupted`` with these details as its evidence, and the
+    model sees it like any interrupted call. Never a reason to start the work again."""
+
+
+class LeaseLost(ToolError):
+    """This attempt no longer holds the call: its lease lapsed and another worker took the
+    call over, or it was settled (a sweep, a deadline). The handler stops and does nothing more
+    for the call. It is no report about the call's work, so nothing of it is recorded: not the
+    outcome, not a late report (the late watch, or the new holder, reports the work's end)."""
+
+    def as_result(self) -> JSON:
+        return {**super().as_result(), "lease_lost": True}
+
+
+def _always_held() -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -124,10 +145,26 @@ class ToolContext:
     overdue: bool = False
     #: starts and reads tasks (delegation); the engine's, or a fake under charlie.testing.
     children: Children = field(default_factory=NoChildren, repr=False)
+    #: set once this attempt's lease on the call is seen lost (another worker took the call
+    #: over, or it was settled): a long handler checks it and stops (issue 12 item 5).
+    lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    _confirm_lease: Callable[[], bool] = field(default=_always_held, repr=False)
+
+    def holds_lease(self) -> bool:
+        """Whether this attempt still holds the call: ask before an irreversible step (a
+        commit, a start). Cheap while the lease is fresh; after a pause it asks the database.
+        False: stop, and act no more for this call (raise LeaseLost)."""
+        if self.lease_lost.is_set():
+            return False
+        if not self._confirm_lease():
+            self.lease_lost.set()
+            return False
+        return True
 
     def record_handle(self, handle: str) -> None:
         """Durably record a handle on outside work before waiting on it, so a resumed attempt
-        observes that same work (I19, I20)."""
+        observes that same work (I19, I20). Raises LeaseLost when this attempt no longer holds
+        the call (the handle of whoever holds it now stands)."""
         self._record_handle(handle)
         self.handle = handle
 

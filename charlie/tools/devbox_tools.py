@@ -23,10 +23,13 @@ copies ``metadata["devbox"]`` with the workspace id filled in).
 ``run_command`` is a resumable wait (I10, I20): the first invocation starts the command, records
 its execution id on the call before anything else, observes it briefly and otherwise parks; any
 later invocation (the sweep's poll, or a resume after the worker died) only polls that id. A
-start carries an idempotency key derived from the call, so even a crash between the devbox
-starting the command and the id being recorded does not start it twice. ``git_commit`` writes an
-idempotency key as a trailer and has a reconcile hook that reads back whether that commit exists,
-so an interrupted commit settles done or not done instead of unknown.
+start carries an idempotency key derived from the call, and a resume that finds no id recorded
+never starts anything: it looks the key up on the devbox, observes the command found there, and
+otherwise settles the call ``interrupted`` (the devbox seals the key, so no start of it runs
+later). A crash between the devbox starting the command and the id being recorded, or a devbox
+that lost its records, therefore never runs a command twice (issue 12 item 4). ``git_commit``
+writes an idempotency key as a trailer and has a reconcile hook that reads back whether that
+commit exists, so an interrupted commit settles done or not done instead of unknown.
 """
 
 from __future__ import annotations
@@ -56,7 +59,14 @@ from charlie.devbox.client import (
 )
 from charlie.domain import JSON, Outcome
 from charlie.sandbox import network_allowed
-from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
+from charlie.tools.context import (
+    Interrupted,
+    LeaseLost,
+    Pending,
+    Reconciled,
+    ToolContext,
+    ToolError,
+)
 from charlie.tools.registry import REGISTRY, ToolRegistry, build_tool
 
 #: the most of a file read_file returns, and of each output stream run_command returns (the
@@ -439,6 +449,10 @@ def git_commit(message: str, ctx: ToolContext) -> JSON:
     if box.rebuilt:
         raise ToolError(f"git_commit: nothing committed: {box.rebuilt}")
     key = call_key(ctx)
+    if not ctx.holds_lease():
+        # Another worker took this call over (its reconcile may have answered "not
+        # committed"): committing now would contradict it (issue 12 item 5).
+        raise LeaseLost("git_commit: nothing committed: this attempt lost the call's lease")
     with _calling("git_commit"):
         # Safe to retry: the devbox returns the first commit made with this key.
         done = _retry(lambda: box.client.commit(box.id, message, key))
@@ -463,9 +477,16 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON 
     config = current_config()
     client = client_for(config)
     rebuilt = None
-    if ctx.handle is None:
+    if ctx.handle is None and ctx.resumed:
+        # An earlier attempt died between starting the command and recording its id, or
+        # before starting it: which, only the devbox's key files can say. A resume never
+        # starts a command (issue 12 item 4): it looks the key up, and observes what it finds.
+        ctx.record_handle(_started_earlier(client, ctx))
+    elif ctx.handle is None:
         box = _open(ctx, "run_command")
         rebuilt = box.rebuilt
+        if not ctx.holds_lease():
+            raise LeaseLost("run_command: not started: this attempt lost the call's lease")
         with _calling("run_command"):
             # Keyed by the call: if an earlier attempt of this call started the command but
             # died before recording its id, this returns that command instead of a second one.
@@ -489,6 +510,35 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON 
     return _observe(client, config, ctx, ctx.handle, rebuilt)
 
 
+def _started_earlier(client: DevboxClient, ctx: ToolContext) -> str:
+    """The execution id of the command an earlier attempt of this call started under its key;
+    Interrupted when the devbox cannot confirm one (it has no such key: never started, or its
+    records were lost with its root), so the command is never started a second time. The
+    lookup seals the key, so a start of this call still on its way is refused too."""
+    spec = workspace_spec(ctx.task_id, ctx.metadata)
+    key = call_key(ctx)
+    evidence: JSON = {"idempotency_key": key, "workspace_id": spec.workspace_id}
+    try:
+        found = _retry(lambda: client.find_command(spec.workspace_id, key))
+    except (DevboxUnavailable, DevboxError) as exc:
+        raise Interrupted(
+            "run_command: an earlier attempt of this call stopped before recording its "
+            "command's execution id, and the devbox could not be asked whether it started it "
+            f"({exc}); the command was not started again and its outcome is unknown",
+            **evidence,
+        ) from None
+    if found is None:
+        raise Interrupted(
+            "run_command: an earlier attempt of this call stopped before recording its "
+            "command's execution id, and the devbox has no command under the call's "
+            "idempotency key (never started, or the devbox lost its records); the command was "
+            "not started again and its outcome is unknown: run it again if that is safe",
+            **evidence,
+            sealed=True,
+        )
+    return found.execution_id
+
+
 def _observe(
     client: DevboxClient, config: DevboxConfig, ctx: ToolContext, eid: str, rebuilt: str | None
 ) -> JSON | Pending:
@@ -498,6 +548,13 @@ def _observe(
     delay = 0.05
     polls = 0
     while True:
+        if ctx.lease_lost.is_set():
+            # Another worker observes the command now, or the call was settled: stop watching
+            # (the command itself runs on; it is not ours to stop, I13).
+            raise LeaseLost(
+                "run_command: stopped observing: this attempt lost the call's lease",
+                execution_id=eid,
+            )
         status: CommandStatus | None = None
         polls += 1
         try:

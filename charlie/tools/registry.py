@@ -41,6 +41,10 @@ class ToolDef:
     #: ``Reconciled(outcome, result)`` or ``None`` when it cannot tell.
     reconcile: Reconcile | None
     context_param: str | None
+    #: which code this is, stable across processes ("module:qualname" of the handler): a call
+    #: records the one it was started with, and only that one resumes or reconciles it
+    #: (issue 12 item 3), never another tool of the same name.
+    implementation: str = ""
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -137,6 +141,7 @@ def build_tool(
         resumable=resumable,
         reconcile=reconcile,
         context_param=context_param,
+        implementation=f"{fn.__module__}:{fn.__qualname__}",
     )
 
 
@@ -145,19 +150,30 @@ class ToolRegistry:
 
     def __init__(self) -> None:
         self._tools: dict[str, ToolDef] = {}
+        self._implementations: tuple[tuple[str, str], ...] | None = None
 
     def add(self, definition: ToolDef) -> ToolDef:
         existing = self._tools.get(definition.name)
         if existing is not None and existing.handler is not definition.handler:
             raise ToolDefinitionError(f"a tool named {definition.name!r} is already registered")
         self._tools[definition.name] = definition
+        self._implementations = None
         return definition
 
     def replace(self, definition: ToolDef) -> ToolDef:
         """Register ``definition`` in place of the tool of the same name, if there is one (the
         devbox's tools take the local ones' names, so the model sees one tool set)."""
         self._tools[definition.name] = definition
+        self._implementations = None
         return definition
+
+    def implementations(self) -> tuple[tuple[str, str], ...]:
+        """(name, implementation) of every tool, sorted: what a claim records and checks."""
+        if self._implementations is None:
+            self._implementations = tuple(
+                sorted((name, d.implementation) for name, d in self._tools.items())
+            )
+        return self._implementations
 
     def get(self, name: str) -> ToolDef | None:
         return self._tools.get(name)

@@ -93,6 +93,18 @@ class DevboxProcess:
                 found.append(data["execution_id"])
         return found
 
+    def status_of(self, workspace_id: str) -> list[str]:
+        """The status of every command the devbox ever started in the workspace."""
+        import json
+
+        return [
+            data["status"]
+            for data in (
+                json.loads(m.read_text()) for m in (self.root / "commands").glob("*/meta.json")
+            )
+            if data["workspace_id"] == workspace_id
+        ]
+
 
 def replace_workers(cluster: Cluster) -> None:
     """Stop the cluster's workers; new ones start with ``cluster.settings_env`` as it is now."""

@@ -128,6 +128,25 @@ def test_keyed_start_returns_the_first_command_even_after_a_restart(
     assert (devbox_root / "workspaces" / "ws" / "count").read_text() == "ran\n"
 
 
+def test_a_lookup_by_key_never_starts_and_seals_a_key_it_did_not_find(
+    client: DevboxClient, workspace: str, devbox_root: Path
+) -> None:
+    """Issue 12 item 4: a resume asks for its command by key: a key that started one finds it;
+    a key that did not is sealed, so a start with it that arrives later is refused (409)."""
+    started = client.start_command(workspace, shell="echo ran >> count", idempotency_key="k-1")
+    found = client.find_command(workspace, "k-1")
+    assert found is not None and found.execution_id == started.execution_id and not found.created
+    assert client.find_command(workspace, "k-2") is None
+    assert client.find_command(workspace, "k-2") is None  # still sealed, still nothing started
+    with pytest.raises(DevboxError) as sealed:
+        client.start_command(workspace, shell="echo ran >> count", idempotency_key="k-2")
+    assert sealed.value.status == 409 and "sealed" in sealed.value.message
+    assert client.wait_command(started.execution_id, timeout=10).status == "exited"
+    assert (devbox_root / "workspaces" / workspace / "count").read_text() == "ran\n"
+    # the workspace need not exist for a lookup (its root may be the thing that was lost)
+    assert client.find_command("gone", "k-1") is None
+
+
 def test_output_beyond_cap_is_dropped_and_says_so(make_server: ServerFactory) -> None:
     server = make_server(limits=Limits(output_bytes=1000))
     with DevboxClient(server.url, TOKEN) as c:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from charlie.devbox import DevboxClient, DevboxError
+from charlie.devbox import DevboxClient, DevboxError, DevboxServer
 
 
 def _git(cwd: Path | str, *args: str) -> str:
@@ -144,3 +144,23 @@ def test_bad_commit_requests(client: DevboxClient, workspace: str) -> None:
         with pytest.raises(DevboxError) as info:
             client.commit(workspace, message, key)
         assert info.value.status == 400
+
+
+def test_find_commit_waits_for_a_commit_in_progress(
+    server: DevboxServer, client: DevboxClient, workspace: str
+) -> None:
+    """Issue 12 item 5: a reconcile's read-back takes the workspace lock that a commit holds
+    for its whole length, so it never answers "not committed" in the middle of one."""
+    import threading
+
+    answers: list[str | None] = []
+    lock = server.devbox.workspaces.lock(workspace)
+    with lock:  # a commit is in progress
+        reader = threading.Thread(
+            target=lambda: answers.append(client.find_commit(workspace, "key-in-flight"))
+        )
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and answers == []  # waiting for the commit to finish
+    reader.join(10)
+    assert answers == [None]

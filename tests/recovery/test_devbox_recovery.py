@@ -17,7 +17,7 @@ import charlie
 from charlie import api
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
-from tests.devbox.cluster_support import DevboxProcess, cluster_on_devbox, git
+from tests.devbox.cluster_support import DevboxProcess, cluster_on_devbox, git, replace_workers
 from tests.integration.test_loop import assert_every_call_has_one_result
 from tests.support.cluster import Cluster
 
@@ -156,3 +156,76 @@ def test_devbox_restart_while_a_command_runs_is_reported_lost(
     )
     assert "devbox restarted while the command was running" in seen.payload["content"]
     assert devbox.commands_in(task_id) == [long.handle]  # not started again
+
+
+def test_resume_without_a_handle_never_starts_the_command_again(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """Issue 12 item 4, I10, I20: the worker dies after the devbox started the command and
+    before its id was recorded, and the devbox then loses its idempotency-key files (a root
+    restored from an older copy, a devbox replaced). The resume cannot confirm the command, so
+    it settles the call `interrupted` with the evidence; it never starts the command again."""
+    point = "devbox.before_record_handle"
+    cluster.set_faults({point: {"action": "kill", "times": 1, "match": {"tool": "run_command"}}})
+    model, _ = script(
+        [{"tool_calls": [call("cmd", "run_command", command=MARKED)]}, {"say": "It was lost."}]
+    )
+    task_id = charlie.submit("keys lost", model=model, metadata={"devbox": {}})
+    # The call's lease (2 s) must lapse before any resume: wipe the keys inside that window.
+    wait_for(lambda: cluster.fault_count(point) == 1, timeout=30, interval=0.02)
+    for key_file in (devbox.root / "commands" / "by-key").iterdir():
+        key_file.unlink()
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    cmd = only_call(task_id, "cmd")
+    assert cmd.outcome == "interrupted", cmd.result
+    assert "not started again" in cmd.result["error"]
+    assert cmd.result["idempotency_key"] and cmd.handle is None
+    wait_for(lambda: devbox.status_of(task_id) == ["exited"], timeout=30)
+    assert len(devbox.commands_in(task_id)) == 1  # started once
+    assert (devbox.workspace(task_id) / "marker.log").read_text() == "start\nend\n"
+    seen = next(
+        i for i in charlie.transcript(task_id) if i.call_id == "cmd" and i.kind == "tool_result"
+    )
+    assert "INTERRUPTED" in seen.payload["content"]
+    assert_every_call_has_one_result(task_id)
+
+
+def test_a_worker_without_the_devbox_never_runs_a_devbox_command_in_its_place(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """Issue 12 item 3, I10: a devbox worker starts run_command and is SIGKILLed mid-command;
+    the workers that come back have no devbox, so their run_command is the local shell tool of
+    the same name. They leave the call to a worker with the devbox's implementation; none
+    comes, so once its attempts are spent the call settles `interrupted`, naming the missing
+    implementation. The command never runs on a worker's host."""
+    from charlie.config import settings
+
+    command = "echo ran >> marker.log; sleep 5; echo done"
+    model, _ = script(
+        [{"tool_calls": [call("cmd", "run_command", command=command)]}, {"say": "Lost it."}]
+    )
+    task_id = charlie.submit("no devbox here", model=model, metadata={"devbox": {}})
+    wait_for(lambda: any(c.handle for c in api.calls(task_id)), timeout=30)
+    devbox_env = {k: v for k, v in cluster.settings_env.items() if k.startswith("CHARLIE_DEVBOX")}
+    try:
+        with cluster._lock:  # the supervisor restarts the killed workers without a devbox
+            for key in devbox_env:
+                del cluster.settings_env[key]
+            for proc in cluster.alive_workers():
+                cluster.kill(proc)
+        info = charlie.wait(task_id, timeout=60)
+        assert info.status is TaskStatus.SUCCEEDED, info.error
+        cmd = only_call(task_id, "cmd")
+        assert cmd.outcome == "interrupted", cmd.result
+        assert cmd.result["implementation"] == "charlie.tools.devbox_tools:run_command"
+        assert "charlie.tools.devbox_tools:run_command" in cmd.result["reason"]
+        local = settings().workspaces_dir / task_id / "marker.log"
+        assert not local.exists(), "the command ran on a worker's host"
+        wait_for(lambda: devbox.status_of(task_id) == ["exited"], timeout=30)
+        assert (devbox.workspace(task_id) / "marker.log").read_text() == "ran\n"
+        assert_every_call_has_one_result(task_id)
+    finally:
+        with cluster._lock:
+            cluster.settings_env.update(devbox_env)
+        replace_workers(cluster)

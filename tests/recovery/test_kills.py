@@ -360,3 +360,54 @@ def test_duplicated_invoke_messages_run_a_tool_once(cluster: Cluster, script) ->
     time.sleep(1)
     assert len(read_ledger_for(task_id, "write")) == 1
     assert api.calls(task_id)[0].outcome == "ok"
+
+
+def test_a_paused_holder_whose_call_was_taken_over_changes_nothing(
+    cluster: Cluster, script
+) -> None:
+    """Issue 12 item 5, I5, I10, I12: a worker is SIGSTOPped inside a write tool until its
+    lease lapses; recovery takes the call over (its reconcile hook, slow on purpose, is still
+    reading back when the old holder wakes). SIGCONT: the old holder sees it lost the lease,
+    does not do the tool's second step, and its result is at most a late report; the
+    reconcile's finding is the one outcome."""
+    import os
+    import signal
+
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {
+                        "id": "w",
+                        "name": "fenced_write",
+                        "arguments": {"key": "k-fenced", "hold": 4, "reconcile_hold": 4},
+                    }
+                ]
+            },
+            {"say": "checked"},
+        ]
+    )
+    task_id = charlie.submit("pause in write", model=model)
+    writes = wait_for(lambda: read_ledger_for(task_id, "write"))
+    holder = int(writes[0]["pid"])
+    os.kill(holder, signal.SIGSTOP)
+    try:
+        # recovery has taken the call over: the reconcile hook runs elsewhere
+        wait_for(lambda: read_ledger_for(task_id, "fenced_write.reconcile"), timeout=30)
+        assert api.calls(task_id)[0].state == "started"
+    finally:
+        os.kill(holder, signal.SIGCONT)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    time.sleep(1)  # room for anything the old holder might still do
+    call = api.calls(task_id)[0]
+    assert call.outcome == "ok" and call.result.get("reconciled") is True, call.result
+    assert call.result["found_by"] == "read-back"
+    assert call.late_reports <= 1
+    if call.late_reports:
+        assert call.late_result["outcome"] == "error"  # the old holder's: it stopped
+    assert read_ledger_for(task_id, "fenced_write.second") == []  # it did not act again
+    assert len(read_ledger_for(task_id, "write")) == 1
+    result = next(i for i in charlie.transcript(task_id) if i.kind == "tool_result")
+    assert result.outcome == "ok"
+    assert_every_call_has_one_result(task_id)

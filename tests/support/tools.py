@@ -106,3 +106,37 @@ def fail_politely(reason: str) -> str:
 def big_result(size: int) -> str:
     """Returns ``size`` bytes."""
     return "y" * size
+
+
+def _holds_lease(ctx: ToolContext) -> bool:
+    # getattr: on an SDK without lease fencing (before issue 12 item 5) the tool still runs,
+    # so its test shows what an old holder did there.
+    holds = getattr(ctx, "holds_lease", None)
+    return True if holds is None else bool(holds())
+
+
+def _find_fenced(key: str, ctx: ToolContext, hold: float = 0.0, reconcile_hold: float = 0.0):
+    record("fenced_write.reconcile", task=ctx.task_id, call=ctx.call_id, key=key)
+    time.sleep(reconcile_hold)
+    return _find_write(key, ctx)
+
+
+@tool(effect="write", deadline=60, reconcile=_find_fenced)
+def fenced_write(
+    key: str, ctx: ToolContext, hold: float = 0.0, reconcile_hold: float = 0.0
+) -> dict[str, object]:
+    """A write in two steps with ``hold`` seconds between them, the second done only while this
+    attempt still holds the call (issue 12 item 5); its reconcile hook takes ``reconcile_hold``
+    seconds to read back whether the first step happened."""
+    record("write", task=ctx.task_id, call=ctx.call_id, key=key)
+    end = time.monotonic() + hold
+    lost = getattr(ctx, "lease_lost", None)
+    while time.monotonic() < end:
+        if lost is not None and lost.wait(0.05):
+            break
+        time.sleep(0.05 if lost is None else 0)
+    if not _holds_lease(ctx):
+        record("fenced_write.stopped", task=ctx.task_id, call=ctx.call_id, key=key)
+        raise ToolError("lost the call's lease; the second step was not done")
+    record("fenced_write.second", task=ctx.task_id, call=ctx.call_id, key=key)
+    return {"written": key, "by": "handler"}
