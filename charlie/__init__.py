@@ -1,18 +1,31 @@
 """Charlie: a durable executor for long-running LLM agent tasks, on Celery.
 
-The public names: ``submit``, ``get_task``, ``wait``, ``cancel``, ``transcript``, ``calls``,
-``history`` and ``tool`` (pinned by tests/unit/test_exports.py). Tool authors also have
-:mod:`charlie.testing`; Celery-only producers the task ``charlie.submit``.
+The public names: ``submit``, ``get_task``, ``list_tasks``, ``wait``, ``cancel``,
+``transcript``, ``calls``, ``history`` and ``tool`` (pinned by tests/unit/test_exports.py).
+Tool authors also have :mod:`charlie.testing`; Celery-only producers the task
+``charlie.submit``.
 """
 
 from typing import Any
 
 from charlie.tools.registry import tool
 
-__all__ = ["calls", "cancel", "get_task", "history", "submit", "tool", "transcript", "wait"]
+__all__ = [
+    "calls",
+    "cancel",
+    "get_task",
+    "history",
+    "list_tasks",
+    "submit",
+    "tool",
+    "transcript",
+    "wait",
+]
 
 #: The names served from charlie.api on first use.
-_API = frozenset({"calls", "cancel", "get_task", "history", "submit", "transcript", "wait"})
+_API = frozenset(
+    {"calls", "cancel", "get_task", "history", "list_tasks", "submit", "transcript", "wait"}
+)
 __version__ = "0.1.0"
 
 

@@ -7,6 +7,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -215,6 +216,53 @@ def get_task(task_id: str) -> TaskInfo:
         row = reads.task_with_run(conn, task_id)
     if row is None:
         raise TaskNotFound(task_id)
+    return _task_info(row)
+
+
+#: the most tasks one list_tasks page returns.
+MAX_PAGE = 1000
+
+
+@retried_if_disconnected
+def list_tasks(
+    status: str | TaskStatus | Iterable[str | TaskStatus] | None = None,
+    parent: str | None = None,
+    limit: int = 50,
+    before: str | None = None,
+) -> list[TaskInfo]:
+    """Tasks, newest first: at most ``limit`` (1-1000), only those with ``status`` (one or
+    several), only the children of ``parent``. ``before`` is a task id: the page after the one
+    that ended with it (``before=page[-1].id``). Every page costs the same on any number of
+    tasks (an index per filter, keyset paging)."""
+    statuses = _statuses(status)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise ValueError(f"limit must be a whole number from 1 to {MAX_PAGE}, got {limit!r}")
+    with read(get_producer().engine) as conn:
+        keyset = None
+        if before is not None:
+            created = reads.task_created_at(conn, before)
+            if created is None:
+                raise TaskNotFound(before)
+            keyset = (created, before)
+        rows = reads.task_page(conn, statuses=statuses, parent=parent, limit=limit, before=keyset)
+    return [_task_info(row) for row in rows]
+
+
+def _statuses(status: str | TaskStatus | Iterable[str | TaskStatus] | None) -> list[str] | None:
+    if status is None:
+        return None
+    wanted = [status] if isinstance(status, str | TaskStatus) else list(status)
+    known = {s.value for s in TaskStatus}
+    values = [s.value if isinstance(s, TaskStatus) else str(s) for s in wanted]
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown status {', '.join(map(repr, unknown))}; one of {', '.join(sorted(known))}"
+        )
+    return values
+
+
+def _task_info(row: Any) -> TaskInfo:
     return TaskInfo(
         id=row.id,
         status=TaskStatus(row.status),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,6 +219,52 @@ def doctor(timeout: float, as_json: bool) -> None:
         failed = sum(c.failed for c in results)
         click.echo("all checks passed" if not failed else f"{failed} check(s) failed")
     sys.exit(code)
+
+
+@main.command(name="list")
+@click.option(
+    "--status", "statuses", multiple=True, help="Only tasks with this status (repeatable)."
+)
+@click.option("--parent", default=None, help="Only the children of this task.")
+@click.option(
+    "--limit", type=int, default=50, show_default=True, help="At most this many (1-1000)."
+)
+@click.option("--before", default=None, help="The page after the one that ended with this id.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def list_(
+    statuses: tuple[str, ...], parent: str | None, limit: int, before: str | None, as_json: bool
+) -> None:
+    """List tasks, newest first."""
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    try:
+        page = api.list_tasks(
+            status=list(statuses) or None, parent=parent, limit=limit, before=before
+        )
+    except (ValueError, TaskNotFound) as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps([t.__dict__ for t in page], default=str, indent=2))
+        return
+    now = datetime.now(UTC)
+    click.echo(f"{'TASK':<36}  {'STATUS':<9}  {'PHASE':<15}  {'TURN':>4}  {'AGE':>6}  MODEL")
+    for t in page:
+        phase = t.phase.value if t.phase else "-"
+        age = _age((now - t.created_at).total_seconds())
+        click.echo(
+            f"{_short(t.id, 36):<36}  {t.status.value:<9}  {phase:<15}  {t.turn:>4}  "
+            f"{age:>6}  {_short(t.model, 40)}"
+        )
+    if len(page) == limit:
+        click.echo(f"more: charlie list --before {page[-1].id}", err=True)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 @main.command()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Row, select
+from sqlalchemy import Connection, Row, and_, or_, select
 
 from charlie.domain import TaskStatus
 from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
@@ -18,17 +18,58 @@ _t, _e, _i, _c, _tr = tasks.c, executions.c, transcript_items.c, tool_calls.c, t
 
 def task_with_run(conn: Connection, task_id: str) -> Row[Any] | None:
     """The task row and its run's phase, turn and model-call counters (None: no such task)."""
-    return conn.execute(
-        select(
-            tasks,
-            _e.phase.label("x_phase"),
-            _e.turn.label("x_turn"),
-            _e.model_calls.label("x_model_calls"),
-            _e.model_repeats.label("x_model_repeats"),
+    return conn.execute(_with_run().where(_t.id == task_id)).first()
+
+
+def _with_run() -> Any:
+    return select(
+        tasks,
+        _e.phase.label("x_phase"),
+        _e.turn.label("x_turn"),
+        _e.model_calls.label("x_model_calls"),
+        _e.model_repeats.label("x_model_repeats"),
+    ).select_from(tasks.outerjoin(executions, _e.task_id == _t.id))
+
+
+def task_page(
+    conn: Connection,
+    *,
+    statuses: list[str] | None,
+    parent: str | None,
+    limit: int,
+    before: tuple[Any, str] | None,
+) -> list[Row[Any]]:
+    """Tasks newest first, each with its run's counters: at most ``limit``, older than the
+    ``before`` keyset (created_at, id), filtered by status and parent."""
+    stmt = task_page_statement(statuses=statuses, parent=parent, limit=limit, before=before)
+    return list(conn.execute(stmt).all())
+
+
+def task_page_statement(
+    *,
+    statuses: list[str] | None,
+    parent: str | None,
+    limit: int,
+    before: tuple[Any, str] | None,
+) -> Any:
+    """The statement of :func:`task_page`. Each filter walks its own index in (created_at, id)
+    order (migration 0006), so a page costs the same whatever the table's size."""
+    stmt = _with_run()
+    if statuses:
+        stmt = stmt.where(_t.status.in_(statuses))
+    if parent is not None:
+        stmt = stmt.where(_t.parent_id == parent)
+    if before is not None:
+        created, task_id = before
+        stmt = stmt.where(
+            or_(_t.created_at < created, and_(_t.created_at == created, _t.id < task_id))
         )
-        .select_from(tasks.outerjoin(executions, _e.task_id == _t.id))
-        .where(_t.id == task_id)
-    ).first()
+    return stmt.order_by(_t.created_at.desc(), _t.id.desc()).limit(limit)
+
+
+def task_created_at(conn: Connection, task_id: str) -> Any:
+    """A task's creation time (a page's keyset), or None."""
+    return conn.execute(select(_t.created_at).where(_t.id == task_id)).scalar_one_or_none()
 
 
 def execution_id_of(conn: Connection, task_id: str) -> str | None:

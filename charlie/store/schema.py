@@ -59,6 +59,12 @@ class Task(Base):
     """The scheduler's record: owns the lifecycle (I18)."""
 
     __tablename__ = "tasks"
+    __table_args__ = (
+        # list_tasks: newest first, by status, by parent; (created_at, id) is the page keyset
+        Index("ix_tasks_created", "created_at", "id"),
+        Index("ix_tasks_status_created", "status", "created_at", "id"),
+        Index("ix_tasks_parent_created", "parent_id", "created_at", "id"),
+    )
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     parent_id: Mapped[str | None] = mapped_column(

@@ -8,7 +8,17 @@ import sys
 
 import charlie
 
-PUBLIC = ["calls", "cancel", "get_task", "history", "submit", "tool", "transcript", "wait"]
+PUBLIC = [
+    "calls",
+    "cancel",
+    "get_task",
+    "history",
+    "list_tasks",
+    "submit",
+    "tool",
+    "transcript",
+    "wait",
+]
 
 
 def test_all_is_pinned() -> None:
