@@ -4,7 +4,9 @@ input as the HTTP model tests do: the previous turn's results, in call order (I6
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,8 +20,10 @@ from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(120)
 
+Script = Callable[[list[dict[str, Any]]], tuple[str, Path]]
 
-def _three_calls_out_of_finish_order() -> list[dict[str, object]]:
+
+def _three_calls_out_of_finish_order() -> list[dict[str, Any]]:
     """Three reads that finish in the reverse of the order the model made them."""
     return [
         {"id": "slow", "name": "sleep_then", "arguments": {"seconds": 1.5, "value": "A-slow"}},
@@ -28,7 +32,9 @@ def _three_calls_out_of_finish_order() -> list[dict[str, object]]:
     ]
 
 
-def test_next_turn_is_shown_the_previous_results_in_call_order(cluster: Cluster, script) -> None:
+def test_next_turn_is_shown_the_previous_results_in_call_order(
+    cluster: Cluster, script: Script
+) -> None:
     """I6, I7: the model input of turn 2 holds turn 1's tool results in the order the model
     made the calls, not the order they finished; turn 3 is shown turn 2's one result (and the
     prompt is still there, I6: the context plus the transcript)."""
@@ -62,11 +68,14 @@ def test_next_turn_is_shown_the_previous_results_in_call_order(cluster: Cluster,
     assert [c["turn"] for c in model_calls(ledger)] == [0, 1, 2]
     records = {c.call_id: c for c in api.calls(task_id) if c.turn == 0}
     # The finishing order really differed from the call order the model was shown.
-    assert records["fast"].finish_order < records["slow"].finish_order
+    fast, slow = records["fast"].finish_order, records["slow"].finish_order
+    assert fast is not None and slow is not None and fast < slow
     assert_every_call_has_one_result(task_id)
 
 
-def test_an_input_mismatch_fails_the_run_saying_what_was_expected(cluster: Cluster, script) -> None:
+def test_an_input_mismatch_fails_the_run_saying_what_was_expected(
+    cluster: Cluster, script: Script
+) -> None:
     """A turn whose input does not match its ``expect`` fails the run (I17) with a message that
     says what was expected and what was shown; the model's turn is not played."""
     model, ledger = script(
