@@ -18,6 +18,7 @@ import re
 import signal
 import sqlite3
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -44,6 +45,12 @@ def ledger_for(task_id: str, event: str) -> list[dict[str, Any]]:
     return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
 
 
+def new_task_id() -> str:
+    """A task id chosen before submitting, so a fault point can match this task alone (not a
+    run some earlier test left behind)."""
+    return f"i7-{uuid.uuid4().hex}"
+
+
 def is_postgres() -> bool:
     return settings().database_url.startswith("postgresql")
 
@@ -59,8 +66,15 @@ def test_never_started_calls_lost_with_their_messages_start_normally(
     call would be a local call, started in the dispatch's own commit). Neither was marked
     started, so recovery starts both normally: outcome ok, no `interrupted`, no reconcile, each
     write handler run exactly once, and the next turn is shown both results in call order."""
+    task_id = new_task_id()
     cluster.set_faults(
-        {"tick.after_commit": {"action": "kill", "times": 1, "match": {"phase": "dispatch_tools"}}}
+        {
+            "tick.after_commit": {
+                "action": "kill",
+                "times": 1,
+                "match": {"phase": "dispatch_tools", "task_id": task_id},
+            }
+        }
     )
     model, ledger = script(
         [
@@ -81,7 +95,7 @@ def test_never_started_calls_lost_with_their_messages_start_normally(
             },
         ]
     )
-    task_id = charlie.submit("lost invokes", model=model)
+    charlie.submit("lost invokes", model=model, task_id=task_id)
     wait_for(lambda: cluster.fault_count("tick.after_commit") == 1, timeout=60)
     # The dispatch committed (queued, with its deadline) but nothing was started: the kill came
     # before the publish, and the sweep re-publishes only a stall period (2 s) later.
@@ -116,12 +130,11 @@ def pg_monitor() -> Iterator[Callable[[], dict[tuple[int, datetime], dict[str, A
         """
         SELECT a.pid, a.xact_start, a.state, a.application_name, a.backend_xid::text AS xid,
                left(a.query, 200) AS query,
-               array_remove(array_agg(DISTINCT l.locktype || ':' || l.mode), NULL) AS locks
+               ARRAY(SELECT l.locktype || ':' || l.mode FROM pg_locks l
+                     WHERE l.pid = a.pid AND l.locktype IN ('tuple', 'transactionid')) AS locks
         FROM pg_stat_activity a
-        LEFT JOIN pg_locks l ON l.pid = a.pid AND l.locktype IN ('tuple', 'transactionid')
         WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
           AND a.xact_start IS NOT NULL
-        GROUP BY a.pid, a.xact_start, a.state, a.application_name, a.backend_xid, a.query
         """
     )
 
@@ -244,17 +257,18 @@ def test_kill_after_the_task_is_terminal_before_done_writes_no_second_result(
     slow phase hits after its work). Recovery runs report_terminal again, finds the task already
     terminal (a benign outcome), and moves the run to done: the result and its time are the
     first write's, no second result is written, the model is not called again."""
+    task_id = new_task_id()
     cluster.set_faults(
         {
             "tick.before_commit": {
                 "action": "kill",
                 "times": 1,
-                "match": {"phase": "report_terminal"},
+                "match": {"phase": "report_terminal", "task_id": task_id},
             }
         }
     )
     model, ledger = script([{"say": "the one answer"}])
-    task_id = charlie.submit("terminal then killed", model=model)
+    charlie.submit("terminal then killed", model=model, task_id=task_id)
     wait_for(lambda: cluster.fault_count("tick.before_commit") == 1, timeout=60)
     first = api.get_task(task_id)
     assert first.status is TaskStatus.SUCCEEDED  # the scheduler's write committed
@@ -502,7 +516,13 @@ def test_two_beats_and_a_killed_worker_recover_each_thing_once(
     writes = wait_for(lambda: ledger_for(task_id, "write"))
     # The next call_model commit (turn 2's) kills its worker before the publish.
     cluster.set_faults(
-        {"tick.after_commit": {"action": "kill", "times": 1, "match": {"phase": "call_model"}}}
+        {
+            "tick.after_commit": {
+                "action": "kill",
+                "times": 1,
+                "match": {"phase": "call_model", "task_id": task_id},
+            }
+        }
     )
     cluster.kill_pid_group(int(writes[0]["pid"]))
     assert api.calls(task_id)[0].state == "started"  # its lease has not lapsed yet
