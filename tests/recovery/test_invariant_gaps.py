@@ -376,7 +376,8 @@ _LOG_TIME = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): ")
 
 def log_lines(cluster: Cluster, message: str, execution_id: str) -> list[tuple[datetime, str]]:
     found = []
-    for log in cluster.home.glob("worker-*.log"):
+    # Workers' and beats' logs: wherever the sweeps run (a beat may run them itself).
+    for log in cluster.home.glob("*.log"):
         for line in log.read_text(errors="replace").splitlines():
             if message in line and f"execution_id={execution_id}" in line:
                 stamp = _LOG_TIME.match(line)
