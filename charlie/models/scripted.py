@@ -10,6 +10,19 @@ malformed model output); ``{task_id}`` in string arguments is replaced by the ru
 ``sleep`` delays the answer (to stand for a slow model); ``raise`` makes the call fail, to exercise
 failure handling. With a ``ledger``, every call appends one JSON line to that file, outside
 Charlie's tables, so repeats after a crash can be counted.
+
+A turn may also say what the model must have been shown, so a script checks its input the way a
+real model depends on it (I6, I7)::
+
+    "expect": {"tool_results": [{"call_id": "a", "contains": "x", "outcome": "ok"}, ...],
+               "contains": ["text", ...]}
+
+``tool_results``: the results the model is shown for its previous turn (the ``tool_result``
+items after the last ``tool_call`` item of the input) are exactly these calls, in this order;
+``contains`` (a substring of the result's content) and ``outcome`` are optional. ``contains``:
+each string occurs in the content of some input item. When the input does not match, the call
+raises :class:`ModelError` saying what was expected and what was shown, and the run fails with
+that message; nothing of the turn is played.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from charlie.domain import ItemKind, NewItem
+from charlie.domain import Item, ItemKind, NewItem
 from charlie.models.base import (
     ModelError,
     ModelRequest,
@@ -63,7 +76,91 @@ def load_script(path: Path) -> tuple[list[dict[str, Any]], Path | None]:
                 f"scripted model file {path}: turn {number}: tool_calls must be a list of "
                 'objects with a "name"'
             )
+        problem = _expect_problem(turn.get("expect"))
+        if problem:
+            raise ScriptError(f"scripted model file {path}: turn {number}: {problem}")
     return doc, ledger
+
+
+def _expect_problem(expect: Any) -> str | None:
+    """What is wrong with a turn's ``expect``, if anything."""
+    if expect is None:
+        return None
+    if not isinstance(expect, dict):
+        return '"expect" must be an object'
+    unknown = set(expect) - {"tool_results", "contains"}
+    if unknown:
+        return f'"expect" has unknown keys {sorted(unknown)} (known: tool_results, contains)'
+    results = expect.get("tool_results", [])
+    if not isinstance(results, list) or any(
+        not isinstance(r, dict)
+        or not isinstance(r.get("call_id"), str)
+        or set(r) - {"call_id", "contains", "outcome"}
+        for r in results
+    ):
+        return (
+            '"expect.tool_results" must be a list of objects with a "call_id" and optional '
+            '"contains" and "outcome"'
+        )
+    contains = expect.get("contains", [])
+    if not isinstance(contains, list) or any(not isinstance(c, str) for c in contains):
+        return '"expect.contains" must be a list of strings'
+    return None
+
+
+def _shown_results(items: list[Item]) -> list[Item]:
+    """The tool results the model is shown for its previous turn: the ``tool_result`` items
+    after the input's last ``tool_call`` item (none on a first turn)."""
+    last_call = max((n for n, i in enumerate(items) if i.kind is ItemKind.TOOL_CALL), default=None)
+    if last_call is None:
+        return []
+    return [i for i in items[last_call + 1 :] if i.kind is ItemKind.TOOL_RESULT]
+
+
+def _describe_expected(wanted: dict[str, Any]) -> str:
+    text = str(wanted["call_id"])
+    if "outcome" in wanted:
+        text += f" {wanted['outcome']}"
+    if "contains" in wanted:
+        text += f" containing {wanted['contains']!r}"
+    return text
+
+
+def _describe_shown(item: Item, limit: int = 120) -> str:
+    content = str(item.payload.get("content", ""))
+    if len(content) > limit:
+        content = content[:limit] + "..."
+    return f"{item.call_id} {item.payload.get('outcome')} {content!r}"
+
+
+def check_expectation(expect: dict[str, Any], items: list[Item]) -> str | None:
+    """None if the model input ``items`` meets ``expect``, else what was expected vs shown."""
+    problems = []
+    if "tool_results" in expect:
+        wanted = expect["tool_results"]
+        shown = _shown_results(items)
+        matches = len(wanted) == len(shown) and all(
+            w["call_id"] == s.call_id
+            and ("outcome" not in w or w["outcome"] == s.payload.get("outcome"))
+            and ("contains" not in w or str(w["contains"]) in str(s.payload.get("content", "")))
+            for w, s in zip(wanted, shown, strict=False)
+        )
+        if not matches:
+            problems.append(
+                "expected the previous turn's tool results, in this order, to be ["
+                + "; ".join(_describe_expected(w) for w in wanted)
+                + "] but the model was shown ["
+                + "; ".join(_describe_shown(s) for s in shown)
+                + "]"
+            )
+    contents = [str(i.payload.get("content", "")) for i in items]
+    missing = [c for c in expect.get("contains", []) if not any(c in text for text in contents)]
+    if missing:
+        problems.append(
+            f"expected the input to contain {missing!r} but no input item's content does "
+            f"({len(items)} items shown)"
+        )
+    return "; ".join(problems) or None
 
 
 def _substitute(value: Any, task_id: str) -> Any:
@@ -97,6 +194,14 @@ class ScriptedModel:
                 f"turn {request.turn + 1} was asked for"
             )
         turn = self.turns[request.turn]
+        if turn.get("expect") is not None:
+            problem = check_expectation(_substitute(turn["expect"], request.task_id), request.items)
+            if problem:
+                raise ModelError(
+                    f"scripted model {self.path}: turn {request.turn + 1} input mismatch: "
+                    f"{problem}",
+                    evidence={"expect": turn["expect"]},
+                )
         if turn.get("sleep"):
             time.sleep(float(turn["sleep"]))
         if turn.get("raise"):
