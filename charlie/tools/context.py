@@ -164,6 +164,7 @@ class ToolContext:
             self.lease_lost.set()
             return False
         return True
+
     #: set when no tool may run for this call (its task's workspace lies outside the allowed
     #: roots): every handler is refused with this as the error the model sees (I15).
     refusal: str | None = None

@@ -124,7 +124,7 @@ def delegate(
     if "workspace" in parent.metadata:
         metadata["workspace"] = parent.metadata["workspace"]
     # The child works in the parent's devbox workspace (its id spelled out, not re-derived).
-    devbox = inherited_devbox(ctx.task_id, parent.metadata)
+    devbox = inherited_devbox(ctx, parent.metadata)
     if devbox is not None:
         metadata["devbox"] = devbox
     # The port refuses unknown tools and a stopped parent (a ToolError), and starts the child's
