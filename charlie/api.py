@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from charlie import scheduler
+from charlie.config import WorkspaceRefused
 from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
 from charlie.models import normalise_model
 from charlie.runtime import Producer, get_producer, import_tool_modules
@@ -179,6 +180,12 @@ def submit(
             raise InvalidSubmission("metadata must be a JSON object")
         if len(encoded) > MAX_METADATA_BYTES:
             raise PayloadTooLarge(f"metadata is {len(encoded)} bytes; the limit is 64 KiB")
+        if metadata.get("workspace") is not None:
+            # The worker confines it again before any tool runs (issue 12 item 12).
+            try:
+                rt.settings.confine_workspace(metadata["workspace"])
+            except WorkspaceRefused as exc:
+                raise InvalidSubmission(str(exc)) from None
     # The id is fixed before the first try, so a try again after a lost connection finds the
     # task the first one may have committed instead of saving a second.
     task_id = task_id or uuid.uuid4().hex

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -140,7 +141,11 @@ def flower(ctx: click.Context, basic_auth: str | None) -> None:
 @click.option("--tool", "tools", multiple=True, help="A tool the model may use (repeatable).")
 @click.option("--task-id", default=None, help="Your own id; submitting it again is a no-op.")
 @click.option("--timeout", type=float, default=None, help="Seconds before the task times out.")
-@click.option("--workspace", default=None, help="Directory the task's tools work in.")
+@click.option(
+    "--workspace",
+    default=None,
+    help="Directory the task's tools work in (inside CHARLIE_WORKSPACE_ROOTS).",
+)
 @click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
 def submit(
     prompt: str,
@@ -154,7 +159,8 @@ def submit(
     """Submit a task and print its id."""
     from charlie import api
 
-    metadata = {"workspace": workspace} if workspace else None
+    # absolute here: the worker's working directory is not this one
+    metadata = {"workspace": os.path.abspath(workspace)} if workspace else None
     try:
         tid = api.submit(
             prompt,

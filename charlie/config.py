@@ -130,6 +130,12 @@ class Settings:
     sandbox: str = "bwrap"
     #: more directories (``:``-separated) the sandbox hides besides Charlie's own.
     sandbox_hide: str = ""
+    #: where a task's ``metadata["workspace"]`` may be (CHARLIE_WORKSPACE_ROOTS, ``:``-separated;
+    #: empty: ``home/workspaces`` only). A workspace must lie strictly inside one of them.
+    workspace_roots: tuple[Path, ...] = ()
+    #: models a delegated child may use besides its parent's (CHARLIE_DELEGATE_MODELS: a comma
+    #: list of model names or glob patterns, ``*`` for any); empty: only the parent's model.
+    delegate_models: tuple[str, ...] = ()
 
     @property
     def worker_queues(self) -> tuple[str, ...]:
@@ -152,6 +158,38 @@ class Settings:
     @property
     def workspaces_dir(self) -> Path:
         return self.home / "workspaces"
+
+    @property
+    def allowed_workspace_roots(self) -> tuple[Path, ...]:
+        return self.workspace_roots or (self.workspaces_dir,)
+
+    def confine_workspace(self, raw: object) -> Path:
+        """The real path of a task's ``metadata["workspace"]``, which must lie strictly inside
+        one of the allowed roots (the roots themselves hold other tasks' workspaces); a
+        WorkspaceRefused naming the roots otherwise."""
+        roots = self.allowed_workspace_roots
+        if not isinstance(raw, str) or not raw or "\x00" in raw:
+            raise WorkspaceRefused("metadata.workspace must be a non-empty path string")
+        if not os.path.isabs(raw):
+            raise WorkspaceRefused(f"metadata.workspace {raw!r} must be an absolute path")
+        real = Path(os.path.realpath(raw))
+        for root in roots:
+            base = Path(os.path.realpath(root))
+            if base in real.parents:
+                return real
+        shown = ":".join(str(r) for r in roots)
+        raise WorkspaceRefused(
+            f"workspace {raw!r} is outside the allowed workspace roots ({shown}); a task's "
+            "workspace must be a directory inside one of them (CHARLIE_WORKSPACE_ROOTS)"
+        )
+
+
+class WorkspaceRefused(ValueError):
+    """A task's workspace lies outside the operator's workspace roots."""
+
+
+def _paths(raw: str) -> tuple[Path, ...]:
+    return tuple(Path(p).expanduser().resolve() for p in raw.split(":") if p.strip())
 
 
 def load_settings() -> Settings:
@@ -198,6 +236,10 @@ def load_settings() -> Settings:
         remote_control=_env_flag("CHARLIE_REMOTE_CONTROL"),
         sandbox=_env_choice("CHARLIE_SANDBOX", ("bwrap", "off"), "bwrap"),
         sandbox_hide=os.environ.get("CHARLIE_SANDBOX_HIDE", ""),
+        workspace_roots=_paths(os.environ.get("CHARLIE_WORKSPACE_ROOTS", "")),
+        delegate_models=tuple(
+            m.strip() for m in os.environ.get("CHARLIE_DELEGATE_MODELS", "").split(",") if m.strip()
+        ),
     )
 
 

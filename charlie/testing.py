@@ -188,9 +188,24 @@ class FakeChildren:
     #: the model of a task added without one.
     default_model: str = "scripted:fake"
 
-    def add(self, task_id: str, *, model: str | None = None, metadata: JSON | None = None) -> None:
+    def add(
+        self,
+        task_id: str,
+        *,
+        model: str | None = None,
+        metadata: JSON | None = None,
+        parent_id: str | None = None,
+        tools: list[str] | None = None,
+    ) -> None:
         self.tasks[task_id] = TaskSnapshot(
-            task_id, TaskStatus.RUNNING, None, None, model or self.default_model, metadata or {}
+            task_id,
+            TaskStatus.RUNNING,
+            None,
+            None,
+            model or self.default_model,
+            metadata or {},
+            parent_id=parent_id,
+            tools=tools,
         )
 
     def finish(
@@ -202,7 +217,14 @@ class FakeChildren:
     ) -> None:
         task = self.tasks[task_id]
         self.tasks[task_id] = TaskSnapshot(
-            task_id, status, result, error, task.model, task.metadata
+            task_id,
+            status,
+            result,
+            error,
+            task.model,
+            task.metadata,
+            parent_id=task.parent_id,
+            tools=task.tools,
         )
 
     def get(self, task_id: str) -> TaskSnapshot | None:
@@ -232,7 +254,7 @@ class FakeChildren:
                 "parent_call_id": parent_call_id,
             }
         )
-        self.add(task_id, model=model, metadata=metadata)
+        self.add(task_id, model=model, metadata=metadata, parent_id=parent_id, tools=tools)
         return ChildSubmitted(task_id, created=True)
 
 

@@ -11,7 +11,8 @@ command, file and git operation goes through the devbox; the transcript printed 
 command's execution id and how it was observed.
 
 With ``CHARLIE_DEVBOX_URL``/``CHARLIE_DEVBOX_TOKEN`` set, that devbox is used instead of starting
-one (it must be able to read the repository path the demo creates under ``CHARLIE_HOME``).
+one (it must be able to read the repository path the demo creates under ``CHARLIE_HOME``, and
+allow it: ``--allow-repo`` with that directory or one above it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import click
 
 from charlie import api
 from charlie.config import settings
-from charlie.devbox import DevboxClient, DevboxServer, Limits
+from charlie.devbox import DevboxClient, DevboxServer, Limits, RepoPolicy
 from charlie.sandbox import bwrap_problem
 from charlie.tools.devbox_tools import devbox_metadata, workspace_id_for
 from charlie.views import short
@@ -268,7 +269,9 @@ def run_demo(timeout: float = 120.0) -> int:
             # run without a sandbox unless told --no-sandbox.
             click.echo(f"note: {no_sandbox}; the demo's commands run without a sandbox", err=True)
         limits = Limits(sandbox="off" if no_sandbox else "bwrap")
-        started_devbox = DevboxServer(here / "devbox", token, limits=limits).start()
+        # the one repository the demo clones is the one it just made
+        repos = RepoPolicy((str(repo),))
+        started_devbox = DevboxServer(here / "devbox", token, limits=limits, repos=repos).start()
         url = started_devbox.url
         where = f"devbox {url} (started for the demo, root {started_devbox.root}, token generated)"
     metadata = {"devbox": devbox_metadata(str(repo), branch=BRANCH)}
@@ -285,6 +288,9 @@ def run_demo(timeout: float = 120.0) -> int:
         **os.environ,
         "CHARLIE_DEVBOX_URL": url,
         "CHARLIE_DEVBOX_TOKEN": token,
+        # the compatibility check is delegated to a model of its own (its script), which a
+        # child may use only when the operator allows it (issue 12 item 1)
+        "CHARLIE_DELEGATE_MODELS": f"scripted:{here / 'compat_check.json'}",
         # every command is started, parked, and observed to its end by a later poll, the way a
         # long build would be; the sweep polls parked calls twice a second
         "CHARLIE_DEVBOX_INLINE_WAIT": os.environ.get("CHARLIE_DEVBOX_INLINE_WAIT", "0"),

@@ -40,7 +40,8 @@ from charlie.devbox.client import (
     StartedCommand,
     Workspace,
 )
-from charlie.devbox.policy import CommandPolicy, Limits
+from charlie.devbox.credentials import workspace_credential
+from charlie.devbox.policy import CommandPolicy, Limits, RepoPolicy
 from charlie.devbox.server import DevboxServer
 
 __all__ = [
@@ -56,6 +57,8 @@ __all__ = [
     "FileEntry",
     "Limits",
     "PatchResult",
+    "RepoPolicy",
     "StartedCommand",
     "Workspace",
+    "workspace_credential",
 ]

@@ -11,7 +11,7 @@ from types import FrameType
 
 import click
 
-from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits
+from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits, RepoPolicy
 from charlie.devbox.server import DevboxServer
 from charlie.sandbox import SandboxUnavailable, check_mode
 
@@ -44,6 +44,15 @@ def devbox() -> None:
     help="Bearer token clients must send [env CHARLIE_DEVBOX_TOKEN; prefer the env var, "
     "since arguments are visible in ps].",
 )
+@click.option(
+    "--allow-repo",
+    "allow_repos",
+    multiple=True,
+    metavar="PATH_OR_GLOB",
+    help="Where workspaces may be cloned or copied from (repeatable): a local directory "
+    "(it and everything under it, by real path), a glob of paths, or a URL pattern such as "
+    "'https://github.com/acme/*'. Default: none (only empty workspaces).",
+)
 @click.option("--allow", multiple=True, help="Only these programs may run (repeatable).")
 @click.option(
     "--deny",
@@ -67,6 +76,7 @@ def serve(
     port: int,
     root: Path | None,
     token: str | None,
+    allow_repos: tuple[str, ...],
     allow: tuple[str, ...],
     deny: tuple[str, ...],
     command_timeout: float,
@@ -99,7 +109,9 @@ def serve(
         allow_network=allow_network,
     )
     try:
-        server = DevboxServer(root or _default_root(), token, host, port, policy, limits)
+        server = DevboxServer(
+            root or _default_root(), token, host, port, policy, limits, RepoPolicy(allow_repos)
+        )
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     _stop_on_sigterm(server)
@@ -107,6 +119,10 @@ def serve(
     click.echo(f"devbox listening on {server.url} root={server.root}", err=False)
     if no_sandbox:
         click.echo("warning: --no-sandbox: commands run with the devbox's rights", err=True)
+    if not allow_repos:
+        click.echo(
+            "note: no --allow-repo: workspaces can only be empty (no clone, no copy)", err=True
+        )
     if server.lost_on_start:
         click.echo(f"marked {len(server.lost_on_start)} command(s) lost after restart")
     try:

@@ -18,6 +18,8 @@ from urllib.parse import quote
 
 import httpx
 
+from charlie.devbox.credentials import workspace_credential
+
 TERMINAL_STATUSES = frozenset({"exited", "timed_out", "cancelled", "lost", "killed"})
 
 
@@ -117,22 +119,32 @@ class CommitResult:
 
 
 class DevboxClient:
-    def __init__(self, base_url: str, token: str, timeout: float = 30.0) -> None:
+    def __init__(
+        self, base_url: str, token: str, timeout: float = 30.0, *, _http: httpx.Client | None = None
+    ) -> None:
         if not token or not all(33 <= ord(ch) < 127 for ch in token):
             # checked here because httpx would put the header value in its error message
             raise ValueError("devbox token must be non-empty printable ASCII without spaces")
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout,
-        )
+        self._token = token
+        self._auth = {"Authorization": f"Bearer {token}"}
+        self._owns_http = _http is None
+        self._http = _http or httpx.Client(base_url=self.base_url, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"DevboxClient({self.base_url!r})"  # never the token
 
+    def for_workspace(self, workspace_id: str) -> DevboxClient:
+        """A client that speaks for one workspace only, with its credential derived from this
+        client's token (issue 12 item 9): the devbox refuses it anything else with a 403. It
+        shares this client's connections; closing it leaves them open."""
+        return DevboxClient(
+            self.base_url, workspace_credential(self._token, workspace_id), _http=self._http
+        )
+
     def close(self) -> None:
-        self._http.close()
+        if self._owns_http:
+            self._http.close()
 
     def __enter__(self) -> DevboxClient:
         return self
@@ -289,7 +301,9 @@ class DevboxClient:
         json: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         try:
-            response = self._http.request(method, path, params=params, json=json)
+            response = self._http.request(
+                method, path, params=params, json=json, headers=self._auth
+            )
         except httpx.TransportError as exc:
             # httpx's messages name the URL, never our headers, so the token stays out
             raise DevboxUnavailable(

@@ -428,6 +428,10 @@ class CommandRunner:
         if not run.finished.wait(timeout):
             log.warning("devbox: command %s did not finish after SIGKILL", run.execution_id)
 
+    def workspace_of(self, execution_id: str) -> str:
+        """The workspace a command runs in (404 for unknown ids)."""
+        return str(self._meta(execution_id)["workspace_id"])
+
     def _meta(self, execution_id: str) -> dict[str, Any]:
         check_execution_id(execution_id)
         path = self.dir / execution_id / "meta.json"

@@ -9,6 +9,7 @@ runs in.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shlex
@@ -187,3 +188,69 @@ def validate_env(raw: object) -> dict[str, str]:
             raise ApiError(400, f"env value for {key!r} must be a string without NUL")
         env[key] = value
     return env
+
+
+#: ``host:path`` (git's scp-like ssh syntax) or ``scheme://...``; anything else is a local path.
+_URL_LIKE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*://|[^/:]+:)")
+
+
+def is_url(source: str) -> bool:
+    return bool(_URL_LIKE.match(source))
+
+
+@dataclass(frozen=True)
+class RepoPolicy:
+    """Where workspaces may come from (``charlie devbox serve --allow-repo``, repeatable).
+
+    Each entry is a local directory, or a glob of one (``/srv/git/*.git``), or a URL pattern
+    (``https://github.com/acme/*``, ``git@github.com:acme/*``). A local ``repo`` or a
+    ``copy_from`` is allowed when its real path (symlinks resolved) is an allowed directory or
+    lies inside one, or matches an allowed glob; a URL when it matches a URL pattern and names
+    no ``..`` segment. Nothing is allowed by default, except an empty workspace (``repo``
+    null)."""
+
+    allow: tuple[str, ...] = ()
+
+    def check_repo(self, repo: str) -> None:
+        if is_url(repo):
+            if self._url_allowed(repo):
+                return
+            what = f"repository URL {repo!r}"
+        else:
+            if self._path_allowed(repo):
+                return
+            what = f"repository {repo!r}"
+        raise ApiError(403, self._refusal(what))
+
+    def check_copy_from(self, path: str) -> None:
+        if not is_url(path) and self._path_allowed(path):
+            return
+        raise ApiError(403, self._refusal(f"copy_from {path!r}"))
+
+    def _path_allowed(self, raw: str) -> bool:
+        real = os.path.realpath(raw)
+        for entry in self.allow:
+            if is_url(entry):
+                continue
+            if any(ch in entry for ch in "*?["):
+                if fnmatch.fnmatchcase(real, os.path.abspath(entry)):
+                    return True
+                continue
+            root = os.path.realpath(entry)
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                return True
+        return False
+
+    def _url_allowed(self, url: str) -> bool:
+        if any(ch.isspace() or ord(ch) < 32 for ch in url):
+            return False
+        if ".." in re.split(r"[/:\\]", url.split("?", 1)[0]) or "%2e" in url.lower():
+            return False
+        return any(is_url(entry) and fnmatch.fnmatchcase(url, entry) for entry in self.allow)
+
+    def _refusal(self, what: str) -> str:
+        allowed = ", ".join(self.allow) if self.allow else "none"
+        return (
+            f"{what} is not allowed on this devbox: workspaces come only from the roots and URL "
+            f"patterns its operator allows (charlie devbox serve --allow-repo; allowed: {allowed})"
+        )

@@ -1,6 +1,6 @@
 """The devbox HTTP server: JSON over HTTP so workers on other machines can reach it.
 
-Routes (every one needs ``Authorization: Bearer <token>``)::
+Routes (every one needs ``Authorization: Bearer <token or workspace credential>``)::
 
     PUT  /workspaces/{id}                  create or return a workspace (idempotent)
     GET  /workspaces/{id}                  describe it
@@ -21,6 +21,12 @@ Routes (every one needs ``Authorization: Bearer <token>``)::
     GET  /workspaces/{id}/commits?idempotency_key=K   the commit carrying that key, if any
     GET  /health                           liveness
 
+The operator token opens everything. A workspace's credential (charlie/devbox/credentials.py,
+derived from the token) opens only ``/workspaces/{that id}/...``, the commands started in that
+workspace and ``/health``; anything else is a 403 (issue 12 item 9). Workspaces are cloned or
+copied only from the sources the operator allows (``RepoPolicy``, ``--allow-repo``; a 403
+otherwise).
+
 Errors are ``{"error": message}`` with the HTTP status saying what kind; a 500 says only
 ``request_id``, under which the devbox's log has the traceback (issue 12 item 11).
 
@@ -36,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hmac
 import json
 import logging
 import os
@@ -53,11 +58,13 @@ from typing import IO, Any
 from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 from charlie.devbox.commands import CommandRunner, StartRequest
+from charlie.devbox.credentials import Unauthorized, scope_of
 from charlie.devbox.errors import ApiError
 from charlie.devbox.paths import check_workspace_id, resolve_inside
 from charlie.devbox.policy import (
     CommandPolicy,
     Limits,
+    RepoPolicy,
     argv_command_names,
     command_env,
     is_secret_name,
@@ -88,11 +95,17 @@ Handler = Callable[["Devbox", Request], JSONDict]
 class Devbox:
     """The devbox's operations, independent of HTTP: one instance per root directory."""
 
-    def __init__(self, root: Path, policy: CommandPolicy, limits: Limits) -> None:
+    def __init__(
+        self,
+        root: Path,
+        policy: CommandPolicy,
+        limits: Limits,
+        repos: RepoPolicy | None = None,
+    ) -> None:
         self.root = root
         self.policy = policy
         self.limits = limits
-        self.workspaces = Workspaces(root, limits)
+        self.workspaces = Workspaces(root, limits, repos)
         self.commands = CommandRunner(root, limits.output_bytes, limits.workspace_bytes)
 
     # -- workspaces ----------------------------------------------------------------------------
@@ -216,6 +229,23 @@ class Devbox:
 
     def health(self, req: Request) -> JSONDict:
         return {"ok": True}
+
+    def check_scope(self, scope: str | None, segments: list[str], params: tuple[str, ...]) -> None:
+        """A workspace's credential reaches only that workspace and its commands (403)."""
+        if scope is None or segments[0] == "health":
+            return
+        if segments[0] == "workspaces":
+            target = params[0]
+        elif segments[0] == "commands":
+            target = self.commands.workspace_of(params[0])
+        else:  # pragma: no cover - every route is one of the above
+            target = None
+        if target != scope:
+            raise ApiError(
+                403,
+                f"this credential opens workspace {scope!r} only; it does not reach "
+                f"{'/'.join(segments[:2])}",
+            )
 
 
 #: (method, path pattern, handler); ``{}`` matches one path segment passed in ``params``.
@@ -454,7 +484,7 @@ class _Handler(BaseHTTPRequestHandler):
                     f"the devbox token does not go in the URL (query parameter {name!r}); "
                     "send it as the header Authorization: Bearer <token>",
                 )
-        self._authorize()
+        scope = self._authorize()
         # the body is read before routing so an error answer leaves the connection clean
         try:
             body = self._body()
@@ -466,18 +496,23 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(408, "the request took longer than the devbox allows to arrive")
         segments = [unquote(s) for s in url.path.strip("/").split("/") if s]
         handler, params = route(self.command, segments)
+        self.server.devbox.check_scope(scope, segments, params)
         return handler(self.server.devbox, Request(self.command, params, query, body))
 
-    def _authorize(self) -> None:
+    def _authorize(self) -> str | None:
+        """None for the operator token, the workspace id for a workspace's credential."""
         header = self.headers.get("Authorization", "")
         scheme, _, supplied = header.partition(" ")
-        expected = self.server.token
-        # compare_digest so the time taken does not reveal how much of the token matched
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            supplied.strip().encode(), expected.encode()
-        ):
+        try:
+            if scheme.lower() != "bearer":
+                raise Unauthorized
+            # compare_digest inside, so the time taken does not reveal how much matched
+            return scope_of(self.server.token, supplied.strip())
+        except Unauthorized:
             self.close_connection = True  # the body, if any, is not read
-            raise ApiError(401, "missing or wrong devbox token (Authorization: Bearer <token>)")
+            raise ApiError(
+                401, "missing or wrong devbox token (Authorization: Bearer <token>)"
+            ) from None
 
     def _content_length(self) -> int:
         """The body's length from its one Content-Length header; 4xx (and the connection
@@ -579,6 +614,7 @@ class DevboxServer:
         port: int = 0,
         policy: CommandPolicy | None = None,
         limits: Limits | None = None,
+        repos: RepoPolicy | None = None,
     ) -> None:
         if not token:
             raise ValueError("the devbox needs a token")
@@ -586,7 +622,9 @@ class DevboxServer:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_file = _lock_root(self.root)
         try:
-            self.devbox = Devbox(self.root, policy or CommandPolicy(), limits or Limits())
+            self.devbox = Devbox(
+                self.root, policy or CommandPolicy(), limits or Limits(), repos or RepoPolicy()
+            )
             self.lost_on_start = self.devbox.commands.recover()
             self._http = _HTTPServer((host, port), _Handler)
         except BaseException:

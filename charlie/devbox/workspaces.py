@@ -27,13 +27,15 @@ from charlie.devbox.paths import (
     resolve_inside,
     tree_bytes,
 )
-from charlie.devbox.policy import Limits
+from charlie.devbox.policy import Limits, RepoPolicy, is_url
 
 _SPEC_FILE = "charlie-workspace.json"
 
 
 class Workspaces:
-    def __init__(self, root: Path, limits: Limits) -> None:
+    def __init__(self, root: Path, limits: Limits, repos: RepoPolicy | None = None) -> None:
+        self.root = root
+        self.repos = repos or RepoPolicy()
         self.dir = root / "workspaces"
         self.scratch = root / "tmp"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -59,6 +61,7 @@ class Workspaces:
     def ensure(self, workspace_id: str, body: dict[str, Any]) -> dict[str, Any]:
         spec = _spec(body)
         check_workspace_id(workspace_id)
+        self._check_source(spec)
         with self.lock(workspace_id):
             target = self.dir / workspace_id
             if (target / ".git").is_dir():
@@ -80,6 +83,27 @@ class Workspaces:
         # ``created`` tells a caller the workspace was (re)built just now: after the devbox lost
         # a workspace, what was changed in it before is gone.
         return {**self.describe(workspace_id), "created": True}
+
+    def _check_source(self, spec: dict[str, Any]) -> None:
+        """Only sources the operator allows (403 otherwise; issue 12 item 9), and never the
+        devbox's own root, where the other workspaces and the commands' records are. Checked
+        on every ensure, so a source the operator no longer allows is refused for an existing
+        workspace too."""
+        for key, check in (
+            ("repo", self.repos.check_repo),
+            ("copy_from", self.repos.check_copy_from),
+        ):
+            source = spec.get(key)
+            if source is None:
+                continue
+            if not is_url(source):
+                real = os.path.realpath(source)
+                root = os.path.realpath(self.root)
+                if real == root or real.startswith(root + os.sep):
+                    raise ApiError(
+                        403, f"{key} {source!r} is inside the devbox's own root; not allowed"
+                    )
+            check(source)
 
     def describe(self, workspace_id: str) -> dict[str, Any]:
         path = self.path(workspace_id)

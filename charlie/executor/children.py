@@ -12,6 +12,7 @@ from charlie.runtime import Runtime
 from charlie.store import reads
 from charlie.store.engine import read, retried_if_disconnected
 from charlie.tools.context import ChildSubmitted, TaskSnapshot, ToolError
+from charlie.tools.delegation import child_limits
 
 
 class DbChildren:
@@ -32,6 +33,12 @@ class DbChildren:
         parent_id: str,
         parent_call_id: str,
     ) -> ChildSubmitted:
+        parent = self.get(parent_id)
+        if parent is None:
+            raise ToolError(f"cannot delegate: parent task {parent_id} is gone")
+        # Whichever tool asks, a child gets no tool or model its parent may not use (issue 12
+        # item 1): delegate checks first, for its message; this is the engine's own check.
+        tools, model = child_limits(parent, tools, model, self.rt.settings.delegate_models)
         if tools is not None:
             unknown = [t for t in tools if self.rt.tools.get(t) is None]
             if unknown:
@@ -68,4 +75,6 @@ def _snapshot(rt: Runtime, task_id: str) -> TaskSnapshot | None:
         error=row.error,
         model=row.model,
         metadata=row.metadata or {},
+        parent_id=row.parent_id,
+        tools=list(row.tools) if row.tools is not None else None,
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 from sqlalchemy import Connection
 
 from charlie import faults
+from charlie.config import WorkspaceRefused
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
 from charlie.executor.children import DbChildren
 from charlie.executor.settle import CallResult, log_settled, settle_in_turn, settle_result
@@ -37,10 +38,29 @@ log = logging.getLogger("charlie.tool")
 
 
 def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
+    """The call's workspace: ``metadata["workspace"]`` confined to the workspace roots, or the
+    task's own directory under CHARLIE_HOME. A refused one is never created: the task's own
+    directory stands in, and :func:`workspace_refusal` keeps every tool from running."""
     configured = metadata.get("workspace")
-    path = Path(configured) if configured else rt.settings.workspaces_dir / task_id
+    path = rt.settings.workspaces_dir / task_id
+    if configured is not None and workspace_refusal(rt, metadata) is None:
+        path = rt.settings.confine_workspace(configured)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def workspace_refusal(rt: Runtime, metadata: JSON) -> str | None:
+    """Why no tool may run for this task: its workspace lies outside the allowed roots (a task
+    saved before the roots were set, or not through submit). Checked again here, since the
+    workers' roots are what guard their disk (issue 12 item 12); None when it is allowed."""
+    configured = metadata.get("workspace")
+    if configured is None:
+        return None
+    try:
+        rt.settings.confine_workspace(configured)
+    except WorkspaceRefused as exc:
+        return str(exc)
+    return None
 
 
 def _call_heartbeat(rt: Runtime, call: ClaimedCall) -> AbstractContextManager[Held]:
@@ -236,6 +256,7 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             call_id=call.call_id,
             turn=call.turn,
             workspace=workspace_for(rt, task_id, metadata),
+            refusal=workspace_refusal(rt, metadata),
             metadata=metadata,
             resumed=mode in ("resume", "observe"),
             handle=call.handle,

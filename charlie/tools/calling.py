@@ -29,6 +29,8 @@ def run_handler(definition: ToolDef, arguments: JSON, ctx: ToolContext) -> tuple
     """Call the handler: its return value is an ``ok`` result (or a ``Pending``), a ToolError
     or any other exception an ``error`` result the model sees (I15). On an overdue look a
     non-ToolError exception is no answer at all: LookFailed."""
+    if ctx.refusal is not None:
+        return Outcome.ERROR, {"error": ctx.refusal}
     try:
         return Outcome.OK, definition.handler(**{**arguments, **_ctx_kw(definition, ctx)})
     except Interrupted as exc:
@@ -53,6 +55,9 @@ def run_reconcile(
     call ``interrupted``, with the evidence either way."""
     assert definition.reconcile is not None
     evidence = dict(evidence)
+    if ctx.refusal is not None:
+        # Cannot look: the call stays what the evidence says, unknown.
+        return Outcome.INTERRUPTED, {**evidence, "reconciled": False, "error": ctx.refusal}
     try:
         found = definition.reconcile(**{**arguments, **_ctx_kw(definition, ctx)})
     except Exception as exc:

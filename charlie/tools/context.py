@@ -74,6 +74,10 @@ class TaskSnapshot:
     error: Any
     model: str
     metadata: JSON
+    #: the task that delegated it (None: submitted by a producer).
+    parent_id: str | None = None
+    #: the tools it may use (None: every registered tool).
+    tools: list[str] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -160,6 +164,10 @@ class ToolContext:
             self.lease_lost.set()
             return False
         return True
+
+    #: set when no tool may run for this call (its task's workspace lies outside the allowed
+    #: roots): every handler is refused with this as the error the model sees (I15).
+    refusal: str | None = None
 
     def record_handle(self, handle: str) -> None:
         """Durably record a handle on outside work before waiting on it, so a resumed attempt

@@ -8,17 +8,74 @@ its waiters when it finishes.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import re
+from collections.abc import Sequence
 
+from charlie.config import settings
 from charlie.domain import JSON, MAX_TASK_ID, Outcome
 from charlie.models import normalise_model
-from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
+from charlie.tools.context import Pending, Reconciled, TaskSnapshot, ToolContext, ToolError
 from charlie.tools.registry import tool
 
 TASK_ID_CHARS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 POLL_SECONDS = 2.0
+
+
+def model_allowed(spec: str, patterns: Sequence[str]) -> bool:
+    """Whether the operator's CHARLIE_DELEGATE_MODELS (names or glob patterns, ``*`` for any)
+    lets a child use ``spec``."""
+    return any(fnmatch.fnmatchcase(spec, pattern) for pattern in patterns)
+
+
+def child_limits(
+    parent: TaskSnapshot,
+    tools: list[str] | None,
+    model: str | None,
+    allowed_models: Sequence[str],
+) -> tuple[list[str] | None, str]:
+    """The tools and model of a child of ``parent``: never more than the parent may use.
+
+    ``tools`` None means the parent's tools (None for a parent that may use every tool); a
+    list must name only tools the parent may use. ``model`` None means the parent's model;
+    another model only when the operator allows it (``allowed_models``, CHARLIE_DELEGATE_MODELS).
+    A widening is a ToolError the model sees, naming what was refused and what is allowed
+    (issue 12 item 1, I15); nothing is created."""
+    if tools is None:
+        child_tools = None if parent.tools is None else list(parent.tools)
+    else:
+        if parent.tools is not None:
+            refused = [t for t in tools if t not in parent.tools]
+            if refused:
+                allowed = ", ".join(parent.tools) or "none"
+                raise ToolError(
+                    f"cannot delegate: tool(s) {', '.join(refused)} are not available to this "
+                    f"task, so not to its child; a child may use only this task's tools: {allowed}",
+                    refused_tools=refused,
+                    allowed_tools=list(parent.tools),
+                )
+        child_tools = list(dict.fromkeys(tools))
+    if model is None or model == parent.model:
+        return child_tools, parent.model
+    try:
+        spec: str | None = normalise_model(model)
+        problem = None
+    except ValueError as exc:
+        spec, problem = None, exc
+    if spec != parent.model and not model_allowed(spec or model, allowed_models):
+        others = f"; the operator also allows {', '.join(allowed_models)}" if allowed_models else ""
+        raise ToolError(
+            f"cannot delegate to model {model!r}: a child uses this task's model "
+            f"({parent.model}) unless the operator allows others (CHARLIE_DELEGATE_MODELS)"
+            f"{others}",
+            refused_model=model,
+            allowed_models=[parent.model, *allowed_models],
+        )
+    if spec is None:
+        raise ToolError(f"cannot delegate: {problem}")
+    return child_tools, spec
 
 
 def child_task_id(ctx: ToolContext) -> str:
@@ -53,23 +110,21 @@ def delegate(
 ) -> JSON:
     """Start a child task for a narrow, self-contained piece of work and return its task id.
 
-    Wait for its result with wait_for_task. The child uses this task's model unless ``model``
-    is given, and works in the same workspace."""
+    Wait for its result with wait_for_task. The child works in the same workspace, with this
+    task's tools unless ``tools`` names fewer of them, and with this task's model unless
+    ``model`` names another the operator allows."""
     # Imported here: the devbox tools replace built-ins, so they load after them (tools/__init__).
     from charlie.tools.devbox_tools import inherited_devbox
 
     parent = ctx.children.get(ctx.task_id)
     if parent is None:
         raise ToolError(f"parent task {ctx.task_id} is gone")
-    try:
-        spec = normalise_model(model) if model else parent.model
-    except ValueError as exc:
-        raise ToolError(f"cannot delegate: {exc}") from None
+    child_tools, spec = child_limits(parent, tools, model, settings().delegate_models)
     metadata: JSON = {"delegated_by": {"task_id": ctx.task_id, "call_id": ctx.call_id}}
     if "workspace" in parent.metadata:
         metadata["workspace"] = parent.metadata["workspace"]
     # The child works in the parent's devbox workspace (its id spelled out, not re-derived).
-    devbox = inherited_devbox(ctx.task_id, parent.metadata)
+    devbox = inherited_devbox(ctx, parent.metadata)
     if devbox is not None:
         metadata["devbox"] = devbox
     # The port refuses unknown tools and a stopped parent (a ToolError), and starts the child's
@@ -77,7 +132,7 @@ def delegate(
     submitted = ctx.children.submit(
         prompt=prompt,
         model=spec,
-        tools=tools,
+        tools=child_tools,
         task_id=child_task_id(ctx),
         metadata=metadata,
         parent_id=ctx.task_id,
@@ -88,10 +143,16 @@ def delegate(
 
 @tool(effect="wait", resumable=True, deadline=3600)
 def wait_for_task(task_id: str, ctx: ToolContext) -> JSON | Pending:
-    """Wait for a task (usually a delegated child) to finish and return its result."""
+    """Wait for a task this task delegated (a child started with delegate) to finish and
+    return its result."""
     info = ctx.children.get(task_id)
-    if info is None:
-        raise ToolError(f"no task with id {task_id!r}")
+    if info is None or info.parent_id != ctx.task_id:
+        # One answer for "no such task" and "someone else's": neither says which (issue 12
+        # item 12); another task's result is not this task's to read.
+        raise ToolError(
+            f"task {task_id!r} is not a child of this task: wait_for_task waits only for "
+            "tasks this task started with delegate"
+        )
     if ctx.handle is None:
         # Durable before anything else: a resumed wait observes this same task (I19).
         ctx.record_handle(task_id)

@@ -6,14 +6,22 @@ environment when ``charlie.tools`` is imported), this module replaces the local 
 parameters, and adds ``apply_patch``, ``git_diff`` and ``git_commit``. The model sees one tool set
 whichever backs it; without a devbox the local tools stay.
 
-Which workspace a task works in comes from its durable metadata, never from a worker's memory::
+What a task's workspace is built from comes from its durable metadata, never from a worker's
+memory::
 
     charlie.submit(..., metadata={"devbox": {
-        "repo": "/srv/git/confparse.git",   # path or URL the devbox can clone; omit: empty repo
+        "repo": "/srv/git/confparse.git",   # a source the devbox allows (--allow-repo); omit:
+                                            # an empty repository
         "branch": "fix/hash-comments",      # checked out (created at base_commit if new)
         "base_commit": "3f2a...",           # pins the checkout; give it for exact rebuilds
-        "workspace_id": "rel-2.4.1",        # optional; derived from the task id otherwise
     }})
+
+Which workspace it is, is not the metadata's to choose (issue 12 item 9): its id is derived from
+the id of the task that owns it, the task itself or, for a delegated child, the task at the top
+of its chain of parents (``tasks.parent_id``, written by the engine, never by a producer). A
+``workspace_id`` in the metadata is accepted only when it is that one. Every request to the
+devbox carries the workspace's own credential, derived from CHARLIE_DEVBOX_TOKEN, which the
+devbox refuses for any other workspace or command.
 
 Every tool call asks the devbox to ensure that workspace (idempotent, cheap when it exists), so a
 run resumed on another worker, or after the devbox lost the workspace, finds or rebuilds it from
@@ -62,6 +70,7 @@ from charlie.sandbox import network_allowed
 from charlie.tools.context import (
     Interrupted,
     LeaseLost,
+    NoChildren,
     Pending,
     Reconciled,
     ToolContext,
@@ -172,8 +181,45 @@ def workspace_id_for(task_id: str) -> str:
     return f"{safe[:100]}-{hashlib.sha256(task_id.encode()).hexdigest()[:12]}"
 
 
-def workspace_spec(task_id: str, metadata: JSON) -> WorkspaceSpec:
-    """The task's workspace spec from its metadata; a malformed one is a clear tool error."""
+#: task id -> its parent's (None for a top-level task): fixed at submit, so safe to keep.
+_parents: dict[str, str | None] = {}
+_parents_lock = threading.Lock()
+MAX_DELEGATION_DEPTH = 64
+
+
+def workspace_owner(ctx: ToolContext) -> str:
+    """The task whose workspace this call works in: the top of the task's chain of parents
+    (a delegated child shares its parent's workspace), followed through the engine's records,
+    never through metadata. A context without a Children port (built by hand) owns its own."""
+    if isinstance(ctx.children, NoChildren):
+        return ctx.task_id
+    task_id = ctx.task_id
+    for _ in range(MAX_DELEGATION_DEPTH):
+        with _parents_lock:
+            known = task_id in _parents
+            parent = _parents.get(task_id)
+        if not known:
+            snapshot = ctx.children.get(task_id)
+            if snapshot is None:
+                raise ToolError(f"task {task_id} is gone; its workspace cannot be named")
+            parent = snapshot.parent_id
+            with _parents_lock:
+                _parents[task_id] = parent
+        if parent is None:
+            return task_id
+        task_id = parent
+    raise ToolError(f"task {ctx.task_id} is delegated more than {MAX_DELEGATION_DEPTH} deep")
+
+
+def task_workspace(ctx: ToolContext) -> WorkspaceSpec:
+    """The call's workspace spec: built from the task's metadata, named after its owner."""
+    return workspace_spec(ctx.task_id, ctx.metadata, owner=workspace_owner(ctx))
+
+
+def workspace_spec(task_id: str, metadata: JSON, owner: str | None = None) -> WorkspaceSpec:
+    """The task's workspace spec from its metadata; a malformed one is a clear tool error.
+    The workspace id is derived from ``owner`` (the task at the top of its chain of parents;
+    ``task_id`` when not given); a ``workspace_id`` in the metadata must be that same id."""
     raw = metadata.get("devbox")
     if raw is None:
         raw = {}
@@ -193,8 +239,15 @@ def workspace_spec(task_id: str, metadata: JSON) -> WorkspaceSpec:
         if value is not None and (not isinstance(value, str) or not value):
             raise ToolError(f"task metadata devbox.{key} must be a non-empty string")
         values[key] = value
+    derived = workspace_id_for(owner or task_id)
+    if values["workspace_id"] is not None and values["workspace_id"] != derived:
+        raise ToolError(
+            f"task metadata devbox.workspace_id {values['workspace_id']!r} is not this task's "
+            f"workspace: a task works only in its own ({derived!r}, from the id of the task "
+            "that owns it); leave workspace_id out"
+        )
     return WorkspaceSpec(
-        workspace_id=values["workspace_id"] or workspace_id_for(task_id),
+        workspace_id=derived,
         repo=values["repo"],
         branch=values["branch"],
         base_commit=values["base_commit"],
@@ -210,7 +263,8 @@ def devbox_metadata(
 ) -> JSON:
     """``metadata["devbox"]`` for ``charlie.submit``. A local repository path is made absolute
     and, without ``base_commit``, pinned to the commit its ``branch`` (or HEAD) names now, so a
-    workspace rebuilt later is the same checkout."""
+    workspace rebuilt later is the same checkout. ``workspace_id``, when given, must be the
+    one derived from the task id (``workspace_id_for``); the tools refuse any other."""
     if repo is not None and "://" not in repo and os.path.isdir(repo):
         repo = os.path.abspath(repo)
         # a branch the repository does not have yet is created at its HEAD
@@ -230,13 +284,21 @@ def devbox_metadata(
     return {k: v for k, v in spec.items() if v is not None}
 
 
-def inherited_devbox(task_id: str, metadata: JSON) -> JSON | None:
-    """What a delegated child of ``task_id`` records as its ``metadata["devbox"]``: the parent's
-    spec with the workspace id spelled out, so parent and child share one workspace. ``None``
-    when the parent uses no devbox."""
+def inherited_devbox(ctx: ToolContext, metadata: JSON) -> JSON | None:
+    """What a delegated child of the call's task (whose metadata is ``metadata``) records as its
+    ``metadata["devbox"]``: the parent's spec with the workspace id spelled out, so parent and
+    child share one workspace (the child derives the same id from its chain of parents).
+    ``None`` when the parent uses no devbox."""
     if "devbox" not in metadata and not settings().devbox_url:
         return None
-    return workspace_spec(task_id, metadata).as_metadata()
+    return workspace_spec(ctx.task_id, metadata, owner=workspace_owner(ctx)).as_metadata()
+
+
+def _client(ctx: ToolContext, spec: WorkspaceSpec | None = None) -> DevboxClient:
+    """This process's client for the devbox, speaking with the credential of the call's own
+    workspace only (issue 12 item 9)."""
+    spec = spec or task_workspace(ctx)
+    return client_for(current_config()).for_workspace(spec.workspace_id)
 
 
 @dataclass(frozen=True)
@@ -256,8 +318,8 @@ def _open(ctx: ToolContext, what: str) -> _Box:
 
     ``rebuilt`` says so when that happened after the task had started using it (a later turn,
     or a delegated child): whatever was changed in it before is gone."""
-    spec = workspace_spec(ctx.task_id, ctx.metadata)
-    client = client_for(current_config())
+    spec = task_workspace(ctx)
+    client = _client(ctx, spec)
     with _calling(what):
         workspace = _retry(
             lambda: client.ensure_workspace(
@@ -413,9 +475,9 @@ def git_diff(ctx: ToolContext) -> JSON:
 
 def _commit_landed(message: str, ctx: ToolContext) -> Reconciled | None:
     """I10 read-back for an interrupted git_commit: does a commit carry this call's key?"""
-    spec = workspace_spec(ctx.task_id, ctx.metadata)
+    spec = task_workspace(ctx)
     key = call_key(ctx)
-    client = client_for(current_config())
+    client = _client(ctx, spec)
     try:
         commit = _retry(lambda: client.find_commit(spec.workspace_id, key))
     except DevboxUnavailable:
@@ -475,7 +537,7 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON 
 
     A non-zero exit code is a tool error the model sees, with the output."""
     config = current_config()
-    client = client_for(config)
+    client = _client(ctx)
     rebuilt = None
     if ctx.handle is None and ctx.resumed:
         # An earlier attempt died between starting the command and recording its id, or
@@ -515,7 +577,7 @@ def _started_earlier(client: DevboxClient, ctx: ToolContext) -> str:
     Interrupted when the devbox cannot confirm one (it has no such key: never started, or its
     records were lost with its root), so the command is never started a second time. The
     lookup seals the key, so a start of this call still on its way is refused too."""
-    spec = workspace_spec(ctx.task_id, ctx.metadata)
+    spec = task_workspace(ctx)
     key = call_key(ctx)
     evidence: JSON = {"idempotency_key": key, "workspace_id": spec.workspace_id}
     try:
@@ -659,6 +721,8 @@ __all__ = [
     "devbox_metadata",
     "inherited_devbox",
     "install",
+    "task_workspace",
     "workspace_id_for",
+    "workspace_owner",
     "workspace_spec",
 ]

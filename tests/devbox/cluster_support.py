@@ -15,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,9 @@ class DevboxProcess:
                 "--output-bytes",
                 str(self.output_bytes),
                 *(["--no-sandbox"] if TEST_SANDBOX == "off" else []),
+                # the tests' repositories live in pytest's tmp dirs
+                "--allow-repo",
+                tempfile.gettempdir(),
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,

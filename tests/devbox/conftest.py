@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -14,7 +15,7 @@ from typing import IO
 
 import pytest
 
-from charlie.devbox import CommandPolicy, DevboxClient, DevboxServer, Limits
+from charlie.devbox import CommandPolicy, DevboxClient, DevboxServer, Limits, RepoPolicy
 from charlie.devbox.commands import proc_start_ticks
 from tests.support.cluster import TEST_SANDBOX
 
@@ -33,9 +34,15 @@ def make_server(devbox_root: Path) -> Iterator[ServerFactory]:
     """Start in-process devboxes on ``devbox_root``; each is stopped at teardown."""
     servers: list[DevboxServer] = []
 
-    def make(policy: CommandPolicy | None = None, limits: Limits | None = None) -> DevboxServer:
+    def make(
+        policy: CommandPolicy | None = None,
+        limits: Limits | None = None,
+        repos: RepoPolicy | None = None,
+    ) -> DevboxServer:
         limits = replace(limits or Limits(), sandbox=TEST_SANDBOX)
-        server = DevboxServer(devbox_root, TOKEN, policy=policy, limits=limits).start()
+        # tests clone and copy from pytest's tmp dirs unless they say otherwise
+        repos = repos or RepoPolicy((tempfile.gettempdir(),))
+        server = DevboxServer(devbox_root, TOKEN, policy=policy, limits=limits, repos=repos).start()
         servers.append(server)
         return server
 

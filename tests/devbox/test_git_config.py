@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from charlie.devbox import DevboxClient, DevboxError
+from charlie.devbox import DevboxClient, DevboxError, DevboxServer, RepoPolicy
+from tests.devbox.conftest import TOKEN, ServerFactory
 
 _PATCH = "--- /dev/null\n+++ b/patched.txt\n@@ -0,0 +1 @@\n+patched\n"
 
@@ -255,10 +256,23 @@ def test_devbox_user_global_config_is_not_read(
     assert not marker.exists()
 
 
-def test_ext_transport_clone_is_refused(client: DevboxClient, evil: tuple[Path, Path]) -> None:
+def test_ext_transport_clone_is_refused(
+    client: DevboxClient,
+    server: DevboxServer,
+    evil: tuple[Path, Path],
+    make_server: ServerFactory,
+) -> None:
     script, marker = evil
+    # the repository policy refuses it first (no allowed root or pattern matches)...
     with pytest.raises(DevboxError) as info:
         client.ensure_workspace("ext", f"ext::{script}")
+    assert info.value.status == 403
+    # ...and a devbox whose operator allowed it anyway still has git refuse the transport
+    client.close()
+    server.stop()  # the root is one devbox's at a time
+    allowing_server = make_server(repos=RepoPolicy(("ext::*",)))
+    with DevboxClient(allowing_server.url, TOKEN) as allowing, pytest.raises(DevboxError) as info:
+        allowing.ensure_workspace("ext", f"ext::{script}")
     assert info.value.status == 422
     assert not marker.exists()
 

@@ -19,6 +19,7 @@ import pytest
 
 from charlie.devbox import DevboxServer, Limits
 from charlie.domain import Effect, Outcome
+from charlie.testing import FakeChildren, ToolEnvironment
 from charlie.tools import builtins, devbox_tools
 from charlie.tools.context import Pending, Reconciled, ToolContext, ToolError
 from charlie.tools.devbox_tools import DevboxConfig
@@ -122,27 +123,35 @@ def test_same_names_and_parameters_as_the_local_tools() -> None:
     assert commit is not None and commit.effect is Effect.WRITE and commit.reconcile is not None
 
 
-def test_workspace_comes_from_metadata_or_the_task_id() -> None:
+def test_workspace_is_built_from_metadata_and_named_by_the_task_id() -> None:
     assert devbox_tools.workspace_spec("t1", {}).workspace_id == "t1"
     odd = devbox_tools.workspace_id_for("demo:a..b")
     assert odd.startswith("demo-a-b-") and odd == devbox_tools.workspace_id_for("demo:a..b")
     assert devbox_tools.workspace_id_for("demo:a..b") != devbox_tools.workspace_id_for("demo-a-b")
     spec = devbox_tools.workspace_spec(
-        "t1", {"devbox": {"repo": "/r", "branch": "b", "workspace_id": "shared"}}
+        "t1", {"devbox": {"repo": "/r", "branch": "b", "workspace_id": "t1"}}
     )
-    assert (spec.workspace_id, spec.repo, spec.branch, spec.base_commit) == (
-        "shared",
-        "/r",
-        "b",
-        None,
-    )
+    assert (spec.workspace_id, spec.repo, spec.branch, spec.base_commit) == ("t1", "/r", "b", None)
+    # the metadata may not name another workspace (issue 12 item 9); a child's is its owner's
+    with pytest.raises(ToolError, match="not this task's workspace"):
+        devbox_tools.workspace_spec("t1", {"devbox": {"workspace_id": "shared"}})
+    child = devbox_tools.workspace_spec("t1.0.d1", {"devbox": {"workspace_id": "t1"}}, owner="t1")
+    assert child.workspace_id == "t1"
     with pytest.raises(ToolError, match="unknown key"):
         devbox_tools.workspace_spec("t1", {"devbox": {"repository": "/r"}})
     with pytest.raises(ToolError, match="non-empty string"):
         devbox_tools.workspace_spec("t1", {"devbox": {"branch": 3}})
+
     # a delegated child records the parent's workspace id explicitly
-    child = devbox_tools.inherited_devbox("parent.d1", {"devbox": {"repo": "/r"}})
-    assert child == {"workspace_id": "parent.d1", "repo": "/r"}
+    def inherit(ctx: ToolContext) -> Any:
+        """What a child of this task inherits."""
+        return devbox_tools.inherited_devbox(ctx, {"devbox": {"repo": "/r"}})
+
+    children = FakeChildren()
+    children.add("root")
+    children.add("parent.d1", parent_id="root")
+    inherited = ToolEnvironment(task_id="parent.d1", children=children).run(inherit)
+    assert inherited.result == {"workspace_id": "root", "repo": "/r"}
 
 
 def test_devbox_metadata_pins_a_local_repository(tmp_path: Path) -> None:

@@ -206,3 +206,42 @@ def test_escapes_refused_and_output_cap_reported_to_the_model(
     assert calls["loud"].outcome == "ok" and loud["truncated"] is True
     assert "[output truncated at 4096 bytes]" in loud["stdout"]
     assert "10001 bytes" in loud["note"]
+
+
+def test_a_task_works_only_in_its_own_devbox_workspace(
+    cluster: Cluster, devbox: DevboxProcess, script
+) -> None:
+    """Issue 12 item 9: metadata cannot point a task at another task's workspace, not even
+    dressed up as a delegated child; its worker's credential opens its own workspace only."""
+    owner_model, _ = script(
+        [
+            {"tool_calls": [call("w", "write_file", path="secret.txt", content="owner's secret")]},
+            {"say": "written"},
+        ]
+    )
+    owner = charlie.submit("owner", model=owner_model)
+    assert charlie.wait(owner, timeout=60).status is TaskStatus.SUCCEEDED
+    assert (devbox.workspace(owner) / "secret.txt").read_text() == "owner's secret"
+    intruder_model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    call("r", "read_file", path="secret.txt"),
+                    call("x", "run_command", command="echo planted > planted.txt"),
+                ]
+            },
+            {"say": "refused"},
+        ]
+    )
+    for metadata in (
+        {"devbox": {"workspace_id": owner}},
+        {"devbox": {"workspace_id": owner}, "delegated_by": {"task_id": owner, "call_id": "w"}},
+    ):
+        intruder = charlie.submit("intrude", model=intruder_model, metadata=metadata)
+        assert charlie.wait(intruder, timeout=60).status is TaskStatus.SUCCEEDED
+        calls = results(intruder)
+        for cid in ("r", "x"):
+            assert calls[cid].outcome == "error", calls[cid].result
+            assert "not this task's workspace" in calls[cid].result["error"]
+        assert "owner's secret" not in str(calls["r"].result)
+    assert not (devbox.workspace(owner) / "planted.txt").exists()

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -266,6 +267,11 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         "CHARLIE_DISPATCH_BATCH": "4",
         "CHARLIE_TASK_EVENTS": "0",
         "CHARLIE_SANDBOX": TEST_SANDBOX,
+        # Tests give tasks workspaces under pytest's tmp dirs (issue 12 item 12).
+        "CHARLIE_WORKSPACE_ROOTS": f"{home / 'workspaces'}:{tempfile.gettempdir()}",
+        # Every test script is a model of its own: children may use any scripted model
+        # (issue 12 item 1); no other model.
+        "CHARLIE_DELEGATE_MODELS": "scripted:*",
     }
     # Another inline-step budget for a whole suite (0: every step published):
     # CHARLIE_TEST_INLINE_PHASES=0 python -m pytest

@@ -52,7 +52,7 @@ def test_failures_are_results_the_model_sees() -> None:
 
 def test_a_resumable_wait_is_pending_then_resumed_with_its_handle() -> None:
     children = FakeChildren()
-    children.add("child-1")
+    children.add("child-1", parent_id="test-task")
     env = ToolEnvironment(children=children)
     waiting = env.run("wait_for_task", task_id="child-1")
     assert waiting.pending is not None and waiting.pending.handle == "child-1"
