@@ -1,6 +1,8 @@
 # The Charlie image used by docker-compose.yml for workers, beat, Flower and migrations.
 FROM python:3.11-slim
-RUN apt-get update && apt-get install -y --no-install-recommends git && rm -rf /var/lib/apt/lists/*
+# git for the devbox's workspaces; bubblewrap for run_command's sandbox (a container must allow
+# user namespaces for it, or run_command is refused: `charlie doctor` says which).
+RUN apt-get update && apt-get install -y --no-install-recommends git bubblewrap && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md celeryconfig.py ./
 COPY charlie ./charlie

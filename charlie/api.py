@@ -114,6 +114,7 @@ __all__ = [
     "cancel",
     "get_task",
     "history",
+    "list_tasks",
     "normalise_model",
     "submit",
     "transcript",

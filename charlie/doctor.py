@@ -97,6 +97,7 @@ class _Doctor:
         self.schema(engine)
         self.broker()
         self.tools()
+        self.sandbox()
         self.devbox()
         self.beat(engine)
         self.workers()
@@ -137,7 +138,7 @@ class _Doctor:
                 "database",
                 "FAIL",
                 f"{shown}: its driver cannot be loaded ({_first_line(exc)})",
-                "use postgresql:// (psycopg2), postgresql+psycopg:// (psycopg 3) or sqlite:///PATH",
+                "use postgresql+psycopg:// (psycopg 3), postgresql+psycopg2:// or sqlite:///PATH",
             )
             return None
         except Exception as exc:
@@ -228,6 +229,28 @@ class _Doctor:
         names = REGISTRY.names()
         modules = ", ".join(self.s.tool_modules) or "built-ins only"
         self.add("tools", "ok", f"{len(names)} tools register ({modules}): {', '.join(names)}")
+
+    def sandbox(self) -> None:
+        from charlie.sandbox import bwrap_problem
+
+        if self.s.sandbox == "off":
+            self.add(
+                "sandbox",
+                "ok",
+                "off (CHARLIE_SANDBOX=off): run_command runs with this worker's rights",
+            )
+            return
+        problem = bwrap_problem()
+        if problem:
+            self.add(
+                "sandbox",
+                "FAIL",
+                f"run_command is refused here: {problem}",
+                "install bubblewrap (containers: allow user namespaces, e.g. seccomp "
+                "unconfined), or opt out with CHARLIE_SANDBOX=off",
+            )
+            return
+        self.add("sandbox", "ok", "bubblewrap runs commands in their own namespaces")
 
     def devbox(self) -> None:
         from charlie.devbox.client import DevboxClient, DevboxError, DevboxUnavailable

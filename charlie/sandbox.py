@@ -18,6 +18,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,10 @@ class SandboxPolicy:
     network: bool = False
     #: extra read-only directories bound over hidden ones (e.g. a tool cache), rarely needed.
     readable: tuple[Path, ...] = field(default=())
+    #: paths inside the workspace the command may read but not change (a devbox checkout's
+    #: ``.git/config``: the devbox's own git reads it, so a command must not plant programs in
+    #: it between the devbox's check and git's read).
+    frozen: tuple[Path, ...] = field(default=())
 
 
 @functools.cache
@@ -128,18 +133,36 @@ def wrap(argv: Sequence[str], policy: SandboxPolicy, cwd: Path | None = None) ->
     # goes last, on top of whatever hid the directory it lives in.
     home = os.path.expanduser("~")
     secrets = [os.path.join(home, name) for name in HOME_SECRETS]
-    for h in sorted(
+    hidden = sorted(
         set(_existing([*ALWAYS_HIDDEN, *secrets, *policy.hidden])) - {workspace}, key=len
-    ):
+    )
+    for h in hidden:
         args += ["--tmpfs", h]
-    for f in secrets:
-        if os.path.isfile(f):
-            args += ["--ro-bind", "/dev/null", f]
-    for r in _existing(policy.readable):
-        args += ["--ro-bind", r, r]
+    for f in [*secrets, *map(str, policy.hidden)]:
+        real = os.path.realpath(f)
+        # a file to hide (a credential, a database outside the home), unless a hidden
+        # directory already holds it
+        if os.path.isfile(real) and not any(real.startswith(h + "/") for h in hidden):
+            args += ["--ro-bind", "/dev/null", real]
+    # What runs commands must stay reachable where it lives under a hidden directory (a
+    # virtualenv in /tmp, say): the interpreter's prefixes and the PATH, read-only.
+    for r in _existing([*policy.readable, *_toolchain()]):
+        if any(r == h or r.startswith(h + "/") for h in hidden) and r != workspace:
+            args += ["--ro-bind", r, r]
     chdir = os.path.realpath(cwd) if cwd is not None else workspace
-    args += ["--bind", workspace, workspace, "--chdir", chdir, "--"]
+    args += ["--bind", workspace, workspace]
+    for frozen in policy.frozen:
+        real = os.path.realpath(frozen)
+        if os.path.exists(real) and real.startswith(workspace + "/"):
+            args += ["--ro-bind", real, real]
+    args += ["--chdir", chdir, "--"]
     return args + list(argv)
+
+
+def _toolchain() -> list[str]:
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix]
+    paths += [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    return paths
 
 
 def hidden_from_env(raw: str | None) -> tuple[Path, ...]:

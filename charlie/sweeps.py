@@ -57,11 +57,7 @@ def sweep_stalled_runs(rt: Runtime) -> int:
     # a run counts as stalled only after CHARLIE_SWEEP_BACKLOG_MAX_WAIT, and is re-published at
     # most once per that period, so a tick really lost meanwhile waits that long, not for the
     # backlog to drain; lapsed leases, wake-ups and stops still go at once.
-    backlog = (
-        timedelta(seconds=max(rt.settings.sweep_backlog_max_wait, rt.settings.stall_seconds))
-        if _backlogged(rt)
-        else None
-    )
+    backlog = _backlog_stall(rt) if _backlogged(rt) else None
     published = 0
     for reason in scans.RUN_REASONS:
         stall = backlog if backlog is not None and reason == "stalled" else normal
@@ -91,6 +87,11 @@ def queue_depth(queue: str = "charlie") -> int | None:
     except Exception:
         log.debug("queue depth unavailable", exc_info=True)
         return None
+
+
+def _backlog_stall(rt: Runtime) -> timedelta:
+    """How long work must look stalled, in a backlog, before it is re-published anyway."""
+    return timedelta(seconds=max(rt.settings.sweep_backlog_max_wait, rt.settings.stall_seconds))
 
 
 def _backlogged(rt: Runtime) -> bool:
@@ -158,10 +159,12 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         "watching": 0,
     }
     backlogged = _backlogged(rt)
+    # A lost invoke waits, in a backlog, at most CHARLIE_SWEEP_BACKLOG_MAX_WAIT (as a run does).
+    lost_stall = _backlog_stall(rt) if backlogged else stall
     with read(rt.engine) as conn:
         abandoned = scans.abandoned_calls(conn, now, LIMIT)
         overdue = scans.overdue_calls(conn, now, LIMIT)
-        lost = scans.lost_calls(conn, now, stall, LIMIT)
+        lost = scans.lost_calls(conn, now, lost_stall, LIMIT)
         orphaned = scans.orphaned_calls(conn, now, stall, LIMIT)
         watched = call_store.overdue_waits(
             conn, now - timedelta(seconds=rt.settings.late_watch_seconds), now - stall, WATCH_LIMIT
@@ -200,12 +203,12 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         if settle_and_move(rt, late.execution_id, late.turn, past_deadline):
             counts["deadline"] += 1
 
-    def take(row: Any) -> bool:
+    def take(row: Any, period: timedelta = stall) -> bool:
         with write(rt.engine) as conn:
-            return scans.win_call(conn, row.execution_id, row.turn, row.call_id, now, stall)
+            return scans.win_call(conn, row.execution_id, row.turn, row.call_id, now, period)
 
-    for lost_row in [] if backlogged else lost:
-        if take(lost_row) and rt.publisher.invoke(
+    for lost_row in lost:
+        if take(lost_row, lost_stall) and rt.publisher.invoke(
             lost_row.execution_id, lost_row.turn, lost_row.call_id, "start"
         ):
             counts["republished"] += 1

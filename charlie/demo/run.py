@@ -268,7 +268,8 @@ def run_demo(timeout: float = 120.0) -> int:
             # The demo's own bundled commands only; a devbox started by an operator refuses to
             # run without a sandbox unless told --no-sandbox.
             click.echo(f"note: {no_sandbox}; the demo's commands run without a sandbox", err=True)
-        limits = Limits(sandbox="off" if no_sandbox else "bwrap")
+        # the devbox runs beside the demo's worker: its commands must not see the worker's state
+        limits = Limits(sandbox="off" if no_sandbox else "bwrap", hidden=(s.home,))
         # the one repository the demo clones is the one it just made
         repos = RepoPolicy((str(repo),))
         started_devbox = DevboxServer(here / "devbox", token, limits=limits, repos=repos).start()

@@ -107,6 +107,7 @@ def serve(
         workspace_bytes=workspace_bytes,
         sandbox="off" if no_sandbox else "bwrap",
         allow_network=allow_network,
+        hidden=_charlie_state_from_env(),
     )
     try:
         server = DevboxServer(
@@ -131,6 +132,18 @@ def serve(
         pass
     finally:
         server.stop()
+
+
+def _charlie_state_from_env() -> tuple[Path, ...]:
+    """A devbox beside a worker hides the worker's state too: its home, an SQLite database and
+    the operator's CHARLIE_SANDBOX_HIDE (read from the environment the devbox was started in)."""
+    hidden = [Path(p) for p in os.environ.get("CHARLIE_SANDBOX_HIDE", "").split(":") if p]
+    if os.environ.get("CHARLIE_HOME"):
+        hidden.append(Path(os.environ["CHARLIE_HOME"]))
+    db = os.environ.get("CHARLIE_DATABASE_URL", "")
+    if db.startswith("sqlite:///"):
+        hidden.append(Path(db.removeprefix("sqlite:///")))
+    return tuple(hidden)
 
 
 def _stop_on_sigterm(server: DevboxServer) -> None:

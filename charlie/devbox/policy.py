@@ -15,6 +15,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from charlie.devbox.errors import ApiError
 
@@ -66,6 +67,9 @@ class Limits:
     sandbox: str = "bwrap"
     #: whether a command may keep the network when its request asks for it (``--allow-network``).
     allow_network: bool = False
+    #: more paths commands must not see besides the devbox root (Charlie's home and database
+    #: when the devbox runs beside a worker, CHARLIE_SANDBOX_HIDE).
+    hidden: tuple[Path, ...] = ()
     #: the longest a connection may wait for one read or write: an idle keep-alive
     #: connection, or a client gone quiet mid-request, is closed after this.
     http_idle_seconds: float = 30.0

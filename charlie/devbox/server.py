@@ -165,7 +165,13 @@ class Devbox:
             check_mode(self.limits.sandbox)
         except SandboxUnavailable as exc:
             raise ApiError(403, str(exc)) from None
-        return SandboxPolicy(workspace=workspace, hidden=(self.root,), network=bool(network))
+        return SandboxPolicy(
+            workspace=workspace,
+            hidden=(self.root, *self.limits.hidden),
+            network=bool(network),
+            # the devbox's own git reads it: a command must not plant programs in it
+            frozen=(workspace / ".git" / "config",),
+        )
 
     def _timeout(self, raw: object) -> float:
         """The request may lower the devbox's command timeout, never raise it."""

@@ -37,7 +37,11 @@ def _sqlite_engine(url: str) -> Engine:
     path = make_url(url).database
     if path and path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+    # hide_parameters: a failed statement's error (logged, and carried in task events) must not
+    # quote its parameters, which hold prompts, transcripts and tool results.
+    engine = create_engine(
+        url, connect_args={"timeout": 30, "check_same_thread": False}, hide_parameters=True
+    )
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -60,7 +64,14 @@ def _sqlite_engine(url: str) -> Engine:
 
 def _server_engine(url: str) -> Engine:
     # LIFO: a busy worker keeps reusing its warm connection, and the others age out.
-    engine = create_engine(url, pool_size=5, max_overflow=10, pool_use_lifo=True, pool_recycle=1800)
+    engine = create_engine(
+        url,
+        pool_size=5,
+        max_overflow=10,
+        pool_use_lifo=True,
+        pool_recycle=1800,
+        hide_parameters=True,  # see _sqlite_engine
+    )
 
     def ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
         """Pessimistic disconnect handling, but only for connections that sat idle.

@@ -280,10 +280,10 @@ def _commit_statement(
         values["model_repeats"] = _e.model_repeats + bindparam("b_model_repeats")
     if error:
         values["error"] = bindparam("b_error", type_=_e.error.type)
-    elif moving:
-        # An error (a refused write) is evidence for the attempt that raised it: the next
-        # (phase, version) starts without it, or a later poison would blame it and drop the
-        # turn's result items (I8, I17).
+    else:
+        # An error (a refused write) is evidence for the attempt that raised it: a commit that
+        # went through (a move, or a wait that finished its tick) leaves none behind, or a later
+        # poison would blame it and drop the turn's result items (I8, I17).
         values["error"] = None
     return (
         update(executions)

@@ -8,10 +8,12 @@ opted out with CHARLIE_SANDBOX=off.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
+from pathlib import Path
 
 from charlie import sandbox
-from charlie.config import settings
+from charlie.config import Settings, settings
 from charlie.domain import JSON
 from charlie.tools.context import ToolContext, ToolError
 from charlie.tools.registry import tool
@@ -39,11 +41,20 @@ def write_file(path: str, content: str, ctx: ToolContext) -> JSON:
     """Write a text file in the workspace, replacing it if it exists."""
     target = ctx.resolve(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a crash leaves the old file or the new one, never half of one.
-    tmp = target.with_name(f".{target.name}.charlie-tmp")
-    tmp.write_text(content)
-    os.replace(tmp, target)
-    return {"path": path, "bytes": len(content.encode())}
+    # Write then rename, so a crash leaves the old file or the new one, never half of one. The
+    # temporary name is random and created exclusively, never through a link: a command could
+    # have planted a symlink at a predictable name pointing outside the workspace.
+    data = content.encode()
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.charlie-tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"path": path, "bytes": len(data)}
 
 
 @tool(effect="read", deadline=60)
@@ -73,6 +84,17 @@ def _tail(data: bytes) -> str:
     )
 
 
+def _charlie_state(s: Settings) -> tuple[Path, ...]:
+    """What a command must not see: Charlie's home, every workspace root (other tasks'
+    workspaces), an SQLite database kept elsewhere, and what the operator listed."""
+    hidden = [s.home, *s.allowed_workspace_roots, *sandbox.hidden_from_env(s.sandbox_hide)]
+    if s.is_sqlite:
+        db = s.database_url.split("///", 1)[-1] if "///" in s.database_url else ""
+        if db and db != ":memory:":
+            hidden += [Path(db), *(Path(db + suffix) for suffix in ("-wal", "-shm", "-journal"))]
+    return tuple(hidden)
+
+
 @tool(effect="write", deadline=900)
 def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
     """Run a shell command in the workspace and wait for it (up to ``timeout`` seconds).
@@ -93,7 +115,7 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
             raise ToolError(str(exc)) from None
         policy = sandbox.SandboxPolicy(
             workspace=ctx.workspace,
-            hidden=(s.home, *sandbox.hidden_from_env(s.sandbox_hide)),
+            hidden=_charlie_state(s),
             network=sandbox.network_allowed(ctx.metadata),
         )
         argv = sandbox.wrap(argv, policy)

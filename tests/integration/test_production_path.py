@@ -48,7 +48,7 @@ def test_doctor_passes_on_the_running_cluster(cluster: Cluster) -> None:
     # The sweeps record a heartbeat at most every few seconds; the beat has been running.
     code, checks = wait_for(lambda: (r := doctor(cluster.settings_env))[0] == 0 and r, 60, 1)
     assert code == 0
-    for name in ("database", "schema", "broker", "tools", "beat"):
+    for name in ("database", "schema", "broker", "tools", "sandbox", "beat"):
         assert checks[name]["status"] == "ok", checks[name]
     # the test cluster's tool module registers its tools
     assert "(tests.support.tools)" in checks["tools"]["detail"]

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.skipif(
 PROBE = """
 echo "environ:"; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'
 echo "processes: $(ls -d /proc/[0-9]* | wc -l)"
-echo "home: $(ls -A "$1" 2>&1 | head -5)"
+echo "home: $(find "$1" -type f 2>&1 | head -5)"
 echo "other: $(cat "$2" 2>&1)"
 python3 net.py "$3" 2>/dev/null || echo "net: closed"
 echo written > inside.txt
@@ -91,7 +93,8 @@ def test_local_run_command_sees_no_secret_no_state_no_network(
     assert FAKE_MODEL_KEY not in out
     assert "CHARLIE_" not in out
     assert int(out.split("processes: ")[1].split()[0]) < 10  # its own pid namespace
-    assert "home: \n" in out or "home: ls:" in out  # Charlie's home is empty (or absent)
+    # Charlie's home holds no file (at most the empty mount points of what it hides)
+    assert "home: \n" in out or "home: find:" in out, out
     assert "another task's file" not in out
     assert "net: closed" in out
     assert (workspace / "inside.txt").read_text() == "written\n"
@@ -186,3 +189,57 @@ def test_wrap_hides_home_secrets_but_keeps_the_interpreter(tmp_path: Path) -> No
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(ws.resolve())
+
+
+def test_other_workspace_roots_and_an_sqlite_file_elsewhere_are_hidden(tmp_path: Path) -> None:
+    """Review of issue 12 item 8: the sandbox hides every workspace root (other tasks'
+    workspaces) and an SQLite database kept outside Charlie's home, not only the home."""
+    from dataclasses import replace
+
+    from charlie.config import load_settings
+    from charlie.tools.builtins import _charlie_state
+
+    # outside /tmp, which the sandbox hides anyway
+    base = Path.home() / f".charlie-sandbox-test-{uuid.uuid4().hex[:8]}"
+    try:
+        (base / "roots" / "a").mkdir(parents=True)
+        (base / "roots" / "b").mkdir(parents=True)
+        (base / "roots" / "b" / "secret.txt").write_text("b's secret")
+        db = base / "state" / "charlie.db"
+        db.parent.mkdir()
+        db.write_text("every prompt")
+        s = replace(
+            load_settings(),
+            home=base / "home",
+            workspace_roots=(base / "roots",),
+            database_url=f"sqlite:///{db}",
+        )
+        probe = f"cat {base}/roots/b/secret.txt; cat {db}; echo end"
+        argv = wrap(
+            ["/bin/sh", "-c", probe],
+            SandboxPolicy(workspace=base / "roots" / "a", hidden=_charlie_state(s)),
+        )
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert "end" in done.stdout, done.stderr
+        assert "b's secret" not in done.stdout
+        assert "every prompt" not in done.stdout
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_write_file_never_writes_through_a_planted_link(tmp_path: Path) -> None:
+    """A command can plant a symlink in the workspace at any name; write_file's temporary
+    file must not follow it out of the workspace."""
+    from charlie.testing import ToolEnvironment
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("untouched")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    # the name the old implementation used for its temporary file
+    (ws / ".x.charlie-tmp").symlink_to(outside)
+    env = ToolEnvironment(workspace=ws)
+    outcome = env.run("write_file", path="x", content="payload")
+    assert outcome.outcome.value == "ok", outcome
+    assert (ws / "x").read_text() == "payload"
+    assert outside.read_text() == "untouched"
