@@ -279,11 +279,14 @@ class DevboxClient:
         )
         return CommitResult(data["commit"], data["created"])
 
-    def find_commit(self, workspace_id: str, idempotency_key: str) -> str | None:
-        """The commit carrying this idempotency key in HEAD's history, or None (for reconcile)."""
-        data = self._call(
-            "GET", f"{_ws(workspace_id)}/commits", params={"idempotency_key": idempotency_key}
-        )
+    def find_commit(
+        self, workspace_id: str, idempotency_key: str, *, seal: bool = False
+    ) -> str | None:
+        """The commit carrying this idempotency key in HEAD's history, or None (for reconcile).
+        ``seal``: a key not found can never commit afterwards (a late holder's attempt is
+        refused with 409), so "not committed" stays true."""
+        params = {"idempotency_key": idempotency_key, **({"seal": "1"} if seal else {})}
+        data = self._call("GET", f"{_ws(workspace_id)}/commits", params=params)
         commit: str | None = data["commit"]
         return commit
 

@@ -231,7 +231,11 @@ class Devbox:
         return self.workspaces.commit(req.params[0], message, key)
 
     def find_commit(self, req: Request) -> JSONDict:
-        return self.workspaces.find_commit(req.params[0], _key(req.query.get("idempotency_key")))
+        return self.workspaces.find_commit(
+            req.params[0],
+            _key(req.query.get("idempotency_key")),
+            seal=req.query.get("seal") in ("1", "true"),
+        )
 
     def health(self, req: Request) -> JSONDict:
         return {"ok": True}

@@ -9,6 +9,7 @@ returns the existing workspace, a different one is a conflict.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -289,6 +290,13 @@ class Workspaces:
             existing = git.find_commit(workspace, key, t)
             if existing is not None:
                 return {"commit": existing, "created": False}
+            if self._seal(workspace_id, key).exists():
+                raise ApiError(
+                    409,
+                    "not committed: a reconcile found no commit with this idempotency key and "
+                    "sealed it, so this late attempt must not commit (the call settled as not "
+                    "committed); commit again as a new call",
+                )
             git.run_git(["add", "-A"], workspace, timeout=t)
             git.run_git(
                 ["commit", "-q", "--no-verify", "--allow-empty", "-F", "-"],
@@ -299,13 +307,24 @@ class Workspaces:
             sha = git.head(workspace, t)
         return {"commit": sha, "created": True}
 
-    def find_commit(self, workspace_id: str, key: str) -> dict[str, Any]:
+    def find_commit(self, workspace_id: str, key: str, *, seal: bool = False) -> dict[str, Any]:
         """The commit carrying ``key``, under the workspace's lock: a reconcile asking while a
         commit with that key is being made waits for it, so it never answers "not committed"
-        in the middle of one (issue 12 item 5)."""
+        in the middle of one (issue 12 item 5). With ``seal``, a key not found is sealed: a
+        paused holder's late commit with it is refused, so the answer stays true (I10)."""
         workspace = self.path(workspace_id)
         with self.lock(workspace_id):
-            return {"commit": git.find_commit(workspace, key, self.limits.git_timeout)}
+            found = git.find_commit(workspace, key, self.limits.git_timeout)
+            if found is None and seal:
+                path = self._seal(workspace_id, key)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+            return {"commit": found}
+
+    def _seal(self, workspace_id: str, key: str) -> Path:
+        """Where a sealed commit key is marked: in the devbox root, out of commands' reach."""
+        digest = hashlib.sha256(f"{workspace_id}\0{key}".encode()).hexdigest()
+        return self.root / "commit-seals" / digest
 
 
 def _spec(body: dict[str, Any]) -> dict[str, Any]:

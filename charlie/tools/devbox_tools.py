@@ -479,7 +479,8 @@ def _commit_landed(message: str, ctx: ToolContext) -> Reconciled | None:
     key = call_key(ctx)
     client = _client(ctx, spec)
     try:
-        commit = _retry(lambda: client.find_commit(spec.workspace_id, key))
+        # sealed: a holder paused before its commit reached the devbox cannot commit later
+        commit = _retry(lambda: client.find_commit(spec.workspace_id, key, seal=True))
     except DevboxUnavailable:
         return None  # cannot tell: the call settles interrupted, with its evidence
     except DevboxError as exc:

@@ -164,3 +164,19 @@ def test_find_commit_waits_for_a_commit_in_progress(
         assert reader.is_alive() and answers == []  # waiting for the commit to finish
     reader.join(10)
     assert answers == [None]
+
+
+def test_a_reconcile_that_finds_no_commit_seals_the_key(
+    client: DevboxClient, workspace: str
+) -> None:
+    """Issue 12 item 5: a reconcile's "not committed" stays true. A holder paused before its
+    commit reached the devbox must not commit with the key once a reconcile found nothing."""
+    assert client.find_commit(workspace, "call-late", seal=True) is None
+    with pytest.raises(DevboxError) as refused:
+        client.commit(workspace, "late", "call-late")
+    assert refused.value.status == 409
+    assert "sealed" in refused.value.message
+    assert client.find_commit(workspace, "call-late") is None  # nothing was committed
+    # a plain look (not a reconcile) seals nothing
+    assert client.find_commit(workspace, "call-fresh") is None
+    assert client.commit(workspace, "fresh", "call-fresh").created
