@@ -14,6 +14,7 @@ from pathlib import Path
 
 from charlie import sandbox
 from charlie.config import Settings, settings
+from charlie.devbox.policy import command_env
 from charlie.domain import JSON
 from charlie.tools.context import ToolContext, ToolError
 from charlie.tools.registry import tool
@@ -100,12 +101,9 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
     """Run a shell command in the workspace and wait for it (up to ``timeout`` seconds).
 
     A non-zero exit code is a tool error the model sees, with the output."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("CHARLIE_")
-        and not any(s in k.upper() for s in ("KEY", "TOKEN", "SECRET", "PASSWORD"))
-    }
+    # The devbox's minimal environment (PATH, HOME=the workspace, LANG): nothing else of the
+    # worker's, where a database URL or a broker password may sit under any name.
+    env = command_env(str(ctx.workspace), {})
     argv = ["/bin/sh", "-c", command]
     s = settings()
     if s.sandbox != "off":
