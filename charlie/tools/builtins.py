@@ -7,16 +7,19 @@ opted out with CHARLIE_SANDBOX=off.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from charlie import sandbox
 from charlie.config import Settings, settings
 from charlie.devbox.policy import command_env
 from charlie.domain import JSON
-from charlie.tools.context import ToolContext, ToolError
+from charlie.tools.context import LeaseLost, ToolContext, ToolError
 from charlie.tools.registry import tool
 
 MAX_READ_BYTES = 200_000
@@ -85,6 +88,15 @@ def _tail(data: bytes) -> str:
     )
 
 
+#: how often a running command's wait looks whether the call's lease was lost.
+LEASE_CHECK_SECONDS = 0.5
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _charlie_state(s: Settings) -> tuple[Path, ...]:
     """What a command must not see: Charlie's home, every workspace root (other tasks'
     workspaces), an SQLite database kept elsewhere, and what the operator listed."""
@@ -117,25 +129,38 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
             network=sandbox.network_allowed(ctx.metadata),
         )
         argv = sandbox.wrap(argv, policy)
-    try:
-        proc = subprocess.run(
-            argv,
-            cwd=ctx.workspace,
-            env=env,
-            capture_output=True,
-            timeout=timeout,
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ToolError(
-            f"command timed out after {timeout} s",
-            stdout=_tail(exc.stdout or b""),
-            stderr=_tail(exc.stderr or b""),
-        ) from None
+    proc = subprocess.Popen(
+        argv,
+        cwd=ctx.workspace,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own group: a stop ends the command and its children
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=min(LEASE_CHECK_SECONDS, timeout))
+            break
+        except subprocess.TimeoutExpired:
+            lost = ctx.lease_lost.is_set()
+            if lost or time.monotonic() >= deadline:
+                _kill_group(proc)
+                stdout, stderr = proc.communicate()
+                if lost:
+                    # another worker took this call over: stop acting for it (issue 12 item 5)
+                    raise LeaseLost(
+                        "run_command: stopped: this attempt lost the call's lease"
+                    ) from None
+                raise ToolError(
+                    f"command timed out after {timeout} s",
+                    stdout=_tail(stdout or b""),
+                    stderr=_tail(stderr or b""),
+                ) from None
     result: JSON = {
         "exit_code": proc.returncode,
-        "stdout": _tail(proc.stdout),
-        "stderr": _tail(proc.stderr),
+        "stdout": _tail(stdout),
+        "stderr": _tail(stderr),
     }
     if proc.returncode != 0:
         raise ToolError(f"command exited with code {proc.returncode}", **result)

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,3 +244,32 @@ def test_write_file_never_writes_through_a_planted_link(tmp_path: Path) -> None:
     assert outcome.outcome.value == "ok", outcome
     assert (ws / "x").read_text() == "payload"
     assert outside.read_text() == "untouched"
+
+
+def test_a_local_command_stops_when_its_lease_is_lost(tmp_path: Path) -> None:
+    """Issue 12 item 5: once the keeper sees the call's lease lost (another worker took it
+    over), the local run_command ends its command instead of running on for the old holder."""
+    import threading
+
+    from charlie.tools.builtins import run_command
+    from charlie.tools.context import LeaseLost, ToolContext
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    ctx = ToolContext(
+        task_id="t",
+        execution_id="x-t",
+        call_id="c",
+        turn=0,
+        workspace=ws,
+        metadata={},
+        resumed=False,
+        handle=None,
+        _record_handle=lambda _h: None,
+    )
+    threading.Timer(0.5, ctx.lease_lost.set).start()
+    with pytest.raises(LeaseLost):
+        run_command("touch started; sleep 3; touch finished", ctx, timeout=60)
+    assert (ws / "started").exists()
+    time.sleep(3.5)
+    assert not (ws / "finished").exists(), "the command ran on after its lease was lost"
