@@ -73,10 +73,18 @@ def worker(ctx: click.Context) -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option(
+    "-s",
     "--schedule",
     type=click.Path(path_type=Path),
     default=None,
     help="A file touched after every sweep round, for supervisors that check its age.",
+)
+@click.option(
+    "-l",
+    "--loglevel",
+    default="INFO",
+    show_default=True,
+    help="Log level (DEBUG, INFO, WARNING, ...).",
 )
 @click.option(
     "--celery-beat",
@@ -84,13 +92,13 @@ def worker(ctx: click.Context) -> None:
     help="Run Celery beat instead: the sweeps are queued to the workers (charlie.sweeps).",
 )
 @click.pass_context
-def beat(ctx: click.Context, schedule: Path | None, celery_beat: bool) -> None:
+def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: bool) -> None:
     """Run the recovery sweeps every CHARLIE_SWEEP_INTERVAL, in this process. Run one (two do
     no harm: every action is a compare-and-set)."""
     app = _celery_app()
     if celery_beat:
         extra = ["--schedule", str(schedule)] if schedule else []
-        app.start(["beat", "--loglevel", "INFO", *extra, *ctx.args])
+        app.start(["beat", "--loglevel", loglevel, *extra, *ctx.args])
         return
     if ctx.args:
         _fail(f"unexpected arguments {' '.join(ctx.args)!r} (Celery's go with --celery-beat)")
@@ -100,7 +108,11 @@ def beat(ctx: click.Context, schedule: Path | None, celery_beat: bool) -> None:
     from charlie import logs, sweeps
     from charlie.runtime import get_runtime
 
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s: %(levelname)s/beat] %(message)s")
+    level = logging.getLevelName(loglevel.upper())
+    if not isinstance(level, int):
+        _fail(f"unknown log level {loglevel!r}")
+    logging.basicConfig(level=level, format="[%(asctime)s: %(levelname)s/beat] %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its schema check is not news
     logs.install(logging.getLogger(), json_lines=settings().log_format == "json")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
