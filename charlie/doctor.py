@@ -19,9 +19,6 @@ from charlie.config import TICK_QUEUE, Settings
 if TYPE_CHECKING:
     from celery import Celery
 
-#: the sweeps beat drives, by the name their heartbeats carry (charlie/sweeps.py).
-SWEEPS = ("sweep.stalled_runs", "sweep.tool_calls", "sweep.task_timeouts")
-
 
 @dataclass(frozen=True)
 class Check:
@@ -292,7 +289,7 @@ class _Doctor:
 
     def beat(self, engine: Any) -> None:
         from charlie.domain import utcnow
-        from charlie.store.heartbeats import load_heartbeats
+        from charlie.store.heartbeats import SWEEP_NAMES, load_heartbeats
 
         if engine is None or not self.schema_ok:
             self.add("beat", "skip", "not checked: the database is unreachable or not migrated")
@@ -306,11 +303,11 @@ class _Doctor:
         fix = "run one `charlie beat` (it runs the sweeps itself)"
         limit = max(60.0, 10 * self.s.sweep_interval)
         now = utcnow()
-        missing = [name for name in SWEEPS if name not in beats]
+        missing = [name for name in SWEEP_NAMES if name not in beats]
         if missing:
             self.add("beat", "FAIL", f"no {', '.join(missing)} has ever run", fix)
             return
-        oldest = min((beats[name] for name in SWEEPS), key=lambda b: b.at)
+        oldest = min((beats[name] for name in SWEEP_NAMES), key=lambda b: b.at)
         age = (now - oldest.at).total_seconds()
         if age > limit:
             self.add(

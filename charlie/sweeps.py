@@ -30,7 +30,7 @@ from charlie.runtime import Runtime
 from charlie.store import calls as call_store
 from charlie.store import scans
 from charlie.store.engine import read, write, write_one
-from charlie.store.heartbeats import record_heartbeat
+from charlie.store.heartbeats import SWEEP_NAMES, record_heartbeat
 
 log = logging.getLogger("charlie.sweep")
 
@@ -312,11 +312,9 @@ def heartbeat(rt: Runtime, name: str) -> None:
 
 
 #: the sweeps by the names their heartbeats (and `charlie doctor`) know them by.
-SWEEPS: dict[str, Callable[[Runtime], object]] = {
-    "sweep.stalled_runs": sweep_stalled_runs,
-    "sweep.tool_calls": sweep_tool_calls,
-    "sweep.task_timeouts": sweep_task_timeouts,
-}
+SWEEPS: dict[str, Callable[[Runtime], object]] = dict(
+    zip(SWEEP_NAMES, (sweep_stalled_runs, sweep_tool_calls, sweep_task_timeouts), strict=True)
+)
 
 
 def run_sweep(rt: Runtime, name: str) -> object:

@@ -14,6 +14,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from charlie.store.schema import heartbeats
 
+#: the sweeps' heartbeats, by name: `charlie beat` (or a worker) records them, doctor reads them.
+SWEEP_NAMES = ("sweep.stalled_runs", "sweep.tool_calls", "sweep.task_timeouts")
+
 #: the heartbeats of workers are named this, then their node name.
 WORKER_PREFIX = "worker:"
 

@@ -4,8 +4,6 @@ parent, through the Python API and the CLI; each page walks an index, whatever t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,7 +16,8 @@ from charlie import scheduler
 from charlie.domain import TaskStatus
 from charlie.store.engine import get_engine, upgrade, write
 from charlie.store.schema import tasks
-from tests.support.cluster import REPO, Cluster
+from tests.integration.test_production_path import charlie_cli
+from tests.support.cluster import Cluster
 
 
 def _submit_at(engine, prefix: str, at: datetime, parent: str | None = None) -> str:  # type: ignore[no-untyped-def]
@@ -110,35 +109,14 @@ def test_the_cli_lists_pages_and_json(cluster: Cluster, script) -> None:  # type
     model, _ = script([{"say": "cli"}])
     task_id = charlie.submit("listed by the cli", model=model)
     charlie.wait(task_id, timeout=60)
-    env = {**cluster.env}
-    out = subprocess.run(
-        [sys.executable, "-m", "charlie", "list", "--limit", "1", "--json"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    env = cluster.settings_env
+    out = charlie_cli(env, "list", "--limit", "1", "--json")
+    assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert len(rows) == 1 and rows[0]["id"] == task_id and rows[0]["status"] == "succeeded"
-    table = subprocess.run(
-        [sys.executable, "-m", "charlie", "list", "--limit", "1"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    table = charlie_cli(env, "list", "--limit", "1")
+    assert table.returncode == 0, table.stderr
     assert task_id in table.stdout and "succeeded" in table.stdout
     assert f"more: charlie list --before {task_id}" in table.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "charlie", "list", "--status", "finished"],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = charlie_cli(env, "list", "--status", "finished")
     assert bad.returncode == 2 and "unknown status 'finished'" in bad.stderr
