@@ -1,7 +1,9 @@
 """Charlie: a durable executor for long-running LLM agent tasks, on Celery.
 
 The public names: ``submit``, ``get_task``, ``list_tasks``, ``wait``, ``cancel``,
-``transcript``, ``calls``, ``history`` and ``tool`` (pinned by tests/unit/test_exports.py).
+``transcript``, ``calls``, ``history`` and ``tool``; people in the loop ``send``, ``reply``,
+``approve``, ``deny``, ``reconcile``, ``resume``, ``fork`` and ``actions`` (pinned by
+tests/unit/test_exports.py).
 Tool authors also have :mod:`charlie.testing`; Celery-only producers the task
 ``charlie.submit``.
 """
@@ -11,11 +13,19 @@ from typing import Any
 from charlie.tools.registry import tool
 
 __all__ = [
+    "actions",
+    "approve",
     "calls",
     "cancel",
+    "deny",
+    "fork",
     "get_task",
     "history",
     "list_tasks",
+    "reconcile",
+    "reply",
+    "resume",
+    "send",
     "submit",
     "tool",
     "transcript",
@@ -23,9 +33,7 @@ __all__ = [
 ]
 
 #: The names served from charlie.api on first use.
-_API = frozenset(
-    {"calls", "cancel", "get_task", "history", "list_tasks", "submit", "transcript", "wait"}
-)
+_API = frozenset(set(__all__) - {"tool"})
 __version__ = "0.1.0"
 
 

@@ -4,29 +4,55 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection
 
-from charlie import scheduler
+from charlie import people, scheduler
 from charlie.config import WorkspaceRefused
-from charlie.domain import JSON, MAX_TASK_ID, Phase, TaskStatus
+from charlie.domain import (
+    JSON,
+    MAX_TASK_ID,
+    TASK_ID,
+    Phase,
+    TaskStatus,
+    execution_id_for,
+    task_id_of,
+)
 from charlie.models import normalise_model
+from charlie.people import (
+    ActionRecord,
+    ActionRefused,
+    CallNotFound,
+    ForkRefused,
+    MessageConflict,
+    NotHeld,
+    NotResumable,
+    TaskFinished,
+    VerdictConflict,
+    actions,
+    approve,
+    deny,
+    fork,
+    reconcile,
+    reply,
+    resume,
+    send,
+)
 from charlie.runtime import Producer, get_producer, import_tool_modules
 from charlie.scheduler import TaskNotFound
+from charlie.store import people as people_store
 from charlie.store import reads
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
 from charlie.tools.registry import REGISTRY
 
 log = logging.getLogger("charlie.api")
 
-TASK_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_TASK_ID - 1}}}$")
 MAX_METADATA_BYTES = 64 * 1024
 
 
@@ -40,6 +66,28 @@ class PayloadTooLarge(InvalidSubmission):
 
 class UnknownToolError(InvalidSubmission):
     pass
+
+
+@dataclass(frozen=True)
+class WaitingFor:
+    """An open call that waits for a person, and for what."""
+
+    #: "approval", "reply" or "reconcile" (domain.Hold)
+    kind: str
+    call_id: str
+    turn: int
+    tool: str
+    arguments: JSON
+    #: the question, why approval is needed, or the interruption's evidence
+    detail: JSON
+    deadline_at: datetime | None
+
+    def describe(self) -> str:
+        if self.kind == "reply":
+            return f"a reply to {self.call_id}: {self.detail.get('question')}"
+        if self.kind == "approval":
+            return f"an approval of {self.call_id} ({self.tool})"
+        return f"a reconcile verdict on {self.call_id} ({self.tool}, interrupted)"
 
 
 @dataclass(frozen=True)
@@ -60,6 +108,8 @@ class TaskInfo:
     model_calls: int
     model_repeats: int
     usage: dict[str, int]
+    #: what a waiting task waits for from a person: questions, approvals, held calls (I25).
+    waiting_for: list[WaitingFor] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -104,18 +154,36 @@ class CallRecord:
 
 
 __all__ = [
+    "ActionRecord",
+    "ActionRefused",
+    "CallNotFound",
     "CallRecord",
+    "ForkRefused",
     "InvalidSubmission",
+    "MessageConflict",
+    "NotHeld",
+    "NotResumable",
     "PayloadTooLarge",
+    "TaskFinished",
     "TaskInfo",
     "TranscriptEntry",
     "UnknownToolError",
+    "VerdictConflict",
+    "WaitingFor",
+    "actions",
+    "approve",
     "calls",
     "cancel",
+    "deny",
+    "fork",
     "get_task",
     "history",
     "list_tasks",
     "normalise_model",
+    "reconcile",
+    "reply",
+    "resume",
+    "send",
     "submit",
     "transcript",
     "wait",
@@ -144,9 +212,11 @@ def submit(
     task_id: str | None = None,
     timeout: float | None = None,
     metadata: JSON | None = None,
+    approve: list[str] | None = None,
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
-    id again returns it without starting a second run."""
+    id again returns it without starting a second run. ``approve``: tool names whose calls in
+    this task wait for a person's approve (or deny) before they are dispatched (I23)."""
     rt = get_producer()
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidSubmission("prompt must be a non-empty string")
@@ -166,6 +236,16 @@ def submit(
                 f"unknown tool(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY.names())}"
                 " (user tools register through CHARLIE_TOOL_MODULES)"
             )
+    if approve is not None:
+        if isinstance(approve, str) or not all(isinstance(t, str) for t in approve):
+            raise InvalidSubmission("approve must be a list of tool names")
+        unknown = unknown_tools(list(approve), rt.settings.tool_modules)
+        if unknown:
+            raise UnknownToolError(
+                f"approve names unknown tool(s) {', '.join(unknown)}; registered: "
+                f"{', '.join(REGISTRY.names())}"
+            )
+        approve = sorted(set(approve))
     if task_id is not None and not TASK_ID.match(task_id):
         raise InvalidSubmission(
             f"task id {task_id!r} must be 1-{MAX_TASK_ID} characters of letters, digits and ._:-"
@@ -203,6 +283,7 @@ def submit(
             task_id=task_id,
             timeout=timeout,
             metadata=metadata,
+            approve=approve,
         )
 
     submitted = again_if_disconnected(save, "submit a task")
@@ -222,9 +303,10 @@ def submit(
 def get_task(task_id: str) -> TaskInfo:
     with read(get_producer().engine) as conn:
         row = reads.task_with_run(conn, task_id)
-    if row is None:
-        raise TaskNotFound(task_id)
-    return _task_info(row)
+        if row is None:
+            raise TaskNotFound(task_id)
+        waits = _waiting_for(conn, [row])
+    return _task_info(row, waits.get(row.id, []))
 
 
 #: the most tasks one list_tasks page returns.
@@ -253,7 +335,27 @@ def list_tasks(
                 raise TaskNotFound(before)
             keyset = (created, before)
         rows = reads.task_page(conn, statuses=statuses, parent=parent, limit=limit, before=keyset)
-    return [_task_info(row) for row in rows]
+        waits = _waiting_for(conn, rows)
+    return [_task_info(row, waits.get(row.id, [])) for row in rows]
+
+
+def _waiting_for(conn: Connection, rows: list[Any]) -> dict[str, list[WaitingFor]]:
+    """What the waiting tasks among ``rows`` wait for from a person: one query for a page."""
+    waiting = [execution_id_for(r.id) for r in rows if r.status == TaskStatus.WAITING.value]
+    found: dict[str, list[WaitingFor]] = {}
+    for call in people_store.held_calls(conn, waiting):
+        found.setdefault(task_id_of(call.execution_id), []).append(
+            WaitingFor(
+                kind=call.hold,
+                call_id=call.call_id,
+                turn=call.turn,
+                tool=call.name,
+                arguments=call.arguments,
+                detail=call.hold_info or {},
+                deadline_at=call.deadline_at,
+            )
+        )
+    return found
 
 
 def _statuses(status: str | TaskStatus | Iterable[str | TaskStatus] | None) -> list[str] | None:
@@ -270,7 +372,7 @@ def _statuses(status: str | TaskStatus | Iterable[str | TaskStatus] | None) -> l
     return values
 
 
-def _task_info(row: Any) -> TaskInfo:
+def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInfo:
     return TaskInfo(
         id=row.id,
         status=TaskStatus(row.status),
@@ -292,6 +394,7 @@ def _task_info(row: Any) -> TaskInfo:
             "output_tokens": row.output_tokens,
             "reasoning_tokens": row.reasoning_tokens,
         },
+        waiting_for=waiting_for or [],
     )
 
 
@@ -310,16 +413,24 @@ def wait(task_id: str, timeout: float = 300.0, poll: float = 0.1) -> TaskInfo:
         poll = min(poll * 1.5, 1.0)
 
 
-def cancel(task_id: str) -> bool:
+def cancel(
+    task_id: str,
+    *,
+    note: str | None = None,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> bool:
     """Cancel a task and its children. The run stops at its next boundary and the model is not
-    called for it again (I18). False when it was already terminal."""
+    called for it again (I18). False when it was already terminal. Recorded as the operator's
+    action (I27)."""
     rt = get_producer()
+    actor = people.actor_name(operator, rt)
     tries = 0
 
     def stop() -> list[str]:
         nonlocal tries
         tries += 1
-        return scheduler.cancel(rt.engine, task_id)
+        return scheduler.cancel(rt.engine, task_id, actor=actor, note=note, request_id=request_id)
 
     changed = again_if_disconnected(stop, "cancel a task")
     if tries > 1 and not changed:

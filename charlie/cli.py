@@ -6,9 +6,10 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -16,6 +17,8 @@ from charlie.config import settings
 
 if TYPE_CHECKING:
     from celery import Celery
+
+T = TypeVar("T")
 
 
 def _fail(message: str) -> None:
@@ -158,6 +161,12 @@ def flower(ctx: click.Context, basic_auth: str | None) -> None:
     default=None,
     help="Directory the task's tools work in (inside CHARLIE_WORKSPACE_ROOTS).",
 )
+@click.option(
+    "--approve",
+    "approve",
+    multiple=True,
+    help="A tool whose calls wait for `charlie approve` before they run (repeatable).",
+)
 @click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
 def submit(
     prompt: str,
@@ -166,6 +175,7 @@ def submit(
     task_id: str | None,
     timeout: float | None,
     workspace: str | None,
+    approve: tuple[str, ...],
     wait_: bool,
 ) -> None:
     """Submit a task and print its id."""
@@ -181,6 +191,7 @@ def submit(
             task_id=task_id,
             timeout=timeout,
             metadata=metadata,
+            approve=list(approve) or None,
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -275,7 +286,10 @@ def list_(
             f"{age:>6}  {_short(t.model, 40)}"
         )
     if len(page) == limit:
-        click.echo(f"more: charlie list --before {page[-1].id}", err=True)
+        filters = "".join(f" --status {s}" for s in statuses)
+        filters += f" --parent {parent}" if parent else ""
+        filters += f" --limit {limit}" if limit != 50 else ""
+        click.echo(f"more: charlie list{filters} --before {page[-1].id}", err=True)
 
 
 def _age(seconds: float) -> str:
@@ -316,6 +330,7 @@ def status(task_id: str) -> None:
         ("result", _short(info.result, 400) if info.result is not None else "-"),
         ("error", _short(info.error, 400) if info.error is not None else "-"),
     ]
+    rows += [("waiting for", _short(w.describe(), 200)) for w in info.waiting_for]
     for key, value in rows:
         click.echo(f"{key:>12}  {value}")
 
@@ -336,16 +351,28 @@ def show(task_id: str, as_json: bool) -> None:
                 "transcript": [e.__dict__ for e in api.transcript(task_id)],
                 "calls": [c.__dict__ for c in api.calls(task_id)],
                 "transitions": api.history(task_id),
+                "actions": [a.__dict__ for a in api.actions(task_id)],
             }
             click.echo(json.dumps(doc, default=str, indent=2))
             return
         info = api.get_task(task_id)
         lines = [line for _, line in transcript_rows(task_id)]
+        done = api.actions(task_id)
     except TaskNotFound as exc:
         _fail(str(exc))
     click.echo(f"task {info.id}: {info.status.value} (phase {info.phase}, turn {info.turn})")
     for line in lines:
         click.echo(line)
+    for waiting in info.waiting_for:
+        click.echo(f"waiting for {_short(waiting.describe(), 300)}")
+    if done:
+        click.echo("actions:")
+    for action in done:
+        what = f"  {_fmt_time(action.at)}  {action.action.value:<9} by {_short(action.actor, 40)}"
+        what += f"  call {action.call_id}" if action.call_id else ""
+        what += f"  {_short(action.detail, 160)}" if action.detail else ""
+        what += f"  note: {_short(action.note, 160)}" if action.note else ""
+        click.echo(what)
     u = info.usage
     click.echo(
         f"tokens: in {u['input_tokens']}, out {u['output_tokens']}, "
@@ -355,16 +382,134 @@ def show(task_id: str, as_json: bool) -> None:
 
 @main.command()
 @click.argument("task_id")
-def cancel(task_id: str) -> None:
+@click.option("--note", default=None, help="Why, for the record.")
+def cancel(task_id: str, note: str | None) -> None:
     """Cancel a task (and its children)."""
     from charlie import api
-    from charlie.scheduler import TaskNotFound
+
+    changed = _act(lambda: api.cancel(task_id, note=note))
+    click.echo("canceled" if changed else "already finished")
+
+
+def _act(action: Callable[[], T]) -> T:
+    """Run an operator action; a refusal (a second verdict, a finished task, a missing call)
+    is one line and exit status 2."""
+    from charlie.people import ActionRefused
+    from charlie.scheduler import TaskConflict, TaskNotFound
 
     try:
-        changed = api.cancel(task_id)
-    except TaskNotFound as exc:
+        return action()
+    except (ActionRefused, TaskNotFound, TaskConflict, ValueError) as exc:
         _fail(str(exc))
-    click.echo("canceled" if changed else "already finished")
+        raise  # unreachable: _fail exits
+
+
+def _said(record: Any) -> None:
+    detail = f": {_short(record.detail, 300)}" if record.detail else ""
+    click.echo(f"{record.describe()}{detail}")
+
+
+@main.command()
+@click.argument("task_id")
+@click.argument("text")
+@click.option("--message-id", default=None, help="Idempotency key: the same id sends once.")
+def send(task_id: str, text: str, message_id: str | None) -> None:
+    """Send a message to a running task; it enters at the next turn boundary (I22)."""
+    from charlie import api
+
+    click.echo(_act(lambda: api.send(task_id, text, message_id=message_id)))
+
+
+@main.command()
+@click.argument("task_id")
+@click.argument("call_id")
+@click.argument("text")
+def reply(task_id: str, call_id: str, text: str) -> None:
+    """Answer a task's question (an ask_human call)."""
+    from charlie import api
+
+    record = _act(lambda: api.reply(task_id, call_id, text))
+    _said(record)
+    if (record.detail or {}).get("late"):
+        click.echo("the question had already settled: recorded as a late report", err=True)
+
+
+@main.command()
+@click.argument("task_id")
+@click.argument("call_id")
+@click.option("--note", default=None, help="Why, for the record.")
+def approve(task_id: str, call_id: str, note: str | None) -> None:
+    """Approve a call held for approval: it is dispatched now."""
+    from charlie import api
+
+    _said(_act(lambda: api.approve(task_id, call_id, note=note)))
+
+
+@main.command()
+@click.argument("task_id")
+@click.argument("call_id")
+@click.option("--reason", required=True, help="Why; the model is shown it.")
+def deny(task_id: str, call_id: str, reason: str) -> None:
+    """Deny a call held for approval: it never runs; the model sees `denied` and the reason."""
+    from charlie import api
+
+    _said(_act(lambda: api.deny(task_id, call_id, reason)))
+
+
+@main.command(name="reconcile")
+@click.argument("task_id")
+@click.argument("call_id")
+@click.option("--done", "verdict", flag_value="done", help="It happened.")
+@click.option("--not-done", "verdict", flag_value="not_done", help="It did not: run it again.")
+@click.option("--unknown", "verdict", flag_value="unknown", help="Nobody can tell.")
+@click.option("--result", "result_json", default=None, help="With --done: its result, as JSON.")
+@click.option("--note", default=None, help="Why, for the record.")
+def reconcile_(
+    task_id: str, call_id: str, verdict: str | None, result_json: str | None, note: str | None
+) -> None:
+    """Decide an interrupted call held for an operator: --done, --not-done or --unknown."""
+    from charlie import api
+
+    if verdict is None:
+        _fail("say what happened: --done [--result JSON], --not-done or --unknown")
+    if result_json is not None and verdict != "done":
+        _fail("--result goes with --done only")
+    result = None
+    if result_json is not None:
+        try:
+            result = json.loads(result_json)
+        except ValueError as exc:
+            _fail(f"--result is not JSON: {exc}")
+    assert verdict is not None
+    _said(_act(lambda: api.reconcile(task_id, call_id, verdict, result=result, note=note)))
+
+
+@main.command()
+@click.argument("task_id")
+@click.option("--timeout", type=float, default=None, help="Seconds from now before it times out.")
+@click.option("--note", default=None, help="Why, for the record.")
+def resume(task_id: str, timeout: float | None, note: str | None) -> None:
+    """Resume a failed or timed-out task where it ended, with a fresh attempt budget."""
+    from charlie import api
+
+    _said(_act(lambda: api.resume(task_id, timeout=timeout, note=note)))
+
+
+@main.command()
+@click.argument("task_id")
+@click.option("--turn", type=int, required=True, help="Copy the history through this turn.")
+@click.option("--message", default=None, help="User input for the fork's first model call.")
+@click.option("--model", default=None, help="Another model for the fork.")
+@click.option("--task-id", "new_id", default=None, help="The fork's id (default: generated).")
+def fork(
+    task_id: str, turn: int, message: str | None, model: str | None, new_id: str | None
+) -> None:
+    """Fork a task from the end of one of its turns: a new task that repeats nothing (I26)."""
+    from charlie import api
+
+    click.echo(
+        _act(lambda: api.fork(task_id, turn=turn, message=message, model=model, task_id=new_id))
+    )
 
 
 @main.group()

@@ -87,6 +87,12 @@ class Settings:
     max_attempts: int = 5
     #: default per-call deadline when a tool declares none.
     tool_deadline: float = 300.0
+    #: how long an ``ask_human`` question waits for a reply before it settles
+    #: ``deadline_exceeded`` (a later reply is a late report).
+    human_deadline: float = 86400.0
+    #: who an operator action is recorded as when the caller names nobody (I27); unset: the OS
+    #: user of the process.
+    operator: str | None = None
     #: I13: a resumable wait settled past its deadline goes on being observed (every
     #: stall_seconds) for this long, so the outside work's later end is recorded as a late report.
     late_watch_seconds: float = 3600.0
@@ -219,6 +225,8 @@ def load_settings() -> Settings:
         sweep_backlog_max_wait=_env_float("CHARLIE_SWEEP_BACKLOG_MAX_WAIT", 120.0),
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 10),
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
+        human_deadline=_env_float("CHARLIE_HUMAN_DEADLINE", 86400.0),
+        operator=os.environ.get("CHARLIE_OPERATOR", "").strip() or None,
         late_watch_seconds=_env_float("CHARLIE_LATE_WATCH_SECONDS", 3600.0),
         max_result_bytes=_env_int("CHARLIE_MAX_RESULT_BYTES", 256 * 1024),
         max_prompt_bytes=_env_int("CHARLIE_MAX_PROMPT_BYTES", 1024 * 1024),

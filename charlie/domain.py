@@ -7,6 +7,7 @@ returns, and the shell (store, tick, tools) translates them to rows and messages
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -16,6 +17,8 @@ JSON = dict[str, Any]
 #: Task ids are at most this long, so that the execution id (a prefix + the task id) fits its
 #: column.
 MAX_TASK_ID = 120
+#: what a task id may be: letters, digits and ._:- (it names queues' messages and paths).
+TASK_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_TASK_ID - 1}}}$")
 
 
 def utcnow() -> datetime:
@@ -93,6 +96,43 @@ class Outcome(enum.StrEnum):
     INTERRUPTED = "interrupted"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELED = "canceled"
+    #: a person declined the call before it was dispatched; it never ran (I23).
+    DENIED = "denied"
+
+
+class Hold(enum.StrEnum):
+    """Why an open call waits for a person rather than a worker (I23, I25)."""
+
+    #: needs an approve (or a deny) before it is dispatched; never marked started before.
+    APPROVAL = "approval"
+    #: a question (``ask_human``): a person's reply is its result.
+    REPLY = "reply"
+    #: it was started and interrupted, and its tool holds uncertainty for an operator's verdict.
+    RECONCILE = "reconcile"
+
+
+class OnInterrupt(enum.StrEnum):
+    """What an interrupted call of a tool becomes when no reconcile hook could settle it."""
+
+    REPORT = "report"
+    HOLD = "hold"
+
+
+class Action(enum.StrEnum):
+    """What an operator did (I27): every one is a durable row."""
+
+    SEND = "send"
+    REPLY = "reply"
+    APPROVE = "approve"
+    DENY = "deny"
+    RECONCILE = "reconcile"
+    RESUME = "resume"
+    FORK = "fork"
+    CANCEL = "cancel"
+
+
+#: the actions that decide a call: the first of them wins (I24).
+VERDICTS = frozenset({Action.REPLY, Action.APPROVE, Action.DENY, Action.RECONCILE})
 
 
 class Effect(enum.StrEnum):
@@ -113,6 +153,18 @@ class TaskView:
     status: TaskStatus
     parent_id: str | None
     timeout_at: datetime | None
+    #: tool names whose calls wait for an approve in this task (``submit(approve=...)``).
+    approve: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    """A person's message waiting in a run's mailbox for its next turn boundary (I22)."""
+
+    id: int
+    message_id: str
+    text: str
+    sent_by: str
 
 
 @dataclass(frozen=True)
@@ -152,6 +204,8 @@ class CallView:
     #: the lease a worker holds it under (owner, attempt count): a holder's settle checks it.
     lease_owner: str | None = None
     attempts: int = 0
+    #: what a person must do before the call can settle, if anything (I23).
+    hold: Hold | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +220,9 @@ class NewCall:
     effect: Effect
     resumable: bool
     settled: tuple[Outcome, JSON] | None = None
+    hold: Hold | None = None
+    hold_info: JSON | None = None
+    on_interrupt: OnInterrupt = OnInterrupt.REPORT
 
 
 @dataclass(frozen=True)
@@ -192,6 +249,8 @@ class RunView:
     items: list[Item] = field(default_factory=list)
     calls: list[CallView] = field(default_factory=list)
     last_error: JSON | None = None
+    #: the messages waiting for this boundary, in commit order (loaded only when some are).
+    messages: list[Message] = field(default_factory=list)
 
 
 @dataclass
@@ -205,6 +264,12 @@ class Transition:
     calls: list[NewCall] = field(default_factory=list)
     queue_calls: list[tuple[str, datetime]] = field(default_factory=list)
     """Calls to mark queued for dispatch, with their deadlines; each gets an invoke message."""
+    ask_calls: list[tuple[str, datetime]] = field(default_factory=list)
+    """Questions to a person: queued with their deadlines like the above, but no worker is
+    sent (a reply settles them, I25)."""
+    take_messages: list[tuple[int, int]] = field(default_factory=list)
+    """Mailbox messages this transition enters into the transcript: (message row id, index of
+    its item in ``items``), marked delivered in the same transaction (I22)."""
     settle: list[Settlement] = field(default_factory=list)
     finish_order: dict[str, int] = field(default_factory=dict)
     next_turn: bool = False

@@ -29,6 +29,7 @@ class SchedulerPort(Protocol):
 class PhaseLimits:
     dispatch_batch: int = 8
     tool_deadline: float = 300.0
+    human_deadline: float = 86400.0
     report_retries: int = 4
     report_backoff: float = 0.05
     model_retries: int = 8

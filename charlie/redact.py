@@ -13,7 +13,31 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: keyword arguments of charlie.submit shown as they are.
-SHOWN = ("model", "task_id", "tools", "timeout")
+SHOWN = ("model", "task_id", "tools", "timeout", "approve")
+
+#: arguments of the people-in-the-loop tasks shown as they are (ids, verdicts, who); the
+#: texts (a message, a reply, a reason, a note, a result) become their size.
+PERSON_SHOWN = (
+    "task_id",
+    "call_id",
+    "verdict",
+    "message_id",
+    "operator",
+    "turn",
+    "model",
+    "timeout",
+)
+#: the positional arguments of each, by position (the ids come first).
+PERSON_ARGS = {
+    "charlie.send": ("task_id", "text"),
+    "charlie.reply": ("task_id", "call_id", "text"),
+    "charlie.approve": ("task_id", "call_id"),
+    "charlie.deny": ("task_id", "call_id", "reason"),
+    "charlie.reconcile": ("task_id", "call_id", "verdict"),
+    "charlie.resume": ("task_id",),
+    "charlie.fork": ("task_id",),
+    "charlie.cancel": ("task_id",),
+}
 
 
 def _shape(name: str, value: Any) -> str:
@@ -37,3 +61,18 @@ def submit_reprs(args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -
 
 def _r(value: Any) -> str:
     return value if isinstance(value, str) and value.startswith("<") else repr(value)
+
+
+def person_reprs(
+    name: str, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> tuple[str, str]:
+    """``argsrepr`` and ``kwargsrepr`` for a people-in-the-loop task (``charlie.send``, ...)."""
+    names = PERSON_ARGS.get(name, ())
+    shown_args = []
+    for i, value in enumerate(args or ()):
+        key = names[i] if i < len(names) else "arg"
+        shown_args.append(repr(value) if key in PERSON_SHOWN else _shape(key, value))
+    shown = {k: (v if k in PERSON_SHOWN else _shape(k, v)) for k, v in (kwargs or {}).items()}
+    argsrepr = "(" + ", ".join(shown_args) + ("," if len(shown_args) == 1 else "") + ")"
+    kwargsrepr = "{" + ", ".join(f"{k!r}: {_r(v)}" for k, v in shown.items()) + "}"
+    return argsrepr, kwargsrepr

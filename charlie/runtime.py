@@ -128,6 +128,7 @@ class Runtime(Producer):
             limits=PhaseLimits(
                 dispatch_batch=s.dispatch_batch,
                 tool_deadline=s.tool_deadline,
+                human_deadline=s.human_deadline,
                 report_retries=s.report_retries,
             ),
         )

@@ -14,11 +14,12 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
-from charlie.domain import JSON, TaskStatus, execution_id_for, utcnow
+from charlie.domain import JSON, Action, TaskStatus, execution_id_for, utcnow
 from charlie.ports import TransientSchedulerError
 from charlie.store import tasks as task_store
 from charlie.store.calls import hold_live_task
 from charlie.store.engine import read, write
+from charlie.store.people import record_action
 
 
 class TaskNotFound(LookupError):
@@ -60,6 +61,7 @@ def submit(
     metadata: JSON | None,
     parent_id: str | None = None,
     parent_call_id: str | None = None,
+    approve: list[str] | None = None,
 ) -> Submitted:
     """Write the task and its execution in one transaction; idempotent on ``task_id``,
     whatever has happened to its parent since the first submit."""
@@ -87,6 +89,7 @@ def submit(
                 parent_id=parent_id,
                 parent_call_id=parent_call_id,
                 now=now,
+                approve=approve,
             )
     except IntegrityError:
         with read(engine) as conn:
@@ -152,14 +155,35 @@ def descendants(engine: Engine, task_id: str) -> list[str]:
     return found
 
 
-def cancel(engine: Engine, task_id: str) -> list[str]:
+def cancel(
+    engine: Engine,
+    task_id: str,
+    *,
+    actor: str | None = None,
+    note: str | None = None,
+    request_id: str | None = None,
+) -> list[str]:
     """Cancel a task and its children; returns the ids whose status changed. The executor stops
-    each at its next tick boundary (I18)."""
+    each at its next tick boundary (I18). With an ``actor``, a cancel that stopped anything is
+    recorded as that operator's action, in the same transaction (I27)."""
     with write(engine) as conn:
         tree = _lock_tree(conn, task_id)
         if not tree:
             raise TaskNotFound(task_id)
-        return task_store.mark_canceled(conn, tree, utcnow())
+        now = utcnow()
+        changed = task_store.mark_canceled(conn, tree, now)
+        if actor is not None and changed:
+            record_action(
+                conn,
+                task_id=task_id,
+                action=Action.CANCEL,
+                actor=actor,
+                now=now,
+                note=note,
+                detail={"canceled": changed},
+                request_id=request_id,
+            )
+        return changed
 
 
 def cancel_descendants(engine: Engine, task_id: str) -> list[str]:

@@ -154,6 +154,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         "resumed": 0,
         "reconciling": 0,
         "interrupted": 0,
+        "held": 0,
         "deadline": 0,
         "abandoned": 0,
         "watching": 0,
@@ -256,6 +257,22 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 f"its worker died {row.attempts} times" if exhausted else "its worker stopped"
             ),
         }
+
+        if row.on_interrupt == "hold":
+            # Not reported to the model: an operator decides (charlie.reconcile). Held, it
+            # leaves the turn open, so there is no turn to move.
+            with write(rt.engine) as conn:
+                call_store.lock_run(conn, row.execution_id)
+                held = call_store.hold_interrupted(
+                    conn, row.execution_id, row.turn, row.call_id, evidence, now
+                )
+            if held:
+                counts["held"] += 1
+                log.warning(
+                    "call held for an operator's verdict",
+                    extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
+                )
+            continue
 
         def interrupted(conn: Connection, row: Any = row, evidence: JSON = evidence) -> bool:
             return scans.interrupt_call(

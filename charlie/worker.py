@@ -5,7 +5,10 @@
   :func:`charlie.executor.tick.run_tick`, safe to run twice, late or never (I2).
 - ``charlie.tool.invoke``: one tool call (start, resume, reconcile or observe).
 - ``charlie.sweep.*``: the beat sweeps, on their own queue (celeryconfig.task_routes).
-- ``charlie.submit``: a task submitted by a producer that has only Celery.
+- ``charlie.submit``: a task submitted by a producer that has only Celery; and the people in
+  the loop's actions, by the same names as the API: ``charlie.send``, ``charlie.reply``,
+  ``charlie.approve``, ``charlie.deny``, ``charlie.reconcile``, ``charlie.resume``,
+  ``charlie.fork``, ``charlie.cancel``.
 - the signal hooks: structured logs, a fresh runtime per forked child, fail fast when ready.
 
 The app (:mod:`charlie.app`) includes this module, so a worker registers all of these; a
@@ -127,6 +130,7 @@ def submit_task(
     tools: list[str] | None = None,
     timeout: float | None = None,
     metadata: dict[str, object] | None = None,
+    approve: list[str] | None = None,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
     ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
@@ -145,7 +149,68 @@ def submit_task(
         task_id=task_id or self.request.id,
         timeout=timeout,
         metadata=metadata,
+        approve=approve,
     )
+
+
+# People in the loop as Celery tasks, for producers that have only Celery (I27):
+# ``app.send_task("charlie.approve", args=[task_id, call_id], kwargs={"operator": "ana"})``.
+# The message's id is the request's idempotency key, so a redelivered message acts once; a
+# refused action (a second verdict, a finished task) is logged with its reason, not retried.
+def _person_task(name: str, call: Any) -> Task:
+    def run(self: Task, *args: Any, **kwargs: Any) -> Any:
+        from charlie import people  # the producer face; imported when first used
+
+        kwargs.setdefault("request_id", self.request.id)
+        try:
+            result = call(people, *args, **kwargs)
+        except people.ActionRefused as exc:
+            logging.getLogger("charlie.people").warning(
+                "%s refused: %s", name, exc, extra={"task_id": args[0] if args else None}
+            )
+            raise
+        return result if isinstance(result, str | bool | None) else getattr(result, "id", None)
+
+    run.__name__ = name.rsplit(".", 1)[-1]
+    run.__doc__ = f"Run charlie.{run.__name__} from a Celery message."
+
+    class Redacted(Task):  # type: ignore[misc]
+        # A message's text, a reply or a note must not ride in the event stream (redact.py).
+        def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+            argsrepr, kwargsrepr = redact.person_reprs(name, args, kwargs)
+            options.setdefault("argsrepr", argsrepr)
+            options.setdefault("kwargsrepr", kwargsrepr)
+            return super().apply_async(args, kwargs, **options)
+
+    class RedactedRequest(Request):  # type: ignore[misc]
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self._argsrepr, self._kwargsrepr = redact.person_reprs(name, self._args, self._kwargs)
+
+    return app.task(
+        name=name, base=Redacted, Request=RedactedRequest, ignore_result=True, bind=True
+    )(run)
+
+
+def _cancel(_: Any, task_id: str, **kwargs: Any) -> bool:
+    from charlie.api import cancel
+
+    return cancel(task_id, **kwargs)
+
+
+PERSON_TASKS = {
+    name: _person_task(name, call)
+    for name, call in {
+        "charlie.send": lambda p, *a, **k: p.send(*a, **k),
+        "charlie.reply": lambda p, *a, **k: p.reply(*a, **k),
+        "charlie.approve": lambda p, *a, **k: p.approve(*a, **k),
+        "charlie.deny": lambda p, *a, **k: p.deny(*a, **k),
+        "charlie.reconcile": lambda p, *a, **k: p.reconcile(*a, **k),
+        "charlie.resume": lambda p, *a, **k: p.resume(*a, **k),
+        "charlie.fork": lambda p, *a, **k: p.fork(*a, **k),
+        "charlie.cancel": _cancel,
+    }.items()
+}
 
 
 @after_setup_logger.connect

@@ -73,7 +73,8 @@ def stop(view: RunView, reason: TaskStatus) -> Transition:
     settle, items = close_turn(view, f"task {reason.value}")
     return Transition(
         to=Phase.REPORT_TERMINAL,
-        state={**view.state, "stop": reason.value},
+        # Where it stopped, for a resume (charlie.resume) to re-enter there.
+        state={**view.state, "stop": reason.value, "stopped_in": view.phase.value},
         settle=settle,
         items=items,
         note=f"stopped at boundary: task {reason.value}",

@@ -154,6 +154,9 @@ def _refuse(
             "attempts": refusal.attempts,
             "handle": refusal.handle,
         }
+        if refusal.on_interrupt == "hold":
+            # Its lease lapsed (the refusal's condition), so it is held as a sweep holds one.
+            return calls.hold_interrupted(conn, execution_id, turn, call_id, evidence, now)
         return calls.settle_call(
             conn,
             execution_id,

@@ -84,9 +84,44 @@ def settle_and_move(
     return settled
 
 
+def held_for_operator(done: CallResult) -> bool:
+    """An interrupted outcome of an ``on_interrupt="hold"`` tool (its reconcile hook could not
+    tell, or it has none): an operator decides it, the model is not told (charlie.reconcile)."""
+    return done.outcome is Outcome.INTERRUPTED and done.call.on_interrupt == "hold"
+
+
+def _hold(rt: Runtime, done: CallResult) -> bool:
+    call = done.call
+    with write(rt.engine) as conn:
+        calls.lock_run(conn, call.execution_id)  # settlers' order: the run, then the call
+        if calls.hold_interrupted(
+            conn,
+            call.execution_id,
+            call.turn,
+            call.call_id,
+            done.result,
+            utcnow(),
+            owner=rt.worker,
+            token=call.attempts,
+        ):
+            return True
+        calls.record_late_report(
+            conn, call.execution_id, call.turn, call.call_id, done.outcome.value, done.result
+        )
+        return False
+
+
 def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
     """Settle a handler's result in a transaction of its own: ``("settled", await_version)``
-    when it completed the turn, ``("settled" | "late", None)`` otherwise."""
+    when it completed the turn, ``("settled" | "late", None)`` otherwise; ``("held", None)``
+    for an interrupted call held for an operator."""
+    if held_for_operator(done):
+        held = again_if_disconnected(lambda: _hold(rt, done), "hold an interrupted call")
+        log.warning(
+            "call held for an operator's verdict" if held else "late report",
+            extra={"execution_id": done.call.execution_id, "call_id": done.call.call_id},
+        )
+        return ("held" if held else "late"), None
     settled, await_version = again_if_disconnected(
         lambda: settle_in_turn(rt, done.call.execution_id, done.call.turn, _first_wins(rt, done)),
         "settle a tool call",

@@ -23,7 +23,13 @@ from charlie.executor import boundary
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs, run_phase
-from charlie.executor.settle import CallResult, log_settled, move_turn, settle_result
+from charlie.executor.settle import (
+    CallResult,
+    held_for_operator,
+    log_settled,
+    move_turn,
+    settle_result,
+)
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
@@ -80,6 +86,10 @@ def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
         if "calls" in wanted
         else [],
         last_error=claim.last_error,
+        # The mailbox is read only when the claim says it holds mail: no statement otherwise.
+        messages=runs.load_messages(conn, claim.task_id)
+        if claim.inbox > 0 and "messages" in wanted
+        else [],
     )
 
 
@@ -274,8 +284,9 @@ def _settle_local_call(
     rt: Runtime, execution_id: str, step: NextCall, done: CallResult, *, chain: bool
 ) -> tuple[str, Follow | None]:
     """Settle a local call's result in the await tick's own transaction (the settle, the turn's
-    completion and the move on commit together), or on its own if that tick cannot run here."""
-    if chain:
+    completion and the move on commit together), or on its own if that tick cannot run here
+    (an interrupted call held for an operator never completes the turn: on its own)."""
+    if chain and not held_for_operator(done):
         progress = _Progress(inline=chain, settlement=done)
         moved, follow = _guarded_tick(
             rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress

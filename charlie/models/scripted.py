@@ -8,7 +8,8 @@ The file is a list of turns, or ``{"turns": [...], "ledger": "path"}``. A turn i
 A turn without tool calls is the final answer. ``arguments`` may be a string (sent raw, to play
 malformed model output); ``{task_id}`` in string arguments is replaced by the running task's id.
 ``sleep`` delays the answer (to stand for a slow model); ``raise`` makes the call fail, to exercise
-failure handling. With a ``ledger``, every call appends one JSON line to that file, outside
+failure handling (with ``raise_while: path``, only while that file exists: a fault that can be
+fixed, for a resume). With a ``ledger``, every call appends one JSON line to that file, outside
 Charlie's tables, so repeats after a crash can be counted.
 
 A turn may also say what the model must have been shown, so a script checks its input the way a
@@ -204,7 +205,9 @@ class ScriptedModel:
                 )
         if turn.get("sleep"):
             time.sleep(float(turn["sleep"]))
-        if turn.get("raise"):
+        if turn.get("raise") and (
+            not turn.get("raise_while") or Path(str(turn["raise_while"])).exists()
+        ):
             raise RuntimeError(str(turn["raise"]))
         output: list[NewItem] = []
         if turn.get("reasoning"):

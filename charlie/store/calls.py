@@ -65,6 +65,8 @@ class ClaimedCall:
     task_metadata: dict[str, Any] | None = None
     #: the implementation the call was started with (None: a call from before migration 0005).
     implementation: str | None = None
+    #: "hold": interrupted, it waits for an operator's verdict instead of being reported.
+    on_interrupt: str | None = None
 
 
 _c, _e, _t = tool_calls.c, executions.c, tasks.c
@@ -98,6 +100,7 @@ def _call_columns() -> tuple[Any, ...]:
         _c.deadline_at,
         metadata.label("task_metadata"),
         _c.implementation,
+        _c.on_interrupt,
     )
 
 
@@ -116,6 +119,7 @@ def _as_call(execution_id: str, turn: int, call_id: str, row: Any) -> ClaimedCal
         row.deadline_at,
         row.task_metadata,
         row.implementation,
+        row.on_interrupt,
     )
 
 
@@ -146,7 +150,8 @@ def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
             or_(_t.timeout_at.is_(None), _t.timeout_at > now),
         ),
     )
-    stmt = update(tool_calls).where(CALL_KEY, live)
+    # A call held for a person is started by no one until a verdict releases it (I23).
+    stmt = update(tool_calls).where(CALL_KEY, live, _c.hold.is_(None))
     if mode == "start":
         stmt = stmt.where(_c.state == CallState.PENDING.value, _c.queued_at.is_not(None)).values(
             state=CallState.STARTED.value,
@@ -321,6 +326,7 @@ class Refusal:
     started_at: datetime | None
     started_by: str | None
     handle: str | None
+    on_interrupt: str | None = None
 
 
 @functools.cache
@@ -336,7 +342,15 @@ def _refuse_statement(implementations: Implementations) -> Any:
             or_(mine.is_(None), _c.implementation != mine),
         )
         .values(attempts=_c.attempts + 1)
-        .returning(_c.name, _c.implementation, _c.attempts, _c.started_at, _c.started_by, _c.handle)
+        .returning(
+            _c.name,
+            _c.implementation,
+            _c.attempts,
+            _c.started_at,
+            _c.started_by,
+            _c.handle,
+            _c.on_interrupt,
+        )
     )
 
 
@@ -360,7 +374,13 @@ def refuse_claim(
     if row is None:
         return None
     return Refusal(
-        row.name, row.implementation, row.attempts, row.started_at, row.started_by, row.handle
+        row.name,
+        row.implementation,
+        row.attempts,
+        row.started_at,
+        row.started_by,
+        row.handle,
+        row.on_interrupt,
     )
 
 
@@ -517,6 +537,52 @@ def settle_in_turn(
     ):
         return True, position[1]
     return True, None
+
+
+def hold_interrupted(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    evidence: Any,
+    now: datetime,
+    *,
+    owner: str | None = None,
+    token: int | None = None,
+) -> bool:
+    """An interrupted call of an ``on_interrupt="hold"`` tool that no reconcile hook settled:
+    held for an operator's verdict instead of reported (charlie.reconcile). It stays started
+    (it was), with no lease and no deadline, so no sweep takes it over, settles it or times it
+    out; its task is ``waiting`` (I25). A worker holds it fenced by its lease (``owner`` and
+    ``token``); a sweep only once its lease has lapsed."""
+    stmt = update(tool_calls).where(
+        CALL_KEY, _c.state == CallState.STARTED.value, _c.hold.is_(None)
+    )
+    params = key_params(execution_id, turn, call_id)
+    if token is not None:
+        stmt = stmt.where(HELD_BY)
+        params.update(b_owner=owner, b_token=token)
+    else:
+        stmt = stmt.where(_c.lease_until < bindparam("b_now", type_=_c.lease_until.type))
+        params["b_now"] = now
+    held = conn.execute(
+        stmt.values(
+            hold="reconcile",
+            hold_info={"evidence": evidence, "held_at": now.isoformat()},
+            lease_owner=None,
+            lease_until=None,
+            deadline_at=None,
+        ),
+        params,
+    )
+    if held.rowcount != 1:
+        return False
+    conn.execute(
+        update(tasks)
+        .where(_t.id == task_id_of(execution_id), _t.status.in_(ACTIVE_STATUSES))
+        .values(status=TaskStatus.WAITING.value)
+    )
+    return True
 
 
 def settled_by(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:

@@ -18,8 +18,10 @@ from charlie.domain import (
     CallState,
     CallView,
     Effect,
+    Hold,
     Item,
     ItemKind,
+    Message,
     Outcome,
     Phase,
     TaskStatus,
@@ -29,6 +31,7 @@ from charlie.domain import (
 from charlie.store import calls
 from charlie.store.schema import (
     executions,
+    messages,
     tasks,
     tool_calls,
     transcript_items,
@@ -54,6 +57,8 @@ class Claim:
     last_error: JSON | None = None
     #: the task as it stood at the claim (its status decides whether the run stops).
     task: TaskView | None = None
+    #: messages waiting in the run's mailbox (I22): the boundary loads them only if any.
+    inbox: int = 0
 
 
 # The hot path's statements are built once: building a Core statement costs about as much
@@ -68,7 +73,16 @@ def _task_column(column: Any) -> Any:
     return select(column).where(_t.id == _e.task_id).scalar_subquery().label(column.key)
 
 
-_TASK_COLUMNS = (_t.prompt, _t.model, _t.tools, _t.metadata, _t.status, _t.parent_id, _t.timeout_at)
+_TASK_COLUMNS = (
+    _t.prompt,
+    _t.model,
+    _t.tools,
+    _t.metadata,
+    _t.status,
+    _t.parent_id,
+    _t.timeout_at,
+    _t.approve,
+)
 
 _CLAIM = (
     update(executions)
@@ -93,6 +107,7 @@ _CLAIM = (
         _e.state,
         _e.attempts,
         _e.error,
+        _e.inbox,
         *(_task_column(column) for column in _TASK_COLUMNS),
     )
 )
@@ -136,6 +151,7 @@ def claim_execution(
         row.attempts,
         row.error,
         task,
+        row.inbox,
     )
 
 
@@ -165,6 +181,7 @@ def _task_view(task_id: str, row: Any) -> TaskView:
         status=TaskStatus(row.status),
         parent_id=row.parent_id,
         timeout_at=row.timeout_at,
+        approve=getattr(row, "approve", None),
     )
 
 
@@ -191,6 +208,32 @@ def load_items(conn: Connection, execution_id: str) -> list[Item]:
     return [Item(r.seq, r.turn, ItemKind(r.kind), r.call_id, r.payload) for r in rows]
 
 
+_m = messages.c
+_PENDING_MESSAGES = (
+    select(_m.id, _m.message_id, _m.text, _m.sent_by)
+    .where(_m.task_id == bindparam("b_task"), _m.delivered_seq.is_(None))
+    .order_by(_m.id)
+)
+
+
+def load_messages(conn: Connection, task_id: str) -> list[Message]:
+    """The task's messages not yet taken in, in commit order (sends to one task serialize on
+    its run's row, so their ids are in commit order: see store.people.add_message)."""
+    rows = conn.execute(_PENDING_MESSAGES, {"b_task": task_id})
+    return [Message(r.id, r.message_id, r.text, r.sent_by) for r in rows]
+
+
+_DELIVER = (
+    update(messages)
+    .where(_m.id == bindparam("b_message"), _m.delivered_seq.is_(None))
+    .values(
+        delivered_seq=bindparam("b_seq"),
+        delivered_turn=bindparam("b_turn"),
+        delivered_at=bindparam("b_now", type_=_m.delivered_at.type),
+    )
+)
+
+
 def call_view(r: Any) -> CallView:
     return CallView(
         call_id=r.call_id,
@@ -207,6 +250,7 @@ def call_view(r: Any) -> CallView:
         deadline_at=r.deadline_at,
         lease_owner=r.lease_owner,
         attempts=r.attempts,
+        hold=Hold(r.hold) if r.hold else None,
     )
 
 
@@ -225,6 +269,7 @@ CALL_COLUMNS = (
     tool_calls.c.deadline_at,
     tool_calls.c.lease_owner,
     tool_calls.c.attempts,
+    tool_calls.c.hold,
 )
 
 
@@ -251,7 +296,13 @@ def load_calls(
 
 @functools.cache
 def _commit_statement(
-    moving: bool, state: bool, items: bool, next_turn: bool, usage: bool, error: bool
+    moving: bool,
+    state: bool,
+    items: bool,
+    next_turn: bool,
+    usage: bool,
+    error: bool,
+    mail: bool = False,
 ) -> Any:
     """The execution row's compare-and-set for one shape of transition, built once."""
     values: dict[str, Any] = {
@@ -275,6 +326,8 @@ def _commit_statement(
         values["next_seq"] = _e.next_seq + bindparam("b_items")
     if next_turn:
         values["turn"] = _e.turn + 1
+    if mail:
+        values["inbox"] = _e.inbox - bindparam("b_taken")
     if usage:
         values["model_calls"] = _e.model_calls + bindparam("b_model_calls")
         values["model_repeats"] = _e.model_repeats + bindparam("b_model_repeats")
@@ -297,12 +350,16 @@ def _commit_statement(
 
 
 @functools.cache
-def _move_statement(state: bool, items: bool, next_turn: bool, usage: bool, error: bool) -> Any:
+def _move_statement(
+    state: bool, items: bool, next_turn: bool, usage: bool, error: bool, mail: bool = False
+) -> Any:
     """PostgreSQL: the compare-and-set and the transition's record in one statement (a
     data-modifying CTE), one round trip fewer per transition. Inserts no record, and so
     reports no row, when the compare-and-set matched nothing."""
     moved = (
-        _commit_statement(True, state, items, next_turn, usage, error).returning(_e.id).cte("moved")
+        _commit_statement(True, state, items, next_turn, usage, error, mail)
+        .returning(_e.id)
+        .cte("moved")
     )
     tr = transitions.c
     columns = [
@@ -388,6 +445,7 @@ def commit_transition(
     """
     to = transition.to
     usage = bool(transition.model_calls or transition.model_repeats)
+    mail = bool(transition.take_messages)
     statement = _commit_statement(
         to is not None,
         transition.state is not None,
@@ -395,6 +453,7 @@ def commit_transition(
         transition.next_turn,
         usage,
         error is not None,
+        mail,
     )
     params: dict[str, Any] = {
         "b_id": claim.execution_id,
@@ -408,6 +467,7 @@ def commit_transition(
         "b_model_calls": transition.model_calls,
         "b_model_repeats": transition.model_repeats,
         "b_error": error,
+        "b_taken": len(transition.take_messages),
     }
     combined = to is not None and conn.dialect.name == "postgresql"
     if combined:
@@ -418,6 +478,7 @@ def commit_transition(
             transition.next_turn,
             usage,
             error is not None,
+            mail,
         )
         params.update(
             b_from=claim.phase.value,
@@ -448,16 +509,31 @@ def commit_transition(
                 for n, item in enumerate(transition.items)
             ],
         )
+    if transition.take_messages:
+        # Each message enters once (I22): a message already delivered matches nothing, and the
+        # transaction rolls back rather than write its item twice.
+        delivered = conn.execute(
+            _DELIVER,
+            [
+                {"b_message": mid, "b_seq": claim.next_seq + n, "b_turn": claim.turn, "b_now": now}
+                for mid, n in transition.take_messages
+            ],
+        )
+        if delivered.rowcount not in (-1, len(transition.take_messages)):
+            raise RuntimeError(
+                f"run {claim.execution_id}: a message was taken in by another boundary"
+            )
     if transition.calls:
         conn.execute(_INSERT_CALLS, _call_rows(claim, transition, now))
     key = {"b_execution": claim.execution_id, "b_turn": claim.turn}
     # One executemany per kind of change, whatever the fan-out: no statement per call.
-    if transition.queue_calls:
+    queued = transition.queue_calls + transition.ask_calls
+    if queued:
         conn.execute(
             _QUEUE_CALLS,
             [
                 {**key, "b_call": cid, "b_at": deadline, "b_now": now, "b_version": claim.version}
-                for cid, deadline in transition.queue_calls
+                for cid, deadline in queued
             ],
         )
     if transition.settle:
@@ -535,6 +611,9 @@ def _call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict
                 "settled_by": "validation" if settled else None,
                 "attempts": 0,
                 "late_reports": 0,
+                "hold": None if settled or call.hold is None else call.hold.value,
+                "hold_info": None if settled else call.hold_info,
+                "on_interrupt": None if call.on_interrupt == "report" else call.on_interrupt,
             }
         )
     return rows

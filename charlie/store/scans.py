@@ -148,6 +148,7 @@ def lost_calls(conn: Connection, now: datetime, stall: timedelta, limit: int) ->
             select(_c.execution_id, _c.turn, _c.call_id)
             .where(
                 _c.state == CallState.PENDING.value,
+                _c.hold.is_(None),  # a question to a person is queued but sent to no worker
                 _c.queued_at < now - stall,
                 _throttle(_c.swept_at, now, stall),
                 _run_live(),
@@ -174,6 +175,7 @@ def orphaned_calls(conn: Connection, now: datetime, stall: timedelta, limit: int
                 _c.lease_until,
                 _c.handle,
                 _c.implementation,
+                _c.on_interrupt,
             )
             .where(
                 _c.state == CallState.STARTED.value,

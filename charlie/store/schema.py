@@ -74,6 +74,8 @@ class Task(Base):
     prompt: Mapped[str] = mapped_column(Text)
     model: Mapped[str] = mapped_column(String(500))
     tools: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    #: tool names whose calls wait for an approve in this task (submit(approve=...), I23).
+    approve: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONDoc, default=dict)
     status: Mapped[str] = mapped_column(String(16), index=True)
     result: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
@@ -116,6 +118,9 @@ class Execution(Base):
     error: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     model_calls: Mapped[int] = mapped_column(Integer, default=0)
     model_repeats: Mapped[int] = mapped_column(Integer, default=0)
+    #: messages sent and not yet taken in at a turn boundary: read by every claim for free, so
+    #: a boundary looks in the mailbox only when there is mail (I22).
+    inbox: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime]
 
 
@@ -181,6 +186,57 @@ class ToolCall(Base):
     #: which code the call was started with (a ToolDef's ``implementation``), written by the
     #: claim that marks it started; a resume or reconcile runs only that code (issue 12 item 3).
     implementation: Mapped[str | None] = mapped_column(String(300), default=None)
+    #: what a person must do before this open call can settle (domain.Hold), else NULL: an
+    #: approval, a reply, a reconcile verdict (I23, I25).
+    hold: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: why it is held: the question, what asked for approval, the interruption's evidence.
+    hold_info: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    #: "hold": an interrupted call no reconcile hook settled waits for an operator.
+    on_interrupt: Mapped[str | None] = mapped_column(String(8), default=None)
+
+
+class Message(Base):
+    """The mailbox: a person's message to a task, taken in at a turn boundary once (I22)."""
+
+    __tablename__ = "messages"
+    __table_args__ = (
+        UniqueConstraint("task_id", "message_id", name="uq_message_id"),
+        Index("ix_messages_pending", "task_id", "delivered_seq", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    task_id: Mapped[str] = mapped_column(String(128), ForeignKey("tasks.id"))
+    message_id: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str] = mapped_column(Text)
+    sent_at: Mapped[datetime]
+    sent_by: Mapped[str] = mapped_column(String(200))
+    #: the transcript item it became (NULL: not taken in yet), at which turn, when.
+    delivered_seq: Mapped[int | None] = mapped_column(Integer, default=None)
+    delivered_turn: Mapped[int | None] = mapped_column(Integer, default=None)
+    delivered_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class OperatorAction(Base):
+    """I27: every send, reply, approve, deny, reconcile, resume, fork and cancel."""
+
+    __tablename__ = "operator_actions"
+    __table_args__ = (
+        Index("ix_operator_actions_task", "task_id", "id"),
+        Index("ix_operator_actions_call", "task_id", "call_id", "turn"),
+        UniqueConstraint("request_id", name="uq_operator_action_request"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    task_id: Mapped[str] = mapped_column(String(128), ForeignKey("tasks.id"))
+    action: Mapped[str] = mapped_column(String(16))
+    call_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    turn: Mapped[int | None] = mapped_column(Integer, default=None)
+    actor: Mapped[str] = mapped_column(String(200))
+    at: Mapped[datetime]
+    note: Mapped[str | None] = mapped_column(Text, default=None)
+    detail: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    #: the caller's idempotency key (a Celery message id): the same request acts once.
+    request_id: Mapped[str | None] = mapped_column(String(200), default=None)
 
 
 class TransitionRecord(Base):
@@ -220,3 +276,5 @@ transcript_items = cast(Table, TranscriptItem.__table__)
 tool_calls = cast(Table, ToolCall.__table__)
 transitions = cast(Table, TransitionRecord.__table__)
 heartbeats = cast(Table, Heartbeat.__table__)
+messages = cast(Table, Message.__table__)
+operator_actions = cast(Table, OperatorAction.__table__)

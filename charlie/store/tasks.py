@@ -32,6 +32,7 @@ def insert_task_and_run(
     parent_id: str | None,
     parent_call_id: str | None,
     now: datetime,
+    approve: list[str] | None = None,
 ) -> None:
     """A queued task and its run at load_context, version 0 (raises IntegrityError when the
     id is taken)."""
@@ -43,6 +44,7 @@ def insert_task_and_run(
             prompt=prompt,
             model=model,
             tools=tools,
+            approve=approve,
             metadata=metadata or {},
             status=TaskStatus.QUEUED.value,
             timeout_at=now + timedelta(seconds=timeout) if timeout else None,
@@ -65,6 +67,7 @@ def insert_task_and_run(
             attempts=0,
             model_calls=0,
             model_repeats=0,
+            inbox=0,
             created_at=now,
         )
     )

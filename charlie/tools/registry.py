@@ -15,7 +15,7 @@ from typing import Any, Literal, Union, get_args, get_origin, overload
 
 import jsonschema
 
-from charlie.domain import JSON, Effect
+from charlie.domain import JSON, Effect, OnInterrupt
 from charlie.models.base import ToolSpec
 from charlie.tools.context import ToolContext
 
@@ -45,6 +45,13 @@ class ToolDef:
     #: records the one it was started with, and only that one resumes or reconciles it
     #: (issue 12 item 3), never another tool of the same name.
     implementation: str = ""
+    #: every call waits for a person's approve (or deny) before it is dispatched (I23).
+    approval: bool = False
+    #: an interrupted call no reconcile hook could settle: reported to the model, or held for
+    #: an operator's verdict (``charlie reconcile``).
+    on_interrupt: OnInterrupt = OnInterrupt.REPORT
+    #: a person answers the call (``ask_human``): no worker runs it, a reply settles it.
+    answered_by_person: bool = False
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -99,9 +106,18 @@ def build_tool(
     resumable: bool = False,
     reconcile: Reconcile | None = None,
     description: str | None = None,
+    approval: bool = False,
+    on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
+    answered_by_person: bool = False,
 ) -> ToolDef:
     tool_name = name or fn.__name__
     effect = Effect(effect)
+    try:
+        on_interrupt = OnInterrupt(on_interrupt)
+    except ValueError:
+        raise ToolDefinitionError(
+            f"tool {tool_name!r}: on_interrupt must be 'report' or 'hold', got {on_interrupt!r}"
+        ) from None
     if resumable and effect is not Effect.WAIT:
         raise ToolDefinitionError(
             f"tool {tool_name!r}: only effect='wait' tools may be resumable (I10): a resumable "
@@ -142,6 +158,9 @@ def build_tool(
         reconcile=reconcile,
         context_param=context_param,
         implementation=f"{fn.__module__}:{fn.__qualname__}",
+        approval=bool(approval),
+        on_interrupt=on_interrupt,
+        answered_by_person=answered_by_person,
     )
 
 
@@ -203,6 +222,8 @@ def tool(
     resumable: bool = False,
     reconcile: Reconcile | None = None,
     description: str | None = None,
+    approval: bool = False,
+    on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
 ) -> Callable[[Handler], Handler]: ...
 def tool(
     fn: Handler | None = None,
@@ -213,6 +234,8 @@ def tool(
     resumable: bool = False,
     reconcile: Reconcile | None = None,
     description: str | None = None,
+    approval: bool = False,
+    on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
 ) -> Handler | Callable[[Handler], Handler]:
     """Register a function as a tool.
 
@@ -221,6 +244,11 @@ def tool(
     what happened; ``wait`` tools declared ``resumable=True`` are dispatched again with the same
     call identity. ``deadline`` is in seconds (I13). A parameter annotated ``ToolContext``
     receives the call's context instead of a model argument.
+
+    People in the loop: ``approval=True`` holds every call before dispatch until a person
+    approves it (``charlie.approve``) or denies it (``charlie.deny``), I23.
+    ``on_interrupt="hold"``: an interrupted call that no ``reconcile`` hook could settle is not
+    reported to the model but held for an operator's verdict (``charlie.reconcile``).
     """
 
     def register(f: Handler) -> Handler:
@@ -233,6 +261,8 @@ def tool(
                 resumable=resumable,
                 reconcile=reconcile,
                 description=description,
+                approval=approval,
+                on_interrupt=on_interrupt,
             )
         )
         return f

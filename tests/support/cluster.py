@@ -265,6 +265,8 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         "CHARLIE_SWEEP_INTERVAL": "0.5",
         "CHARLIE_MAX_ATTEMPTS": "3",
         "CHARLIE_DISPATCH_BATCH": "4",
+        # Questions to a person time out within a test (tests/integration/test_people.py).
+        "CHARLIE_HUMAN_DEADLINE": "8",
         "CHARLIE_TASK_EVENTS": "0",
         "CHARLIE_SANDBOX": TEST_SANDBOX,
         # Tests give tasks workspaces under pytest's tmp dirs (issue 12 item 12).

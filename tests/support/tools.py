@@ -140,3 +140,19 @@ def fenced_write(
         raise ToolError("lost the call's lease; the second step was not done")
     record("fenced_write.second", task=ctx.task_id, call=ctx.call_id, key=key)
     return {"written": key, "by": "handler"}
+
+
+@tool(effect="write", deadline=60, on_interrupt="hold")
+def held_write(key: str, ctx: ToolContext, hold: float = 0.0) -> dict[str, object]:
+    """A write whose interruption waits for an operator's verdict instead of being reported
+    (on_interrupt="hold"); every real execution is in the ledger."""
+    record("held_write", task=ctx.task_id, call=ctx.call_id, key=key)
+    time.sleep(hold)
+    return {"written": key}
+
+
+@tool(effect="write", deadline=60, approval=True)
+def approved_write(key: str, ctx: ToolContext) -> dict[str, object]:
+    """A write every call of which waits for a person's approve (approval=True)."""
+    record("approved_write", task=ctx.task_id, call=ctx.call_id, key=key)
+    return {"written": key}

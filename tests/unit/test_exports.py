@@ -9,11 +9,19 @@ import sys
 import charlie
 
 PUBLIC = [
+    "actions",
+    "approve",
     "calls",
     "cancel",
+    "deny",
+    "fork",
     "get_task",
     "history",
     "list_tasks",
+    "reconcile",
+    "reply",
+    "resume",
+    "send",
     "submit",
     "tool",
     "transcript",

@@ -13,10 +13,11 @@ from charlie.domain import (
     TaskStatus,
     Transition,
 )
+from charlie.executor.phases.mailbox import take_messages
 from charlie.models.base import render_tool_result
 from charlie.ports import PhaseDeps
 
-NEEDS = frozenset({"calls"})
+NEEDS = frozenset({"calls", "messages"})
 
 
 def result_items(view: RunView) -> list[NewItem]:
@@ -49,10 +50,14 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
     if any(c.state is not CallState.SETTLED for c in view.calls):
         # Only reachable through a stale path; whole turns only (I7).
         return Transition(to=Phase.AWAIT_TOOLS, note="turn not settled")
-    return Transition(
-        to=Phase.CALL_MODEL,
-        items=result_items(view),
-        finish_order=finish_order(view),
-        next_turn=True,
-        task_status=TaskStatus.RUNNING if view.task.status is TaskStatus.WAITING else None,
+    # The boundary: the turn's results, then what people sent meanwhile (I22).
+    return take_messages(
+        view,
+        Transition(
+            to=Phase.CALL_MODEL,
+            items=result_items(view),
+            finish_order=finish_order(view),
+            next_turn=True,
+            task_status=TaskStatus.RUNNING if view.task.status is TaskStatus.WAITING else None,
+        ),
     )

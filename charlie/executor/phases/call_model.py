@@ -10,12 +10,14 @@ from datetime import timedelta
 
 from charlie.domain import (
     Effect,
+    Hold,
     ItemKind,
     NewCall,
     NewItem,
     Outcome,
     Phase,
     RunView,
+    TaskStatus,
     Transition,
 )
 from charlie.models.base import ModelError, ModelRequest, TransientModelError
@@ -34,9 +36,17 @@ def _unique_call_id(call_id: str, seen: set[str]) -> str:
     return candidate
 
 
-def plan_call(index: int, item: NewItem, allowed: list[str] | None, tools: ToolRegistry) -> NewCall:
+def plan_call(
+    index: int,
+    item: NewItem,
+    allowed: list[str] | None,
+    tools: ToolRegistry,
+    approve: list[str] | None = None,
+) -> NewCall:
     """A model's tool call as a pending-tool record; one that can never run is born settled
-    with an error result, so it still gets exactly one result (I8, I15)."""
+    with an error result, so it still gets exactly one result (I8, I15). A call of a tool that
+    needs approval (the tool's ``approval=True``, or the task's ``approve`` list) is born held
+    for a person's verdict, and so is a question to a person (I23)."""
     assert item.call_id is not None
     name = str(item.payload.get("name"))
     arguments = item.payload.get("arguments")
@@ -62,8 +72,26 @@ def plan_call(index: int, item: NewItem, allowed: list[str] | None, tools: ToolR
     problem = definition.validate(arguments)
     if problem:
         return failed(problem)
+    hold, info = None, None
+    if definition.answered_by_person:
+        hold, info = Hold.REPLY, {"question": arguments.get("question")}
+    elif definition.approval or (approve is not None and name in approve):
+        hold = Hold.APPROVAL
+        info = {
+            "why": "the tool needs approval" if definition.approval else "the task's approve list",
+            # what an approve dispatches it with (the producer may not have the tool itself)
+            "deadline_seconds": definition.deadline,
+        }
     return NewCall(
-        item.call_id, index, name, arguments, definition.effect, resumable=definition.resumable
+        item.call_id,
+        index,
+        name,
+        arguments,
+        definition.effect,
+        resumable=definition.resumable,
+        hold=hold,
+        hold_info=info,
+        on_interrupt=definition.on_interrupt,
     )
 
 
@@ -104,12 +132,14 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         if item.kind is ItemKind.TOOL_CALL:
             call_id = _unique_call_id(item.call_id or f"call_{len(calls)}", seen)
             item = NewItem(item.kind, item.payload, call_id=call_id)
-            calls.append(plan_call(len(calls), item, task.tools, deps.tools))
+            calls.append(plan_call(len(calls), item, task.tools, deps.tools, task.approve))
         items.append(item)
 
     state = {k: v for k, v in view.state.items() if k not in ("model_retries", "last_model_error")}
     usage = response.usage.as_dict()
     repeats = max(0, view.attempts - 1)
+    # A fork starts at this phase, its task still queued: its first model call starts it.
+    started = TaskStatus.RUNNING if task.status is TaskStatus.QUEUED else None
     if calls:
         return Transition(
             to=Phase.DISPATCH_TOOLS,
@@ -119,6 +149,7 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
             model_calls=1,
             model_repeats=repeats,
             usage=usage,
+            task_status=started,
         )
     # The final answer: its last message becomes the durable final item (I16).
     messages = [i for i in items if i.kind is ItemKind.MESSAGE]
@@ -133,4 +164,5 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         model_calls=1,
         model_repeats=repeats,
         usage=usage,
+        task_status=started,
     )

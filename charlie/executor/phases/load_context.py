@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from charlie.domain import ItemKind, NewItem, Phase, RunView, TaskStatus, Transition
+from charlie.executor.phases.mailbox import take_messages
 from charlie.ports import PhaseDeps
 
-NEEDS: frozenset[str] = frozenset()
+NEEDS = frozenset({"messages"})
 
 SYSTEM_PROMPT = (
     "You are Charlie, an engineering agent. Work in small verifiable steps using the tools you "
@@ -16,11 +17,15 @@ SYSTEM_PROMPT = (
 
 def run(view: RunView, deps: PhaseDeps) -> Transition:
     system = view.task.metadata.get("system_prompt") or SYSTEM_PROMPT
-    return Transition(
-        to=Phase.CALL_MODEL,
-        items=[
-            NewItem(ItemKind.INPUT, {"role": "system", "content": system}),
-            NewItem(ItemKind.INPUT, {"role": "user", "content": view.task.prompt}),
-        ],
-        task_status=TaskStatus.RUNNING,
+    # Messages sent before the task started follow its prompt (I22).
+    return take_messages(
+        view,
+        Transition(
+            to=Phase.CALL_MODEL,
+            items=[
+                NewItem(ItemKind.INPUT, {"role": "system", "content": system}),
+                NewItem(ItemKind.INPUT, {"role": "user", "content": view.task.prompt}),
+            ],
+            task_status=TaskStatus.RUNNING,
+        ),
     )

@@ -1,0 +1,29 @@
+"""The mailbox at a turn boundary: messages people sent enter the transcript as user input,
+once, in commit order, after the turn's results and before the next model call (I22).
+
+The shell loads a run's waiting messages only when its claim says there are some (the run's
+``inbox`` count rides in every claim), and marks each delivered in the transaction that writes
+its item; a message committed after that transaction began waits for the next boundary.
+"""
+
+from __future__ import annotations
+
+from charlie.domain import ItemKind, NewItem, RunView, Transition
+
+
+def take_messages(view: RunView, transition: Transition) -> Transition:
+    """Append the waiting messages to ``transition``'s items, after what it writes already."""
+    for message in view.messages:
+        transition.take_messages.append((message.id, len(transition.items)))
+        transition.items.append(
+            NewItem(
+                ItemKind.INPUT,
+                {
+                    "role": "user",
+                    "content": message.text,
+                    "message_id": message.message_id,
+                    "sent_by": message.sent_by,
+                },
+            )
+        )
+    return transition

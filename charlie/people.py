@@ -1,0 +1,893 @@
+"""People in the loop: send, reply, approve, deny, reconcile, resume and fork (I22-I27).
+
+Each action is one transaction that writes its effect and its evidence row together (I27), in
+the tick's lock order (the run's row, then its calls, then the task), and publishes what it
+allows only after the commit: a verdict that releases a call publishes its invoke; one that
+completes a turn publishes the run's await tick; a resume or a fork publishes the run's next
+tick. A lost publish is what the sweeps already recover (I4, I11).
+
+The first verdict on a call wins (I24): approve, deny, reply and reconcile each check, under
+the run's lock, for a verdict already recorded on the call, and refuse with an error that names
+it. A retried request (``request_id``, a Celery message id) finds its own first commit and
+returns it instead of acting twice.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal, TypeVar
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import IntegrityError
+
+from charlie.domain import (
+    JSON,
+    MAX_TASK_ID,
+    TASK_ID,
+    Action,
+    CallState,
+    Hold,
+    ItemKind,
+    Outcome,
+    Phase,
+    TaskStatus,
+    execution_id_for,
+    utcnow,
+)
+from charlie.runtime import Producer, get_producer
+from charlie.scheduler import TaskConflict, TaskNotFound
+from charlie.store import people as store
+from charlie.store.engine import again_if_disconnected, read, write
+
+T = TypeVar("T")
+
+Verdict = Literal["done", "not_done", "unknown"]
+VERDICT_NAMES: tuple[str, ...] = ("done", "not_done", "unknown")
+
+#: the longest text a message, reply, note or reason may carry (a prompt's limit is the
+#: settings'; a person's note needs far less).
+MAX_NOTE_BYTES = 64 * 1024
+
+
+class ActionRefused(Exception):
+    """An operator action that was refused before anything was written."""
+
+
+class TaskFinished(ActionRefused):
+    """A message to a task that can no longer take one in."""
+
+
+class MessageConflict(ActionRefused):
+    """A message id reused for a different text."""
+
+
+class CallNotFound(ActionRefused, LookupError):
+    pass
+
+
+class NotHeld(ActionRefused):
+    """The call does not wait for this verdict (it waits for another, or has its outcome)."""
+
+
+class NotResumable(ActionRefused):
+    pass
+
+
+class ForkRefused(ActionRefused):
+    pass
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One operator action, as recorded (I27)."""
+
+    id: int
+    task_id: str
+    action: Action
+    call_id: str | None
+    turn: int | None
+    actor: str
+    at: datetime
+    note: str | None
+    detail: JSON | None
+
+    def describe(self) -> str:
+        what = self.action.value
+        if self.action is Action.RECONCILE and self.detail:
+            what += f" {self.detail.get('verdict')}"
+        return f"{what} by {self.actor} at {self.at.isoformat(timespec='seconds')}"
+
+
+class VerdictConflict(ActionRefused):
+    """A second verdict on a call: the first one stands (I24)."""
+
+    def __init__(self, call_id: str, first: ActionRecord) -> None:
+        super().__init__(
+            f"call {call_id!r} was already decided: {first.describe()}"
+            + (f" ({first.note})" if first.note else "")
+            + "; the first verdict stands"
+        )
+        self.call_id = call_id
+        self.first = first
+
+
+def record_of(row: Any) -> ActionRecord:
+    return ActionRecord(
+        row.id,
+        row.task_id,
+        Action(row.action),
+        row.call_id,
+        row.turn,
+        row.actor,
+        row.at,
+        row.note,
+        row.detail,
+    )
+
+
+def actor_name(operator: str | None, producer: Producer) -> str:
+    """Who acted: the caller's ``operator``, else CHARLIE_OPERATOR, else the OS user."""
+    if operator is not None:
+        name = str(operator).strip()
+        if not name:
+            raise ActionRefused("operator must be a non-empty name")
+        return name[:200]
+    if producer.settings.operator:
+        return producer.settings.operator[:200]
+    try:
+        return getpass.getuser()[:200]
+    except Exception:  # no user name in this environment (a container without one)
+        return "unknown"
+
+
+def _text(value: object, what: str, limit: int = MAX_NOTE_BYTES, *, empty: bool = False) -> str:
+    if not isinstance(value, str) or (not empty and not value.strip()):
+        raise ActionRefused(f"{what} must be a non-empty string")
+    size = len(value.encode())
+    if size > limit:
+        raise ActionRefused(f"{what} is {size} bytes; the limit is {limit}")
+    return value
+
+
+def _note(note: object) -> str | None:
+    return None if note is None else _text(note, "note", empty=True)
+
+
+def _once(
+    rt: Producer, request_id: str | None, what: str, act: Callable[[Connection], T]
+) -> tuple[T | None, ActionRecord | None]:
+    """Run ``act`` in one write transaction, again on a fresh connection if the first died.
+    With a ``request_id``, a request that already committed (its reply lost, a redelivered
+    Celery message) returns its recorded action instead of acting twice."""
+
+    def attempt() -> tuple[T | None, ActionRecord | None]:
+        if request_id is not None:
+            with read(rt.engine) as conn:
+                done = store.action_by_request(conn, request_id)
+            if done is not None:
+                return None, record_of(done)
+        try:
+            with write(rt.engine) as conn:
+                return act(conn), None
+        except IntegrityError:
+            if request_id is None:
+                raise
+            with read(rt.engine) as conn:
+                done = store.action_by_request(conn, request_id)
+            if done is None:
+                raise
+            return None, record_of(done)
+
+    return again_if_disconnected(attempt, what)
+
+
+# -- the mailbox (I22) ----------------------------------------------------------------------
+
+
+def send(
+    task_id: str,
+    text: str,
+    *,
+    message_id: str | None = None,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> str:
+    """Send a message to an active task; returns its message id. It enters the transcript as
+    user input at the task's first turn boundary after this commit (after the current turn's
+    results, before the next model call), exactly once: sending the same ``message_id`` again
+    returns it without a second message (I22). A finished task takes no message: fork it."""
+    rt = get_producer()
+    text = _text(text, "message", rt.settings.max_prompt_bytes)
+    if message_id is not None:
+        message_id = _text(message_id, "message_id", 200)
+    message_id = message_id or request_id or uuid.uuid4().hex
+    actor = actor_name(operator, rt)
+    xid = execution_id_for(task_id)
+
+    def act(conn: Connection) -> str:
+        existing = store.message_by_id(conn, task_id, message_id)
+        if existing is not None:
+            if existing.text != text:
+                raise MessageConflict(
+                    f"message id {message_id!r} of task {task_id!r} already names a different "
+                    "message"
+                )
+            return message_id
+        status = store.task_status(conn, task_id)
+        if status is None:
+            raise TaskNotFound(task_id)
+        if TaskStatus(status).terminal or not store.open_mailbox(conn, xid):
+            how = status if TaskStatus(status).terminal else "finishing (its final answer is in)"
+            raise TaskFinished(
+                f"task {task_id!r} is {how} and takes no more messages; to go on from where it "
+                f"stopped, fork it: charlie.fork({task_id!r}, turn=N, message=...) or "
+                f"`charlie fork {task_id} --turn N --message TEXT`"
+            )
+        now = utcnow()
+        store.add_message(
+            conn, task_id=task_id, message_id=message_id, text=text, actor=actor, now=now
+        )
+        store.record_action(
+            conn,
+            task_id=task_id,
+            action=Action.SEND,
+            actor=actor,
+            now=now,
+            detail={"message_id": message_id},
+            request_id=request_id,
+        )
+        return message_id
+
+    try:
+        sent, recorded = _once(rt, request_id, "send a message", act)
+    except IntegrityError:
+        # Two sends of one message id raced and this one lost: the first one's message stands.
+        with read(rt.engine) as conn:
+            existing = store.message_by_id(conn, task_id, message_id)
+        if existing is None or existing.text != text:
+            raise
+        return message_id
+    if recorded is not None:
+        return str((recorded.detail or {}).get("message_id"))
+    assert sent is not None
+    return sent
+
+
+# -- verdicts on held calls (I23, I24) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Decided:
+    record_id: int
+    #: what to publish after the commit: an invoke (the call released) or the run's await tick
+    invoke: tuple[str, int, str] | None = None
+    await_version: int | None = None
+    late: bool = False
+
+
+def _decide(
+    rt: Producer,
+    task_id: str,
+    call_id: str,
+    *,
+    action: Action,
+    operator: str | None,
+    request_id: str | None,
+    note: str | None,
+    decide: Callable[[Connection, Any, Any, str, datetime], _Decided],
+) -> ActionRecord:
+    """The frame of every verdict: lock the run, find the call, refuse a second verdict, let
+    ``decide`` write the effect and its evidence, then publish what the verdict allows."""
+    actor = actor_name(operator, rt)
+    xid = execution_id_for(task_id)
+
+    def act(conn: Connection) -> _Decided:
+        run = store.lock_run(conn, xid)
+        if run is None:
+            raise TaskNotFound(task_id)
+        call = store.find_call(conn, xid, call_id, None)
+        if call is None:
+            raise CallNotFound(f"task {task_id!r} has no tool call {call_id!r}")
+        first = store.first_verdict(conn, task_id, call.call_id, call.turn)
+        if first is not None:
+            raise VerdictConflict(call_id, record_of(first))
+        return decide(conn, run, call, actor, utcnow())
+
+    decided, recorded = _once(rt, request_id, f"{action.value} a call", act)
+    if recorded is not None:
+        return recorded  # this request committed before: nothing more to do
+    assert decided is not None
+    if decided.invoke is not None:
+        # Lost, the sweep finds a released call that was queued and never started (I11).
+        rt.publisher.invoke(*decided.invoke, "start")
+    if decided.await_version is not None:
+        rt.publisher.tick(xid, Phase.AWAIT_TOOLS, decided.await_version)
+    return _record(rt, decided.record_id)
+
+
+def _after_settle(conn: Connection, run: Any, call: Any) -> int | None:
+    """The run's await tick, when settling this call completed a turn the run waits on (I7)."""
+    from charlie.store.calls import count_unsettled
+
+    if (
+        run.phase == Phase.AWAIT_TOOLS.value
+        and run.turn == call.turn
+        and count_unsettled(conn, call.execution_id, call.turn) == 0
+    ):
+        return int(run.version)
+    return None
+
+
+def _deadline_seconds(rt: Producer, call: Any) -> float:
+    """A released call's deadline: its tool's, as the worker that planned it recorded it."""
+    seconds = (call.hold_info or {}).get("deadline_seconds")
+    return float(seconds) if seconds else rt.settings.tool_deadline
+
+
+def _not_held(task_id: str, call: Any, wanted: Hold) -> NotHeld:
+    name = f"call {call.call_id!r} ({call.name}) of task {task_id!r}"
+    if call.state == CallState.SETTLED.value:
+        return NotHeld(f"{name} already has its outcome: {call.outcome}")
+    if call.hold is None:
+        return NotHeld(f"{name} does not wait for a person (it is {call.state})")
+    verbs = {
+        Hold.APPROVAL: "charlie approve / charlie deny",
+        Hold.REPLY: "charlie reply",
+        Hold.RECONCILE: "charlie reconcile",
+    }
+    held = Hold(call.hold)
+    return NotHeld(
+        f"{name} waits for {held.value}, not {wanted.value}; answer it with {verbs[held]}"
+    )
+
+
+def approve(
+    task_id: str,
+    call_id: str,
+    *,
+    note: str | None = None,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> ActionRecord:
+    """Approve a call held for approval: it is dispatched now, and marked started only by the
+    worker that runs it (I9, I23)."""
+    rt = get_producer()
+    note = _note(note)
+
+    def decide(conn: Connection, run: Any, call: Any, actor: str, now: datetime) -> _Decided:
+        if call.hold != Hold.APPROVAL.value or call.state != CallState.PENDING.value:
+            raise _not_held(task_id, call, Hold.APPROVAL)
+        deadline = now + timedelta(seconds=_deadline_seconds(rt, call))
+        store.release_call(
+            conn,
+            call.execution_id,
+            call.turn,
+            call.call_id,
+            held=Hold.APPROVAL,
+            now=now,
+            deadline_at=deadline,
+            version=run.version,
+        )
+        rid = store.record_action(
+            conn,
+            task_id=task_id,
+            action=Action.APPROVE,
+            actor=actor,
+            now=now,
+            call_id=call.call_id,
+            turn=call.turn,
+            note=note,
+            detail={"tool": call.name, "deadline_at": deadline.isoformat()},
+            request_id=request_id,
+        )
+        return _Decided(rid, invoke=(call.execution_id, call.turn, call.call_id))
+
+    return _decide(
+        rt, task_id, call_id, action=Action.APPROVE, operator=operator,
+        request_id=request_id, note=note, decide=decide,
+    )  # fmt: skip
+
+
+def deny(
+    task_id: str,
+    call_id: str,
+    reason: str,
+    *,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> ActionRecord:
+    """Deny a call held for approval: its one result is a ``denied`` outcome with the reason,
+    which the model sees; it never runs (I23), and the run goes on."""
+    rt = get_producer()
+    reason = _text(reason, "reason")
+
+    def decide(conn: Connection, run: Any, call: Any, actor: str, now: datetime) -> _Decided:
+        if call.hold != Hold.APPROVAL.value or call.state != CallState.PENDING.value:
+            raise _not_held(task_id, call, Hold.APPROVAL)
+        store.settle_held_call(
+            conn,
+            call.execution_id,
+            call.turn,
+            call.call_id,
+            held=Hold.APPROVAL,
+            outcome=Outcome.DENIED.value,
+            result={"reason": reason, "denied_by": actor},
+            by=f"operator:{actor}"[:200],
+            now=now,
+        )
+        rid = store.record_action(
+            conn,
+            task_id=task_id,
+            action=Action.DENY,
+            actor=actor,
+            now=now,
+            call_id=call.call_id,
+            turn=call.turn,
+            note=reason,
+            detail={"tool": call.name},
+            request_id=request_id,
+        )
+        return _Decided(rid, await_version=_after_settle(conn, run, call))
+
+    return _decide(
+        rt, task_id, call_id, action=Action.DENY, operator=operator,
+        request_id=request_id, note=reason, decide=decide,
+    )  # fmt: skip
+
+
+def reply(
+    task_id: str,
+    call_id: str,
+    text: str,
+    *,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> ActionRecord:
+    """Answer a question (an ``ask_human`` call): the answer is the call's result. A reply
+    after the question's deadline settled it is recorded as its late report (I12, I13); its
+    detail says ``late``."""
+    rt = get_producer()
+    text = _text(text, "reply", rt.settings.max_result_bytes)
+
+    def decide(conn: Connection, run: Any, call: Any, actor: str, now: datetime) -> _Decided:
+        asked = call.hold == Hold.REPLY.value or (call.hold_info or {}).get("question") is not None
+        if not asked:
+            raise _not_held(task_id, call, Hold.REPLY)
+        late = call.state == CallState.SETTLED.value
+        if late:
+            from charlie.store.calls import record_late_report
+
+            record_late_report(
+                conn, call.execution_id, call.turn, call.call_id, Outcome.OK.value, text
+            )
+        else:
+            store.settle_held_call(
+                conn,
+                call.execution_id,
+                call.turn,
+                call.call_id,
+                held=Hold.REPLY,
+                outcome=Outcome.OK.value,
+                result=text,
+                by=f"operator:{actor}"[:200],
+                now=now,
+            )
+        rid = store.record_action(
+            conn,
+            task_id=task_id,
+            action=Action.REPLY,
+            actor=actor,
+            now=now,
+            call_id=call.call_id,
+            turn=call.turn,
+            detail={"late": late, "outcome": call.outcome} if late else {"late": False},
+            request_id=request_id,
+        )
+        return _Decided(rid, await_version=None if late else _after_settle(conn, run, call))
+
+    return _decide(
+        rt, task_id, call_id, action=Action.REPLY, operator=operator,
+        request_id=request_id, note=None, decide=decide,
+    )  # fmt: skip
+
+
+def reconcile(
+    task_id: str,
+    call_id: str,
+    verdict: Verdict | str,
+    *,
+    result: Any = None,
+    note: str | None = None,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> ActionRecord:
+    """Decide an interrupted call held for an operator (a tool with ``on_interrupt="hold"``):
+
+    - ``"done"``: it happened; ``result`` is its result (the model sees it as the call's);
+    - ``"not_done"``: it did not; it is dispatched again under the same call id, a repeat the
+      operator authorised, and from there an ordinary dispatch (I9, I10);
+    - ``"unknown"``: nobody can tell; it settles ``interrupted`` with its evidence and the note.
+    """
+    rt = get_producer()
+    if verdict not in VERDICT_NAMES:
+        raise ActionRefused(f"verdict must be one of {', '.join(VERDICT_NAMES)}, got {verdict!r}")
+    note = _note(note)
+    if result is not None:
+        try:
+            size = len(json.dumps(result))
+        except (TypeError, ValueError) as exc:
+            raise ActionRefused(f"result must be JSON-serialisable: {exc}") from exc
+        if size > rt.settings.max_result_bytes:
+            raise ActionRefused(
+                f"result is {size} bytes; the limit is {rt.settings.max_result_bytes}"
+            )
+
+    def decide(conn: Connection, run: Any, call: Any, actor: str, now: datetime) -> _Decided:
+        if call.hold != Hold.RECONCILE.value or call.state == CallState.SETTLED.value:
+            raise _not_held(task_id, call, Hold.RECONCILE)
+        evidence = (call.hold_info or {}).get("evidence")
+        by = f"operator:{actor}"[:200]
+        detail: JSON = {"verdict": verdict, "tool": call.name, "evidence": evidence}
+        invoke = None
+        await_version = None
+        if verdict == "not_done":
+            seconds = _deadline_seconds(rt, call)
+            store.release_call(
+                conn,
+                call.execution_id,
+                call.turn,
+                call.call_id,
+                held=Hold.RECONCILE,
+                now=now,
+                deadline_at=now + timedelta(seconds=seconds),
+                version=run.version,
+            )
+            detail["repeat"] = {"authorised_by": actor, "attempts_before": call.attempts}
+            invoke = (call.execution_id, call.turn, call.call_id)
+        else:
+            if verdict == "done":
+                outcome = Outcome.OK
+                value: Any = result if result is not None else {"done": True, "note": note}
+            else:
+                outcome = Outcome.INTERRUPTED
+                value = {
+                    **(evidence if isinstance(evidence, dict) else {"evidence": evidence}),
+                    "reconciled": "unknown",
+                    "by": actor,
+                    "note": note,
+                }
+            store.settle_held_call(
+                conn,
+                call.execution_id,
+                call.turn,
+                call.call_id,
+                held=Hold.RECONCILE,
+                outcome=outcome.value,
+                result=value,
+                by=by,
+                now=now,
+            )
+            await_version = _after_settle(conn, run, call)
+        rid = store.record_action(
+            conn,
+            task_id=task_id,
+            action=Action.RECONCILE,
+            actor=actor,
+            now=now,
+            call_id=call.call_id,
+            turn=call.turn,
+            note=note,
+            detail=detail,
+            request_id=request_id,
+        )
+        return _Decided(rid, invoke=invoke, await_version=await_version)
+
+    return _decide(
+        rt, task_id, call_id, action=Action.RECONCILE, operator=operator,
+        request_id=request_id, note=note, decide=decide,
+    )  # fmt: skip
+
+
+# -- resume ---------------------------------------------------------------------------------
+
+#: state a finished run carries that a resumed one must not: why it ended, the report's tries
+_ENDING_STATE = (
+    "error",
+    "stop",
+    "stopped_in",
+    "poison",
+    "report_attempts",
+    "accepted",
+    "last_report_error",
+    "report_failure_retries",
+    "model_retries",
+    "last_model_error",
+)
+
+_TOOL_PHASES = (Phase.DISPATCH_TOOLS.value, Phase.AWAIT_TOOLS.value, Phase.ADVANCE_TURN.value)
+
+
+def resume(
+    task_id: str,
+    *,
+    timeout: float | None = None,
+    operator: str | None = None,
+    request_id: str | None = None,
+    note: str | None = None,
+) -> ActionRecord:
+    """Resume a task that ``failed`` or ``timed_out``: its run re-enters at the phase it ended
+    in, with a fresh attempt budget (and, for a timeout, ``timeout`` seconds from now, or none).
+    A turn whose calls were closed when it ended keeps their results (the model was shown
+    them, I8): the run re-enters at that turn's next model call, and no call runs again. A
+    succeeded or canceled task is refused (fork it instead)."""
+    rt = get_producer()
+    note = _note(note)
+    if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
+        raise ActionRefused(f"timeout must be positive seconds, got {timeout!r}")
+    actor = actor_name(operator, rt)
+    xid = execution_id_for(task_id)
+
+    def act(conn: Connection) -> tuple[int, Phase, int]:
+        run = store.lock_run(conn, xid)
+        status = store.task_status(conn, task_id, lock=True)
+        if run is None or status is None:
+            raise TaskNotFound(task_id)
+        if status in (TaskStatus.SUCCEEDED.value, TaskStatus.CANCELED.value):
+            raise NotResumable(
+                f"task {task_id!r} {status}: only a failed or timed-out task resumes; to go on "
+                f"from one of its turns, fork it (charlie fork {task_id} --turn N)"
+            )
+        if status not in (TaskStatus.FAILED.value, TaskStatus.TIMED_OUT.value):
+            raise NotResumable(f"task {task_id!r} is {status}, not failed or timed out")
+        if run.phase != Phase.DONE.value:
+            raise NotResumable(
+                f"task {task_id!r} is {status} but its run is still reporting it "
+                f"({run.phase}); try again in a moment"
+            )
+        state = dict(run.state or {})
+        phase, turn = _reentry(conn, xid, state, run.turn)
+        now = utcnow()
+        fresh = {k: v for k, v in state.items() if k not in _ENDING_STATE}
+        fresh["resumed"] = int(state.get("resumed", 0)) + 1
+        store.reenter_run(
+            conn,
+            execution_id=xid,
+            version=run.version,
+            phase=phase,
+            turn=turn,
+            state=fresh,
+            actor=actor,
+            now=now,
+            note=f"resumed by {actor}" + (f": {note}" if note else ""),
+        )
+        store.reopen_task(
+            conn,
+            task_id,
+            status=TaskStatus.QUEUED if phase is Phase.LOAD_CONTEXT else TaskStatus.RUNNING,
+            timeout_at=now + timedelta(seconds=timeout) if timeout else None,
+        )
+        previous = state.get("error") or state.get("poison") or {"reason": state.get("stop")}
+        rid = store.record_action(
+            conn,
+            task_id=task_id,
+            action=Action.RESUME,
+            actor=actor,
+            now=now,
+            note=note,
+            detail={
+                "from_status": status,
+                "phase": phase.value,
+                "turn": turn,
+                "version": run.version + 1,
+                "ended_with": _summary(previous),
+            },
+            request_id=request_id,
+        )
+        return rid, phase, run.version + 1
+
+    done, recorded = _once(rt, request_id, "resume a task", act)
+    if recorded is not None:
+        return recorded
+    assert done is not None
+    rid, phase, version = done
+    rt.publisher.tick(xid, phase, version)
+    return _record(rt, rid)
+
+
+def _summary(ended: object) -> JSON | None:
+    if not isinstance(ended, dict):
+        return None
+    return {k: ended[k] for k in ("phase", "type", "message", "reason") if k in ended}
+
+
+def _reentry(conn: Connection, xid: str, state: JSON, turn: int) -> tuple[Phase, int]:
+    """Where a finished run re-enters: the phase it ended in, except that a tool turn the
+    ending closed (its calls settled, their results written) goes on at the next model call."""
+    ended = state.get("error") or {}
+    poison = state.get("poison")
+    where = state.get("stopped_in") or ended.get("phase")
+    if where is None and isinstance(poison, dict):
+        where = poison.get("phase")
+    if where in (None, Phase.REPORT_FAILURE.value, Phase.DONE.value):
+        # The failure's own report failed: the original failure says where the run was.
+        where = (ended.get("last_error") or {}).get("phase") if isinstance(ended, dict) else None
+        where = where or Phase.CALL_MODEL.value
+    if where in _TOOL_PHASES:
+        if store.has_results(conn, xid, turn):
+            return Phase.CALL_MODEL, turn + 1
+        return Phase.ADVANCE_TURN, turn
+    if where == Phase.CALL_MODEL.value and store.has_calls(conn, xid, turn):
+        # Defensive: a model turn that committed its calls moved on; never overwrite them.
+        return Phase.ADVANCE_TURN, turn
+    return Phase(where), turn
+
+
+def _record(rt: Producer, record_id: int) -> ActionRecord:
+    with read(rt.engine) as conn:
+        row = store.action_by_id(conn, record_id)
+    assert row is not None
+    return record_of(row)
+
+
+# -- fork (I26) -----------------------------------------------------------------------------
+
+
+def fork(
+    source: str,
+    /,
+    *,
+    turn: int,
+    message: str | None = None,
+    model: str | None = None,
+    task_id: str | None = None,
+    operator: str | None = None,
+    request_id: str | None = None,
+) -> str:
+    """A new task (``task_id``, or a generated id) whose transcript is ``source``'s through the
+    end of turn ``turn`` (tool results as recorded, each item marked as copied from the source),
+    whose first model call is turn ``turn + 1`` (with ``message`` as user input, if given) and
+    which runs no tool call of the source again (I26). The source is unchanged, whatever its
+    state."""
+    from charlie.models import normalise_model
+
+    rt = get_producer()
+    if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+        raise ForkRefused(f"turn must be a whole number from 0, got {turn!r}")
+    if message is not None:
+        message = _text(message, "message", rt.settings.max_prompt_bytes)
+    model = normalise_model(model) if model is not None else None
+    if task_id is not None and not TASK_ID.match(task_id):
+        raise ForkRefused(
+            f"task id {task_id!r} must be 1-{MAX_TASK_ID} characters of letters, digits and ._:-"
+        )
+    new_id = task_id or request_id or uuid.uuid4().hex
+    actor = actor_name(operator, rt)
+    origin = {"task": source, "turn": turn}
+
+    def act(conn: Connection) -> tuple[str, bool]:
+        src = store.source_of_fork(conn, source)
+        if src is None:
+            raise TaskNotFound(source)
+        existing = store.source_of_fork(conn, new_id)
+        if existing is not None:
+            if (existing.metadata or {}).get("forked_from") == origin:
+                return new_id, False  # this fork was made already
+            raise TaskConflict(f"task id {new_id!r} is taken by another task")
+        _check_turn_settled(conn, src, turn)
+        items = _copied_items(conn, src, turn)
+        if message is not None:
+            items.append(
+                {
+                    "seq": len(items),
+                    "turn": turn,
+                    "kind": ItemKind.INPUT.value,
+                    "call_id": None,
+                    "payload": {"role": "user", "content": message, "sent_by": actor},
+                }
+            )
+        now = utcnow()
+        store.insert_forked_run(
+            conn,
+            task_id=new_id,
+            execution_id=execution_id_for(new_id),
+            prompt=src.prompt,
+            model=model or src.model,
+            tools=src.tools,
+            approve=src.approve,
+            metadata={**(src.metadata or {}), "forked_from": origin},
+            turn=turn + 1,
+            items=items,
+            state={"forked_from": origin},
+            now=now,
+        )
+        store.record_action(
+            conn,
+            task_id=source,
+            action=Action.FORK,
+            actor=actor,
+            now=now,
+            turn=turn,
+            detail={
+                "fork": new_id,
+                "turn": turn,
+                "model": model or src.model,
+                "message": message is not None,
+                "items_copied": len(items) - (message is not None),
+            },
+            request_id=request_id,
+        )
+        return new_id, True
+
+    made, recorded = _once(rt, request_id, "fork a task", act)
+    if recorded is not None:
+        return str((recorded.detail or {}).get("fork"))
+    assert made is not None
+    fork_id, created = made
+    if created:
+        rt.publisher.tick(execution_id_for(fork_id), Phase.CALL_MODEL, 0)
+    return fork_id
+
+
+def _check_turn_settled(conn: Connection, source: Any, turn: int) -> None:
+    """Only a settled turn can be copied: its calls' results are in the transcript."""
+    at = int(source.x_turn)
+    if turn < at:
+        return
+    finals = [
+        i
+        for i in store.items_through(conn, source.x_id, turn)
+        if i.turn == turn and i.kind == ItemKind.FINAL.value
+    ]
+    closed = turn == at and (
+        bool(finals)
+        or (
+            source.x_phase == Phase.DONE.value
+            and store.open_calls_in(conn, source.x_id, turn) == 0
+            and store.has_results(conn, source.x_id, turn)
+        )
+    )
+    if not closed:
+        raise ForkRefused(
+            f"turn {turn} of task {source.id!r} has not settled (the run is at turn {at}, "
+            f"{source.x_phase}); fork from turn {at - 1} or earlier"
+            if at > 0
+            else f"turn {turn} of task {source.id!r} has not settled (the run is at turn {at}, "
+            f"{source.x_phase}); wait for it to settle"
+        )
+
+
+def _copied_items(conn: Connection, source: Any, turn: int) -> list[dict[str, Any]]:
+    """The source's transcript through ``turn``, each item marked as copied history. A final
+    answer becomes an assistant message: the fork's own answer is still to come."""
+    copied = []
+    for n, item in enumerate(store.items_through(conn, source.x_id, turn)):
+        kind, payload = item.kind, dict(item.payload or {})
+        if kind == ItemKind.FINAL.value:
+            kind = ItemKind.MESSAGE.value
+            payload = {"role": "assistant", "content": payload.get("content", "")}
+        payload["copied_from"] = {"task": source.id, "seq": item.seq}
+        copied.append(
+            {"seq": n, "turn": item.turn, "kind": kind, "call_id": item.call_id, "payload": payload}
+        )
+    return copied
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def actions(task_id: str) -> list[ActionRecord]:
+    """Every operator action on a task, oldest first (I27)."""
+    rt = get_producer()
+
+    def load() -> list[ActionRecord]:
+        with read(rt.engine) as conn:
+            if store.task_status(conn, task_id) is None:
+                raise TaskNotFound(task_id)
+            return [record_of(r) for r in store.actions_of(conn, task_id)]
+
+    return again_if_disconnected(load, "read a task's actions")

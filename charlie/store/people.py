@@ -1,0 +1,463 @@
+"""The statements of people in the loop: the mailbox, held calls and verdicts, resume, fork,
+and the operators' evidence rows (I22-I27).
+
+The rules (what may be decided when, in which order the rows are locked) are charlie.people's;
+these are the statements it runs, each inside the caller's transaction. Lock order is the
+tick's: the run's row first, then its calls, then the task.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+
+from charlie.domain import (
+    ENDING_PHASES,
+    JSON,
+    VERDICTS,
+    Action,
+    CallState,
+    Hold,
+    ItemKind,
+    Phase,
+    TaskStatus,
+)
+from charlie.store.schema import (
+    executions,
+    messages,
+    operator_actions,
+    tasks,
+    tool_calls,
+    transcript_items,
+    transitions,
+)
+
+_e, _t, _c, _m, _a = executions.c, tasks.c, tool_calls.c, messages.c, operator_actions.c
+_i = transcript_items.c
+ENDING = tuple(p.value for p in ENDING_PHASES)
+ACTIVE = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus.WAITING.value)
+RESUMABLE = (TaskStatus.FAILED.value, TaskStatus.TIMED_OUT.value)
+VERDICT_VALUES = tuple(sorted(a.value for a in VERDICTS))
+
+
+# -- evidence (I27) -----------------------------------------------------------------------
+
+
+def record_action(
+    conn: Connection,
+    *,
+    task_id: str,
+    action: Action,
+    actor: str,
+    now: datetime,
+    call_id: str | None = None,
+    turn: int | None = None,
+    note: str | None = None,
+    detail: JSON | None = None,
+    request_id: str | None = None,
+) -> int:
+    row = conn.execute(
+        insert(operator_actions)
+        .values(
+            task_id=task_id,
+            action=action.value,
+            call_id=call_id,
+            turn=turn,
+            actor=actor,
+            at=now,
+            note=note,
+            detail=detail,
+            request_id=request_id,
+        )
+        .returning(_a.id)
+    ).first()
+    assert row is not None
+    return int(row.id)
+
+
+def action_by_request(conn: Connection, request_id: str) -> Any | None:
+    return conn.execute(select(operator_actions).where(_a.request_id == request_id)).first()
+
+
+def action_by_id(conn: Connection, record_id: int) -> Any | None:
+    return conn.execute(select(operator_actions).where(_a.id == record_id)).first()
+
+
+def actions_of(conn: Connection, task_id: str) -> list[Any]:
+    return list(
+        conn.execute(select(operator_actions).where(_a.task_id == task_id).order_by(_a.id)).all()
+    )
+
+
+def first_verdict(conn: Connection, task_id: str, call_id: str, turn: int) -> Any | None:
+    """The verdict that decided this call, if one did (I24)."""
+    return conn.execute(
+        select(operator_actions)
+        .where(
+            _a.task_id == task_id,
+            _a.call_id == call_id,
+            _a.turn == turn,
+            _a.action.in_(VERDICT_VALUES),
+        )
+        .order_by(_a.id)
+        .limit(1)
+    ).first()
+
+
+# -- the mailbox (I22) ----------------------------------------------------------------------
+
+
+def message_by_id(conn: Connection, task_id: str, message_id: str) -> Any | None:
+    return conn.execute(
+        select(messages).where(_m.task_id == task_id, _m.message_id == message_id)
+    ).first()
+
+
+def open_mailbox(conn: Connection, execution_id: str) -> bool:
+    """Count one more message in the run's inbox, if the run can still take it in (it has not
+    reached its final report). The row's lock orders this send against the run's boundaries
+    (a boundary whose claim came first takes the message at the next boundary) and against
+    other sends, so message ids follow commit order."""
+    done = conn.execute(
+        update(executions)
+        .where(_e.id == execution_id, _e.phase.not_in(ENDING))
+        .values(inbox=_e.inbox + 1)
+    )
+    return bool(done.rowcount == 1)
+
+
+def add_message(
+    conn: Connection, *, task_id: str, message_id: str, text: str, actor: str, now: datetime
+) -> int:
+    row = conn.execute(
+        insert(messages)
+        .values(task_id=task_id, message_id=message_id, text=text, sent_at=now, sent_by=actor)
+        .returning(_m.id)
+    ).first()
+    assert row is not None
+    return int(row.id)
+
+
+def messages_of(conn: Connection, task_id: str) -> list[Any]:
+    return list(conn.execute(select(messages).where(_m.task_id == task_id).order_by(_m.id)).all())
+
+
+# -- held calls (I23-I25) -------------------------------------------------------------------
+
+
+def task_status(conn: Connection, task_id: str, *, lock: bool = False) -> str | None:
+    stmt = select(_t.status).where(_t.id == task_id)
+    if lock:
+        stmt = stmt.with_for_update()
+    return conn.execute(stmt).scalar()
+
+
+def lock_run(conn: Connection, execution_id: str) -> Any | None:
+    """The run's row, locked: phase, version, turn, state."""
+    return conn.execute(
+        select(_e.phase, _e.version, _e.turn, _e.state, _e.next_seq, _e.model_calls)
+        .where(_e.id == execution_id)
+        .with_for_update()
+    ).first()
+
+
+def find_call(conn: Connection, execution_id: str, call_id: str, turn: int | None) -> Any | None:
+    """The call with this id (of this turn, or of the latest turn that has one), locked."""
+    stmt = select(tool_calls).where(_c.execution_id == execution_id, _c.call_id == call_id)
+    if turn is not None:
+        stmt = stmt.where(_c.turn == turn)
+    return conn.execute(stmt.order_by(_c.turn.desc()).limit(1).with_for_update()).first()
+
+
+def _key(execution_id: str, turn: int, call_id: str) -> Any:
+    return (_c.execution_id == execution_id) & (_c.turn == turn) & (_c.call_id == call_id)
+
+
+def release_call(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    *,
+    held: Hold,
+    now: datetime,
+    deadline_at: datetime,
+    version: int,
+) -> bool:
+    """Dispatch a held call after a verdict that allows it (an approve, a ``not_done``): queued
+    again, never started by this, so a worker's claim marks it started (I9, I23). A ``not_done``
+    keeps the attempt count, so the lease fence of the interrupted attempt stays behind."""
+    stmt = update(tool_calls).where(_key(execution_id, turn, call_id), _c.hold == held.value)
+    return bool(
+        conn.execute(
+            stmt.values(
+                hold=None,
+                state=CallState.PENDING.value,
+                queued_at=now,
+                dispatch_version=version,
+                deadline_at=deadline_at,
+                lease_owner=None,
+                lease_until=None,
+                swept_at=None,
+            )
+        ).rowcount
+        == 1
+    )
+
+
+def settle_held_call(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    *,
+    held: Hold,
+    outcome: str,
+    result: Any,
+    by: str,
+    now: datetime,
+) -> bool:
+    """Settle a held call with a person's verdict (a deny, a reply, a reconcile): its one
+    outcome (I12, I23)."""
+    return bool(
+        conn.execute(
+            update(tool_calls)
+            .where(
+                _key(execution_id, turn, call_id),
+                _c.hold == held.value,
+                _c.state != CallState.SETTLED.value,
+            )
+            .values(
+                state=CallState.SETTLED.value,
+                outcome=outcome,
+                result=result,
+                settled_at=now,
+                settled_by=by,
+                lease_owner=None,
+                lease_until=None,
+                hold=None,
+            )
+        ).rowcount
+        == 1
+    )
+
+
+def held_calls(conn: Connection, execution_ids: list[str]) -> list[Any]:
+    """The open calls of these runs that wait for a person, in call order."""
+    if not execution_ids:
+        return []
+    return list(
+        conn.execute(
+            select(
+                _c.execution_id,
+                _c.call_id,
+                _c.turn,
+                _c.idx,
+                _c.name,
+                _c.arguments,
+                _c.hold,
+                _c.hold_info,
+                _c.queued_at,
+                _c.deadline_at,
+                _c.started_at,
+            )
+            .where(
+                _c.execution_id.in_(execution_ids),
+                _c.hold.is_not(None),
+                _c.state != CallState.SETTLED.value,
+            )
+            .order_by(_c.execution_id, _c.turn, _c.idx)
+        ).all()
+    )
+
+
+# -- resume ---------------------------------------------------------------------------------
+
+
+def has_results(conn: Connection, execution_id: str, turn: int) -> bool:
+    return (
+        conn.execute(
+            select(_i.id)
+            .where(
+                _i.execution_id == execution_id,
+                _i.turn == turn,
+                _i.kind == ItemKind.TOOL_RESULT.value,
+            )
+            .limit(1)
+        ).first()
+        is not None
+    )
+
+
+def has_calls(conn: Connection, execution_id: str, turn: int) -> bool:
+    return (
+        conn.execute(
+            select(_c.id).where(_c.execution_id == execution_id, _c.turn == turn).limit(1)
+        ).first()
+        is not None
+    )
+
+
+def reenter_run(
+    conn: Connection,
+    *,
+    execution_id: str,
+    version: int,
+    phase: Phase,
+    turn: int,
+    state: JSON,
+    actor: str,
+    now: datetime,
+    note: str,
+) -> None:
+    """Move a finished run back to ``phase`` at ``version + 1`` with a fresh attempt budget,
+    recorded as a transition of its own (I21)."""
+    conn.execute(
+        update(executions)
+        .where(_e.id == execution_id, _e.version == version)
+        .values(
+            phase=phase.value,
+            version=version + 1,
+            turn=turn,
+            state=state,
+            attempts=0,
+            lease_owner=None,
+            lease_until=None,
+            wake_at=None,
+            swept_at=None,
+            error=None,
+            updated_at=now,
+        )
+    )
+    conn.execute(
+        insert(transitions).values(
+            execution_id=execution_id,
+            from_phase=Phase.DONE.value,
+            to_phase=phase.value,
+            version=version + 1,
+            at=now,
+            worker=f"operator:{actor}"[:200],
+            duration_ms=0.0,
+            note=note,
+        )
+    )
+
+
+def reopen_task(
+    conn: Connection, task_id: str, *, status: TaskStatus, timeout_at: datetime | None
+) -> bool:
+    done = conn.execute(
+        update(tasks)
+        .where(_t.id == task_id, _t.status.in_(RESUMABLE))
+        .values(
+            status=status.value,
+            result=None,
+            error=None,
+            finished_at=None,
+            cancel_requested_at=None,
+            timeout_at=timeout_at,
+        )
+    )
+    return bool(done.rowcount == 1)
+
+
+# -- fork -----------------------------------------------------------------------------------
+
+
+def source_of_fork(conn: Connection, task_id: str) -> Any | None:
+    return conn.execute(
+        select(
+            _t.id,
+            _t.prompt,
+            _t.model,
+            _t.tools,
+            _t.approve,
+            _t.metadata,
+            _t.status,
+            _e.id.label("x_id"),
+            _e.phase.label("x_phase"),
+            _e.turn.label("x_turn"),
+        )
+        .select_from(tasks.join(executions, _e.task_id == _t.id))
+        .where(_t.id == task_id)
+    ).first()
+
+
+def items_through(conn: Connection, execution_id: str, turn: int) -> list[Any]:
+    return list(
+        conn.execute(
+            select(_i.seq, _i.turn, _i.kind, _i.call_id, _i.payload)
+            .where(_i.execution_id == execution_id, _i.turn <= turn)
+            .order_by(_i.seq)
+        ).all()
+    )
+
+
+def open_calls_in(conn: Connection, execution_id: str, turn: int) -> int:
+    rows = conn.execute(
+        select(_c.id).where(
+            _c.execution_id == execution_id,
+            _c.turn == turn,
+            _c.state != CallState.SETTLED.value,
+        )
+    ).all()
+    return len(rows)
+
+
+def insert_forked_run(
+    conn: Connection,
+    *,
+    task_id: str,
+    execution_id: str,
+    prompt: str,
+    model: str,
+    tools: Any,
+    approve: Any,
+    metadata: JSON,
+    turn: int,
+    items: list[dict[str, Any]],
+    state: JSON,
+    now: datetime,
+) -> None:
+    """The fork's task (queued) and its run at call_model, turn ``turn``, with the copied
+    history as its transcript. No tool call record is copied: nothing of the source can be
+    dispatched from the fork (I26)."""
+    conn.execute(
+        insert(tasks).values(
+            id=task_id,
+            prompt=prompt,
+            model=model,
+            tools=tools,
+            approve=approve,
+            metadata=metadata,
+            status=TaskStatus.QUEUED.value,
+            created_at=now,
+            input_tokens=0,
+            output_tokens=0,
+            reasoning_tokens=0,
+        )
+    )
+    conn.execute(
+        insert(executions).values(
+            id=execution_id,
+            task_id=task_id,
+            phase=Phase.CALL_MODEL.value,
+            version=0,
+            state=state,
+            turn=turn,
+            next_seq=len(items),
+            updated_at=now,
+            attempts=0,
+            model_calls=0,
+            model_repeats=0,
+            inbox=0,
+            created_at=now,
+        )
+    )
+    if items:
+        conn.execute(
+            insert(transcript_items),
+            [{**item, "execution_id": execution_id, "created_at": now} for item in items],
+        )

@@ -1,0 +1,378 @@
+"""People in the loop through real workers (issue 13): messages, questions, approvals, held
+uncertainty, resume, fork, and the evidence each leaves (I22-I27)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+import charlie
+from charlie import api
+from charlie.domain import TaskStatus
+from tests.conftest import model_calls, wait_for
+from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.support.cluster import Cluster
+from tests.support.tools import read_ledger
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tid() -> str:
+    return f"p-{uuid.uuid4().hex[:12]}"
+
+
+def ledger_for(task_id: str, event: str) -> list[dict[str, object]]:
+    return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
+
+
+def status_of(task_id: str) -> TaskStatus:
+    return charlie.get_task(task_id).status
+
+
+# -- I22: the mailbox ---------------------------------------------------------------------
+
+
+def test_a_message_enters_once_after_the_turns_results_before_the_next_model_call(
+    cluster: Cluster, script
+) -> None:
+    """I22: sent while a tool runs, a message enters after that turn's results and before the
+    next model call, which is shown it; the same message id sent again is the same message."""
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 2, "value": "v"}}
+                ]
+            },
+            {
+                "expect": {"contains": ["please also check the logs"]},
+                "say": "done",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("mailbox", model=model, task_id=tid())
+    wait_for(lambda: ledger_for(task_id, "sleep_then.start"))
+    first = charlie.send(task_id, "please also check the logs", message_id="m-1")
+    again = charlie.send(task_id, "please also check the logs", message_id="m-1")
+    assert first == again == "m-1"
+    with pytest.raises(api.MessageConflict):
+        charlie.send(task_id, "something else", message_id="m-1")
+
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    items = charlie.transcript(task_id)
+    users = [i for i in items if i.kind == "input" and i.payload.get("message_id") == "m-1"]
+    assert len(users) == 1  # exactly once
+    message = users[0]
+    result = next(i for i in items if i.kind == "tool_result" and i.call_id == "s")
+    later_model = [i for i in items if i.turn == 1 and i.kind in ("message", "final", "tool_call")]
+    assert result.seq < message.seq < min(i.seq for i in later_model)
+    assert message.turn == 0  # taken in at the boundary that closed turn 0
+    assert_every_call_has_one_result(task_id)
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 1]
+    sends = [a for a in charlie.actions(task_id) if a.action.value == "send"]
+    assert len(sends) == 1 and sends[0].detail == {"message_id": "m-1"}
+
+
+def test_messages_enter_in_commit_order_and_before_a_final_answer_is_final(
+    cluster: Cluster, script
+) -> None:
+    """I22: messages sent while the model writes its final answer are not lost: the model is
+    called again with them, in the order they were sent."""
+    model, ledger = script(
+        [
+            {"say": "almost", "sleep": 2, "tool_calls": []},
+            {"expect": {"contains": ["first", "second"]}, "say": "with both", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("late mail", model=model, task_id=tid())
+    wait_for(lambda: model_calls(ledger))
+    charlie.send(task_id, "first")
+    charlie.send(task_id, "second")
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "with both"
+    texts = [
+        i.payload["content"]
+        for i in charlie.transcript(task_id)
+        if i.kind == "input" and i.payload.get("message_id")
+    ]
+    assert texts == ["first", "second"]
+
+
+def test_a_message_to_a_finished_task_is_refused_and_points_at_fork(
+    cluster: Cluster, script
+) -> None:
+    model, _ = script([{"say": "done", "tool_calls": []}])
+    task_id = charlie.submit("finished", model=model, task_id=tid())
+    charlie.wait(task_id, timeout=60)
+    with pytest.raises(api.TaskFinished, match="fork"):
+        charlie.send(task_id, "too late")
+    assert not [a for a in charlie.actions(task_id) if a.action.value == "send"]
+
+
+# -- questions -------------------------------------------------------------------------------
+
+
+def test_ask_human_waits_without_a_worker_and_the_reply_is_the_result(
+    cluster: Cluster, script
+) -> None:
+    """A question parks the task `waiting` (get_task says for what, I25); the reply is the
+    call's result; a second reply is refused naming the first (I24)."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "q", "name": "ask_human", "arguments": {"question": "which branch?"}}
+                ]
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "q", "contains": "main", "outcome": "ok"}]},
+                "say": "on main",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("ask", model=model, task_id=tid())
+    info = wait_for(lambda: (i := charlie.get_task(task_id)).waiting_for and i, timeout=30)
+    assert info.status is TaskStatus.WAITING
+    (waiting,) = info.waiting_for
+    assert (waiting.kind, waiting.call_id, waiting.detail["question"]) == (
+        "reply",
+        "q",
+        "which branch?",
+    )
+    (call,) = charlie.calls(task_id)
+    assert call.started_at is None and call.state == "pending"  # no worker holds it (I25)
+
+    record = charlie.reply(task_id, "q", "main", operator="ana")
+    assert record.actor == "ana" and record.detail == {"late": False}
+    with pytest.raises(api.VerdictConflict, match="reply by ana"):
+        charlie.reply(task_id, "q", "develop")
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    (call,) = charlie.calls(task_id)
+    assert (call.outcome, call.result) == ("ok", "main")
+
+
+def test_a_reply_after_the_questions_deadline_is_a_late_report(
+    cluster: Cluster, script, monkeypatch
+) -> None:
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "q", "name": "ask_human", "arguments": {"question": "ok to go?"}}
+                ]
+            },
+            {"say": "nobody answered", "tool_calls": []},
+        ]
+    )
+    # The cluster's CHARLIE_HUMAN_DEADLINE is short (support/cluster.py).
+    task_id = charlie.submit("ask late", model=model, task_id=tid())
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    (call,) = charlie.calls(task_id)
+    assert call.outcome == "deadline_exceeded"
+    record = charlie.reply(task_id, "q", "yes")
+    assert record.detail["late"] is True
+    (call,) = charlie.calls(task_id)
+    assert call.outcome == "deadline_exceeded"  # the outcome stands (I12)
+    assert call.late_reports == 1 and call.late_result == {"outcome": "ok", "result": "yes"}
+
+
+# -- approvals (I23) ----------------------------------------------------------------------
+
+
+def test_a_call_needing_approval_is_never_started_before_the_approve(
+    cluster: Cluster, script
+) -> None:
+    """I23: the held call is not marked started (and its tool does not run) while the turn's
+    other call runs and settles; the approve dispatches it, once."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "w", "name": "approved_write", "arguments": {"key": "k1"}},
+                    {"id": "r", "name": "sleep_then", "arguments": {"seconds": 0, "value": "x"}},
+                ]
+            },
+            {
+                "expect": {
+                    "tool_results": [
+                        {"call_id": "w", "outcome": "ok"},
+                        {"call_id": "r", "outcome": "ok"},
+                    ]
+                },
+                "say": "written",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("approve me", model=model, task_id=tid())
+    wait_for(lambda: ledger_for(task_id, "sleep_then.end"))
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    calls = {c.call_id: c for c in charlie.calls(task_id)}
+    assert calls["r"].outcome == "ok"
+    assert calls["w"].state == "pending" and calls["w"].started_at is None
+    assert calls["w"].queued_at is None
+    assert status_of(task_id) is TaskStatus.WAITING
+    assert not ledger_for(task_id, "approved_write")
+
+    charlie.approve(task_id, "w", note="looks right")
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert len(ledger_for(task_id, "approved_write")) == 1
+    with pytest.raises(api.VerdictConflict, match="approve"):
+        charlie.deny(task_id, "w", "changed my mind")
+
+
+def test_a_denied_call_never_runs_and_the_model_sees_the_reason(cluster: Cluster, script) -> None:
+    """I23: a deny is the call's one result, `denied` with the reason, and the run goes on;
+    the per-task approve list holds a tool that needs no approval elsewhere."""
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "k2"}}]},
+            {
+                "expect": {
+                    "tool_results": [
+                        {"call_id": "w", "outcome": "denied", "contains": "not on Fridays"}
+                    ]
+                },
+                "say": "ok, not writing",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("deny me", model=model, task_id=tid(), approve=["ledger_write"])
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    record = charlie.deny(task_id, "w", "not on Fridays", operator="bo")
+    assert record.action.value == "deny" and record.note == "not on Fridays"
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert not ledger_for(task_id, "write")
+    (call,) = charlie.calls(task_id)
+    assert call.outcome == "denied" and call.started_at is None
+    with pytest.raises(api.VerdictConflict, match="deny by bo"):
+        charlie.approve(task_id, "w")
+
+
+def test_verdicts_on_the_wrong_call_are_refused_clearly(cluster: Cluster, script) -> None:
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "q", "name": "ask_human", "arguments": {"question": "?"}}]},
+            {"say": "ok", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("wrong verdicts", model=model, task_id=tid())
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    with pytest.raises(api.NotHeld, match="charlie reply"):
+        charlie.approve(task_id, "q")
+    with pytest.raises(api.CallNotFound):
+        charlie.approve(task_id, "nope")
+    with pytest.raises(api.ActionRefused):
+        charlie.reconcile(task_id, "q", "maybe")
+    charlie.reply(task_id, "q", "fine")
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+
+def test_a_failed_task_resumes_at_its_phase_with_a_fresh_budget(
+    cluster: Cluster, script, tmp_path: Path
+) -> None:
+    fault = tmp_path / "model-is-broken"
+    fault.write_text("")
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "ledger_write", "arguments": {"key": "once"}}]},
+            {"raise": "the model is down", "raise_while": str(fault), "say": "x", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("resume me", model=model, task_id=tid())
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.FAILED
+    fault.unlink()
+    record = charlie.resume(task_id)
+    assert record.detail["phase"] == "call_model" and record.detail["from_status"] == "failed"
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert len(ledger_for(task_id, "write")) == 1  # the settled write did not run again
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 1, 1]
+    with pytest.raises(api.NotResumable, match="fork"):
+        charlie.resume(task_id)
+
+
+def test_a_timed_out_task_resumes_after_its_closed_turn(cluster: Cluster, script) -> None:
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 4, "value": "v"}}
+                ]
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "s", "outcome": "canceled"}]},
+                "say": "resumed",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("time out", model=model, task_id=tid(), timeout=1.5)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.TIMED_OUT
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+    charlie.resume(task_id, timeout=60)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert_every_call_has_one_result(task_id)
+
+
+def test_a_canceled_task_is_not_resumed(cluster: Cluster, script) -> None:
+    model, _ = script([{"say": "slow", "sleep": 3, "tool_calls": []}])
+    task_id = charlie.submit("cancel me", model=model, task_id=tid())
+    charlie.cancel(task_id, note="wrong task")
+    with pytest.raises(api.NotResumable, match="canceled"):
+        charlie.resume(task_id)
+    (record,) = [a for a in charlie.actions(task_id) if a.action.value == "cancel"]
+    assert record.note == "wrong task"
+
+
+# -- fork (I26) -----------------------------------------------------------------------------
+
+
+def test_a_fork_repeats_nothing_and_leaves_its_source_unchanged(cluster: Cluster, script) -> None:
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "ledger_write", "arguments": {"key": "f1"}}]},
+            {"tool_calls": [{"id": "b", "name": "ledger_write", "arguments": {"key": "f2"}}]},
+            {"say": "source done", "tool_calls": []},
+        ]
+    )
+    source = charlie.submit("fork me", model=model, task_id=tid())
+    assert charlie.wait(source, timeout=60).status is TaskStatus.SUCCEEDED
+    before = charlie.transcript(source)
+    fork_id = charlie.fork(source, turn=0, message="try the other key", task_id=tid())
+    info = charlie.wait(fork_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    # the source's turn-0 write ran once (in the source); the fork's turn 1 is its own call
+    assert len(ledger_for(source, "write")) == 2
+    assert [e["key"] for e in ledger_for(fork_id, "write")] == ["f2"]
+    fork_items = charlie.transcript(fork_id)
+    copied = [i for i in fork_items if i.payload.get("copied_from")]
+    assert copied and all(i.turn == 0 for i in copied)
+    assert all(i.payload["copied_from"]["task"] == source for i in copied)
+    assert [i.payload.get("content") for i in fork_items if i.kind == "input"][-1] == (
+        "try the other key"
+    )
+    assert {c.turn for c in charlie.calls(fork_id)} == {1}  # no call record copied
+    assert charlie.transcript(source) == before  # the source is unchanged
+    fork_turns = [c["turn"] for c in model_calls(ledger) if c["task_id"] == fork_id]
+    assert fork_turns == [1, 2]
+    (record,) = [a for a in charlie.actions(source) if a.action.value == "fork"]
+    assert record.detail["fork"] == fork_id
+    with pytest.raises(api.ForkRefused, match="not settled"):
+        charlie.fork(source, turn=5)
