@@ -293,7 +293,7 @@ def _decide(
         call = store.find_call(conn, xid, call_id, None)
         if call is None:
             raise CallNotFound(f"task {task_id!r} has no tool call {call_id!r}")
-        first = store.first_verdict(conn, task_id, call.call_id, call.turn)
+        first = _standing_verdict(store.verdicts_on(conn, task_id, call.call_id, call.turn), call)
         if first is not None:
             raise VerdictConflict(call_id, record_of(first))
         return decide(conn, run, call, actor, utcnow())
@@ -308,6 +308,25 @@ def _decide(
     if decided.await_version is not None:
         rt.publisher.tick(xid, Phase.AWAIT_TOOLS, decided.await_version)
     return _record(rt, decided.record_id)
+
+
+def _not_done(row: Any) -> bool:
+    return bool(
+        row.action == Action.RECONCILE.value and (row.detail or {}).get("verdict") == "not_done"
+    )
+
+
+def _standing_verdict(rows: list[Any], call: Any) -> Any:
+    """The verdict that decides this call now, if any (I24). A ``not_done`` dispatches the call
+    again; if that repeat is interrupted and held once more, it is a new question and the
+    verdicts before it have been carried out. Otherwise the first verdict of the latest round
+    stands."""
+    if not rows:
+        return None
+    if _not_done(rows[-1]) and call.hold == Hold.RECONCILE.value:
+        return None  # held again after the authorised repeat: a new round
+    start = max((n for n, r in enumerate(rows[:-1]) if _not_done(r)), default=-1) + 1
+    return rows[start]
 
 
 def _after_settle(conn: Connection, run: Any, call: Any) -> int | None:

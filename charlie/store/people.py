@@ -91,19 +91,20 @@ def actions_of(conn: Connection, task_id: str) -> list[Any]:
     )
 
 
-def first_verdict(conn: Connection, task_id: str, call_id: str, turn: int) -> Any | None:
-    """The verdict that decided this call, if one did (I24)."""
-    return conn.execute(
-        select(operator_actions)
-        .where(
-            _a.task_id == task_id,
-            _a.call_id == call_id,
-            _a.turn == turn,
-            _a.action.in_(VERDICT_VALUES),
-        )
-        .order_by(_a.id)
-        .limit(1)
-    ).first()
+def verdicts_on(conn: Connection, task_id: str, call_id: str, turn: int) -> list[Any]:
+    """The verdicts recorded on this call, oldest first (I24)."""
+    return list(
+        conn.execute(
+            select(operator_actions)
+            .where(
+                _a.task_id == task_id,
+                _a.call_id == call_id,
+                _a.turn == turn,
+                _a.action.in_(VERDICT_VALUES),
+            )
+            .order_by(_a.id)
+        ).all()
+    )
 
 
 # -- the mailbox (I22) ----------------------------------------------------------------------
