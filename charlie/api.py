@@ -36,6 +36,7 @@ from charlie.people import (
     NotResumable,
     TaskFinished,
     VerdictConflict,
+    action_for_request,
     actions,
     approve,
     deny,
@@ -46,7 +47,7 @@ from charlie.people import (
     send,
 )
 from charlie.runtime import Producer, get_producer, import_tool_modules
-from charlie.scheduler import TaskNotFound
+from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as people_store
 from charlie.store import reads
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
@@ -175,12 +176,15 @@ __all__ = [
     "NotHeld",
     "NotResumable",
     "PayloadTooLarge",
+    "TaskConflict",
     "TaskFinished",
     "TaskInfo",
+    "TaskNotFound",
     "TranscriptEntry",
     "UnknownToolError",
     "VerdictConflict",
     "WaitingFor",
+    "action_for_request",
     "actions",
     "approve",
     "calls",

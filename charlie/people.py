@@ -910,3 +910,16 @@ def actions(task_id: str) -> list[ActionRecord]:
             return [record_of(r) for r in store.actions_of(conn, task_id)]
 
     return again_if_disconnected(load, "read a task's actions")
+
+
+def action_for_request(request_id: str) -> ActionRecord | None:
+    """The action a request (its ``request_id``) recorded, if it recorded one: how a caller of
+    ``send``, ``cancel`` or ``fork``, which return no record, finds the one it made (I27)."""
+    rt = get_producer()
+
+    def load() -> ActionRecord | None:
+        with read(rt.engine) as conn:
+            row = store.action_by_request(conn, request_id)
+        return None if row is None else record_of(row)
+
+    return again_if_disconnected(load, "read an action")
