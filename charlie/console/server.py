@@ -52,6 +52,7 @@ STATUSES = [s.value for s in TaskStatus]
 ACTIONS = ("cancel", "send", "reply", "approve", "deny", "reconcile", "resume", "fork")
 TASK_ID = r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})"
 PAGE = 50
+MAX_PAGE = 200
 
 #: what the browser may do with a page: nothing but its own script, style and forms
 SECURITY_HEADERS = {
@@ -96,13 +97,15 @@ def dumps(value: Any) -> str:
 # -- what a page needs, read in one go on the pool ----------------------------------------------
 
 
-def load_list(statuses: list[str], search: str | None, before: str | None) -> dict[str, Any]:
-    page = api.list_tasks(status=statuses or None, search=search, before=before, limit=PAGE)
+def load_list(
+    statuses: list[str], search: str | None, before: str | None, limit: int = PAGE
+) -> dict[str, Any]:
+    page = api.list_tasks(status=statuses or None, search=search, before=before, limit=limit)
     now = datetime.now(UTC)
     return {
         "tasks": page,
         "now": now,
-        "next_before": page[-1].id if len(page) == PAGE else None,
+        "next_before": page[-1].id if len(page) == limit else None,
     }
 
 
@@ -440,10 +443,16 @@ class TasksPage(Base):
         search = self.get_query_argument("q", "").strip() or None
         before = self.get_query_argument("before", None) or None
         try:
-            data = await self.run(load_list, statuses, search, before)
-        except TaskNotFound:
-            data = await self.run(load_list, statuses, search, None)
+            limit = min(max(int(self.get_query_argument("limit", str(PAGE))), 1), MAX_PAGE)
+        except ValueError:
+            limit = PAGE
+        try:
+            data = await self.run(load_list, statuses, search, before, limit)
+        except TaskNotFound:  # the page's last task is gone: start again from the newest
+            before = None
+            data = await self.run(load_list, statuses, search, None, limit)
         query = [("status", s) for s in statuses] + ([("q", search)] if search else [])
+        query += [("limit", str(limit))] if limit != PAGE else []
         base = urlencode(query)
         live = urlencode(query + ([("before", before)] if before else []))
         self.render(

@@ -115,7 +115,7 @@ def build(
     for c in calls:
         if c.started_by and c.started_by not in workers:
             workers.append(c.started_by)
-    people_needed = bool(actions) or any(c.started_at is None and c.outcome for c in calls)
+    people_needed = bool(actions) or any(c.hold or c.hold_info for c in calls)
     names = ["run", *workers] + (["people"] if people_needed else [])
     lane_y = {name: TOP + n * LANE for n, name in enumerate(names)}
     tl = Timeline(width=WIDTH, height=TOP + len(names) * LANE + 6)
@@ -154,15 +154,31 @@ def build(
     if phase != "done":
         _run_mark(tl, x, lane_y["run"], phase, since, end, "in")
 
+    plans = sorted(
+        t["at"]
+        for t in history
+        if t.get("from_phase") == "call_model" and t.get("to_phase") == "dispatch_tools"
+    )
+    verdicts: dict[tuple[str, int], datetime] = {}
+    for a in actions:
+        if a.call_id is not None and a.turn is not None:
+            verdicts.setdefault((a.call_id, a.turn), a.at)
     for c in calls:
         label = OUTCOME_LABELS.get(c.outcome or "", c.outcome or c.state)
+        info_ = c.hold_info if isinstance(c.hold_info, dict) else {}
+        held_at = _parse(info_.get("held_at"))
         if c.started_at is not None and c.started_by in lane_y:
-            until = c.settled_at or end
-            css = f"call outcome-{c.outcome or 'open'}"
+            # a call held after its worker was lost ends, on that worker's lane, where the
+            # sweep found it; the wait for a person that followed is in the people lane
+            until = held_at or c.settled_at or end
+            outcome = "interrupted" if held_at else (c.outcome or "open")
+            css = f"call outcome-{outcome}"
             title = (
                 f"{c.name} ({c.call_id}, turn {c.turn}): {label}; started {clock(c.started_at)} "
                 f"by {c.started_by}, settled {clock(c.settled_at)} by {c.settled_by or '-'}"
             )
+            if held_at:
+                title += f"; interrupted and held for a verdict at {clock(held_at)}"
             if c.late_reports:
                 title += f"; late report: {(c.late_result or {}).get('outcome')}"
             bar = max(x(until) - x(c.started_at), MIN_WIDTH)
@@ -171,18 +187,35 @@ def build(
             tl.marks.append(
                 Mark(x(c.started_at), lane_y[c.started_by] + 9, bar, LANE - 14, css, title, name)
             )
-            if c.outcome == "interrupted" and c.settled_at is not None:
+            if outcome == "interrupted":
                 tl.points.append(
-                    Point(x(c.settled_at), lane_y[c.started_by] + LANE / 2, "kill", title)
+                    Point(x(until), lane_y[c.started_by] + LANE / 2 + 2, "kill", title)
                 )
-        elif "people" in lane_y and c.outcome and c.settled_at is not None:
-            tl.points.append(
-                Point(
-                    x(c.settled_at),
-                    lane_y["people"] + LANE / 2,
-                    f"decided outcome-{c.outcome}",
-                    f"{c.name} ({c.call_id}): {label}, by {c.settled_by or '-'} at "
-                    f"{clock(c.settled_at)}",
+        if "people" not in lane_y:
+            continue
+        asked = info_.get("why") or info_.get("question") is not None
+        if held_at is not None or asked or c.hold:
+            if held_at is not None:
+                since = held_at
+            else:
+                known = c.queued_at or c.settled_at or end
+                since = max((p for p in plans if p <= known), default=info.created_at)
+            decided = verdicts.get((c.call_id, c.turn)) or c.settled_at or end
+            if c.hold:  # still waiting
+                decided = end
+            needs = {"approval": "an approval", "reply": "a reply", "reconcile": "a verdict"}
+            kind = c.hold or (
+                "reconcile" if held_at else ("reply" if "question" in info_ else "approval")
+            )
+            tl.marks.append(
+                Mark(
+                    x(since),
+                    lane_y["people"] + 7,
+                    max(x(decided) - x(since), MIN_WIDTH),
+                    LANE - 12,
+                    "held",
+                    f"{c.name} ({c.call_id}) waited for {needs.get(kind, kind)} from "
+                    f"{clock(since)}" + ("" if c.hold else f" to {clock(decided)}: {label}"),
                 )
             )
     for a in actions:
@@ -204,8 +237,18 @@ def build(
         ("call outcome-interrupted", "interrupted (worker lost)"),
         ("call outcome-deadline_exceeded", "deadline exceeded"),
         ("call outcome-open", "running"),
+        ("held", "waiting for a person"),
     ]
     return tl
+
+
+def _parse(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
 
 
 def _run_mark(
