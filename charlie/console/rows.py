@@ -44,6 +44,14 @@ def pretty(value: Any, limit: int = FULL_LIMIT) -> str:
     return text
 
 
+def model_label(model: str, limit: int = 40) -> str:
+    """A model as a list shows it: a scripted model by its file's name, not its whole path."""
+    kind, _, rest = model.partition(":")
+    if kind == "scripted" and "/" in rest:
+        model = f"scripted:…/{rest.rsplit('/', 1)[-1]}"
+    return short(model, limit)
+
+
 def when(value: datetime | None) -> str:
     """A time as a page shows it: UTC, to the millisecond."""
     if value is None:

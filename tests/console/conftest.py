@@ -7,6 +7,7 @@ folder is printed at the end of the session.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -146,13 +147,21 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def screenshot(driver: Any, folder: Path, name: str) -> Path:
-    """The whole page, as tall as it is (to 5,000 px)."""
-    height = int(driver.execute_script("return document.documentElement.scrollHeight"))
-    driver.set_window_size(1400, min(max(height + 40, 900), 5000))
-    time.sleep(0.3)
+    """The whole page, as tall as it is (to 5,000 px), through Chromium's DevTools."""
+    metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
+    size = metrics.get("cssContentSize") or metrics["contentSize"]
+    clip = {
+        "x": 0,
+        "y": 0,
+        "width": size["width"],
+        "height": min(size["height"], 5000),
+        "scale": 1,
+    }
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True, "clip": clip}
+    )
     path = folder / f"{name}.png"
-    driver.save_screenshot(str(path))
-    driver.set_window_size(1400, 1000)
+    path.write_bytes(base64.b64decode(shot["data"]))
     _SHOTS["saved"].append(path)
     return path
 

@@ -448,6 +448,17 @@ def test_the_list_searches_filters_pages_and_updates_live(
 ) -> None:
     marker = uuid.uuid4().hex[:8]
     quick, _ = script([{"say": "done", "tool_calls": []}])
+    broken, _ = script([{"raise": "the model refused", "say": "x", "tool_calls": []}])
+    slow, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 20, "value": "v"}}
+                ]
+            },
+            {"say": "slept", "tool_calls": []},
+        ]
+    )
     asks, _ = script(
         [
             {
@@ -458,43 +469,53 @@ def test_the_list_searches_filters_pages_and_updates_live(
             {"say": "ok", "tool_calls": []},
         ]
     )
-    ids = []
-    for n in range(3):
-        ids.append(charlie.submit(f"list {marker} number {n}", model=quick, task_id=tid("list")))
-        time.sleep(0.01)
-    for task_id in ids:
-        charlie.wait(task_id, timeout=60)
-    waiting = charlie.submit(f"list {marker} asks", model=asks, task_id=tid("list"))
+    made = []
+    for n, (what, model) in enumerate(
+        [("number 0", quick), ("number 1", quick), ("fails", broken), ("canceled", slow),
+         ("runs", slow), ("asks", asks)]
+    ):  # fmt: skip
+        made.append(charlie.submit(f"list {marker} {what}", model=model, task_id=tid(f"list{n}")))
+        time.sleep(0.02)
+    charlie.cancel(made[3])
+    waiting = made[5]
     wait_for(lambda: charlie.get_task(waiting).waiting_for, timeout=30)
+    wait_for(lambda: charlie.get_task(made[2]).terminal, timeout=90)
+    wait_for(lambda: charlie.get_task(made[4]).status is TaskStatus.RUNNING, timeout=30)
+
+    browser.get(console.url(f"/?q={marker}"))
+    retry(lambda: len(css_all(browser, "tr.task")) == 6)
+    statuses = [t.text for t in css_all(browser, "tr.task td:nth-child(2) .badge")]
+    assert statuses == ["waiting", "running", "canceled", "failed", "succeeded", "succeeded"]
+    assert "a reply to q: Ship it?" in text_of(browser, f'tr[data-key="{waiting}"] .waits')
+    screenshot(browser, screenshots, "task-list")
 
     browser.get(console.url(f"/?q={marker}&limit=2"))
-    shown = retry(lambda: [r.get_attribute("data-key") for r in css_all(browser, "tr.task")])
-    assert shown == [waiting, ids[2]]  # newest first, two a page
+    keys = lambda: [r.get_attribute("data-key") for r in css_all(browser, "tr.task")]  # noqa: E731
+    assert retry(keys) == [made[5], made[4]]  # newest first, two a page
     css(browser, "#older").click()
-    retry(lambda: [r.get_attribute("data-key") for r in css_all(browser, "tr.task")] == ids[1::-1])
+    retry(lambda: keys() == [made[3], made[2]])
+    css(browser, "#older").click()
+    retry(lambda: keys() == [made[1], made[0]])
     assert css_all(browser, "#newest")
 
     browser.get(console.url(f"/?q={marker}"))
-    retry(lambda: len(css_all(browser, "tr.task")) == 4)
+    retry(lambda: len(css_all(browser, "tr.task")) == 6)
     css(browser, 'input[name="status"][value="waiting"]').click()
+    css(browser, 'input[name="status"][value="failed"]').click()
     css(browser, "#filter").click()
-    retry(lambda: [r.get_attribute("data-key") for r in css_all(browser, "tr.task")] == [waiting])
-    assert "a reply to q: Ship it?" in text_of(browser, f'tr[data-key="{waiting}"] .waits')
-    assert "status=waiting" in browser.current_url
+    retry(lambda: keys() == [waiting, made[2]])
+    assert "status=waiting" in browser.current_url and "status=failed" in browser.current_url
 
-    # live: a new task appears without a reload
+    # live: a new task appears, and a status changes, without a reload
     browser.get(console.url(f"/?q={marker}"))
-    retry(lambda: len(css_all(browser, "tr.task")) == 4)
+    retry(lambda: len(css_all(browser, "tr.task")) == 6)
     browser.execute_script("window.__samePage = 'yes';")
     late = charlie.submit(f"list {marker} late", model=quick, task_id=tid("list"))
-    retry(lambda: css_all(browser, "tr.task")[0].get_attribute("data-key") == late, timeout=20)
-    assert browser.execute_script("return window.__samePage") == "yes"
+    retry(lambda: keys()[0] == late, timeout=20)
     charlie.reply(waiting, "q", "yes")
     retry(lambda: "succeeded" in text_of(browser, f'tr[data-key="{waiting}"]'), timeout=30)
-
-    browser.get(console.url("/"))
-    retry(lambda: css_all(browser, "tr.task"))
-    screenshot(browser, screenshots, "task-list")
+    assert browser.execute_script("return window.__samePage") == "yes"
+    charlie.cancel(made[4])
 
 
 def test_a_page_that_is_not_there(console: Console, browser: Any, cluster: Cluster) -> None:
