@@ -32,6 +32,13 @@ recovery
 scale
     N queued tasks (one turn each) drained by a fresh worker: transitions/s against the 50-run
     figure, the worker's resident memory (sum over its process group), database bytes per task.
+console
+    the run console (``charlie ui``) on a real run of 2,000 transcript items (scripted turns of
+    a message and four instant tool calls): the task page's server time over HTTP, its live
+    fragment and revision read, and the time to a usable page in headless Chromium (Selenium,
+    Debian's chromium + chromium-driver; the load event: the page parsed, styled and its
+    script running); then the list's first page, a page deep in it, a status filter and a
+    search, over 100,000 tasks inserted directly with SQL.
 
 Each backend runs in a child process of its own (Charlie reads its settings once per process),
 one after the other; ``--quick`` is a smoke run whose figures nobody judges, so its backends run
@@ -74,7 +81,7 @@ if TYPE_CHECKING:
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
-SCENARIOS = ("transitions", "floor", "fanout", "recovery", "scale")
+SCENARIOS = ("transitions", "floor", "fanout", "recovery", "scale", "console")
 PG_ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres"}
 PG_DATABASE = "charlie_bench"
 PG_URL = f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
@@ -128,6 +135,8 @@ class Sizes:
     recovery_model_sleep: float  # seconds each scripted model call takes
     scale_tasks: int
     scale_limit: float  # least seconds the drain may take before it is reported unfinished
+    console_items: int = 2000  # transcript items of the run the console's task page shows
+    console_tasks: int = 100_000  # tasks the console's list pages through
 
     @property
     def recovery_samples(self) -> int:
@@ -136,7 +145,7 @@ class Sizes:
 
 def sizes_for(args: argparse.Namespace) -> Sizes:
     if args.quick:
-        sizes = Sizes(args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60)
+        sizes = Sizes(args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60, 200, 2000)
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
         # 200 links): on a noisy machine a short trial is one burst of noise.
@@ -840,6 +849,179 @@ class Cell:
             f"MiB, queue {depth_end} messages"
         )
 
+    # ---- 6. the run console
+
+    def console(self) -> None:
+        import httpx
+
+        items = self.sizes.console_items
+        per_turn = 9  # a message, four calls and their four results
+        turns = max(1, items // per_turn)
+        calls = [
+            {"id": f"c{n}", "name": TOOL, "arguments": {"value": f"result {n} " + "x" * 40}}
+            for n in range(4)
+        ]
+        model = self.script(
+            "console", [{"say": "step", "tool_calls": calls}] * turns + [{"say": "done"}]
+        )
+        prefix = self.new_prefix("console")
+        (task_id,) = self.submit(model, prefix, 1)
+        self.wait_done(prefix, 1, timeout=600)
+        from charlie import api
+
+        shown = len(api.transcript(task_id))
+        self.results.info["console.items"] = shown
+        token = uuid.uuid4().hex + uuid.uuid4().hex
+        port = free_port()
+        argv = [sys.executable, "-m", "charlie", "ui", "--port", str(port), "--token", token]
+        self.procs.spawn("console", argv)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/", timeout=2).status_code == 401:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("charlie ui did not answer")
+            time.sleep(0.2)
+        trials = max(3, self.sizes.trials)
+        r = self.results
+        with httpx.Client(base_url=base, timeout=120) as http:
+            assert http.get(f"/?token={token}").status_code == 303
+            page = f"/tasks/{task_id}"
+            http.get(page)  # the first render compiles the templates
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                body = http.get(page)
+                r.add("console.page_ms", 1000 * (time.perf_counter() - t0))
+                assert body.status_code == 200
+                r.add("console.page_kib", len(body.content) / 1024)
+                t0 = time.perf_counter()
+                assert http.get(f"/live/tasks/{task_id}").status_code == 200
+                r.add("console.fragment_ms", 1000 * (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                assert http.get(f"/api/tasks/{task_id}/revision").status_code == 200
+                r.add("console.revision_ms", 1000 * (time.perf_counter() - t0))
+            progress(
+                f"console: task page of {shown} items in "
+                f"{statistics.median(r.values['console.page_ms']):.0f} ms"
+            )
+            self.console_browser(base, token, page, trials)
+            self.console_list(http, trials)
+        self.procs.kill("console")
+
+    def console_browser(self, base: str, token: str, page: str, trials: int) -> None:
+        chromium, driver_path = "/usr/bin/chromium", "/usr/bin/chromedriver"
+        missing = [p for p in (chromium, driver_path) if not os.path.exists(p)]
+        if missing or importlib.util.find_spec("selenium") is None:
+            why = f"{', '.join(missing)} missing" if missing else "selenium is not installed"
+            self.results.notes.append(f"console: no time in a browser ({why})")
+            return
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+            options.add_argument(arg)
+        options.add_argument("--window-size=1400,1000")
+        driver = webdriver.Chrome(service=Service(driver_path), options=options)
+        try:
+            driver.get(f"{base}/?token={token}")
+            driver.get(base + page)  # warm: the static files are cached from here on
+            timing = "return performance.getEntriesByType('navigation')[0].toJSON()"
+            for _ in range(trials):
+                driver.get("about:blank")
+                t0 = time.perf_counter()
+                driver.get(base + page)
+                wall = 1000 * (time.perf_counter() - t0)
+                nav = driver.execute_script(timing)
+                self.results.add("console.browser_load_ms", float(nav["loadEventEnd"]))
+                self.results.add("console.browser_dcl_ms", float(nav["domContentLoadedEventEnd"]))
+                self.results.add("console.browser_wall_ms", wall)
+        finally:
+            driver.quit()
+        progress(
+            "console: usable in Chromium after "
+            f"{statistics.median(self.results.values['console.browser_load_ms']):.0f} ms"
+        )
+
+    def console_list(self, http: Any, trials: int) -> None:
+        """The list over many tasks, inserted directly (no run behind them)."""
+        from datetime import UTC, timedelta
+
+        from sqlalchemy import insert
+
+        from charlie.domain import execution_id_for
+        from charlie.store.engine import write
+        from charlie.store.schema import executions, tasks
+
+        n = self.sizes.console_tasks
+        now = datetime.now(UTC)
+        statuses = ["succeeded"] * 6 + ["failed", "canceled", "waiting", "running"]
+        prefix = self.new_prefix("list")
+        batch = 5000
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            rows, runs = [], []
+            for k in range(start, min(n, start + batch)):
+                task_id = f"{prefix}{k:07d}"
+                created = now - timedelta(seconds=n - k)
+                status = statuses[k % len(statuses)]
+                rows.append(
+                    {
+                        "id": task_id,
+                        "prompt": f"benchmark task {k}: fix the build of service {k % 97}",
+                        "model": "scripted:bench.json",
+                        "metadata": {},
+                        "status": status,
+                        "created_at": created,
+                    }
+                )
+                runs.append(
+                    {
+                        "id": execution_id_for(task_id),
+                        "task_id": task_id,
+                        "phase": "done" if status in TERMINAL else "await_tools",
+                        "version": 7,
+                        "state": {},
+                        "turn": 1,
+                        "next_seq": 6,
+                        "updated_at": created,
+                        "created_at": created,
+                    }
+                )
+            with write(self.rt.engine) as conn:
+                conn.execute(insert(tasks), rows)
+                conn.execute(insert(executions), runs)
+        progress(f"console: {n:,} tasks inserted in {time.perf_counter() - t0:.1f}s")
+        deep = f"{prefix}{n // 2:07d}"
+        pages = {
+            "console.list_first_ms": "/",
+            "console.list_deep_ms": f"/?before={deep}",
+            "console.list_status_ms": "/?status=failed",
+            "console.list_search_ms": f"/?q=service+{n % 97}",
+        }
+        for key, path in pages.items():
+            assert http.get(path).status_code == 200
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                assert http.get(path).status_code == 200
+                self.results.add(key, 1000 * (time.perf_counter() - t0))
+        self.results.info["console.tasks"] = n
+        progress(
+            f"console: a list page over {n:,} tasks in "
+            f"{statistics.median(self.results.values['console.list_first_ms']):.0f} ms"
+        )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
 
 def turn_overheads(rows: list[Any]) -> list[float]:
     """Model response committed -> next model call's tick started, for each turn of each run."""
@@ -893,7 +1075,7 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     if only & {"transitions", "floor"}:
         with_charlie, with_floor = "transitions" in only, "floor" in only
         steps["transitions+floor"] = lambda: cell.transitions_and_floor(with_charlie, with_floor)
-    steps.update({name: getattr(cell, name) for name in ("fanout", "recovery", "scale")})
+    steps.update({name: getattr(cell, name) for name in ("fanout", "recovery", "scale", "console")})
     failed = False
     try:
         cell.start_worker()
@@ -1021,6 +1203,17 @@ ROWS: list[Row | str] = [
     Row("Worker RSS at the end (MiB)", "scale.rss_end_mib", 0, "not growing"),
     Row("Database bytes per finished task", "scale.bytes_per_task"),
     Row("Producer: submits/s (api.submit, one at a time)", "scale.submit_per_s"),
+    "**Console** (`charlie ui`: one run's page, the task list; sizes above)",
+    Row("Task page: server time over HTTP (ms)", "console.page_ms", 0, "interactive"),
+    Row("Task page: size (KiB)", "console.page_kib"),
+    Row("Task page: its live fragment (ms)", "console.fragment_ms"),
+    Row("Task page: the revision poll (ms)", "console.revision_ms", 1),
+    Row("Task page in Chromium: usable (load event, ms)", "console.browser_load_ms"),
+    Row("Task page in Chromium: DOM ready (ms)", "console.browser_dcl_ms"),
+    Row("List: first page (ms)", "console.list_first_ms", 1),
+    Row("List: a page halfway down (ms)", "console.list_deep_ms", 1),
+    Row("List: a status filter's first page (ms)", "console.list_status_ms", 1),
+    Row("List: a search's first page (ms)", "console.list_search_ms", 1),
 ]
 
 
@@ -1058,7 +1251,9 @@ def render(
         f"Trials: {sizes.trials} (median, min{RANGE}max); 1 run of {sizes.turns_one} turns; "
         f"{sizes.runs_many} runs of {sizes.turns_many} turns; floor chains of {sizes.links_one} "
         f"and {sizes.runs_many} x {sizes.links_many} links; fan-out of {sizes.fanout_calls}; "
-        f"{sizes.recovery_samples} recovery samples; scale {sizes.scale_tasks:,} tasks."
+        f"{sizes.recovery_samples} recovery samples; scale {sizes.scale_tasks:,} tasks; console: "
+        f"a run of about {sizes.console_items:,} transcript items, a list over "
+        f"{sizes.console_tasks:,} tasks."
     )
     out.append("")
     if names:
@@ -1120,6 +1315,11 @@ FOOTNOTES = [
     "- Scale: the tasks are queued with the worker stopped, then a fresh worker drains them; "
     "rates are over the window from the first to the last transition.",
     "- RSS is summed over the worker's process group (shared pages counted in each process).",
+    "- Console: times are the client's, over loopback, 50 tasks a list page; the task page is "
+    "rendered whole (header, open calls, timeline SVG, every transcript row with its full "
+    "arguments and result). In Chromium, 'usable' is the navigation's load event (HTML parsed, "
+    "style and script loaded, the live poll started). The list's tasks are inserted with SQL, "
+    "a tenth of them failed, canceled, waiting or running; the search matches about 1 in 97.",
 ]
 
 
