@@ -121,7 +121,11 @@ class CallView:
     evidence: list[tuple[str, str]]
 
 
-def call_view(call: api.CallRecord, raw_arguments: str | None = None) -> CallView:
+def call_view(
+    call: api.CallRecord, raw_arguments: str | None = None, *, full: bool = True
+) -> CallView:
+    """A call's row; ``full=False`` leaves out what only its opened row shows (the whole
+    arguments and result, the evidence), which a task page loads when a row is opened."""
     badge, badge_class = call_state(call)
     args = raw_arguments if raw_arguments is not None else json.dumps(call.arguments)
     late = None
@@ -134,31 +138,35 @@ def call_view(call: api.CallRecord, raw_arguments: str | None = None) -> CallVie
     wall = None
     if call.started_at is not None and call.settled_at is not None:
         wall = (call.settled_at - call.started_at).total_seconds() * 1000
-    evidence = [
-        ("call", f"{call.call_id} (turn {call.turn}, #{call.index})"),
-        ("took", f"{span(wall)} from start to settle; handler {span(call.duration_ms)}"),
-        ("effect", call.effect + (", resumable" if call.resumable else "")),
-        ("state", call.state + (f", held for {call.hold}" if call.hold else "")),
-        ("queued", when(call.queued_at)),
-        ("started", f"{when(call.started_at)} by {call.started_by or '-'}"),
-        ("settled", f"{when(call.settled_at)} by {call.settled_by or '-'}"),
-        ("deadline", when(call.deadline_at)),
-        ("attempts", str(call.attempts)),
-    ]
-    if call.lease_owner:
+    evidence = (
+        []
+        if not full
+        else [
+            ("call", f"{call.call_id} (turn {call.turn}, #{call.index})"),
+            ("took", f"{span(wall)} from start to settle; handler {span(call.duration_ms)}"),
+            ("effect", call.effect + (", resumable" if call.resumable else "")),
+            ("state", call.state + (f", held for {call.hold}" if call.hold else "")),
+            ("queued", when(call.queued_at)),
+            ("started", f"{when(call.started_at)} by {call.started_by or '-'}"),
+            ("settled", f"{when(call.settled_at)} by {call.settled_by or '-'}"),
+            ("deadline", when(call.deadline_at)),
+            ("attempts", str(call.attempts)),
+        ]
+    )
+    if full and call.lease_owner:
         evidence.append(("lease", f"{call.lease_owner} until {when(call.lease_until)}"))
-    if call.handle:
+    if full and call.handle:
         evidence.append(("handle", call.handle))
-    if call.late_reports:
+    if full and call.late_reports:
         evidence.append(("late reports", f"{call.late_reports}: {short(call.late_result, 300)}"))
-    if call.hold_info:
+    if full and call.hold_info:
         evidence.append(("held because", short(call.hold_info, 600)))
     return CallView(
         call_id=call.call_id,
         turn=call.turn,
         name=call.name,
         args_short=short(args, 90),
-        arguments=pretty(call.arguments),
+        arguments=pretty(call.arguments) if full else "",
         badge=badge,
         badge_class=badge_class,
         duration=span(wall if wall is not None else call.duration_ms),
@@ -166,7 +174,7 @@ def call_view(call: api.CallRecord, raw_arguments: str | None = None) -> CallVie
         finish_order=call.finish_order,
         late=late,
         result_short=short(call.result, 120) if call.result is not None else "",
-        result=pretty(call.result),
+        result=pretty(call.result) if full else "",
         settled=call.state == "settled",
         evidence=evidence,
     )
@@ -187,8 +195,11 @@ class Row:
     copied: str | None = None
 
 
-def transcript_rows(entries: list[api.TranscriptEntry], calls: list[api.CallRecord]) -> list[Row]:
-    """The transcript's semantic rows, in its one chronology (I6)."""
+def transcript_rows(
+    entries: list[api.TranscriptEntry], calls: list[api.CallRecord], *, full: bool = False
+) -> list[Row]:
+    """The transcript's semantic rows, in its one chronology (I6); with ``full``, each call's
+    whole arguments, result and evidence too (what an opened row shows)."""
     by_call = {(c.turn, c.call_id): c for c in calls}
     has_call_item = {(e.turn, e.call_id) for e in entries if e.kind == "tool_call"}
     rows: list[Row] = []
@@ -202,7 +213,7 @@ def transcript_rows(entries: list[api.TranscriptEntry], calls: list[api.CallReco
         if e.kind == "tool_call":
             record = by_call.get((e.turn, e.call_id or ""))
             view = (
-                call_view(record, str(p.get("raw_arguments") or ""))
+                call_view(record, str(p.get("raw_arguments") or ""), full=full)
                 if record is not None
                 else _call_from_items(e, entries)
             )

@@ -109,7 +109,11 @@ def load_list(
     }
 
 
-def load_task(task_id: str) -> dict[str, Any]:
+#: the transcript rows a task page shows at first: the latest ones (``?all=1``: every row)
+ROWS_SHOWN = 300
+
+
+def load_task(task_id: str, all_rows: bool = False) -> dict[str, Any]:
     # The revision first: whatever changes while the rest is read makes the next poll differ.
     revision = api.revision(task_id)
     info = api.get_task(task_id)
@@ -125,10 +129,14 @@ def load_task(task_id: str) -> dict[str, Any]:
         except TaskNotFound:
             parent = None
     now = datetime.now(UTC)
+    shown = rows.transcript_rows(entries, calls)
+    earlier = 0 if all_rows else max(0, len(shown) - ROWS_SHOWN)
     return {
         "revision": revision,
         "info": info,
-        "rows": rows.transcript_rows(entries, calls),
+        "rows": shown[earlier:],
+        "earlier_rows": earlier,
+        "all_rows": all_rows,
         "open_calls": rows.open_calls(calls, now),
         "tl": timeline.build(info, history, calls, done, now),
         "actions": done,
@@ -474,8 +482,9 @@ class TaskPage(Base):
     template = "task.html"
 
     async def get(self, task_id: str) -> None:
+        all_rows = self.get_query_argument("all", "") == "1"
         try:
-            data = await self.run(load_task, task_id)
+            data = await self.run(load_task, task_id, all_rows)
         except TaskNotFound:
             raise tornado.web.HTTPError(404, reason=f"no task {task_id}") from None
         flash = None
@@ -492,6 +501,28 @@ class TaskPage(Base):
 
 class TaskFragment(TaskPage):
     template = "fragment_task.html"
+
+
+def load_call(task_id: str, turn: int, call_id: str) -> rows.CallView | None:
+    found = rows.transcript_rows(api.transcript(task_id), api.calls(task_id), full=True)
+    return next(
+        (r.call for r in found if r.call and r.call.call_id == call_id and r.turn == turn), None
+    )
+
+
+class CallFragment(Base):
+    """One call's whole record (arguments, result, evidence): what an opened row shows."""
+
+    async def get(self, task_id: str, turn: str, call_id: str) -> None:
+        try:
+            call = await self.run(load_call, task_id, int(turn), call_id)
+        except TaskNotFound:
+            call = None
+        if call is None:
+            raise tornado.web.HTTPError(
+                404, reason=f"no call {call_id} in turn {turn} of {task_id}"
+            )
+        self.render("fragment_call.html", c=call)
 
 
 class TaskForm(Base):
@@ -601,6 +632,7 @@ def make_app(config: ConsoleConfig, *, threads: int = 8) -> tornado.web.Applicat
             (r"/live/tasks", TasksFragment),
             (rf"/tasks/{TASK_ID}", TaskPage),
             (rf"/live/tasks/{TASK_ID}", TaskFragment),
+            (rf"/live/tasks/{TASK_ID}/calls/([0-9]+)/([^/]+)", CallFragment),
             (rf"/tasks/{TASK_ID}/{actions}", TaskForm),
             (r"/api/tasks", ApiTasks),
             (rf"/api/tasks/{TASK_ID}", ApiTask),
@@ -615,6 +647,8 @@ def make_app(config: ConsoleConfig, *, threads: int = 8) -> tornado.web.Applicat
         xsrf_cookies=True,
         xsrf_cookie_kwargs={"httponly": True, "samesite": "Strict"},
         autoescape="xhtml_escape",
+        # the templates' own line breaks and indents, not the data's (a <pre> keeps its text)
+        template_whitespace="oneline",
         compiled_template_cache=True,
         console=config,
         pool=ThreadPoolExecutor(max_workers=threads, thread_name_prefix="console"),

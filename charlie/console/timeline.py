@@ -13,6 +13,7 @@ This module computes geometry only; the template draws it, escaping every text.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -222,6 +223,12 @@ def build(
         what = a.describe() + (f" — call {a.call_id}" if a.call_id else "")
         tl.points.append(Point(x(a.at), lane_y["people"] + LANE / 2, "action", what))
 
+    # a tick narrower than a few pixels is part of a texture, not something to point at: no
+    # tooltip of its own (a long run's picture stays light)
+    tl.marks = [
+        m if m.w >= 3 or m.css.startswith(("call", "held")) else dataclasses.replace(m, title="")
+        for m in _merged(tl.marks)
+    ]
     step = _step(total)
     n = 0
     while n * step <= total + 1e-9 and n < 40:
@@ -240,6 +247,29 @@ def build(
         ("held", "waiting for a person"),
     ]
     return tl
+
+
+def _merged(marks: list[Mark]) -> list[Mark]:
+    """Marks of one kind that touch on one lane become one, so a long run's picture stays a
+    few hundred shapes (a thousand ticks fit in a thousand pixels at most)."""
+    out: list[Mark] = []
+    groups: dict[tuple[float, str], list[Mark]] = {}
+    for m in marks:
+        groups.setdefault((m.y, m.css), []).append(m)
+    for group in groups.values():
+        group.sort(key=lambda m: m.x)
+        current, count = group[0], 1
+        for m in group[1:]:
+            if m.x <= current.x + current.w + 1.0:
+                end = max(current.x + current.w, m.x + m.w)
+                count += 1
+                title = current.title.split(" (and ")[0] + f" (and {count - 1} more like it)"
+                current = Mark(current.x, current.y, end - current.x, current.h, current.css, title)
+            else:
+                out.append(current)
+                current, count = m, 1
+        out.append(current)
+    return out
 
 
 def _parse(value: Any) -> datetime | None:

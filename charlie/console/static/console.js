@@ -20,6 +20,42 @@
     }, 0);
   });
 
+  // An opened call row loads its whole record (arguments, result, evidence), rendered by the
+  // server, the first time it is opened: a run of thousands of calls stays a light page.
+  function loadFull(details) {
+    var lazy = details.querySelector(":scope > .full[data-lazy]");
+    var url = details.getAttribute("data-full");
+    if (!lazy || !url || lazy.hasAttribute("data-loading")) {
+      return;
+    }
+    lazy.setAttribute("data-loading", "");
+    fetch(url, { credentials: "same-origin", cache: "no-store", headers: { Accept: "text/html" } })
+      .then(function (r) {
+        if (!r.ok) {
+          throw new Error("the console answered " + r.status);
+        }
+        return r.text();
+      })
+      .then(function (html) {
+        var doc = new DOMParser().parseFromString(html, "text/html");
+        var full = doc.querySelector(".full");
+        if (full && lazy.isConnected) {
+          lazy.replaceWith(document.importNode(full, true));
+        }
+      })
+      .catch(function (err) {
+        lazy.removeAttribute("data-loading");
+        lazy.textContent = "could not load the record: " + err.message;
+      });
+  }
+
+  document.addEventListener("toggle", function (event) {
+    var details = event.target;
+    if (details.tagName === "DETAILS" && details.open && details.hasAttribute("data-full")) {
+      loadFull(details);
+    }
+  }, true);
+
   if (!live) {
     return;
   }
