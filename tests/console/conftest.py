@@ -148,6 +148,11 @@ def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def screenshot(driver: Any, folder: Path, name: str) -> Path:
     """The whole page, as tall as it is (to 5,000 px), through Chromium's DevTools."""
+    # rows off screen are not painted until scrolled to (content-visibility): paint them all
+    driver.execute_script(
+        "document.querySelectorAll('.row').forEach(function (r) {"
+        " r.style.contentVisibility = 'visible'; });"
+    )
     metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
     size = metrics.get("cssContentSize") or metrics["contentSize"]
     clip = {
