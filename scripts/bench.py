@@ -83,9 +83,11 @@ SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 SCENARIOS = ("transitions", "floor", "fanout", "recovery", "scale", "console")
 PG_ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres"}
-PG_DATABASE = "charlie_bench"
+# BENCH_PG_DATABASE / BENCH_REDIS_DB: another database and Redis db, so that two benchmarks on
+# one machine do not wipe each other's
+PG_DATABASE = os.environ.get("BENCH_PG_DATABASE", "charlie_bench")
 PG_URL = f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
-REDIS_URL = "redis://127.0.0.1:6379/14"
+REDIS_URL = f"redis://127.0.0.1:6379/{os.environ.get('BENCH_REDIS_DB', '14')}"
 TOOL = "bench_echo"
 RANGE = "\u2013"  # an en dash, between a minimum and a maximum
 NONE = "-"
@@ -1388,6 +1390,9 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
     if args.dbos_python:
         argv += ["--dbos-python", args.dbos_python]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
+    env.update(
+        {k: os.environ[k] for k in ("BENCH_PG_DATABASE", "BENCH_REDIS_DB") if k in os.environ}
+    )
     env.update(backend.env(home))
     env["CHARLIE_TOOL_MODULES"] = "_bench_support"
     env["PYTHONPATH"] = os.pathsep.join(
