@@ -139,6 +139,9 @@ class Sizes:
     waiting_runs: int  # the batch of ordinary runs measured without and with them waiting
     waiting_turns: int  # T for each run of that batch
     waiting_idle: float  # seconds the workers are watched with only the waiting tasks about
+    # an unrecorded batch before the runs without them, and (PostgreSQL) the runs with them
+    # measured again after an ANALYZE; not in the smoke run
+    waiting_thorough: bool
 
     @property
     def recovery_samples(self) -> int:
@@ -147,14 +150,16 @@ class Sizes:
 
 def sizes_for(args: argparse.Namespace) -> Sizes:
     if args.quick:
-        sizes = Sizes(args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60, 100, 20, 1, 2.0)
+        sizes = Sizes(
+            args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60, 100, 10, 1, 2.0, False
+        )
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
         # 200 links): on a noisy machine a short trial is one burst of noise. The waiting
         # tasks are watched idle for longer than a stall period plus a sweep (5 s + 1 s), so
         # that a sweep that took them for stalled work would have re-published them.
         sizes = Sizes(
-            args.trials or 5, 50, 50, 5, 200, 25, 100, 3, 3.0, 5000, 300, 1000, 50, 5, 7.0
+            args.trials or 5, 50, 50, 5, 200, 25, 100, 3, 3.0, 5000, 300, 1000, 50, 5, 7.0, True
         )
     if args.scale_tasks:
         sizes = dataclasses.replace(sizes, scale_tasks=args.scale_tasks)
@@ -869,9 +874,10 @@ class Cell:
         n = s.waiting_tasks
         # A batch first, not recorded: run alone (--only waiting), the first trial would
         # otherwise measure a cold worker, and only the runs without the N would pay for it.
-        self.charlie_runs(s.waiting_runs, s.waiting_turns, "wait_warm")
-        for key in [k for k in r.values if k.startswith("wait_warm.")]:
-            del r.values[key]
+        if s.waiting_thorough:
+            self.charlie_runs(s.waiting_runs, s.waiting_turns, "wait_warm")
+            for key in [k for k in r.values if k.startswith("wait_warm.")]:
+                del r.values[key]
         scan_ms, _ = self.sweep_scans(None, "base")
         r.add("waiting.scan_base_ms", scan_ms)
         for _ in range(s.trials):
@@ -923,7 +929,7 @@ class Cell:
                 scan_ms, more_rows = self.sweep_scans(prefix, "analyzed")
                 scan_rows = max(scan_rows, more_rows)
                 r.add("waiting.scan_analyzed_ms", scan_ms)
-                for _ in range(s.trials):
+                for _ in range(s.trials if s.waiting_thorough else 0):
                     self.charlie_runs(
                         1, s.turns_one, "wait_analyzed_one", "wait_analyzed_one.turn_ms"
                     )
@@ -1575,11 +1581,11 @@ FOOTNOTES = [
     "batch measurements are run again (the ones without were run before the N were submitted; "
     "ratios are of medians). Leases, calls and statuses are sampled every 0.5 s meanwhile; a "
     "sweep re-publish is a `swept_at` set on their run or call, or a line of beat's log. Scans: "
-    "beat's read-only queries for due work, one round, median of 10. On PostgreSQL the runs "
-    "with the N waiting are measured again after an ANALYZE (what autovacuum does to a fresh "
-    "database). Then every held call is approved (`charlie.approve`, one at a time) and the N "
-    "run to their final answer; an approved call's deadline (the tool's, 60 s) runs from its "
-    "approve, its wait in the queue included.",
+    "beat's read-only queries for due work, one round, median of 10. On PostgreSQL the scans, "
+    "and but for `--quick` the runs with the N waiting, are measured again after an ANALYZE "
+    "(what autovacuum does to a fresh database). Then every held call is approved "
+    "(`charlie.approve`, one at a time) and the N run to their final answer; an approved "
+    "call's deadline (the tool's, 60 s) runs from its approve, its wait in the queue included.",
 ]
 
 
