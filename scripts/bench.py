@@ -1410,6 +1410,7 @@ ROWS: list[Row | str] = [
     Row("Producer: submits/s (api.submit, one at a time)", "scale.submit_per_s"),
     "**Waiting** (N tasks held for an approval; ordinary runs without and with them waiting, "
     "2 worker processes)",
+    Row("Producer: submits/s of the N (api.submit, one at a time)", "waiting.submit_per_s"),
     Row("Submit → all N tasks waiting (s)", "waiting.to_waiting_s", 1),
     Row("Transitions per task, up to waiting", "waiting.transitions_to_wait", 1, "3"),
     Row("Broker queue depth when all N were waiting (messages)", "waiting.queue_reached"),
