@@ -153,7 +153,13 @@ def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
     # A call held for a person is started by no one until a verdict releases it (I23).
     stmt = update(tool_calls).where(CALL_KEY, live, _c.hold.is_(None))
     if mode == "start":
-        stmt = stmt.where(_c.state == CallState.PENDING.value, _c.queued_at.is_not(None)).values(
+        # A call already past its deadline is not started: it will settle deadline_exceeded
+        # as never started (I13), rather than run, late, and leave an uncertain outcome.
+        stmt = stmt.where(
+            _c.state == CallState.PENDING.value,
+            _c.queued_at.is_not(None),
+            or_(_c.deadline_at.is_(None), _c.deadline_at > now),
+        ).values(
             state=CallState.STARTED.value,
             started_at=now,
             started_by=bindparam("b_owner"),
