@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -274,7 +275,7 @@ def list_(
     except (ValueError, TaskNotFound) as exc:
         _fail(str(exc))
     if as_json:
-        click.echo(json.dumps([t.__dict__ for t in page], default=str, indent=2))
+        click.echo(json.dumps([asdict(t) for t in page], default=str, indent=2))
         return
     now = datetime.now(UTC)
     click.echo(f"{'TASK':<36}  {'STATUS':<9}  {'PHASE':<15}  {'TURN':>4}  {'AGE':>6}  MODEL")
@@ -347,11 +348,11 @@ def show(task_id: str, as_json: bool) -> None:
     try:
         if as_json:
             doc = {
-                "task": api.get_task(task_id).__dict__,
+                "task": asdict(api.get_task(task_id)),
                 "transcript": [e.__dict__ for e in api.transcript(task_id)],
                 "calls": [c.__dict__ for c in api.calls(task_id)],
                 "transitions": api.history(task_id),
-                "actions": [a.__dict__ for a in api.actions(task_id)],
+                "actions": [asdict(a) for a in api.actions(task_id)],
             }
             click.echo(json.dumps(doc, default=str, indent=2))
             return

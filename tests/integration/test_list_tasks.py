@@ -117,6 +117,6 @@ def test_the_cli_lists_pages_and_json(cluster: Cluster, script) -> None:  # type
     table = charlie_cli(env, "list", "--limit", "1")
     assert table.returncode == 0, table.stderr
     assert task_id in table.stdout and "succeeded" in table.stdout
-    assert f"more: charlie list --before {task_id}" in table.stderr
+    assert f"more: charlie list --limit 1 --before {task_id}" in table.stderr
     bad = charlie_cli(env, "list", "--status", "finished")
     assert bad.returncode == 2 and "unknown status 'finished'" in bad.stderr

@@ -266,7 +266,7 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         "CHARLIE_MAX_ATTEMPTS": "3",
         "CHARLIE_DISPATCH_BATCH": "4",
         # Questions to a person time out within a test (tests/integration/test_people.py).
-        "CHARLIE_HUMAN_DEADLINE": "8",
+        "CHARLIE_HUMAN_DEADLINE": "20",
         "CHARLIE_TASK_EVENTS": "0",
         "CHARLIE_SANDBOX": TEST_SANDBOX,
         # Tests give tasks workspaces under pytest's tmp dirs (issue 12 item 12).

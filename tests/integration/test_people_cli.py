@@ -1,0 +1,162 @@
+"""People in the loop from the `charlie` command and as Celery tasks sent by name (issue 13,
+item 8): each action works, is recorded with who did it (I27), and a refusal is one clear line
+and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+import charlie
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.integration.test_production_path import charlie_cli
+from tests.support.cluster import Cluster
+from tests.support.tools import read_ledger
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def tid() -> str:
+    return f"c-{uuid.uuid4().hex[:12]}"
+
+
+def test_the_whole_loop_from_the_command_line(cluster: Cluster, script) -> None:  # type: ignore[no-untyped-def]
+    """A task asks, a person answers; a write waits for approval; a message goes in; all
+    through `charlie`, recorded as CHARLIE_OPERATOR."""
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "q", "name": "ask_human", "arguments": {"question": "key?"}}]},
+            {
+                "expect": {"tool_results": [{"call_id": "q", "contains": "k-cli"}]},
+                "tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "k-cli"}}],
+            },
+            {
+                "expect": {"contains": ["note from the cli"]},
+                "tool_calls": [{"id": "d", "name": "ledger_write", "arguments": {"key": "no"}}],
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "d", "outcome": "denied"}]},
+                "say": "done",
+                "tool_calls": [],
+            },
+        ]
+    )
+    env = {**cluster.settings_env, "CHARLIE_OPERATOR": "cli-ana"}
+    task_id = tid()
+    out = charlie_cli(
+        env, "submit", "cli loop", "--model", model, "--task-id", task_id, "--approve",
+        "ledger_write",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    status = charlie_cli(env, "status", task_id)
+    assert "waiting for" in status.stdout and "key?" in status.stdout, status.stdout
+
+    answered = charlie_cli(env, "reply", task_id, "q", "k-cli")
+    assert answered.returncode == 0 and "reply by cli-ana" in answered.stdout, answered.stderr
+    again = charlie_cli(env, "reply", task_id, "q", "other")
+    assert again.returncode == 2 and "already decided: reply by cli-ana" in again.stderr
+
+    wait_for(lambda: any(w.call_id == "w" for w in charlie.get_task(task_id).waiting_for))
+    sent = charlie_cli(env, "send", task_id, "note from the cli", "--message-id", "cli-1")
+    assert sent.returncode == 0 and sent.stdout.strip() == "cli-1", sent.stderr
+    approved = charlie_cli(env, "approve", task_id, "w", "--note", "fine")
+    assert approved.returncode == 0, approved.stderr
+
+    wait_for(lambda: any(w.call_id == "d" for w in charlie.get_task(task_id).waiting_for))
+    no_reason = charlie_cli(env, "deny", task_id, "d")
+    assert no_reason.returncode == 2 and "--reason" in no_reason.stderr
+    denied = charlie_cli(env, "deny", task_id, "d", "--reason", "not that key")
+    assert denied.returncode == 0, denied.stderr
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    keys = [e["key"] for e in read_ledger() if e.get("task") == task_id]
+    assert keys == ["k-cli"]
+
+    shown = charlie_cli(env, "show", task_id)
+    assert shown.returncode == 0, shown.stderr
+    for action in ("reply", "send", "approve", "deny"):
+        assert f"{action:<9} by cli-ana" in shown.stdout, shown.stdout
+    doc = json.loads(charlie_cli(env, "show", task_id, "--json").stdout)
+    assert [a["action"] for a in doc["actions"]] == ["reply", "send", "approve", "deny"]
+    assert {a["actor"] for a in doc["actions"]} == {"cli-ana"}
+
+    finished = charlie_cli(env, "send", task_id, "too late")
+    assert finished.returncode == 2 and "fork" in finished.stderr
+    forked = charlie_cli(env, "fork", task_id, "--turn", "1", "--message", "again")
+    assert forked.returncode == 0, forked.stderr
+    fork_id = forked.stdout.strip()
+    origin = charlie.get_task(fork_id).metadata["forked_from"]
+    assert (origin["task"], origin["turn"]) == (task_id, 1)
+    charlie.cancel(fork_id)
+
+
+def test_reconcile_and_resume_from_the_command_line(cluster: Cluster, script, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fault = tmp_path / "broken"
+    fault.write_text("")
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "h", "name": "held_write", "arguments": {"key": "r", "hold": 30}}
+                ]
+            },
+            {"raise": "model down", "raise_while": str(fault), "say": "x", "tool_calls": []},
+        ]
+    )
+    env = {**cluster.settings_env, "CHARLIE_OPERATOR": "cli-bo"}
+    task_id = charlie.submit("cli reconcile", model=model, task_id=tid())
+    (run,) = wait_for(
+        lambda: [
+            e for e in read_ledger() if e.get("task") == task_id and e["event"] == "held_write"
+        ]
+    )
+    cluster.kill_pid_group(int(run["pid"]))
+    wait_for(lambda: charlie.get_task(task_id).waiting_for, timeout=60)
+    neither = charlie_cli(env, "reconcile", task_id, "h")
+    assert neither.returncode == 2 and "--done" in neither.stderr
+    bad = charlie_cli(env, "reconcile", task_id, "h", "--done", "--result", "{nope")
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
+    done = charlie_cli(
+        env, "reconcile", task_id, "h", "--done", "--result", '{"written": "r"}', "--note", "seen"
+    )
+    assert done.returncode == 0 and "reconcile done by cli-bo" in done.stdout, done.stderr
+    assert charlie.wait(task_id, timeout=90).status is TaskStatus.FAILED
+    fault.unlink()
+    resumed = charlie_cli(env, "resume", task_id)
+    assert resumed.returncode == 0 and "resume by cli-bo" in resumed.stdout, resumed.stderr
+    # the model's turn 1 plays its script again: "x", a final answer
+    assert charlie.wait(task_id, timeout=90).status is TaskStatus.SUCCEEDED
+    twice = charlie_cli(env, "resume", task_id)
+    assert twice.returncode == 2 and "succeeded" in twice.stderr
+
+
+def test_actions_are_celery_tasks_by_name(cluster: Cluster, script) -> None:  # type: ignore[no-untyped-def]
+    """Item 8: a producer with only Celery sends each action by name; a redelivered message
+    (the same Celery id) acts once; who acted is the operator it names."""
+    from charlie.app import app
+
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "approved_write", "arguments": {"key": "celery"}}]},
+            {"expect": {"contains": ["from celery"]}, "say": "ok", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("celery actions", model=model, task_id=tid())
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    app.send_task(
+        "charlie.send", args=[task_id, "from celery"], kwargs={"operator": "svc"}, task_id="msg-1"
+    )
+    for _ in range(2):  # the same message twice: one approve
+        app.send_task(
+            "charlie.approve", args=[task_id, "w"], kwargs={"operator": "svc"}, task_id="appr-1"
+        )
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    done = [(a.action.value, a.actor) for a in charlie.actions(task_id)]
+    assert sorted(done) == [("approve", "svc"), ("send", "svc")]
+    assert [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "approved_write"]
