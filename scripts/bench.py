@@ -1240,7 +1240,8 @@ class Cell:
             if time.monotonic() > deadline:
                 raise TimeoutError("charlie ui did not answer")
             time.sleep(0.2)
-        trials = max(3, self.sizes.trials)
+        # a page's time is noisy on a shared machine: at least 3 samples, but for the smoke run
+        trials = self.sizes.trials if self.sizes.console_items < 1000 else max(3, self.sizes.trials)
         r = self.results
         with httpx.Client(base_url=base, timeout=120) as http:
             assert http.get(f"/?token={token}").status_code == 303
