@@ -8,8 +8,10 @@ tick. A lost publish is what the sweeps already recover (I4, I11).
 
 The first verdict on a call wins (I24): approve, deny, reply and reconcile each check, under
 the run's lock, for a verdict already recorded on the call, and refuse with an error that names
-it. A retried request (``request_id``, a Celery message id) finds its own first commit and
-returns it instead of acting twice.
+it. A call held again after its verdict (an approved ``on_interrupt="hold"`` call interrupted,
+or the repeat a ``not_done`` authorised interrupted too) waits for a reconcile of its own: the
+first verdict on that hold wins. A retried request (``request_id``, a Celery message id) finds
+its own first commit and returns it instead of acting twice.
 """
 
 from __future__ import annotations
@@ -293,7 +295,14 @@ def _decide(
         call = store.find_call(conn, xid, call_id, None)
         if call is None:
             raise CallNotFound(f"task {task_id!r} has no tool call {call_id!r}")
-        first = store.first_verdict(conn, task_id, call.call_id, call.turn)
+        # Held for a reconcile now, the call has had no verdict on this hold (each verdict
+        # ends its hold in its transaction): the ones recorded decided earlier holds.
+        held_anew = (
+            action is Action.RECONCILE
+            and call.hold == Hold.RECONCILE.value
+            and call.state != CallState.SETTLED.value
+        )
+        first = None if held_anew else store.last_verdict(conn, task_id, call.call_id, call.turn)
         if first is not None:
             raise VerdictConflict(call_id, record_of(first))
         return decide(conn, run, call, actor, utcnow())

@@ -91,8 +91,11 @@ def actions_of(conn: Connection, task_id: str) -> list[Any]:
     )
 
 
-def first_verdict(conn: Connection, task_id: str, call_id: str, turn: int) -> Any | None:
-    """The verdict that decided this call, if one did (I24)."""
+def last_verdict(conn: Connection, task_id: str, call_id: str, turn: int) -> Any | None:
+    """The verdict that decided this call's latest hold, if one did (I24). A call can be held
+    more than once (approved, then interrupted and held for a reconcile; the repeat a
+    ``not_done`` authorised, interrupted too); each verdict ends the hold it decides, and a
+    refused one writes no row, so the latest verdict is the first one on the latest hold."""
     return conn.execute(
         select(operator_actions)
         .where(
@@ -101,7 +104,7 @@ def first_verdict(conn: Connection, task_id: str, call_id: str, turn: int) -> An
             _a.turn == turn,
             _a.action.in_(VERDICT_VALUES),
         )
-        .order_by(_a.id)
+        .order_by(_a.id.desc())
         .limit(1)
     ).first()
 
