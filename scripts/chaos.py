@@ -35,7 +35,8 @@ Then it checks every task and exits non-zero on any violation:
   naming the first, and the call's outcome is the first verdict's (I24);
 - an ``ask_human`` call's result is the person's reply (and the model was shown it);
 - calls waiting for a person hold no lease, and while more of them wait than there are worker
-  slots, other tasks still finish (the person holds back all answers for a while) (I25);
+  slots (the first tasks ask at once, and the person holds back every answer until other tasks
+  finished, or for --hold-back seconds), other runs still move; and the run completes (I25);
 - a fork of a finished task (``turn=0``) runs no tool call of its source again: the ledger's
   entries under the fork's id are its own turns' calls, the source gets none after the fork,
   its model never plays turn 0, its copied items are marked (I26);
@@ -101,8 +102,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--hold-back",
         type=float,
-        default=90.0,
-        help="the person answers nothing for at most this long at the start (I25)",
+        default=60.0,
+        help="once the first questions all wait, the person answers nothing for at most this "
+        "long (I25)",
     )
     return p.parse_args()
 
@@ -499,7 +501,9 @@ class Person(threading.Thread):
         self.started = time.time()
         self.full_at: float | None = None
         self.terminal_at_full: set[str] = set()
+        self.held_at_full = 0
         self.finished_while_held = 0
+        self.moved_while_held = 0
         self.peak_held = 0
         self.held_back_for = 0.0
 
@@ -627,44 +631,66 @@ class Person(threading.Thread):
 
     def hold_back(self, now: float, held: dict[tuple[str, int, str, str], Any]) -> None:
         """I25: answer nothing until the first tasks' questions all wait (more calls waiting
-        for a person than there are worker slots), then until other tasks finished meanwhile."""
+        for a person than there are worker slots), then until other tasks finished meanwhile,
+        or ``hold_back_max`` seconds. Under kills a slow machine may finish none in that time:
+        the violation is that no other run moved at all (waits would then hold the workers)."""
         if self.full_at is None and self.early <= {k[0] for k in held if k[2] == "ask0"}:
             self.full_at = now
+            self.held_at_full = len(held)
             self.terminal_at_full = {t for t, s in self.status.items() if terminal(s)}
-        finished: set[str] = set()
-        if self.full_at is not None:
-            finished = {
-                t
-                for t, s in self.status.items()
-                if terminal(s) and t in self.plans and t not in self.terminal_at_full
-            }
-            waiting = {k[0] for k in held}
-            movable = [
-                t
-                for t in self.plans
-                if not terminal(self.status.get(t)) and t not in waiting and t not in finished
-            ]
-            if len(finished) >= 2 or not movable:
-                self.end_hold_back(now, finished)
-                return
-        if now - self.started > self.hold_back_max:
-            if self.full_at is not None and not finished:
-                self.problems.append(
-                    f"I25: {len(held)} calls waited for a person (worker slots: {self.slots}) "
-                    f"for {now - self.full_at:.0f} s and no other task finished meanwhile"
-                )
-            elif self.full_at is None:
+        if self.full_at is None:
+            if now - self.started > self.hold_back_max:
                 print(
                     f"note: the first {len(self.early)} questions never all waited at once "
                     f"within {self.hold_back_max:.0f} s; I25 not exercised",
                     flush=True,
                 )
-            self.end_hold_back(now, finished)
-
-    def end_hold_back(self, now: float, finished: set[str]) -> None:
+                self.holding_back = False
+            return
+        finished = {
+            t
+            for t, s in self.status.items()
+            if terminal(s) and t in self.plans and t not in self.terminal_at_full
+        }
+        waiting = {k[0] for k in held}
+        movable = [
+            t
+            for t in self.plans
+            if not terminal(self.status.get(t)) and t not in waiting and t not in finished
+        ]
+        if len(finished) < 2 and movable and now - self.full_at < self.hold_back_max:
+            return
         self.holding_back = False
         self.finished_while_held = len(finished)
-        self.held_back_for = now - self.started
+        self.held_back_for = now - self.full_at
+        self.moved_while_held = self.moves_since(self.full_at)
+        if movable and not finished and not self.moved_while_held:
+            self.problems.append(
+                f"I25: {self.held_at_full} calls waited for a person (worker slots: "
+                f"{self.slots}) for {self.held_back_for:.0f} s and no other run moved meanwhile"
+            )
+
+    def moves_since(self, at: float) -> int:
+        """Transitions of the runs other than the first tasks' since ``at``."""
+        from datetime import UTC, datetime
+
+        from sqlalchemy import func, select
+
+        from charlie.domain import execution_id_for
+        from charlie.runtime import get_runtime
+        from charlie.store.engine import read
+        from charlie.store.schema import transitions
+
+        tr = transitions.c
+        with read(get_runtime().engine) as conn:
+            return int(
+                conn.execute(
+                    select(func.count()).where(
+                        tr.at >= datetime.fromtimestamp(at, UTC),
+                        tr.execution_id.not_in([execution_id_for(t) for t in self.early]),
+                    )
+                ).scalar_one()
+            )
 
     # -- verdicts -----------------------------------------------------------------------------
 
@@ -884,9 +910,9 @@ class Person(threading.Thread):
             f"{len(self.seconds)} second verdicts tried "
             f"({sum(x.result == 'refused' for x in self.seconds)} refused), {s['fork']} forks; "
             f"I25: up to {self.peak_held} calls waited for a person at once "
-            f"({self.slots} worker slots), {self.finished_while_held} other tasks finished "
-            f"while the first {len(self.early)} questions waited (no answers for "
-            f"{self.held_back_for:.0f} s)"
+            f"({self.slots} worker slots); while {self.held_at_full} waited, answered none for "
+            f"{self.held_back_for:.0f} s: other runs made {self.moved_while_held} transitions, "
+            f"{self.finished_while_held} tasks finished"
         )
 
 
@@ -951,6 +977,15 @@ def main() -> int:
     cluster.set_faults({})
     cluster.ensure(workers=args.workers, beat=True)
     cluster.supervise()
+    # The first kill waits for the first workers: on a busy machine a worker takes longer to
+    # boot than the kill interval, and one killed booting tests no recovery.
+    ready_by = time.time() + 60
+    while (
+        time.time() < ready_by
+        and sum(" ready." in log.read_text(errors="replace") for log in home.glob("worker-*.log"))
+        < args.workers
+    ):
+        time.sleep(0.5)
     time.sleep(2)
     slots = args.workers * args.concurrency
     # More questions than worker slots wait at once at the start (I25), leaving other tasks.
