@@ -66,7 +66,12 @@ class NextCall:
 Follow = NextTick | NextCall
 
 
-def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
+def _view(
+    conn: Connection, claim: runs.Claim, now: datetime, *, claimed_apart: bool = False
+) -> RunView:
+    """The phase's input. ``claimed_apart``: the claim committed in a transaction of its own
+    (a durable claim), so its ``inbox`` count may predate a message sent since, which this
+    boundary must take in all the same (I22): the mailbox is read whatever the count."""
     task = claim.task
     assert task is not None  # _claim returns no claim without its task
     wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
@@ -88,7 +93,7 @@ def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
         last_error=claim.last_error,
         # The mailbox is read only when the claim says it holds mail: no statement otherwise.
         messages=runs.load_messages(conn, claim.task_id)
-        if claim.inbox > 0 and "messages" in wanted
+        if (claim.inbox > 0 or claimed_apart) and "messages" in wanted
         else [],
     )
 
@@ -502,7 +507,7 @@ def _run_tick(
                 # The claim committed apart, so this transaction holds no lock on the run yet:
                 # take it before the calls, in the order settlers take them (no deadlock).
                 calls.lock_run(conn, execution_id)
-            view = _view(conn, claim, now)
+            view = _view(conn, claim, now, claimed_apart=progress.durable_claim)
             settlement = None
             if progress.settlement is not None:
                 view, settlement = _take_settlement(rt, conn, view, progress.settlement)
