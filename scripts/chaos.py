@@ -14,7 +14,10 @@ random worker's whole process group every few seconds; a supervisor restarts it.
 calls that need approval (``approved_write``, or a ledger-recorded write named in submit's
 ``approve=[...]``), answers ``ask_human`` questions, reconciles interrupted ``held_write``
 calls from the ledger, tries a second verdict on some calls, and forks a few finished tasks.
-Then it checks every task and exits non-zero on any violation:
+A message goes out once its task reached a drawn turn (or while it is queued); since one that
+arrives with a final answer makes one more model turn (I22), every script ends with spare final
+turns. It prints what it did in a ``people:`` line, then checks every task and exits non-zero
+on any violation:
 
 - terminal status reached, and succeeded;
 - every tool call has exactly one result, and the transcript's results are in call order (I7, I8);
@@ -31,8 +34,10 @@ Then it checks every task and exits non-zero on any violation:
   (ledger) and its one result is ``denied``, an approved call's tool ran at most once and only
   after the approve's commit time (ledger timestamp after the action's ``at``); a held
   ``held_write`` did not run between its hold and a ``not_done`` verdict (I23);
-- the first verdict on each call stands: every second attempt is refused with VerdictConflict
-  naming the first, and the call's outcome is the first verdict's (I24);
+- the first verdict on each hold of a call stands: every second attempt is refused with
+  VerdictConflict naming a verdict given on the call, and the call's outcome is the first
+  verdict's; a call held again (approved, then interrupted: held for a reconcile) takes a
+  verdict of its own, a refused one is a violation (the task is canceled) (I24);
 - an ``ask_human`` call's result is the person's reply (and the model was shown it);
 - calls waiting for a person hold no lease, and while more of them wait than there are worker
   slots (the first tasks ask at once, and the person holds back every answer until other tasks
