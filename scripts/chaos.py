@@ -40,8 +40,9 @@ on any violation:
   verdict of its own, a refused one is a violation (the task is canceled) (I24);
 - an ``ask_human`` call's result is the person's reply (and the model was shown it);
 - calls waiting for a person hold no lease, and while more of them wait than there are worker
-  slots (the first tasks ask at once, and the person holds back every answer until other tasks
-  finished, or for --hold-back seconds), other runs still move; and the run completes (I25);
+  slots (the first tasks ask at once, and the person holds back every answer until then and
+  until other tasks finished, or for --hold-back seconds), other runs still move; and the run
+  completes (I25);
 - a fork of a finished task (``turn=0``) runs no tool call of its source again: the ledger's
   entries under the fork's id are its own turns' calls, the source gets none after the fork,
   its model never plays turn 0, its copied items are marked (I26);
@@ -506,7 +507,9 @@ class Person(threading.Thread):
         self.started = time.time()
         self.full_at: float | None = None
         self.terminal_at_full: set[str] = set()
+        self.first_held_at: float | None = None
         self.held_at_full = 0
+        self.waiting_at_full: set[str] = set()
         self.finished_while_held = 0
         self.moved_while_held = 0
         self.peak_held = 0
@@ -635,19 +638,22 @@ class Person(threading.Thread):
         self.peak_held = max(self.peak_held, len(rows), len(listed_keys))
 
     def hold_back(self, now: float, held: dict[tuple[str, int, str, str], Any]) -> None:
-        """I25: answer nothing until the first tasks' questions all wait (more calls waiting
-        for a person than there are worker slots), then until other tasks finished meanwhile,
+        """I25: answer nothing until more calls wait for a person than there are worker slots
+        (the first tasks ask at once), then until other tasks finished meanwhile,
         or ``hold_back_max`` seconds. Under kills a slow machine may finish none in that time:
         the violation is that no other run moved at all (waits would then hold the workers)."""
-        if self.full_at is None and self.early <= {k[0] for k in held if k[2] == "ask0"}:
+        if held and self.first_held_at is None:
+            self.first_held_at = now
+        if self.full_at is None and len(held) > self.slots:
             self.full_at = now
             self.held_at_full = len(held)
+            self.waiting_at_full = {k[0] for k in held}
             self.terminal_at_full = {t for t, s in self.status.items() if terminal(s)}
         if self.full_at is None:
-            if now - self.started > self.hold_back_max:
+            if now - (self.first_held_at or now) > self.hold_back_max:
                 print(
-                    f"note: the first {len(self.early)} questions never all waited at once "
-                    f"within {self.hold_back_max:.0f} s; I25 not exercised",
+                    f"note: no more than {self.peak_held} calls waited for a person at once "
+                    f"within {self.hold_back_max:.0f} s of the first; I25 not exercised",
                     flush=True,
                 )
                 self.holding_back = False
@@ -676,7 +682,7 @@ class Person(threading.Thread):
             )
 
     def moves_since(self, at: float) -> int:
-        """Transitions of the runs other than the first tasks' since ``at``."""
+        """Transitions since ``at`` of the runs that were not waiting for a person then."""
         from datetime import UTC, datetime
 
         from sqlalchemy import func, select
@@ -692,7 +698,7 @@ class Person(threading.Thread):
                 conn.execute(
                     select(func.count()).where(
                         tr.at >= datetime.fromtimestamp(at, UTC),
-                        tr.execution_id.not_in([execution_id_for(t) for t in self.early]),
+                        tr.execution_id.not_in([execution_id_for(t) for t in self.waiting_at_full]),
                     )
                 ).scalar_one()
             )
@@ -915,9 +921,14 @@ class Person(threading.Thread):
             f"{len(self.seconds)} second verdicts tried "
             f"({sum(x.result == 'refused' for x in self.seconds)} refused), {s['fork']} forks; "
             f"I25: up to {self.peak_held} calls waited for a person at once "
-            f"({self.slots} worker slots); while {self.held_at_full} waited, answered none for "
-            f"{self.held_back_for:.0f} s: other runs made {self.moved_while_held} transitions, "
-            f"{self.finished_while_held} tasks finished"
+            f"({self.slots} worker slots); "
+            + (
+                f"while {self.held_at_full} waited, answered none for "
+                f"{self.held_back_for:.0f} s: other runs made {self.moved_while_held} "
+                f"transitions, {self.finished_while_held} tasks finished"
+                if self.full_at is not None
+                else "the hold-back never had more waiting than worker slots"
+            )
         )
 
 
