@@ -1335,7 +1335,12 @@ def check_messages(
                 out.append(
                     f"{where}: after {shown} of turn {prev.turn}'s {ncalls[prev.turn]} results"
                 )
-        elif prev.kind == "final":
+        elif prev.kind == "final" or (
+            # a final answer that mail reopened is kept as the turn's last assistant message
+            # (charlie/executor/phases/mailbox.reopen_final): a boundary when its turn called
+            # no tool
+            prev.kind == "message" and ncalls.get(prev.turn, 0) == 0
+        ):
             delivered_at = items[a].seq
             if item.turn != prev.turn:
                 out.append(f"{where}: after turn {prev.turn}'s final answer, not at its turn")
