@@ -151,6 +151,9 @@ def test_actions_are_celery_tasks_by_name(cluster: Cluster, script) -> None:  # 
     app.send_task(
         "charlie.send", args=[task_id, "from celery"], kwargs={"operator": "svc"}, task_id="msg-1"
     )
+    # Two messages may reach two workers in either order: approve once the send is in, so the
+    # message is sure to wait for the boundary after the approved call.
+    wait_for(lambda: [a for a in charlie.actions(task_id) if a.action.value == "send"])
     for _ in range(2):  # the same message twice: one approve
         app.send_task(
             "charlie.approve", args=[task_id, "w"], kwargs={"operator": "svc"}, task_id="appr-1"
