@@ -268,6 +268,9 @@ class _Decided:
     invoke: tuple[str, int, str] | None = None
     await_version: int | None = None
     late: bool = False
+    #: how the released call is invoked: ``start`` (it never started) or ``resume`` (a started
+    #: call that parked asking a question goes on with the answer).
+    invoke_mode: str = "start"
 
 
 def _decide(
@@ -293,7 +296,8 @@ def _decide(
         call = store.find_call(conn, xid, call_id, None)
         if call is None:
             raise CallNotFound(f"task {task_id!r} has no tool call {call_id!r}")
-        first = _standing_verdict(store.verdicts_on(conn, task_id, call.call_id, call.turn), call)
+        verdicts = store.verdicts_on(conn, task_id, call.call_id, call.turn)
+        first = _standing_verdict(verdicts, call, action)
         if first is not None:
             raise VerdictConflict(call_id, record_of(first))
         return decide(conn, run, call, actor, utcnow())
@@ -303,8 +307,9 @@ def _decide(
         return recorded  # this request committed before: nothing more to do
     assert decided is not None
     if decided.invoke is not None:
-        # Lost, the sweep finds a released call that was queued and never started (I11).
-        rt.publisher.invoke(*decided.invoke, "start")
+        # Lost, the sweep finds a released call that was queued and never started (I11), or
+        # an answered started call, whose lease it finds lapsed (I10).
+        rt.publisher.invoke(*decided.invoke, decided.invoke_mode)
     if decided.await_version is not None:
         rt.publisher.tick(xid, Phase.AWAIT_TOOLS, decided.await_version)
     return _record(rt, decided.record_id)
@@ -316,11 +321,38 @@ def _not_done(row: Any) -> bool:
     )
 
 
-def _standing_verdict(rows: list[Any], call: Any) -> Any:
-    """The verdict that decides this call now, if any (I24). A ``not_done`` dispatches the call
-    again; if that repeat is interrupted and held once more, it is a new question and the
-    verdicts before it have been carried out. Otherwise the first verdict of the latest round
-    stands."""
+#: the verdicts that answer each hold: an approve is no answer to a later reconcile of the
+#: same call (I24 holds per question asked of a person, not across them).
+_ANSWERS: dict[str, frozenset[str]] = {
+    Hold.APPROVAL.value: frozenset({Action.APPROVE.value, Action.DENY.value}),
+    Hold.REPLY.value: frozenset({Action.REPLY.value}),
+    Hold.RECONCILE.value: frozenset({Action.RECONCILE.value}),
+}
+
+
+#: which hold each verdict answers.
+_ANSWERED_BY = {action: hold for hold, actions in _ANSWERS.items() for action in actions}
+
+
+def _standing_verdict(rows: list[Any], call: Any, action: Action | None = None) -> Any:
+    """The verdict that decides this call now, if any (I24). Only verdicts that answer what
+    the call is held for count (an approve does not answer its later reconcile); a call held
+    for nothing now (released, settled) is answered by verdicts of ``action``'s kind if it had
+    any, else by any. Of a question a started call asked (an MCP server's input_required), only
+    replies to that question count: each question is asked, and answered, once. A ``not_done``
+    dispatches the call again; if that repeat is interrupted and held once more, it is a new
+    question and the verdicts before it have been carried out. Otherwise the first verdict of
+    the latest round stands."""
+    kinds = _ANSWERS.get(call.hold)
+    if kinds is None and action is not None:
+        same = _ANSWERS[_ANSWERED_BY[action.value]]
+        if any(r.action in same for r in rows):
+            kinds = same
+    if kinds is not None:
+        rows = [r for r in rows if r.action in kinds]
+    question = (call.hold_info or {}).get("question_id")
+    if question is not None and call.hold in (Hold.REPLY.value, None):
+        rows = [r for r in rows if (r.detail or {}).get("question_id") == question]
     if not rows:
         return None
     if _not_done(rows[-1]) and call.hold == Hold.RECONCILE.value:
@@ -467,22 +499,38 @@ def reply(
     operator: str | None = None,
     request_id: str | None = None,
 ) -> ActionRecord:
-    """Answer a question (an ``ask_human`` call): the answer is the call's result. A reply
+    """Answer a question: an ``ask_human`` call, whose result the answer is, or a started call
+    that parked asking one (an MCP server's ``input_required``), which goes on with it: the
+    answer is recorded on the call, its hold lifted, and the call resumed (I9, I23). A reply
     after the question's deadline settled it is recorded as its late report (I12, I13); its
-    detail says ``late``."""
+    detail says ``late``. One reply per question (I24)."""
     rt = get_producer()
     text = _text(text, "reply", rt.settings.max_result_bytes)
 
     def decide(conn: Connection, run: Any, call: Any, actor: str, now: datetime) -> _Decided:
-        asked = call.hold == Hold.REPLY.value or (call.hold_info or {}).get("question") is not None
+        info = dict(call.hold_info or {})
+        asked = call.hold == Hold.REPLY.value or info.get("question") is not None
         if not asked:
             raise _not_held(task_id, call, Hold.REPLY)
         late = call.state == CallState.SETTLED.value
+        resumes = not late and call.state == CallState.STARTED.value
         if late:
             from charlie.store.calls import record_late_report
 
             record_late_report(
                 conn, call.execution_id, call.turn, call.call_id, Outcome.OK.value, text
+            )
+        elif resumes:
+            if call.hold != Hold.REPLY.value:
+                raise _not_held(task_id, call, Hold.REPLY)
+            answered = {
+                **info,
+                "answer": text,
+                "answered_by": actor,
+                "answered_at": now.isoformat(),
+            }
+            store.answer_parked_call(
+                conn, call.execution_id, call.turn, call.call_id, info=answered, now=now
             )
         else:
             store.settle_held_call(
@@ -496,6 +544,11 @@ def reply(
                 by=f"operator:{actor}"[:200],
                 now=now,
             )
+        detail: JSON = {"late": late, "outcome": call.outcome} if late else {"late": False}
+        if info.get("question_id") is not None:
+            detail["question_id"] = info["question_id"]
+        if resumes:
+            detail["resumes"] = True
         rid = store.record_action(
             conn,
             task_id=task_id,
@@ -504,9 +557,13 @@ def reply(
             now=now,
             call_id=call.call_id,
             turn=call.turn,
-            detail={"late": late, "outcome": call.outcome} if late else {"late": False},
+            detail=detail,
             request_id=request_id,
         )
+        if resumes:
+            return _Decided(
+                rid, invoke=(call.execution_id, call.turn, call.call_id), invoke_mode="resume"
+            )
         return _Decided(rid, await_version=None if late else _after_settle(conn, run, call))
 
     return _decide(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +33,7 @@ from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
-from charlie.tools.context import LeaseLost, Pending, ToolContext
+from charlie.tools.context import AskPerson, LeaseLost, Pending, ToolContext
 
 log = logging.getLogger("charlie.tool")
 
@@ -253,6 +254,8 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
 
         task_id = task_id_of(call.execution_id)
         metadata = call.task_metadata or {}
+        asked_info = call.hold_info if isinstance(call.hold_info, dict) else {}
+        answered = mode == "resume" and asked_info.get("answer") is not None
         ctx = ToolContext(
             task_id=task_id,
             execution_id=call.execution_id,
@@ -266,6 +269,8 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             _record_handle=keep_handle,
             overdue=mode == "observe",
             children=DbChildren(rt),
+            answer=str(asked_info["answer"]) if answered else None,
+            asked=(asked_info.get("asked") or {}) if answered else None,
         )
         # An overdue wait is settled: it has no lease to renew.
         with _call_heartbeat(rt, call) if mode != "observe" else nullcontext() as held:
@@ -291,10 +296,16 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             extra={"execution_id": call.execution_id, "call_id": call.call_id, "mode": mode},
         )
         return "lost_lease"
-    if isinstance(result, Pending):
+    if isinstance(result, Pending | AskPerson):
         if mode == "observe":
             return "still_running"
-        if outcome is Outcome.OK and definition is not None and definition.resumable:
+        if (
+            outcome is Outcome.OK
+            and definition is not None
+            and (definition.resumable or definition.parks)
+        ):
+            if isinstance(result, AskPerson):
+                return _ask(rt, call, result)
             return _park(rt, call, result)
         outcome, result = Outcome.ERROR, {"error": f"{call.name!r} is not a resumable wait"}
     result = cap_result(result, rt.settings.max_result_bytes)
@@ -307,6 +318,33 @@ def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
         parked = calls.park_call(conn, call, rt.worker, pending.handle, poll_at)
     log.debug("wait parked", extra={"call_id": call.call_id, "handle": pending.handle})
     return "parked" if parked else "lost_lease"
+
+
+def _ask(rt: Runtime, call: ClaimedCall, ask: AskPerson) -> str:
+    """Park a started call held for a person's reply (charlie.reply): no owner, no lease, no
+    message (I25), its deadline a question's (CHARLIE_HUMAN_DEADLINE from now, never earlier
+    than the one it had). The question's id tells one round of questions from the next, so a
+    reply answers the question asked now, once (I24)."""
+    now = utcnow()
+    deadline = now + timedelta(seconds=rt.settings.human_deadline)
+    if call.deadline_at is not None and call.deadline_at > deadline:
+        deadline = call.deadline_at
+    info: JSON = {
+        "question": ask.question,
+        "question_id": uuid.uuid4().hex,
+        "asked_at": now.isoformat(),
+        "asked": ask.state,
+    }
+    with write(rt.engine) as conn:
+        calls.lock_run(conn, call.execution_id)  # settlers' order: the run, then the call
+        asked = calls.park_for_answer(
+            conn, call, rt.worker, handle=ask.handle, info=info, deadline_at=deadline
+        )
+    log.info(
+        "call asks a person" if asked else "question not parked: lease lost",
+        extra={"execution_id": call.execution_id, "call_id": call.call_id, "tool": call.name},
+    )
+    return "asking" if asked else "lost_lease"
 
 
 def poke_waiters(rt: Runtime, task_id: str) -> None:

@@ -52,6 +52,14 @@ class ToolDef:
     on_interrupt: OnInterrupt = OnInterrupt.REPORT
     #: a person answers the call (``ask_human``): no worker runs it, a reply settles it.
     answered_by_person: bool = False
+    #: a read or write whose call may become a resumable wait once its outside work has an
+    #: identity: its handler may return ``Pending(handle)`` (an MCP task) or ``AskPerson``
+    #: (a question to a person), and the call parks. It is marked resumable by that park,
+    #: never before: interrupted before it, it is an interrupted read or write (I10).
+    parks: bool = False
+    #: where the tool comes from, for `charlie tools`: "built-in", "user" (CHARLIE_TOOL_MODULES
+    #: or this process's @charlie.tool) or "mcp:SERVER".
+    source: str = ""
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -109,6 +117,7 @@ def build_tool(
     approval: bool = False,
     on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
     answered_by_person: bool = False,
+    parks: bool = False,
 ) -> ToolDef:
     tool_name = name or fn.__name__
     effect = Effect(effect)
@@ -161,6 +170,8 @@ def build_tool(
         approval=bool(approval),
         on_interrupt=on_interrupt,
         answered_by_person=answered_by_person,
+        parks=bool(parks),
+        source="built-in" if fn.__module__.startswith("charlie.") else "user",
     )
 
 
@@ -224,6 +235,7 @@ def tool(
     description: str | None = None,
     approval: bool = False,
     on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
+    parks: bool = False,
 ) -> Callable[[Handler], Handler]: ...
 def tool(
     fn: Handler | None = None,
@@ -236,6 +248,7 @@ def tool(
     description: str | None = None,
     approval: bool = False,
     on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
+    parks: bool = False,
 ) -> Handler | Callable[[Handler], Handler]:
     """Register a function as a tool.
 
@@ -249,6 +262,9 @@ def tool(
     approves it (``charlie.approve``) or denies it (``charlie.deny``), I23.
     ``on_interrupt="hold"``: an interrupted call that no ``reconcile`` hook could settle is not
     reported to the model but held for an operator's verdict (``charlie.reconcile``).
+    ``parks=True``: a read or write that may return ``Pending`` (its work got an identity
+    outside) or ``AskPerson`` (a person must answer first); the call then parks and is resumed
+    with its handle, or with the answer.
     """
 
     def register(f: Handler) -> Handler:
@@ -263,6 +279,7 @@ def tool(
                 description=description,
                 approval=approval,
                 on_interrupt=on_interrupt,
+                parks=parks,
             )
         )
         return f
