@@ -39,7 +39,7 @@ from charlie.executor import tick
 from charlie.presence import Presence
 from charlie.runtime import get_runtime
 
-INVOKE_MODES = ("start", "resume", "reconcile", "observe")
+INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
 
 
 def _phase_task(phase: Phase) -> Task:

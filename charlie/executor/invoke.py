@@ -93,6 +93,8 @@ def run_call(
     call runs or publishes that tick, I7), else None."""
     if mode == "observe":
         return observe_overdue_wait(rt, execution_id, turn, call_id), None
+    if mode == "cancel":
+        return cancel_outside_work(rt, execution_id, turn, call_id), None
 
     def claim() -> ClaimedCall | None:
         return calls.claim_call_alone(
@@ -222,6 +224,46 @@ def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str
         return "already_reported"
     log_settled(done, False)
     return "late"
+
+
+def cancel_outside_work(rt: Runtime, execution_id: str, turn: int, call_id: str) -> str:
+    """Ask the outside work of a call Charlie canceled to stop, through its tool's cancel hook
+    (an MCP task: tasks/cancel). The call's outcome stays ``canceled`` (I12); nothing is
+    claimed or settled, and a failure is only logged: the work was never assumed stopped."""
+
+    def load() -> ClaimedCall | None:
+        with read(rt.engine) as conn:
+            return calls.load_canceled_call(conn, execution_id, turn, call_id)
+
+    call = again_if_disconnected(load, "load a canceled call")
+    definition = rt.tools.get(call.name) if call is not None else None
+    if call is None or definition is None or definition.cancel is None:
+        return "nothing_to_cancel"
+    if call.implementation is not None and call.implementation != definition.implementation:
+        return "nothing_to_cancel"  # another tool of the name: not its work to stop
+    task_id = task_id_of(execution_id)
+    metadata = call.task_metadata or {}
+    ctx = ToolContext(
+        task_id=task_id,
+        execution_id=execution_id,
+        call_id=call_id,
+        turn=turn,
+        workspace=workspace_for(rt, task_id, metadata),
+        metadata=metadata,
+        resumed=True,
+        handle=call.handle,
+        _record_handle=lambda handle: None,
+        children=DbChildren(rt),
+    )
+    extra = {"execution_id": execution_id, "call_id": call_id, "handle": call.handle}
+    kw = {definition.context_param: ctx} if definition.context_param else {}
+    try:
+        definition.cancel(**{**call.arguments, **kw})
+    except Exception as exc:
+        log.warning("could not cancel a canceled call's outside work: %s", exc, extra=extra)
+        return "cancel_failed"
+    log.info("asked a canceled call's outside work to stop", extra=extra)
+    return "cancel_sent"
 
 
 def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str:

@@ -47,6 +47,7 @@ from typing import Any
 import jsonschema
 import mcp_types
 
+from charlie import faults
 from charlie.domain import JSON, Effect, OnInterrupt
 from charlie.mcp.config import McpConfig, ServerConfig
 from charlie.mcp.connections import (
@@ -157,6 +158,7 @@ def definition(servers: Servers, server: ServerConfig, tool: mcp_types.Tool) -> 
     if not description:
         description = f"Tool {tool.name} of the MCP server {server.name}."
     handler = _handler(servers, server.name, tool.name, effect, settings.deadline)
+    cancel = _canceller(servers, server.name, tool.name, effect, settings.deadline)
     return ToolDef(
         name=name,
         handler=handler,
@@ -172,6 +174,7 @@ def definition(servers: Servers, server: ServerConfig, tool: mcp_types.Tool) -> 
         on_interrupt=settings.on_interrupt or OnInterrupt.REPORT,
         parks=True,
         source=f"mcp:{server.name}",
+        cancel=cancel,
     )
 
 
@@ -205,6 +208,24 @@ def _handler(
 
     call.__qualname__ = f"mcp:{server}:{tool}"
     return call
+
+
+def _canceller(
+    servers: Servers, server: str, tool: str, effect: Effect, deadline: float | None
+) -> Any:
+    """The cancel hook: Charlie canceled a call parked on a task; tasks/cancel asks the server
+    to stop it (cooperative: the server may finish anyway, SEP-2663)."""
+
+    def cancel(_charlie_ctx: ToolContext, **arguments: Any) -> None:
+        task = HANDLE.match(_charlie_ctx.handle or "")
+        if task is None:
+            return  # an input round: nothing at the server has an identity to cancel
+        McpCall(
+            servers, server, tool, effect, deadline or servers.default_deadline, arguments,
+            _charlie_ctx,
+        ).cancel_task(task.group("id"))  # fmt: skip
+
+    return cancel
 
 
 def _hash(keys: list[str]) -> str:
@@ -424,8 +445,10 @@ class McpCall:
                 "the server started a task whose id is too long to record",
                 task_id=created.task_id[:500],
             )
-        # I20: the task's id is durable before the call waits on it.
+        # I20: the task's id is durable before the call waits on it, as evidence; the park
+        # that follows makes the call a resumable wait on it.
         self.ctx.record_handle(handle)
+        faults.hit("mcp.task_created", tool=self.tool)
         return Pending(handle, poll_after=_poll_after(created.poll_interval_ms))
 
     def _poll(self, task_id: str, seen: str | None = None) -> Any:
@@ -443,6 +466,7 @@ class McpCall:
             raise self._lost_task(task_id, refused) from None
         except Abandoned:
             raise LeaseLost("this attempt lost the call while polling its task") from None
+        faults.hit("mcp.after_poll", tool=self.tool, status=state.get("status"))
         return self._task_state(task_id, state, seen)
 
     def _task_state(self, task_id: str, state: JSON, seen: str | None) -> Any:
@@ -541,7 +565,13 @@ class McpCall:
         return result
 
     def cancel_task(self, task_id: str) -> None:
-        self._task_request("tasks/cancel", task_id)
+        try:
+            self._task_request("tasks/cancel", task_id)
+        except McpFailure as failure:
+            raise RuntimeError(
+                f"tasks/cancel of {task_id} on MCP server {self.server!r} failed: "
+                f"{self.servers.scrub(failure.reason)}"
+            ) from None
 
 
 def _poll_after(ms: Any) -> float:

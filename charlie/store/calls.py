@@ -42,7 +42,9 @@ ACTIVE_STATUSES = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus
 
 #: ``observe``: look again at the outside work of a wait that settled past its deadline (I13);
 #: not a claim, since the call already has its outcome.
-Mode = Literal["start", "resume", "reconcile", "observe"]
+#: ``cancel``: ask the outside work of a call settled ``canceled`` to stop (a tool's cancel
+#: hook); not a claim either.
+Mode = Literal["start", "resume", "reconcile", "observe", "cancel"]
 
 #: A worker's tools as (name, implementation) pairs, sorted (ToolRegistry.implementations()).
 Implementations = tuple[tuple[str, str], ...]
@@ -724,6 +726,23 @@ def load_overdue_wait(
     report is in (or it was never one)."""
     row = conn.execute(
         select(*_call_columns()).where(CALL_KEY, OVERDUE_WAIT),
+        {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
+    ).first()
+    return None if row is None else _as_call(execution_id, turn, call_id, row)
+
+
+def load_canceled_call(
+    conn: Connection, execution_id: str, turn: int, call_id: str
+) -> ClaimedCall | None:
+    """A call settled ``canceled`` with a handle on outside work, as its handler sees a call
+    (for its tool's cancel hook); None for any other."""
+    row = conn.execute(
+        select(*_call_columns()).where(
+            CALL_KEY,
+            _c.state == CallState.SETTLED.value,
+            _c.outcome == Outcome.CANCELED.value,
+            _c.handle.is_not(None),
+        ),
         {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
     ).first()
     return None if row is None else _as_call(execution_id, turn, call_id, row)

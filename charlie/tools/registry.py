@@ -60,6 +60,11 @@ class ToolDef:
     #: where the tool comes from, for `charlie tools`: "built-in", "user" (CHARLIE_TOOL_MODULES
     #: or this process's @charlie.tool) or "mcp:SERVER".
     source: str = ""
+    #: called (like the handler, ``ctx.handle`` set) when Charlie cancels a call that has a
+    #: handle on outside work (its task canceled or timed out, its run failed): asks the outside
+    #: system to stop it (an MCP task's tasks/cancel). Best effort, after the call settled
+    #: ``canceled``, which stays its outcome; an exception is logged.
+    cancel: Handler | None = None
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)

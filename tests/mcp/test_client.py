@@ -316,3 +316,63 @@ def test_a_call_whose_lease_is_lost_stops_waiting(remote: Remote) -> None:
     outcome, result = run_handler(definition_, {"key": "slow", "hold": 5}, ctx)
     assert time.monotonic() - started < 3
     assert outcome is Outcome.ERROR and result.get("lease_lost") is True
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_task_is_a_wait_on_its_id_and_its_end_is_the_result(remote: Remote, server: str) -> None:
+    name = f"mcp__{server}__slow_job"
+    started = remote.env.run(name, key=f"t-{server}", seconds=0.5)
+    assert started.pending is not None and started.handle
+    assert started.handle.startswith("task:task-")
+    assert started.pending.poll_after == 0.5  # the server's pollIntervalMs, bounded
+    done = wait_for(
+        lambda: (o := remote.env.resume(name, started.handle, key=f"t-{server}")).ok and o
+    )
+    assert done.result == f"job t-{server} done"
+    # past its deadline, a look (I13) reports the task's end; an input round has no identity
+    looked = remote.env.observe(name, started.handle, key=f"t-{server}")
+    assert looked.ok and looked.result == f"job t-{server} done"
+    assert remote.env.observe(name, "input:abc", key="x").pending is not None
+
+
+def test_a_task_the_server_no_longer_knows_is_interrupted_never_called_again(
+    remote: Remote,
+) -> None:
+    lost = remote.env.resume("mcp__web__slow_job", handle="task:task-forgotten", key="f")
+    assert lost.outcome is Outcome.INTERRUPTED, lost
+    assert "no longer knows the task" in lost.result["error"]
+    assert not entries(remote.ledger, "slow_job.created") or all(
+        e["key"] != "f" for e in entries(remote.ledger, "slow_job.created")
+    )
+
+
+def test_a_tasks_input_is_asked_once_and_cancel_sends_tasks_cancel(remote: Remote) -> None:
+    name = "mcp__web__approve_job"
+    started = remote.env.run(name, key="q1")
+    asked = wait_for(lambda: (o := remote.env.resume(name, started.handle, key="q1")).asked and o)
+    assert "Approve job q1?" in asked.asked.question
+    answered = remote.env.reply(name, asked, "yes", key="q1")
+    # answered, the task may still say input_required for a moment: nobody is asked again
+    assert answered.asked is None
+    done = (
+        answered
+        if answered.ok
+        else wait_for(lambda: (o := remote.env.resume(name, answered.handle, key="q1")).ok and o)
+    )
+    assert done.result == "job q1 approved"
+    updates = [e for e in entries(remote.ledger, "tasks/update") if e["keys"] == ["approve-q1"]]
+    assert len(updates) == 1
+
+    slow = remote.env.run("mcp__web__slow_job", key="c1", seconds=30)
+    definition_ = remote.registry.get("mcp__web__slow_job")
+    assert definition_ is not None and definition_.cancel is not None
+    from charlie.tools.context import ToolContext
+
+    ctx = ToolContext(
+        task_id="t", execution_id="x-t", call_id="c", turn=0, workspace=Path("."), metadata={},
+        resumed=True, handle=slow.handle, _record_handle=lambda h: None,
+    )  # fmt: skip
+    definition_.cancel(_charlie_ctx=ctx, key="c1", seconds=30)
+    wait_for(lambda: entries(remote.ledger, "slow_job.cancelled"))
+    cancelled = remote.env.resume("mcp__web__slow_job", slow.handle, key="c1", seconds=30)
+    assert cancelled.outcome is Outcome.ERROR and "was cancelled" in cancelled.result["error"]

@@ -282,6 +282,11 @@ class McpServers:
         return self.home / "mcp-files-down"
 
     @property
+    def tasks_dir(self) -> Path:
+        """The test servers' task records (any of their processes follows a task)."""
+        return self.home / "mcp-tasks"
+
+    @property
     def config_path(self) -> Path:
         return self.home / "mcp.json"
 
@@ -291,6 +296,7 @@ class McpServers:
             "MCP_TEST_TOKEN": MCP_STDIO_TOKEN,
             "MCP_TEST_NAME": "files",
             "MCP_TEST_DOWN_FLAG": str(self.down_flag),
+            "MCP_TEST_TASKS_DIR": str(self.tasks_dir),
         }
         auth = {"Authorization": f"Bearer {MCP_HTTP_TOKEN}"}
         web = f"http://127.0.0.1:{self.web_port}/mcp"
@@ -329,6 +335,7 @@ class McpServers:
             "MCP_TEST_LEDGER": str(self.ledger),
             "MCP_TEST_TOKEN": MCP_HTTP_TOKEN,
             "MCP_TEST_NAME": name,
+            "MCP_TEST_TASKS_DIR": str(self.tasks_dir),
         }
         with open(self.home / f"mcp-{name}.log", "ab") as log:
             proc = subprocess.Popen(

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from mcp.server.mcpserver import Context, Extension, MCPServer, MethodBinding
@@ -67,14 +70,54 @@ class UpdateParams(RequestParams):
     input_responses: dict[str, Any] = {}
 
 
+class TaskStore:
+    """Tasks as files in ``MCP_TEST_TASKS_DIR`` (an outside job system's records): any process
+    of this server reads and updates them, so a stdio server started by another worker process
+    follows a task too; the job itself runs in the process that created it."""
+
+    def __init__(self, root: str | None) -> None:
+        self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="mcp-tasks-"))
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, task_id: str, suffix: str = ".json") -> Path:
+        if not task_id.replace("-", "").isalnum():
+            raise KeyError(task_id)
+        return self.root / f"{task_id}{suffix}"
+
+    def get(self, task_id: str) -> dict[str, Any] | None:
+        try:
+            loaded: dict[str, Any] = json.loads(self._path(task_id).read_text())
+        except (OSError, KeyError, ValueError):
+            return None
+        return loaded
+
+    def put(self, task: dict[str, Any]) -> None:
+        path = self._path(task["taskId"])
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(task))
+        tmp.replace(path)
+
+    def answer(self, task_id: str, key: str, response: dict[str, Any]) -> None:
+        self._path(task_id, f".answer-{hashlib.sha256(key.encode()).hexdigest()[:12]}").write_text(
+            json.dumps(response)
+        )
+
+    def answered(self, task_id: str, key: str) -> dict[str, Any] | None:
+        path = self._path(task_id, f".answer-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+        try:
+            loaded: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return loaded
+
+
 class Tasks(Extension):
-    """The tasks extension's server side, in memory (tasks live as long as this process)."""
+    """The tasks extension's server side (SEP-2663: tasks/get, tasks/update, tasks/cancel)."""
 
     identifier = TASKS
 
     def __init__(self) -> None:
-        self.tasks: dict[str, dict[str, Any]] = {}
-        self.answers: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.store = TaskStore(os.environ.get("MCP_TEST_TASKS_DIR"))
         self.running: set[asyncio.Task[None]] = set()
 
     def methods(self) -> list[MethodBinding]:
@@ -88,7 +131,7 @@ class Tasks(Extension):
         from mcp.shared.exceptions import MCPError
         from mcp_types import INVALID_PARAMS
 
-        task = self.tasks.get(task_id)
+        task = self.store.get(task_id)
         if task is None:
             raise MCPError(INVALID_PARAMS, f"Failed to retrieve task: no task {task_id}")
         return task
@@ -102,13 +145,8 @@ class Tasks(Extension):
         task = self._known(params.task_id)
         record("tasks/update", task_id=params.task_id, keys=sorted(params.input_responses))
         for key, response in params.input_responses.items():
-            waiter = self.answers.get(key)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(response)
-        if task["status"] == "input_required" and all(
-            k in params.input_responses for k in task.get("inputRequests", {})
-        ):
-            self._set(params.task_id, "working")
+            if key in task.get("inputRequests", {}):
+                self.store.answer(params.task_id, key, response)
         return {"resultType": "complete"}
 
     async def cancel(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
@@ -118,11 +156,16 @@ class Tasks(Extension):
             self._set(params.task_id, "cancelled", statusMessage="cancelled by the client")
         return {"resultType": "complete"}
 
-    def _set(self, task_id: str, status: str, **fields: Any) -> None:
-        task = self.tasks[task_id]
+    def _set(self, task_id: str, status: str, **fields: Any) -> dict[str, Any]:
+        task = self.store.get(task_id) or {"taskId": task_id}
         task.update(status=status, lastUpdatedAt=now(), **fields)
         if status != "input_required":
             task.pop("inputRequests", None)
+        self.store.put(task)
+        return task
+
+    def _cancelled(self, task_id: str) -> bool:
+        return (self.store.get(task_id) or {}).get("status") == "cancelled"
 
     async def intercept_tool_call(self, params: Any, ctx: Any, call_next: Any) -> Any:
         if params.name not in TASK_TOOLS:
@@ -131,7 +174,7 @@ class Tasks(Extension):
 
         require_client_extension(ctx, TASKS)
         task_id = f"task-{uuid.uuid4().hex}"
-        self.tasks[task_id] = {
+        task = {
             "taskId": task_id,
             "status": "working",
             "createdAt": now(),
@@ -139,16 +182,17 @@ class Tasks(Extension):
             "ttlMs": None,
             "pollIntervalMs": 300,
         }
+        self.store.put(task)
         arguments = dict(params.arguments or {})
         record(f"{params.name}.created", task_id=task_id, **arguments)
         work = self._slow_job if params.name == "slow_job" else self._approve_job
         job = asyncio.get_running_loop().create_task(work(task_id, arguments))
         self.running.add(job)
         job.add_done_callback(self.running.discard)
-        return {"resultType": "task", **self.tasks[task_id]}
+        return {"resultType": "task", **task}
 
     def _done(self, task_id: str, text: str) -> None:
-        if self.tasks[task_id]["status"] == "cancelled":
+        if self._cancelled(task_id):
             return
         result = {"content": [{"type": "text", "text": text}], "isError": False}
         self._set(task_id, "completed", result=result)
@@ -158,7 +202,7 @@ class Tasks(Extension):
         record("slow_job.start", task_id=task_id, key=key)
         end = time.monotonic() + float(arguments.get("seconds", 1))
         while time.monotonic() < end:
-            if self.tasks[task_id]["status"] == "cancelled":
+            if self._cancelled(task_id):
                 record("slow_job.cancelled", task_id=task_id, key=key)
                 return
             await asyncio.sleep(0.05)
@@ -168,8 +212,6 @@ class Tasks(Extension):
     async def _approve_job(self, task_id: str, arguments: dict[str, Any]) -> None:
         key = arguments.get("key", "")
         ask = f"approve-{key}"
-        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.answers[ask] = waiter
         request = {
             "method": "elicitation/create",
             "params": {
@@ -183,9 +225,14 @@ class Tasks(Extension):
             },
         }
         self._set(task_id, "input_required", inputRequests={ask: request})
-        answer = await waiter
+        while (answer := self.store.answered(task_id, ask)) is None:
+            if self._cancelled(task_id):
+                return
+            await asyncio.sleep(0.05)
+        self._set(task_id, "working")
         approved = bool((answer.get("content") or {}).get("approve"))
         record("approve_job.answered", task_id=task_id, key=key, approved=approved)
+        await asyncio.sleep(float(arguments.get("seconds", 0.2)))
         self._done(task_id, f"job {key} {'approved' if approved else 'refused'}")
 
 
@@ -270,7 +317,7 @@ def slow_job(key: str, seconds: float = 1.0) -> str:
 
 
 @server.tool(annotations=ToolAnnotations(destructiveHint=True))
-def approve_job(key: str) -> str:
+def approve_job(key: str, seconds: float = 0.2) -> str:
     """Run a job that needs a person's approval on the way (a task that asks for input)."""
     return "not reached: the tasks extension answers with a task"
 
