@@ -81,10 +81,14 @@ _process: _Process | None = None
 _lock = threading.Lock()
 
 
-def _servers(settings: Settings, config: McpConfig) -> Servers:
+def _servers(settings: Settings, config: McpConfig, *, private: bool = False) -> Servers:
+    """The MCP tools' servers: this process's connections, or (``private``) connections of
+    their own, for a one-off listing that closes them."""
     return Servers(
         config=config,
-        connections=connections(config, settings.mcp_timeout),
+        connections=Connections(config, settings.mcp_timeout)
+        if private
+        else connections(config, settings.mcp_timeout),
         default_deadline=settings.tool_deadline,
     )
 
@@ -112,15 +116,20 @@ def _list(
 def discover(
     settings: Settings, registry: ToolRegistry, *, keep: bool = False, timeout: float | None = None
 ) -> dict[str, Status]:
-    """List every configured server's tools and register them; ``keep=False`` (a producer, a
-    command) ends the sessions it made (the tools stay registered, and connect again if they
-    are ever called here)."""
+    """List every configured server's tools and register them. In a process that discovered
+    already (a worker: ``start``), with its sessions; elsewhere (a producer, a command) with
+    sessions of its own, ended after unless ``keep`` (the tools stay registered, and connect
+    again if they are ever called here)."""
     config = config_of(settings)
     if not config.servers:
         return {}
-    servers = _servers(settings, config)
+    names = [s.name for s in config.servers]
+    state = _process
+    if state is not None and state.pid == os.getpid() and state.servers.config == config:
+        return _list(state.servers, registry, names, timeout)
+    servers = _servers(settings, config, private=not keep)
     try:
-        return _list(servers, registry, [s.name for s in config.servers], timeout)
+        return _list(servers, registry, names, timeout)
     finally:
         if not keep:
             servers.connections.close()

@@ -181,34 +181,38 @@ def build_tool(
 
 
 class ToolRegistry:
-    """Tools by name. Like Celery's task registry, it is filled at import time."""
+    """Tools by name. Like Celery's task registry, it is filled at import time, and by MCP
+    discovery later, from another thread: a change replaces the whole mapping, so a reader
+    iterating it never sees it change under it."""
 
     def __init__(self) -> None:
         self._tools: dict[str, ToolDef] = {}
-        self._implementations: tuple[tuple[str, str], ...] | None = None
+        self._implementations: tuple[dict[str, ToolDef], tuple[tuple[str, str], ...]] | None = None
 
     def add(self, definition: ToolDef) -> ToolDef:
         existing = self._tools.get(definition.name)
         if existing is not None and existing.handler is not definition.handler:
             raise ToolDefinitionError(f"a tool named {definition.name!r} is already registered")
-        self._tools[definition.name] = definition
+        self._tools = {**self._tools, definition.name: definition}
         self._implementations = None
         return definition
 
     def replace(self, definition: ToolDef) -> ToolDef:
         """Register ``definition`` in place of the tool of the same name, if there is one (the
         devbox's tools take the local ones' names, so the model sees one tool set)."""
-        self._tools[definition.name] = definition
+        self._tools = {**self._tools, definition.name: definition}
         self._implementations = None
         return definition
 
     def implementations(self) -> tuple[tuple[str, str], ...]:
         """(name, implementation) of every tool, sorted: what a claim records and checks."""
-        if self._implementations is None:
-            self._implementations = tuple(
-                sorted((name, d.implementation) for name, d in self._tools.items())
-            )
-        return self._implementations
+        tools, cached = self._tools, self._implementations
+        if cached is not None and cached[0] is tools:
+            return cached[1]
+        found = tuple(sorted((name, d.implementation) for name, d in tools.items()))
+        # keyed by the mapping it was made from: a change meanwhile makes it stale, not wrong
+        self._implementations = (tools, found)
+        return found
 
     def get(self, name: str) -> ToolDef | None:
         return self._tools.get(name)
@@ -217,9 +221,10 @@ class ToolRegistry:
         return sorted(self._tools)
 
     def enabled(self, allowed: list[str] | None) -> list[ToolDef]:
+        tools = self._tools
         if allowed is None:
-            return [self._tools[n] for n in self.names()]
-        return [self._tools[n] for n in allowed if n in self._tools]
+            return [tools[n] for n in sorted(tools)]
+        return [tools[n] for n in allowed if n in tools]
 
 
 #: The process's registry: the built-ins plus whatever CHARLIE_TOOL_MODULES registers.
