@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from charlie import people, scheduler
-from charlie.config import WorkspaceRefused
+from charlie.config import WorkspaceRefused, settings
 from charlie.domain import (
     JSON,
     MAX_TASK_ID,
@@ -211,12 +211,21 @@ def unknown_tools(names: list[str], modules: tuple[str, ...]) -> list[str]:
 
     A producer (a web app) knows the built-ins and the tools it declared itself without
     importing anything of the worker's. Only a name it does not know sends it to the worker's
-    tool modules (CHARLIE_TOOL_MODULES), imported then, so a typo is still refused before
-    anything is written while a submit naming known tools imports none of them."""
+    tool modules (CHARLIE_TOOL_MODULES), imported then, or for an ``mcp__SERVER__TOOL`` name to
+    the configured MCP servers, whose tools are listed then (sessions closed after), so a typo
+    is still refused before anything is written while a submit naming known tools imports none
+    of them and starts no MCP server."""
     unknown = [t for t in names if REGISTRY.get(t) is None]
     if unknown and modules:
         import_tool_modules(modules)
         unknown = [t for t in unknown if REGISTRY.get(t) is None]
+    if any(t.startswith("mcp__") for t in unknown):
+        s = settings()
+        if s.mcp_config or s.mcp_servers:
+            from charlie import mcp
+
+            mcp.discover(s, REGISTRY)
+            unknown = [t for t in unknown if REGISTRY.get(t) is None]
     return unknown
 
 
@@ -250,7 +259,8 @@ def submit(
         if unknown:
             raise UnknownToolError(
                 f"unknown tool(s) {', '.join(unknown)}; registered: {', '.join(REGISTRY.names())}"
-                " (user tools register through CHARLIE_TOOL_MODULES)"
+                " (user tools register through CHARLIE_TOOL_MODULES, MCP servers' tools through "
+                "CHARLIE_MCP_CONFIG or CHARLIE_MCP_SERVERS: `charlie tools` lists them)"
             )
     if approve is not None:
         if isinstance(approve, str) or not all(isinstance(t, str) for t in approve):
@@ -375,7 +385,8 @@ def _waiting_for(conn: Connection, rows: list[Any]) -> dict[str, list[WaitingFor
                 turn=call.turn,
                 tool=call.name,
                 arguments=call.arguments,
-                detail=call.hold_info or {},
+                # (without what a tool keeps to go on once answered: not for people)
+                detail={k: v for k, v in (call.hold_info or {}).items() if k != "asked"},
                 deadline_at=call.deadline_at,
             )
         )

@@ -121,7 +121,7 @@ def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sweeps.run_beat(get_runtime(), stop, liveness=schedule)
+    sweeps.run_beat(get_runtime(mcp=False), stop, liveness=schedule)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -249,6 +249,64 @@ def doctor(timeout: float, as_json: bool) -> None:
         failed = sum(c.failed for c in results)
         click.echo("all checks passed" if not failed else f"{failed} check(s) failed")
     sys.exit(code)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def tools(as_json: bool) -> None:
+    """List every tool a worker with this environment offers: the built-ins, the user tools of
+    CHARLIE_TOOL_MODULES and the tools of the MCP servers of CHARLIE_MCP_CONFIG /
+    CHARLIE_MCP_SERVERS (listed now), with each one's effect, approval, resumability, what an
+    interruption does and where it comes from."""
+    from charlie.runtime import import_tool_modules
+    from charlie.tools.registry import REGISTRY
+
+    s = settings()
+    try:
+        import_tool_modules(s.tool_modules)
+    except ImportError as exc:
+        _fail(str(exc))
+    servers: list[dict[str, Any]] = []
+    if s.mcp_config or s.mcp_servers:
+        from charlie import mcp
+
+        try:
+            found = mcp.discover(s, REGISTRY)
+        except mcp.McpConfigError as exc:
+            _fail(str(exc))
+        servers = [
+            {"name": n, "server": st.described, "tools": len(st.tools), "problem": st.problem}
+            for n, st in found.items()
+        ]
+    rows = [
+        {
+            "name": d.name,
+            "effect": d.effect.value,
+            "approval": d.approval,
+            "resumable": "yes" if d.resumable else "once parked" if d.parks else "no",
+            "on_interrupt": d.on_interrupt.value,
+            "deadline": d.deadline,
+            "source": d.source or "user",
+            "implementation": d.implementation,
+        }
+        for d in REGISTRY.enabled(None)
+    ]
+    if as_json:
+        click.echo(json.dumps({"tools": rows, "mcp_servers": servers}, indent=2))
+        return
+    width = max((len(str(r["name"])) for r in rows), default=4)
+    click.echo(
+        f"{'NAME':<{width}}  {'EFFECT':<6}  {'APPROVAL':<8}  {'RESUMABLE':<11}  "
+        f"{'INTERRUPT':<9}  SOURCE"
+    )
+    for r in rows:
+        click.echo(
+            f"{r['name']:<{width}}  {r['effect']:<6}  {'yes' if r['approval'] else 'no':<8}  "
+            f"{r['resumable']:<11}  {r['on_interrupt']:<9}  {r['source']}"
+        )
+    for server in servers:
+        state = f"{server['tools']} tools" if not server["problem"] else server["problem"]
+        click.echo(f"mcp server {server['name']} ({server['server']}): {state}")
 
 
 @main.command(name="list")

@@ -142,6 +142,15 @@ class Settings:
     #: models a delegated child may use besides its parent's (CHARLIE_DELEGATE_MODELS: a comma
     #: list of model names or glob patterns, ``*`` for any); empty: only the parent's model.
     delegate_models: tuple[str, ...] = ()
+    #: MCP tool servers (charlie/mcp/): CHARLIE_MCP_CONFIG, a path to a JSON file in the shape
+    #: MCP clients use ({"mcpServers": {...}}), and/or the same object inline in
+    #: CHARLIE_MCP_SERVERS (which may hold secrets: never printed).
+    mcp_config: str | None = None
+    mcp_servers: str | None = field(default=None, repr=False)
+    #: how long connecting to an MCP server and listing its tools may take (seconds).
+    mcp_timeout: float = 10.0
+    #: a server that could not be reached is tried again after this many seconds.
+    mcp_retry_seconds: float = 30.0
 
     @property
     def worker_queues(self) -> tuple[str, ...]:
@@ -245,6 +254,10 @@ def load_settings() -> Settings:
         sandbox=_env_choice("CHARLIE_SANDBOX", ("bwrap", "off"), "bwrap"),
         sandbox_hide=os.environ.get("CHARLIE_SANDBOX_HIDE", ""),
         workspace_roots=_paths(os.environ.get("CHARLIE_WORKSPACE_ROOTS", "")),
+        mcp_config=os.environ.get("CHARLIE_MCP_CONFIG", "").strip() or None,
+        mcp_servers=os.environ.get("CHARLIE_MCP_SERVERS", "").strip() or None,
+        mcp_timeout=_env_float("CHARLIE_MCP_TIMEOUT", 10.0),
+        mcp_retry_seconds=_env_float("CHARLIE_MCP_RETRY_SECONDS", 30.0),
         delegate_models=tuple(
             m.strip() for m in os.environ.get("CHARLIE_DELEGATE_MODELS", "").split(",") if m.strip()
         ),

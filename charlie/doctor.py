@@ -94,6 +94,7 @@ class _Doctor:
         self.schema(engine)
         self.broker()
         self.tools()
+        self.mcp()
         self.sandbox()
         self.devbox()
         self.beat(engine)
@@ -226,6 +227,35 @@ class _Doctor:
         names = REGISTRY.names()
         modules = ", ".join(self.s.tool_modules) or "built-ins only"
         self.add("tools", "ok", f"{len(names)} tools register ({modules}): {', '.join(names)}")
+
+    def mcp(self) -> None:
+        """One line per configured MCP server: it answers and lists its tools (issue 15). The
+        configuration's secrets never show: servers are described with their env and header
+        values masked, and failures are scrubbed of them."""
+        if not (self.s.mcp_config or self.s.mcp_servers):
+            self.add("mcp", "skip", "no MCP servers (CHARLIE_MCP_CONFIG, CHARLIE_MCP_SERVERS)")
+            return
+        from charlie import mcp
+        from charlie.tools.registry import ToolRegistry
+
+        try:
+            found = mcp.discover(self.s, ToolRegistry(), timeout=max(self.timeout, 1.0))
+        except mcp.McpConfigError as exc:
+            self.add("mcp", "FAIL", str(exc), "fix the MCP configuration at the key it names")
+            return
+        if not found:
+            self.add("mcp", "skip", "the MCP configuration names no (enabled) server")
+        for name, status in found.items():
+            if status.problem:
+                self.add(
+                    f"mcp:{name}",
+                    "FAIL",
+                    f"{status.described}: {status.problem}",
+                    "start the server, or fix its command/url; workers retry it every "
+                    f"{self.s.mcp_retry_seconds:g}s",
+                )
+            else:
+                self.add(f"mcp:{name}", "ok", f"{status.described}: {len(status.tools)} tools")
 
     def sandbox(self) -> None:
         from charlie.sandbox import bwrap_problem

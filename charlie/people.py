@@ -276,6 +276,9 @@ class _Decided:
     late: bool = False
     #: the request had committed already (a redelivered twin): nothing to publish
     replayed: bool = False
+    #: how the released call is invoked: ``start`` (it never started) or ``resume`` (a started
+    #: call that parked asking a question goes on with the answer).
+    invoke_mode: str = "start"
 
 
 def _decide(
@@ -328,8 +331,9 @@ def _decide(
     if decided.replayed:
         return _record(rt, decided.record_id)
     if decided.invoke is not None:
-        # Lost, the sweep finds a released call that was queued and never started (I11).
-        rt.publisher.invoke(*decided.invoke, "start")
+        # Lost, the sweep finds a released call that was queued and never started (I11), or
+        # an answered started call, whose lease it finds lapsed (I10).
+        rt.publisher.invoke(*decided.invoke, decided.invoke_mode)
     if decided.await_version is not None:
         rt.publisher.tick(xid, Phase.AWAIT_TOOLS, decided.await_version)
     return _record(rt, decided.record_id)
@@ -363,6 +367,11 @@ def _standing_verdict(rows: list[Any], call: Any) -> Any:
     after = int((call.hold_info or {}).get("after_action") or 0)
     answers = _ANSWERS.get(call.hold, ())
     this_round = [r for r in rows if r.id > after and r.action in answers]
+    question = (call.hold_info or {}).get("question_id")
+    if question is not None and call.hold == Hold.REPLY.value:
+        # a started call may ask more than one question (an MCP server's input_required):
+        # each is answered once, by a reply to that question
+        this_round = [r for r in this_round if (r.detail or {}).get("question_id") == question]
     return this_round[0] if this_round else None
 
 
@@ -504,22 +513,38 @@ def reply(
     operator: str | None = None,
     request_id: str | None = None,
 ) -> ActionRecord:
-    """Answer a question (an ``ask_human`` call): the answer is the call's result. A reply
+    """Answer a question: an ``ask_human`` call, whose result the answer is, or a started call
+    that parked asking one (an MCP server's ``input_required``), which goes on with it: the
+    answer is recorded on the call, its hold lifted, and the call resumed (I9, I23). A reply
     after the question's deadline settled it is recorded as its late report (I12, I13); its
-    detail says ``late``."""
+    detail says ``late``. One reply per question (I24)."""
     rt = get_producer()
     text = _text(text, "reply", rt.settings.max_result_bytes)
 
     def decide(conn: Connection, run: Any, call: Any, actor: str, now: datetime) -> _Decided:
-        asked = call.hold == Hold.REPLY.value or (call.hold_info or {}).get("question") is not None
+        info = dict(call.hold_info or {})
+        asked = call.hold == Hold.REPLY.value or info.get("question") is not None
         if not asked:
             raise _not_held(task_id, call, Hold.REPLY)
         late = call.state == CallState.SETTLED.value
+        resumes = not late and call.state == CallState.STARTED.value
         if late:
             from charlie.store.calls import record_late_report
 
             record_late_report(
                 conn, call.execution_id, call.turn, call.call_id, Outcome.OK.value, text
+            )
+        elif resumes:
+            if call.hold != Hold.REPLY.value:
+                raise _not_held(task_id, call, Hold.REPLY)
+            answered = {
+                **info,
+                "answer": text,
+                "answered_by": actor,
+                "answered_at": now.isoformat(),
+            }
+            store.answer_parked_call(
+                conn, call.execution_id, call.turn, call.call_id, info=answered, now=now
             )
         else:
             store.settle_held_call(
@@ -533,6 +558,11 @@ def reply(
                 by=f"operator:{actor}"[:200],
                 now=now,
             )
+        detail: JSON = {"late": late, "outcome": call.outcome} if late else {"late": False}
+        if info.get("question_id") is not None:
+            detail["question_id"] = info["question_id"]
+        if resumes:
+            detail["resumes"] = True
         rid = store.record_action(
             conn,
             task_id=task_id,
@@ -541,9 +571,13 @@ def reply(
             now=now,
             call_id=call.call_id,
             turn=call.turn,
-            detail={"late": late, "outcome": call.outcome} if late else {"late": False},
+            detail=detail,
             request_id=request_id,
         )
+        if resumes:
+            return _Decided(
+                rid, invoke=(call.execution_id, call.turn, call.call_id), invoke_mode="resume"
+            )
         return _Decided(rid, await_version=None if late else _after_settle(conn, run, call))
 
     return _decide(

@@ -16,6 +16,7 @@ import importlib
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -136,6 +137,7 @@ class Runtime(Producer):
 
 _runtime: Runtime | None = None
 _producer: Producer | None = None
+_mcp_discovered = False
 _lock = threading.Lock()
 
 
@@ -171,8 +173,22 @@ def get_producer() -> Producer:
         return _producer
 
 
-def get_runtime() -> Runtime:
-    global _runtime
+def discover_mcp_tools(s: Settings) -> None:
+    """Register the tools of the configured MCP servers (CHARLIE_MCP_CONFIG /
+    CHARLIE_MCP_SERVERS) in this process, keeping their sessions for the calls; a server that
+    is down is tried again later (charlie.mcp.start). Nothing is imported without a config."""
+    if s.mcp_config or s.mcp_servers:
+        from charlie import mcp
+
+        mcp.start(s, REGISTRY)
+
+
+def get_runtime(*, mcp: bool = True) -> Runtime:
+    """This process's worker runtime. ``mcp=False``: without discovering MCP servers yet (a
+    prefork worker's main process, which runs no tool; the beat, whose sweeps leave a call of an
+    MCP tool they find orphaned to a worker that has its implementation, issue 12 item 3). The
+    first ``get_runtime()`` of a process that runs tools discovers them."""
+    global _runtime, _mcp_discovered
     with _lock:
         if _runtime is None:
             from charlie.app import app
@@ -187,6 +203,9 @@ def get_runtime() -> Runtime:
                 publisher=Publisher(app),
                 tools=REGISTRY,
             )
+        if mcp and not _mcp_discovered:
+            discover_mcp_tools(_runtime.settings)
+            _mcp_discovered = True
         return _runtime
 
 
@@ -196,7 +215,11 @@ def current() -> Runtime | None:
 
 
 def reset_after_fork() -> None:
-    global _runtime, _producer
+    global _runtime, _producer, _mcp_discovered
     dispose_after_fork()
     _runtime = None
     _producer = None
+    _mcp_discovered = False
+    mcp = sys.modules.get("charlie.mcp")
+    if mcp is not None:
+        mcp.reset_after_fork()

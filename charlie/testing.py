@@ -30,7 +30,7 @@ from charlie.domain import JSON, Outcome, Phase, TaskStatus, execution_id_for
 from charlie.models.base import ModelRequest, ModelResponse
 from charlie.ports import TransientSchedulerError
 from charlie.tools.calling import cap_result, run_handler, run_reconcile
-from charlie.tools.context import ChildSubmitted, Pending, TaskSnapshot, ToolContext
+from charlie.tools.context import AskPerson, ChildSubmitted, Pending, TaskSnapshot, ToolContext
 from charlie.tools.registry import REGISTRY, ToolDef, ToolRegistry, build_tool
 
 __all__ = [
@@ -58,10 +58,12 @@ class ToolOutcome:
     pending: Pending | None = None
     #: the handle the call recorded (ctx.record_handle), if any.
     handle: str | None = None
+    #: set when the call asks a person (an AskPerson): it would park held for a reply.
+    asked: AskPerson | None = None
 
     @property
     def ok(self) -> bool:
-        return self.outcome is Outcome.OK and self.pending is None
+        return self.outcome is Outcome.OK and self.pending is None and self.asked is None
 
 
 @dataclass
@@ -100,6 +102,28 @@ class ToolEnvironment:
         (``ctx.resumed`` is True, ``ctx.handle`` set), as the engine does (I10, I19)."""
         return self._call(tool, arguments, mode="resume", handle=handle)
 
+    def reply(
+        self,
+        tool: str | ToolDef | Callable[..., Any],
+        /,
+        asked: ToolOutcome,
+        text: str,
+        **arguments: Any,
+    ) -> ToolOutcome:
+        """Call a tool again with a person's answer to the question it asked (``asked``, the
+        outcome that carried its AskPerson), as the engine does after ``charlie.reply``:
+        resumed, ``ctx.answer`` the text, ``ctx.asked`` the question's state."""
+        if asked.asked is None:
+            raise ValueError("that outcome asked no question")
+        return self._call(
+            tool,
+            arguments,
+            mode="resume",
+            handle=asked.handle,
+            answer=text,
+            state=asked.asked.state,
+        )
+
     def observe(
         self, tool: str | ToolDef | Callable[..., Any], /, handle: str, **arguments: Any
     ) -> ToolOutcome:
@@ -137,6 +161,8 @@ class ToolEnvironment:
         mode: str,
         handle: str | None,
         evidence: JSON | None = None,
+        answer: str | None = None,
+        state: JSON | None = None,
     ) -> ToolOutcome:
         definition = self.definition(tool)
         problem = definition.validate(arguments)
@@ -158,6 +184,8 @@ class ToolEnvironment:
             _record_handle=recorded.append,
             overdue=mode == "observe",
             children=self.children,
+            answer=answer,
+            asked=state if answer is not None else None,
         )
         if mode == "reconcile":
             if definition.reconcile is None:
@@ -169,8 +197,10 @@ class ToolEnvironment:
         else:
             outcome, result = run_handler(definition, arguments, ctx)
         handle_now = recorded[-1] if recorded else handle
-        if isinstance(result, Pending):
-            if outcome is Outcome.OK and definition.resumable:
+        if isinstance(result, Pending | AskPerson):
+            if outcome is Outcome.OK and (definition.resumable or definition.parks):
+                if isinstance(result, AskPerson):
+                    return ToolOutcome(Outcome.OK, None, handle=result.handle, asked=result)
                 return ToolOutcome(Outcome.OK, None, pending=result, handle=result.handle)
             return ToolOutcome(
                 Outcome.ERROR, {"error": f"{definition.name!r} is not a resumable wait"}

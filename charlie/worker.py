@@ -39,7 +39,7 @@ from charlie.executor import tick
 from charlie.presence import Presence
 from charlie.runtime import get_runtime
 
-INVOKE_MODES = ("start", "resume", "reconcile", "observe")
+INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
 
 
 def _phase_task(phase: Phase) -> Task:
@@ -238,7 +238,13 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _ready(sender: Any = None, **_: Any) -> None:
-    rt = get_runtime()  # fail fast on a missing schema or a bad tool module
+    # Fail fast on a missing schema, a bad tool module or a bad MCP configuration; a prefork
+    # main process runs no tool, so it connects to no MCP server (its pool children do).
+    rt = get_runtime(mcp=False)
+    if settings().mcp_config or settings().mcp_servers:
+        from charlie.mcp import config_of
+
+        config_of(settings())
     # The main process says it is alive, and what it consumes, for `charlie doctor`.
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker

@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 
 from tests.support.cluster import (
+    REPO,
     SANDBOX_PROBLEM,
     Backend,
     Cluster,
+    McpServers,
     cluster_env,
     detect_backend,
     flush_redis,
@@ -35,9 +37,29 @@ BACKEND, BACKEND_PROBLEM = detect_backend()
 _HOME = Path(tempfile.mkdtemp(prefix="charlie-test-"))
 _MODEL_PORT = free_port()
 _ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT)
+#: The MCP servers the cluster's workers use, when tests/mcp is part of the run (issue 15): a
+#: run without it configures none, so the rest of the suite starts no MCP server.
+_MCP = McpServers(_HOME, web_port=free_port(), flaky_port=free_port(), dead_port=free_port())
+_MCP_ON = False
+
+
+def _wants_mcp(config: pytest.Config) -> bool:
+    forced = os.environ.get("CHARLIE_TEST_MCP")
+    if forced is not None:
+        return forced not in ("", "0")
+    tests_mcp = REPO / "tests" / "mcp"
+    for arg in config.args or ["tests"]:
+        path = Path(str(arg).split("::")[0]).resolve()
+        if path == tests_mcp or tests_mcp in path.parents or path in tests_mcp.parents:
+            return True
+    return False
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _MCP_ON
+    if _wants_mcp(config):
+        _MCP_ON = True
+        _ENV.update(cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, mcp=_MCP))
     # The test process must see the cluster's settings before charlie reads its environment.
     for key in [
         k for k in os.environ if k.startswith("CHARLIE_") and not k.startswith("CHARLIE_TEST_")
@@ -48,6 +70,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     line = f"charlie backend: {BACKEND.name} (home {_HOME})"
+    if _MCP_ON:
+        line += "; MCP test servers configured"
     if BACKEND_PROBLEM:
         line += f"; cluster tests will be skipped: {BACKEND_PROBLEM}"
     if SANDBOX_PROBLEM:
@@ -86,12 +110,36 @@ def cluster_session() -> Iterator[Cluster]:
                 except Exception:  # the queue does not exist yet
                     conn.close()
                     conn.connect()
+    servers = _start_mcp_servers() if _MCP_ON else {}
     cluster = Cluster(home=_HOME, backend=BACKEND, settings_env=dict(_ENV))
     cluster.set_faults({})
     cluster.ensure(workers=2, beat=True)
     cluster.supervise()
     yield cluster
     cluster.stop()
+    for proc in servers.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+#: the HTTP MCP servers of this session (started before the cluster, so that workers find
+#: them when they first discover): name -> process.
+MCP_PROCESSES: dict[str, Any] = {}
+
+
+def _start_mcp_servers() -> dict[str, Any]:
+    MCP_PROCESSES["web"] = _MCP.start_http(_MCP.web_port, "web")
+    MCP_PROCESSES["flaky"] = _MCP.start_http(_MCP.flaky_port, "flaky")
+    return MCP_PROCESSES
+
+
+@pytest.fixture(scope="session")
+def mcp_servers(cluster_session: Cluster) -> McpServers:
+    """The MCP test servers the cluster's workers are configured with (tests/mcp only)."""
+    if not _MCP_ON:
+        pytest.skip("the MCP test servers are configured only when tests/mcp is in the run")
+    return _MCP
 
 
 @pytest.fixture

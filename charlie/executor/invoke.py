@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +33,7 @@ from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
-from charlie.tools.context import LeaseLost, Pending, ToolContext
+from charlie.tools.context import AskPerson, LeaseLost, Pending, ToolContext
 
 log = logging.getLogger("charlie.tool")
 
@@ -92,6 +93,8 @@ def run_call(
     call runs or publishes that tick, I7), else None."""
     if mode == "observe":
         return observe_overdue_wait(rt, execution_id, turn, call_id), None
+    if mode == "cancel":
+        return cancel_outside_work(rt, execution_id, turn, call_id), None
 
     def claim() -> ClaimedCall | None:
         return calls.claim_call_alone(
@@ -223,6 +226,46 @@ def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str
     return "late"
 
 
+def cancel_outside_work(rt: Runtime, execution_id: str, turn: int, call_id: str) -> str:
+    """Ask the outside work of a call Charlie canceled to stop, through its tool's cancel hook
+    (an MCP task: tasks/cancel). The call's outcome stays ``canceled`` (I12); nothing is
+    claimed or settled, and a failure is only logged: the work was never assumed stopped."""
+
+    def load() -> ClaimedCall | None:
+        with read(rt.engine) as conn:
+            return calls.load_canceled_call(conn, execution_id, turn, call_id)
+
+    call = again_if_disconnected(load, "load a canceled call")
+    definition = rt.tools.get(call.name) if call is not None else None
+    if call is None or definition is None or definition.cancel is None:
+        return "nothing_to_cancel"
+    if call.implementation is not None and call.implementation != definition.implementation:
+        return "nothing_to_cancel"  # another tool of the name: not its work to stop
+    task_id = task_id_of(execution_id)
+    metadata = call.task_metadata or {}
+    ctx = ToolContext(
+        task_id=task_id,
+        execution_id=execution_id,
+        call_id=call_id,
+        turn=turn,
+        workspace=workspace_for(rt, task_id, metadata),
+        metadata=metadata,
+        resumed=True,
+        handle=call.handle,
+        _record_handle=lambda handle: None,
+        children=DbChildren(rt),
+    )
+    extra = {"execution_id": execution_id, "call_id": call_id, "handle": call.handle}
+    kw = {definition.context_param: ctx} if definition.context_param else {}
+    try:
+        definition.cancel(**{**call.arguments, **kw})
+    except Exception as exc:
+        log.warning("could not cancel a canceled call's outside work: %s", exc, extra=extra)
+        return "cancel_failed"
+    log.info("asked a canceled call's outside work to stop", extra=extra)
+    return "cancel_sent"
+
+
 def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str:
     """Run the handler of a call whose start (or take-over) is committed (I9): a result to
     settle, or ``"parked"``/``"lost_lease"`` for a resumable wait that is still waiting
@@ -253,6 +296,8 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
 
         task_id = task_id_of(call.execution_id)
         metadata = call.task_metadata or {}
+        asked_info = call.hold_info if isinstance(call.hold_info, dict) else {}
+        answered = mode == "resume" and asked_info.get("answer") is not None
         ctx = ToolContext(
             task_id=task_id,
             execution_id=call.execution_id,
@@ -266,6 +311,8 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             _record_handle=keep_handle,
             overdue=mode == "observe",
             children=DbChildren(rt),
+            answer=str(asked_info["answer"]) if answered else None,
+            asked=(asked_info.get("asked") or {}) if answered else None,
         )
         # An overdue wait is settled: it has no lease to renew.
         with _call_heartbeat(rt, call) if mode != "observe" else nullcontext() as held:
@@ -291,10 +338,16 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             extra={"execution_id": call.execution_id, "call_id": call.call_id, "mode": mode},
         )
         return "lost_lease"
-    if isinstance(result, Pending):
+    if isinstance(result, Pending | AskPerson):
         if mode == "observe":
             return "still_running"
-        if outcome is Outcome.OK and definition is not None and definition.resumable:
+        if (
+            outcome is Outcome.OK
+            and definition is not None
+            and (definition.resumable or definition.parks)
+        ):
+            if isinstance(result, AskPerson):
+                return _ask(rt, call, result)
             return _park(rt, call, result)
         outcome, result = Outcome.ERROR, {"error": f"{call.name!r} is not a resumable wait"}
     result = cap_result(result, rt.settings.max_result_bytes)
@@ -307,6 +360,33 @@ def _park(rt: Runtime, call: ClaimedCall, pending: Pending) -> str:
         parked = calls.park_call(conn, call, rt.worker, pending.handle, poll_at)
     log.debug("wait parked", extra={"call_id": call.call_id, "handle": pending.handle})
     return "parked" if parked else "lost_lease"
+
+
+def _ask(rt: Runtime, call: ClaimedCall, ask: AskPerson) -> str:
+    """Park a started call held for a person's reply (charlie.reply): no owner, no lease, no
+    message (I25), its deadline a question's (CHARLIE_HUMAN_DEADLINE from now, never earlier
+    than the one it had). The question's id tells one round of questions from the next, so a
+    reply answers the question asked now, once (I24)."""
+    now = utcnow()
+    deadline = now + timedelta(seconds=rt.settings.human_deadline)
+    if call.deadline_at is not None and call.deadline_at > deadline:
+        deadline = call.deadline_at
+    info: JSON = {
+        "question": ask.question,
+        "question_id": uuid.uuid4().hex,
+        "asked_at": now.isoformat(),
+        "asked": ask.state,
+    }
+    with write(rt.engine) as conn:
+        calls.lock_run(conn, call.execution_id)  # settlers' order: the run, then the call
+        asked = calls.park_for_answer(
+            conn, call, rt.worker, handle=ask.handle, info=info, deadline_at=deadline
+        )
+    log.info(
+        "call asks a person" if asked else "question not parked: lease lost",
+        extra={"execution_id": call.execution_id, "call_id": call.call_id, "tool": call.name},
+    )
+    return "asking" if asked else "lost_lease"
 
 
 def poke_waiters(rt: Runtime, task_id: str) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from charlie import faults
-from charlie.domain import CallState, Phase, RunView, Settlement, Transition, utcnow
+from charlie.domain import CallState, Outcome, Phase, RunView, Settlement, Transition, utcnow
 from charlie.executor import boundary
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
@@ -182,6 +182,15 @@ def _publish(
         if call_id != local_call:
             messages.append(
                 ("charlie.tool.invoke", (claim.execution_id, claim.turn, call_id, "start"))
+            )
+    names = {c.call_id: c.name for c in view.calls}
+    for settled in transition.settle:
+        # A stop canceled the call: its tool may stop the outside work its handle names (an
+        # MCP task). Best effort: lost, the work runs on, as a deadline leaves it (I13).
+        definition = rt.tools.get(names.get(settled.call_id, ""))
+        if settled.outcome is Outcome.CANCELED and definition and definition.cancel:
+            messages.append(
+                ("charlie.tool.invoke", (claim.execution_id, claim.turn, settled.call_id, "cancel"))
             )
     if (
         publish_next

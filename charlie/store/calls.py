@@ -42,7 +42,9 @@ ACTIVE_STATUSES = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus
 
 #: ``observe``: look again at the outside work of a wait that settled past its deadline (I13);
 #: not a claim, since the call already has its outcome.
-Mode = Literal["start", "resume", "reconcile", "observe"]
+#: ``cancel``: ask the outside work of a call settled ``canceled`` to stop (a tool's cancel
+#: hook); not a claim either.
+Mode = Literal["start", "resume", "reconcile", "observe", "cancel"]
 
 #: A worker's tools as (name, implementation) pairs, sorted (ToolRegistry.implementations()).
 Implementations = tuple[tuple[str, str], ...]
@@ -67,6 +69,9 @@ class ClaimedCall:
     implementation: str | None = None
     #: "hold": interrupted, it waits for an operator's verdict instead of being reported.
     on_interrupt: str | None = None
+    #: what a person was asked, and answered, when the call parked with a question (the
+    #: answer is handed to the resumed handler as ctx.answer).
+    hold_info: dict[str, Any] | None = None
 
 
 _c, _e, _t = tool_calls.c, executions.c, tasks.c
@@ -101,6 +106,7 @@ def _call_columns() -> tuple[Any, ...]:
         metadata.label("task_metadata"),
         _c.implementation,
         _c.on_interrupt,
+        _c.hold_info,
     )
 
 
@@ -120,6 +126,7 @@ def _as_call(execution_id: str, turn: int, call_id: str, row: Any) -> ClaimedCal
         row.task_metadata,
         row.implementation,
         row.on_interrupt,
+        row.hold_info,
     )
 
 
@@ -421,14 +428,64 @@ def park_call(
     conn: Connection, call: ClaimedCall, owner: str, handle: str, poll_at: datetime
 ) -> bool:
     """A resumable wait that is still waiting: keep it started, drop the owner, and let the
-    sweep observe it again at ``poll_at``. A normal return, so the crash counter resets."""
+    sweep observe it again at ``poll_at``. A normal return, so the crash counter resets.
+
+    The call is a resumable wait from here on (a ``parks`` tool's call becomes one by this
+    park, I10), and whatever a person was asked and answered before is spent."""
     done = conn.execute(
         update(tool_calls)
         .where(CALL_KEY, HELD_BY)
-        .values(handle=handle, lease_owner=None, lease_until=poll_at, attempts=0, swept_at=None),
+        .values(
+            handle=handle,
+            lease_owner=None,
+            lease_until=poll_at,
+            attempts=0,
+            swept_at=None,
+            resumable=True,
+            hold_info=None,
+        ),
         _held(call, owner),
     )
     return done.rowcount == 1
+
+
+def park_for_answer(
+    conn: Connection,
+    call: ClaimedCall,
+    owner: str,
+    *,
+    handle: str | None,
+    info: dict[str, Any],
+    deadline_at: datetime,
+) -> bool:
+    """A started call whose work needs a person's answer (an AskPerson): held for a reply
+    with no owner and no lease, so no sweep resumes it and no worker waits (I25); a reply
+    releases it (charlie.reply), and only then may a resume claim it (hold IS NULL, I23).
+    Its deadline becomes a question's; its task is ``waiting``."""
+    done = conn.execute(
+        update(tool_calls)
+        .where(CALL_KEY, HELD_BY)
+        .values(
+            handle=handle,
+            hold="reply",
+            hold_info=info,
+            lease_owner=None,
+            lease_until=None,
+            attempts=0,
+            swept_at=None,
+            resumable=True,
+            deadline_at=deadline_at,
+        ),
+        _held(call, owner),
+    )
+    if done.rowcount != 1:
+        return False
+    conn.execute(
+        update(tasks)
+        .where(_t.id == task_id_of(call.execution_id), _t.status.in_(ACTIVE_STATUSES))
+        .values(status=TaskStatus.WAITING.value)
+    )
+    return True
 
 
 _RECORD_HANDLE = update(tool_calls).where(CALL_KEY, HELD_BY).values(handle=bindparam("b_handle"))
@@ -771,6 +828,23 @@ def load_overdue_wait(
     report is in (or it was never one)."""
     row = conn.execute(
         select(*_call_columns()).where(CALL_KEY, OVERDUE_WAIT),
+        {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
+    ).first()
+    return None if row is None else _as_call(execution_id, turn, call_id, row)
+
+
+def load_canceled_call(
+    conn: Connection, execution_id: str, turn: int, call_id: str
+) -> ClaimedCall | None:
+    """A call settled ``canceled`` with a handle on outside work, as its handler sees a call
+    (for its tool's cancel hook); None for any other."""
+    row = conn.execute(
+        select(*_call_columns()).where(
+            CALL_KEY,
+            _c.state == CallState.SETTLED.value,
+            _c.outcome == Outcome.CANCELED.value,
+            _c.handle.is_not(None),
+        ),
         {**key_params(execution_id, turn, call_id), "b_task": task_id_of(execution_id)},
     ).first()
     return None if row is None else _as_call(execution_id, turn, call_id, row)

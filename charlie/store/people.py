@@ -248,6 +248,26 @@ def settle_held_call(
     )
 
 
+def answer_parked_call(
+    conn: Connection, execution_id: str, turn: int, call_id: str, *, info: JSON, now: datetime
+) -> bool:
+    """A person answered the question a started call parked with: the answer is recorded with
+    the question and the hold lifted, so a resume may claim the call (hold IS NULL, I23). Its
+    lease reads as lapsed now: should the resume's publish be lost, the sweep resumes it."""
+    return bool(
+        conn.execute(
+            update(tool_calls)
+            .where(
+                _key(execution_id, turn, call_id),
+                _c.hold == Hold.REPLY.value,
+                _c.state == CallState.STARTED.value,
+            )
+            .values(hold=None, hold_info=info, lease_owner=None, lease_until=now, swept_at=None)
+        ).rowcount
+        == 1
+    )
+
+
 def held_calls(conn: Connection, execution_ids: list[str]) -> list[Any]:
     """The open calls of these runs that wait for a person, in call order."""
     if not execution_ids:

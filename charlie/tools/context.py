@@ -57,6 +57,22 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class AskPerson:
+    """Returned by a started call whose outside work cannot go on without a person's answer
+    (an MCP server's ``input_required``): the call parks held for a reply (``charlie.reply``),
+    holding no worker and no lease (I25), and the tool is called again, as a resumed call
+    with ``ctx.answer`` and ``ctx.asked`` set, once the answer is committed (I23, I24).
+
+    ``state`` is what the tool needs to go on (kept with the question, handed back as
+    ``ctx.asked``); ``handle`` names the outside work, if it has an identity (None: no handle
+    while it waits). Only tools declared ``resumable`` or ``parks`` may ask."""
+
+    question: str
+    state: JSON = field(default_factory=dict)
+    handle: str | None = None
+
+
+@dataclass(frozen=True)
 class Reconciled:
     """A reconcile hook's finding about a call found started without a result (I10)."""
 
@@ -153,6 +169,12 @@ class ToolContext:
     #: over, or it was settled): a long handler checks it and stops (issue 12 item 5).
     lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
     _confirm_lease: Callable[[], bool] = field(default=_always_held, repr=False)
+    #: a person's answer to the question this call parked with (an AskPerson), on the resumed
+    #: call that the answer released; None otherwise. Acting on it is acting (I9): record a
+    #: handle first, so an attempt after a crash knows it may have been acted on.
+    answer: str | None = None
+    #: the ``state`` of the AskPerson the answer is for (None without an answer).
+    asked: JSON | None = None
 
     def holds_lease(self) -> bool:
         """Whether this attempt still holds the call: ask before an irreversible step (a

@@ -52,6 +52,19 @@ class ToolDef:
     on_interrupt: OnInterrupt = OnInterrupt.REPORT
     #: a person answers the call (``ask_human``): no worker runs it, a reply settles it.
     answered_by_person: bool = False
+    #: a read or write whose call may become a resumable wait once its outside work has an
+    #: identity: its handler may return ``Pending(handle)`` (an MCP task) or ``AskPerson``
+    #: (a question to a person), and the call parks. It is marked resumable by that park,
+    #: never before: interrupted before it, it is an interrupted read or write (I10).
+    parks: bool = False
+    #: where the tool comes from, for `charlie tools`: "built-in", "user" (CHARLIE_TOOL_MODULES
+    #: or this process's @charlie.tool) or "mcp:SERVER".
+    source: str = ""
+    #: called (like the handler, ``ctx.handle`` set) when Charlie cancels a call that has a
+    #: handle on outside work (its task canceled or timed out, its run failed): asks the outside
+    #: system to stop it (an MCP task's tasks/cancel). Best effort, after the call settled
+    #: ``canceled``, which stays its outcome; an exception is logged.
+    cancel: Handler | None = None
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -109,6 +122,7 @@ def build_tool(
     approval: bool = False,
     on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
     answered_by_person: bool = False,
+    parks: bool = False,
 ) -> ToolDef:
     tool_name = name or fn.__name__
     effect = Effect(effect)
@@ -161,38 +175,44 @@ def build_tool(
         approval=bool(approval),
         on_interrupt=on_interrupt,
         answered_by_person=answered_by_person,
+        parks=bool(parks),
+        source="built-in" if fn.__module__.startswith("charlie.") else "user",
     )
 
 
 class ToolRegistry:
-    """Tools by name. Like Celery's task registry, it is filled at import time."""
+    """Tools by name. Like Celery's task registry, it is filled at import time, and by MCP
+    discovery later, from another thread: a change replaces the whole mapping, so a reader
+    iterating it never sees it change under it."""
 
     def __init__(self) -> None:
         self._tools: dict[str, ToolDef] = {}
-        self._implementations: tuple[tuple[str, str], ...] | None = None
+        self._implementations: tuple[dict[str, ToolDef], tuple[tuple[str, str], ...]] | None = None
 
     def add(self, definition: ToolDef) -> ToolDef:
         existing = self._tools.get(definition.name)
         if existing is not None and existing.handler is not definition.handler:
             raise ToolDefinitionError(f"a tool named {definition.name!r} is already registered")
-        self._tools[definition.name] = definition
+        self._tools = {**self._tools, definition.name: definition}
         self._implementations = None
         return definition
 
     def replace(self, definition: ToolDef) -> ToolDef:
         """Register ``definition`` in place of the tool of the same name, if there is one (the
         devbox's tools take the local ones' names, so the model sees one tool set)."""
-        self._tools[definition.name] = definition
+        self._tools = {**self._tools, definition.name: definition}
         self._implementations = None
         return definition
 
     def implementations(self) -> tuple[tuple[str, str], ...]:
         """(name, implementation) of every tool, sorted: what a claim records and checks."""
-        if self._implementations is None:
-            self._implementations = tuple(
-                sorted((name, d.implementation) for name, d in self._tools.items())
-            )
-        return self._implementations
+        tools, cached = self._tools, self._implementations
+        if cached is not None and cached[0] is tools:
+            return cached[1]
+        found = tuple(sorted((name, d.implementation) for name, d in tools.items()))
+        # keyed by the mapping it was made from: a change meanwhile makes it stale, not wrong
+        self._implementations = (tools, found)
+        return found
 
     def get(self, name: str) -> ToolDef | None:
         return self._tools.get(name)
@@ -201,9 +221,10 @@ class ToolRegistry:
         return sorted(self._tools)
 
     def enabled(self, allowed: list[str] | None) -> list[ToolDef]:
+        tools = self._tools
         if allowed is None:
-            return [self._tools[n] for n in self.names()]
-        return [self._tools[n] for n in allowed if n in self._tools]
+            return [tools[n] for n in sorted(tools)]
+        return [tools[n] for n in allowed if n in tools]
 
 
 #: The process's registry: the built-ins plus whatever CHARLIE_TOOL_MODULES registers.
@@ -224,6 +245,7 @@ def tool(
     description: str | None = None,
     approval: bool = False,
     on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
+    parks: bool = False,
 ) -> Callable[[Handler], Handler]: ...
 def tool(
     fn: Handler | None = None,
@@ -236,6 +258,7 @@ def tool(
     description: str | None = None,
     approval: bool = False,
     on_interrupt: OnInterrupt | str = OnInterrupt.REPORT,
+    parks: bool = False,
 ) -> Handler | Callable[[Handler], Handler]:
     """Register a function as a tool.
 
@@ -249,6 +272,9 @@ def tool(
     approves it (``charlie.approve``) or denies it (``charlie.deny``), I23.
     ``on_interrupt="hold"``: an interrupted call that no ``reconcile`` hook could settle is not
     reported to the model but held for an operator's verdict (``charlie.reconcile``).
+    ``parks=True``: a read or write that may return ``Pending`` (its work got an identity
+    outside) or ``AskPerson`` (a person must answer first); the call then parks and is resumed
+    with its handle, or with the answer.
     """
 
     def register(f: Handler) -> Handler:
@@ -263,6 +289,7 @@ def tool(
                 description=description,
                 approval=approval,
                 on_interrupt=on_interrupt,
+                parks=parks,
             )
         )
         return f

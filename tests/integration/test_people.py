@@ -261,6 +261,47 @@ def test_a_denied_call_never_runs_and_the_model_sees_the_reason(cluster: Cluster
         charlie.approve(task_id, "w")
 
 
+def test_an_approved_call_held_after_it_ran_takes_its_reconcile_verdict(
+    cluster: Cluster, script
+) -> None:
+    """I24 holds per question: the approve that released a call is no verdict on the
+    uncertainty its run left (on_interrupt="hold"), so the operator's reconcile is taken, not
+    refused as a second verdict naming the approve (a bug before issue 15); a second reconcile
+    is refused naming the first."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "w", "name": "approved_uncertain_write", "arguments": {"key": "u1"}}
+                ]
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "w", "outcome": "ok", "contains": "u1"}]},
+                "say": "reconciled",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("approve, then reconcile", model=model, task_id=tid())
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    charlie.approve(task_id, "w", operator="ana")
+    info = wait_for(
+        lambda: (
+            (i := charlie.get_task(task_id)).waiting_for
+            and i.waiting_for[0].kind == "reconcile"
+            and i
+        ),
+        timeout=60,
+    )
+    assert info.waiting_for[0].detail["evidence"]["key"] == "u1"
+    charlie.reconcile(task_id, "w", "done", result={"written": "u1"}, operator="bo")
+    with pytest.raises(api.VerdictConflict, match="reconcile done by bo"):
+        charlie.reconcile(task_id, "w", "unknown")
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert len(ledger_for(task_id, "approved_uncertain_write")) == 1
+
+
 def test_verdicts_on_the_wrong_call_are_refused_clearly(cluster: Cluster, script) -> None:
     model, _ = script(
         [

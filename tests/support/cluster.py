@@ -253,7 +253,130 @@ TEST_SANDBOX = "off" if SANDBOX_PROBLEM else "bwrap"
 FAKE_MODEL_KEY = "sk-charlie-test-0123456789"
 
 
-def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> dict[str, str]:
+#: The MCP test servers' tokens (their config's env and headers): tests check they never leak.
+MCP_STDIO_TOKEN = "stdio-secret-4f1c9e27b8"
+MCP_HTTP_TOKEN = "http-secret-a83d0c5e61"
+MCP_SERVER_SCRIPT = REPO / "tests" / "support" / "mcp_server.py"
+
+
+@dataclass(frozen=True)
+class McpServers:
+    """The MCP servers of a test cluster (issue 15): ``files`` over stdio (one per worker
+    process), ``web`` and ``web_strict`` (one HTTP server, two configurations: the second
+    ignores its hints, holds interrupted calls, needs approval for ``delete_record``), ``flaky``
+    (an HTTP server a test stops), ``down`` (nothing listens) and ``broken`` (its command
+    does not exist)."""
+
+    home: Path
+    web_port: int
+    flaky_port: int
+    dead_port: int
+
+    @property
+    def ledger(self) -> Path:
+        return self.home / "mcp-ledger.jsonl"
+
+    @property
+    def down_flag(self) -> Path:
+        """While this file exists, a stdio ``files`` server exits as it starts."""
+        return self.home / "mcp-files-down"
+
+    @property
+    def tasks_dir(self) -> Path:
+        """The test servers' task records (any of their processes follows a task)."""
+        return self.home / "mcp-tasks"
+
+    @property
+    def config_path(self) -> Path:
+        return self.home / "mcp.json"
+
+    def config(self) -> dict[str, Any]:
+        stdio_env = {
+            "MCP_TEST_LEDGER": str(self.ledger),
+            "MCP_TEST_TOKEN": MCP_STDIO_TOKEN,
+            "MCP_TEST_NAME": "files",
+            "MCP_TEST_DOWN_FLAG": str(self.down_flag),
+            "MCP_TEST_TASKS_DIR": str(self.tasks_dir),
+        }
+        auth = {"Authorization": f"Bearer {MCP_HTTP_TOKEN}"}
+        web = f"http://127.0.0.1:{self.web_port}/mcp"
+        return {
+            "mcpServers": {
+                "files": {
+                    "command": sys.executable,
+                    "args": [str(MCP_SERVER_SCRIPT)],
+                    "env": stdio_env,
+                    "tools": {"unhinted": {"effect": "read"}, "confirm_delete": {"deadline": 60}},
+                },
+                "web": {"url": web, "headers": auth},
+                "web_strict": {
+                    "type": "http",
+                    "url": web,
+                    "headers": auth,
+                    "ignore_hints": True,
+                    "on_interrupt": "hold",
+                    "tools": {"delete_record": {"approval": True}},
+                },
+                "flaky": {"url": f"http://127.0.0.1:{self.flaky_port}/mcp", "headers": auth},
+                "down": {"url": f"http://127.0.0.1:{self.dead_port}/mcp"},
+                "broken": {"command": str(self.home / "no-such-mcp-server")},
+                "off": {"command": "never-started", "disabled": True},
+            }
+        }
+
+    def write_config(self) -> Path:
+        self.config_path.write_text(json.dumps(self.config(), indent=2))
+        return self.config_path
+
+    def start_http(self, port: int, name: str) -> subprocess.Popen[bytes]:
+        """An HTTP MCP server of the test script on ``port``, ready when this returns."""
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("CHARLIE_")},
+            "MCP_TEST_LEDGER": str(self.ledger),
+            "MCP_TEST_TOKEN": MCP_HTTP_TOKEN,
+            "MCP_TEST_NAME": name,
+            "MCP_TEST_TASKS_DIR": str(self.tasks_dir),
+        }
+        with open(self.home / f"mcp-{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(MCP_SERVER_SCRIPT), "--http", str(port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the MCP test server {name} exited: see mcp-{name}.log")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                return proc
+            time.sleep(0.1)
+        proc.kill()
+        raise RuntimeError(f"the MCP test server {name} did not listen on {port}")
+
+
+def kill_mcp_server(pid: int) -> bool:
+    """SIGKILL a stdio MCP test server by its pid (from a ledger), only if that pid is still
+    one (a pid is reused once its process is gone). True: it was killed."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    if str(MCP_SERVER_SCRIPT).encode() not in cmdline:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+        return True
+    return False
+
+
+def cluster_env(
+    home: Path,
+    backend: Backend,
+    model_port: int | None = None,
+    mcp: McpServers | None = None,
+) -> dict[str, str]:
     env = {
         "CHARLIE_HOME": str(home),
         "CHARLIE_TOOL_MODULES": "tests.support.tools",
@@ -283,6 +406,11 @@ def cluster_env(home: Path, backend: Backend, model_port: int | None = None) -> 
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY
         env["CHARLIE_MODEL_TIMEOUT"] = "10"
+    if mcp is not None:
+        # The workers' MCP servers (issue 15): a server that is down is tried again soon.
+        env["CHARLIE_MCP_CONFIG"] = str(mcp.write_config())
+        env["CHARLIE_MCP_RETRY_SECONDS"] = "2"
+        env["CHARLIE_MCP_TIMEOUT"] = "15"
     if backend.database_url:
         env["CHARLIE_DATABASE_URL"] = backend.database_url
     if backend.broker_url:

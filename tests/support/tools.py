@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from charlie.domain import Outcome
-from charlie.tools import Pending, Reconciled, ToolContext, ToolError, tool
+from charlie.tools import Interrupted, Pending, Reconciled, ToolContext, ToolError, tool
 
 
 def ledger_path() -> Path:
@@ -156,3 +156,11 @@ def approved_write(key: str, ctx: ToolContext) -> dict[str, object]:
     """A write every call of which waits for a person's approve (approval=True)."""
     record("approved_write", task=ctx.task_id, call=ctx.call_id, key=key)
     return {"written": key}
+
+
+@tool(effect="write", deadline=60, approval=True, on_interrupt="hold")
+def approved_uncertain_write(key: str, ctx: ToolContext) -> dict[str, object]:
+    """A write that needs approval and, run, cannot tell whether it took effect (it raises
+    Interrupted): held for an operator's reconcile after its approve."""
+    record("approved_uncertain_write", task=ctx.task_id, call=ctx.call_id, key=key)
+    raise Interrupted("the remote end did not say whether it wrote", key=key)
