@@ -58,6 +58,7 @@ from charlie.mcp.connections import (
     McpFailure,
     Refused,
     Unavailable,
+    connections,
 )
 from charlie.tools.context import (
     AskPerson,
@@ -131,12 +132,18 @@ def _schema(tool: mcp_types.Tool) -> JSON | None:
 
 @dataclass
 class Servers:
-    """What the MCP tools of one process run on: the configuration and its connections."""
+    """What the MCP tools run on: the configuration, and this process's connections for it
+    (looked up at each call, so tools registered before a fork connect from the child)."""
 
     config: McpConfig
-    connections: Connections
+    #: seconds to connect to a server (CHARLIE_MCP_TIMEOUT, unless the server sets one).
+    timeout: float
     #: the deadline of a tool with none of its own (CHARLIE_TOOL_DEADLINE).
     default_deadline: float
+
+    @property
+    def connections(self) -> Connections:
+        return connections(self.config, self.timeout)
 
     def scrub(self, text: str) -> str:
         return self.config.scrub(text)
