@@ -16,7 +16,10 @@ every task and exits non-zero on any violation:
 - no write executed twice according to the ledger (I10);
 - every call caught mid-flight by a kill settled interrupted or reconciled, or, for a resumable
   wait, was observed again; never dropped (I10);
-- exactly one child per delegation (I19).
+- exactly one child per delegation (I19);
+- a share of tasks (``--mcp-share``) also calls an MCP read and an MCP write over stdio (the
+  test server of tests/support/mcp_server.py, one per worker process); no MCP write executed
+  twice according to the server's own ledger (I10, issue 15).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ sys.path.insert(0, str(REPO))
 from tests.support.cluster import (  # noqa: E402
     Backend,
     Cluster,
+    McpServers,
     cluster_env,
     flush_redis,
     recreate_postgres_database,
@@ -55,7 +59,37 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--broker-url", default=None, help="default: the embedded broker")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many s")
+    p.add_argument(
+        "--mcp-share", type=float, default=0.25, help="share of tasks calling MCP tools (0: none)"
+    )
     return p.parse_args()
+
+
+def add_mcp_turn(turns: list[dict[str, Any]], n: int, share: float, seed: int) -> None:
+    """For a share of tasks, one more turn before the last: an MCP read and an MCP write over
+    stdio. Its own random stream, so the rest of a seed's run is what it was without it."""
+    rng = random.Random(f"{seed}-mcp-{n}")
+    if rng.random() >= share:
+        return
+    calls = [
+        {"id": "mr", "name": "mcp__files__lookup", "arguments": {"key": f"m-{n}"}},
+        {
+            "id": "mw",
+            "name": "mcp__files__delete_record",
+            "arguments": {"key": f"m-{n}", "hold": rng.uniform(0, 1)},
+        },
+    ]
+    turns.insert(len(turns) - 1, {"say": "the MCP tools", "tool_calls": calls})
+
+
+def mcp_violations(home: Path) -> list[str]:
+    """I10 for MCP writes: the test server's ledger, outside Charlie, ran each at most once."""
+    ledger = McpServers(home, 0, 0, 0).ledger
+    if not ledger.exists():
+        return []
+    rows = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+    runs = Counter(r["key"] for r in rows if r["event"] == "delete.start")
+    return [f"MCP write {key} ran {count}x" for key, count in runs.items() if count > 1]
 
 
 def task_script(rng: random.Random, home: Path, n: int) -> tuple[list[dict[str, Any]], bool]:
@@ -204,7 +238,8 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="charlie-chaos-"))
     (home / "scripts").mkdir()
     backend = Backend("chaos", args.database_url, args.broker_url)
-    env = cluster_env(home, backend)
+    mcp = McpServers(home, 0, 0, 0, only=("files",)) if args.mcp_share > 0 else None
+    env = cluster_env(home, backend, mcp=mcp)
     # Default recovery settings: the figures below are what an operator gets.
     for key in (
         "CHARLIE_LEASE_SECONDS",
@@ -247,6 +282,7 @@ def main() -> int:
         killer.start()
         for n in range(args.tasks):
             turns, delegates = task_script(rng, home, n)
+            add_mcp_turn(turns, n, args.mcp_share, args.seed)
             path = home / "scripts" / f"task-{n}.json"
             path.write_text(json.dumps(turns))
             task_ids[
@@ -283,7 +319,7 @@ def check(
     from charlie.store.schema import tool_calls, transitions
     from tests.support.tools import read_ledger
 
-    violations: list[str] = []
+    violations: list[str] = mcp_violations(cluster.home)
     stats: Counter[str] = Counter()
     ledger = read_ledger()
     executed = Counter((e["task"], e["call"]) for e in ledger if e["event"] == "write")
