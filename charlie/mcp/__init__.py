@@ -52,7 +52,50 @@ log = logging.getLogger("charlie.mcp")
 
 def config_of(settings: Settings) -> McpConfig:
     """The MCP configuration of these settings (raises McpConfigError, naming the bad key)."""
-    return load(settings.mcp_config, settings.mcp_servers)
+    config = load(settings.mcp_config, settings.mcp_servers)
+    _guard_logs(config)
+    return config
+
+
+class _Scrub(logging.Filter):
+    """Blanks the configuration's secrets out of the MCP SDK's and its HTTP client's log
+    records (a URL's query, an echoed header), message and traceback both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configs: dict[str, McpConfig] = {}
+
+    def scrub(self, text: str) -> str:
+        for config in self.configs.values():
+            text = config.scrub(text)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        scrubbed = self.scrub(message)
+        if scrubbed != message:
+            record.msg, record.args = scrubbed, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.scrub(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+_SCRUB = _Scrub()
+#: the loggers of what talks to MCP servers (filters do not pass down to child loggers, so
+#: each is given it; they exist once the SDK is imported, as it is here).
+_GUARDED = ("mcp", "httpx2", "httpcore2", "httpx", "httpcore")
+
+
+def _guard_logs(config: McpConfig) -> None:
+    _SCRUB.configs[config.fingerprint()] = config
+    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _GUARDED]
+    for name in {*names, *_GUARDED}:
+        logger = logging.getLogger(name)
+        if _SCRUB not in logger.filters:
+            logger.addFilter(_SCRUB)
 
 
 @dataclass
