@@ -78,8 +78,10 @@ class _Scrub(logging.Filter):
         scrubbed = self.scrub(message)
         if scrubbed != message:
             record.msg, record.args = scrubbed, None
-        if record.exc_info and not record.exc_text:
-            record.exc_text = self.scrub(logging.Formatter().formatException(record.exc_info))
+        if record.exc_info:
+            # formatted here, scrubbed, and the exception dropped, so no formatter shows it raw
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_text, record.exc_info = self.scrub(text), None
         return True
 
 
