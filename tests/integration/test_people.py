@@ -285,9 +285,11 @@ def test_an_approved_call_held_after_it_ran_takes_its_reconcile_verdict(
     wait_for(lambda: charlie.get_task(task_id).waiting_for)
     charlie.approve(task_id, "w", operator="ana")
     info = wait_for(
-        lambda: (i := charlie.get_task(task_id)).waiting_for
-        and i.waiting_for[0].kind == "reconcile"
-        and i,
+        lambda: (
+            (i := charlie.get_task(task_id)).waiting_for
+            and i.waiting_for[0].kind == "reconcile"
+            and i
+        ),
         timeout=60,
     )
     assert info.waiting_for[0].detail["evidence"]["key"] == "u1"
