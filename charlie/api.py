@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from charlie.people import (
     NotResumable,
     TaskFinished,
     VerdictConflict,
+    action_for_request,
     actions,
     approve,
     deny,
@@ -45,7 +47,7 @@ from charlie.people import (
     send,
 )
 from charlie.runtime import Producer, get_producer, import_tool_modules
-from charlie.scheduler import TaskNotFound
+from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as people_store
 from charlie.store import reads
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
@@ -151,6 +153,16 @@ class CallRecord:
     #: the latest late report, ``{"outcome": ..., "result": ...}`` (I12, I13); for a wait,
     #: the end of its outside work, recorded once.
     late_result: Any = None
+    #: when the call's deadline settles it ``deadline_exceeded`` (None: not queued yet, or held)
+    deadline_at: datetime | None = None
+    #: who holds the call now and until when (a started call's lease, I5, I12)
+    lease_owner: str | None = None
+    lease_until: datetime | None = None
+    #: what a person must do before it can settle (``approval``, ``reply``, ``reconcile``) and
+    #: why: the question, what asked for approval, the interruption's evidence (I23, I25)
+    hold: str | None = None
+    hold_info: Any = None
+    resumable: bool = False
 
 
 __all__ = [
@@ -164,12 +176,15 @@ __all__ = [
     "NotHeld",
     "NotResumable",
     "PayloadTooLarge",
+    "TaskConflict",
     "TaskFinished",
     "TaskInfo",
+    "TaskNotFound",
     "TranscriptEntry",
     "UnknownToolError",
     "VerdictConflict",
     "WaitingFor",
+    "action_for_request",
     "actions",
     "approve",
     "calls",
@@ -183,6 +198,7 @@ __all__ = [
     "reconcile",
     "reply",
     "resume",
+    "revision",
     "send",
     "submit",
     "transcript",
@@ -329,14 +345,20 @@ def list_tasks(
     parent: str | None = None,
     limit: int = 50,
     before: str | None = None,
+    search: str | None = None,
 ) -> list[TaskInfo]:
     """Tasks, newest first: at most ``limit`` (1-1000), only those with ``status`` (one or
-    several), only the children of ``parent``. ``before`` is a task id: the page after the one
-    that ended with it (``before=page[-1].id``). Every page costs the same on any number of
-    tasks (an index per filter, keyset paging)."""
+    several), only the children of ``parent``, only those whose id or prompt contains
+    ``search`` (case-insensitive). ``before`` is a task id: the page after the one that ended
+    with it (``before=page[-1].id``). Every page costs the same on any number of tasks (an
+    index per filter, keyset paging); a search reads tasks newest first until the page is
+    full, so a rare word costs a walk of the (filtered) table."""
     statuses = _statuses(status)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
         raise ValueError(f"limit must be a whole number from 1 to {MAX_PAGE}, got {limit!r}")
+    if search is not None and not isinstance(search, str):
+        raise ValueError(f"search must be a string, got {search!r}")
+    search = (search or "").strip()[:200] or None
     with read(get_producer().engine) as conn:
         keyset = None
         if before is not None:
@@ -344,7 +366,9 @@ def list_tasks(
             if created is None:
                 raise TaskNotFound(before)
             keyset = (created, before)
-        rows = reads.task_page(conn, statuses=statuses, parent=parent, limit=limit, before=keyset)
+        rows = reads.task_page(
+            conn, statuses=statuses, parent=parent, limit=limit, before=keyset, search=search
+        )
         waits = _waiting_for(conn, rows)
     return [_task_info(row, waits.get(row.id, [])) for row in rows]
 
@@ -505,6 +529,12 @@ def calls(task_id: str) -> list[CallRecord]:
             r.handle,
             r.late_reports,
             r.late_result,
+            r.deadline_at,
+            r.lease_owner,
+            r.lease_until,
+            r.hold,
+            r.hold_info,
+            bool(r.resumable),
         )
         for r in rows
     ]
@@ -515,6 +545,19 @@ def history(task_id: str) -> list[dict[str, Any]]:
     """Every transition of the task's run (I21): from, to, when, which worker, how long."""
     with read(get_producer().engine) as conn:
         return reads.transition_rows(conn, _execution_id(conn, task_id))
+
+
+@retried_if_disconnected
+def revision(task_id: str) -> str:
+    """A short marker that changes whenever anything a view of the task shows changes: its
+    status and usage, its run's version, phase, mailbox and transcript, any of its calls'
+    dispatch, lease, hold or outcome (late reports too), an operator action on it, a child.
+    One small read (indexed aggregates), for a page that polls to follow a run live."""
+    with read(get_producer().engine) as conn:
+        marker = reads.run_revision(conn, task_id, execution_id_for(task_id))
+    if marker is None:
+        raise TaskNotFound(task_id)
+    return hashlib.sha256(repr(marker).encode()).hexdigest()[:16]
 
 
 def _execution_id(conn: Connection, task_id: str) -> str:

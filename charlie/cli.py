@@ -571,6 +571,72 @@ def fork(
     )
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=int, default=8484, show_default=True, help="Port to listen on (0: any free one)."
+)
+@click.option(
+    "--token",
+    envvar="CHARLIE_UI_TOKEN",
+    default=None,
+    help="The token every request needs (or CHARLIE_UI_TOKEN); none: one is generated.",
+)
+@click.option(
+    "--operator",
+    default=None,
+    help="Who the console's actions are recorded as, after 'ui:' "
+    "(default: CHARLIE_OPERATOR, else the OS user).",
+)
+@click.option("--task", "task_id", default=None, help="Print the address of this task's page.")
+def ui(host: str, port: int, token: str | None, operator: str | None, task_id: str | None) -> None:
+    """Serve the run console: the tasks, each run's transcript, timeline and open calls, and
+    the actions people take on them. Every request needs the token."""
+    from charlie.console.auth import check_token, new_token
+    from charlie.console.server import ConsoleConfig, serve
+    from charlie.people import actor_name
+    from charlie.runtime import get_producer
+
+    generated = token is None
+    try:
+        token = new_token() if token is None else check_token(token)
+    except ValueError as exc:
+        _fail(str(exc))
+    assert token is not None
+    try:
+        producer = get_producer()
+        name = actor_name(operator, producer)
+    except Exception as exc:  # the database cannot be reached or is not migrated
+        _fail(f"cannot open the database: {exc}")
+    operator_name = name if name.startswith("ui:") else f"ui:{name}"
+    config = ConsoleConfig(token=token, operator=operator_name[:200])
+    path = f"/tasks/{task_id}" if task_id else "/"
+    shown = host
+    if ":" in shown:
+        shown = f"[{shown}]"
+
+    def announce(bound: int) -> None:
+        base = f"http://{shown}:{bound}{path}"
+        click.echo(f"Charlie console on {host}:{bound}, acting as {config.operator}")
+        click.echo(f"database {settings().database_url.split('://')[0]}; open:")
+        if generated:
+            click.echo(f"    {base}?token={token}")
+        else:
+            click.echo(f"    {base}?token=<the token of --token / CHARLIE_UI_TOKEN>")
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            click.echo(
+                "warning: serving plain HTTP beyond this machine; put TLS in front of it, "
+                "the token travels with every request",
+                err=True,
+            )
+        sys.stdout.flush()
+
+    try:
+        serve(config, host, port, announce=announce)
+    except OSError as exc:
+        _fail(f"cannot listen on {host}:{port}: {exc}")
+
+
 @main.group()
 def db() -> None:
     """Database schema commands."""

@@ -206,6 +206,8 @@ class CallView:
     attempts: int = 0
     #: what a person must do before the call can settle, if anything (I23).
     hold: Hold | None = None
+    #: why it is held (for a reconcile: the interruption's evidence).
+    hold_info: JSON | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ returns it instead of acting twice.
 from __future__ import annotations
 
 import getpass
+import hashlib
 import json
 import uuid
 from collections.abc import Callable
@@ -222,10 +223,15 @@ def send(
         if status is None:
             raise TaskNotFound(task_id)
         if TaskStatus(status).terminal or not store.open_mailbox(conn, xid):
-            how = status if TaskStatus(status).terminal else "finishing (its final answer is in)"
+            how = status if TaskStatus(status).terminal else "finishing"
+            again = (
+                f"resume it (charlie resume {task_id}) and send again, or "
+                if status in _RESUMABLE
+                else ""
+            )
             raise TaskFinished(
-                f"task {task_id!r} is {how} and takes no more messages; to go on from where it "
-                f"stopped, fork it: charlie.fork({task_id!r}, turn=N, message=...) or "
+                f"task {task_id!r} is {how} and takes no more messages; to go on, {again}fork "
+                f"it from one of its turns: charlie.fork({task_id!r}, turn=N, message=...) or "
                 f"`charlie fork {task_id} --turn N --message TEXT`"
             )
         now = utcnow()
@@ -268,6 +274,8 @@ class _Decided:
     invoke: tuple[str, int, str] | None = None
     await_version: int | None = None
     late: bool = False
+    #: the request had committed already (a redelivered twin): nothing to publish
+    replayed: bool = False
     #: how the released call is invoked: ``start`` (it never started) or ``resume`` (a started
     #: call that parked asking a question goes on with the answer).
     invoke_mode: str = "start"
@@ -286,6 +294,10 @@ def _decide(
 ) -> ActionRecord:
     """The frame of every verdict: lock the run, find the call, refuse a second verdict, let
     ``decide`` write the effect and its evidence, then publish what the verdict allows."""
+    # A request id of its own even when the caller gave none: a try again after a lost
+    # connection whose first commit went through then finds that commit, instead of being
+    # refused by its own verdict (I24) and skipping the publish.
+    request_id = request_id or f"{action.value}-{uuid.uuid4().hex}"
     actor = actor_name(operator, rt)
     xid = execution_id_for(task_id)
 
@@ -296,16 +308,28 @@ def _decide(
         call = store.find_call(conn, xid, call_id, None)
         if call is None:
             raise CallNotFound(f"task {task_id!r} has no tool call {call_id!r}")
-        verdicts = store.verdicts_on(conn, task_id, call.call_id, call.turn)
-        first = _standing_verdict(verdicts, call, action)
+        if request_id is not None:
+            done = store.action_by_request(conn, request_id)
+            if done is not None:  # a twin of this request got the lock first
+                return _Decided(int(done.id), replayed=True)
+        first = _standing_verdict(store.verdicts_on(conn, task_id, call.call_id, call.turn), call)
         if first is not None:
             raise VerdictConflict(call_id, record_of(first))
+        status = store.task_status(conn, task_id)  # after the call: the tick's lock order
+        open_call = call.state != CallState.SETTLED.value
+        if open_call and status is not None and TaskStatus(status).terminal:
+            raise TaskFinished(
+                f"task {task_id!r} is {status}: its calls take no more verdicts"
+                + (f" (resume it first: charlie resume {task_id})" if status in _RESUMABLE else "")
+            )
         return decide(conn, run, call, actor, utcnow())
 
     decided, recorded = _once(rt, request_id, f"{action.value} a call", act)
     if recorded is not None:
         return recorded  # this request committed before: nothing more to do
     assert decided is not None
+    if decided.replayed:
+        return _record(rt, decided.record_id)
     if decided.invoke is not None:
         # Lost, the sweep finds a released call that was queued and never started (I11), or
         # an answered started call, whose lease it finds lapsed (I10).
@@ -316,49 +340,39 @@ def _decide(
 
 
 def _not_done(row: Any) -> bool:
-    return bool(
-        row.action == Action.RECONCILE.value and (row.detail or {}).get("verdict") == "not_done"
-    )
+    verdict = (row.detail or {}).get("verdict")
+    return bool(row.action == Action.RECONCILE.value and verdict == "not_done")
 
 
-#: the verdicts that answer each hold: an approve is no answer to a later reconcile of the
-#: same call (I24 holds per question asked of a person, not across them).
-_ANSWERS: dict[str, frozenset[str]] = {
-    Hold.APPROVAL.value: frozenset({Action.APPROVE.value, Action.DENY.value}),
-    Hold.REPLY.value: frozenset({Action.REPLY.value}),
-    Hold.RECONCILE.value: frozenset({Action.RECONCILE.value}),
+#: the verdicts that answer each kind of hold
+_ANSWERS = {
+    Hold.APPROVAL.value: (Action.APPROVE.value, Action.DENY.value),
+    Hold.REPLY.value: (Action.REPLY.value,),
+    Hold.RECONCILE.value: (Action.RECONCILE.value,),
 }
 
 
-#: which hold each verdict answers.
-_ANSWERED_BY = {action: hold for hold, actions in _ANSWERS.items() for action in actions}
+def _standing_verdict(rows: list[Any], call: Any) -> Any:
+    """The verdict that already decides this call, if any (I24).
 
-
-def _standing_verdict(rows: list[Any], call: Any, action: Action | None = None) -> Any:
-    """The verdict that decides this call now, if any (I24). Only verdicts that answer what
-    the call is held for count (an approve does not answer its later reconcile); a call held
-    for nothing now (released, settled) is answered by verdicts of ``action``'s kind if it had
-    any, else by any. Of a question a started call asked (an MCP server's input_required), only
-    replies to that question count: each question is asked, and answered, once. A ``not_done``
-    dispatches the call again; if that repeat is interrupted and held once more, it is a new
-    question and the verdicts before it have been carried out. Otherwise the first verdict of
-    the latest round stands."""
-    kinds = _ANSWERS.get(call.hold)
-    if kinds is None and action is not None:
-        same = _ANSWERS[_ANSWERED_BY[action.value]]
-        if any(r.action in same for r in rows):
-            kinds = same
-    if kinds is not None:
-        rows = [r for r in rows if r.action in kinds]
-    question = (call.hold_info or {}).get("question_id")
-    if question is not None and call.hold in (Hold.REPLY.value, None):
-        rows = [r for r in rows if (r.detail or {}).get("question_id") == question]
+    A call may wait for a person more than once: approved, it runs, is interrupted and is held
+    for a reconcile; repeated after ``not_done``, it may be held again. Each hold is a round of
+    its own: only verdicts of the kind it asks for, recorded after it began (``after_action``,
+    the last action on the call when it was held), decide it. A call no longer held was decided
+    by the last verdict recorded on it."""
     if not rows:
         return None
-    if _not_done(rows[-1]) and call.hold == Hold.RECONCILE.value:
-        return None  # held again after the authorised repeat: a new round
-    start = max((n for n, r in enumerate(rows[:-1]) if _not_done(r)), default=-1) + 1
-    return rows[start]
+    if call.hold is None:
+        return rows[-1]
+    after = int((call.hold_info or {}).get("after_action") or 0)
+    answers = _ANSWERS.get(call.hold, ())
+    this_round = [r for r in rows if r.id > after and r.action in answers]
+    question = (call.hold_info or {}).get("question_id")
+    if question is not None and call.hold == Hold.REPLY.value:
+        # a started call may ask more than one question (an MCP server's input_required):
+        # each is answered once, by a reply to that question
+        this_round = [r for r in this_round if (r.detail or {}).get("question_id") == question]
+    return this_round[0] if this_round else None
 
 
 def _after_settle(conn: Connection, run: Any, call: Any) -> int | None:
@@ -611,6 +625,12 @@ def reconcile(
         detail: JSON = {"verdict": verdict, "tool": call.name, "evidence": evidence}
         invoke = None
         await_version = None
+        if verdict == "not_done" and call.late_reports:
+            raise NotHeld(
+                f"call {call.call_id!r} of task {task_id!r} reported after it was held: "
+                f"{json.dumps(call.late_result)[:500]}; it may well have happened, so it is not "
+                "run again: decide it with --done (its result) or --unknown"
+            )
         if verdict == "not_done":
             seconds = _deadline_seconds(rt, call)
             store.release_call(
@@ -685,6 +705,8 @@ _ENDING_STATE = (
     "last_model_error",
 )
 
+_RESUMABLE = (TaskStatus.FAILED.value, TaskStatus.TIMED_OUT.value)
+
 _TOOL_PHASES = (Phase.DISPATCH_TOOLS.value, Phase.AWAIT_TOOLS.value, Phase.ADVANCE_TURN.value)
 
 
@@ -705,6 +727,7 @@ def resume(
     note = _note(note)
     if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
         raise ActionRefused(f"timeout must be positive seconds, got {timeout!r}")
+    request_id = request_id or f"resume-{uuid.uuid4().hex}"
     actor = actor_name(operator, rt)
     xid = execution_id_for(task_id)
 
@@ -741,11 +764,20 @@ def resume(
             now=now,
             note=f"resumed by {actor}" + (f": {note}" if note else ""),
         )
+        timeout_at = store.task_timeout_at(conn, task_id)
+        if timeout is not None:
+            timeout_at = now + timedelta(seconds=timeout)
+        elif timeout_at is not None and timeout_at <= now:
+            raise NotResumable(
+                f"task {task_id!r} is past its timeout ({timeout_at.isoformat()}); resume it "
+                f"with a new one: charlie.resume({task_id!r}, timeout=SECONDS) or "
+                f"`charlie resume {task_id} --timeout SECONDS`"
+            )
         store.reopen_task(
             conn,
             task_id,
             status=TaskStatus.QUEUED if phase is Phase.LOAD_CONTEXT else TaskStatus.RUNNING,
-            timeout_at=now + timedelta(seconds=timeout) if timeout else None,
+            timeout_at=timeout_at,
         )
         previous = state.get("error") or state.get("poison") or {"reason": state.get("stop")}
         rid = store.record_action(
@@ -843,7 +875,10 @@ def fork(
         )
     new_id = task_id or request_id or uuid.uuid4().hex
     actor = actor_name(operator, rt)
-    origin = {"task": source, "turn": turn}
+    # What the fork is, so a second fork under the same id must be the same one.
+    origin: JSON = {"task": source, "turn": turn, "model": model}
+    if message is not None:
+        origin["message_sha256"] = hashlib.sha256(message.encode()).hexdigest()
 
     def act(conn: Connection) -> tuple[str, bool]:
         src = store.source_of_fork(conn, source)
@@ -930,7 +965,7 @@ def _check_turn_settled(conn: Connection, source: Any, turn: int) -> None:
     if not closed:
         raise ForkRefused(
             f"turn {turn} of task {source.id!r} has not settled (the run is at turn {at}, "
-            f"{source.x_phase}); fork from turn {at - 1} or earlier"
+            f"{source.x_phase}); fork from an earlier turn"
             if at > 0
             else f"turn {turn} of task {source.id!r} has not settled (the run is at turn {at}, "
             f"{source.x_phase}); wait for it to settle"
@@ -967,3 +1002,16 @@ def actions(task_id: str) -> list[ActionRecord]:
             return [record_of(r) for r in store.actions_of(conn, task_id)]
 
     return again_if_disconnected(load, "read a task's actions")
+
+
+def action_for_request(request_id: str) -> ActionRecord | None:
+    """The action a request (its ``request_id``) recorded, if it recorded one: how a caller of
+    ``send``, ``cancel`` or ``fork``, which return no record, finds the one it made (I27)."""
+    rt = get_producer()
+
+    def load() -> ActionRecord | None:
+        with read(rt.engine) as conn:
+            row = store.action_by_request(conn, request_id)
+        return None if row is None else record_of(row)
+
+    return again_if_disconnected(load, "read an action")

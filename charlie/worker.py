@@ -188,8 +188,18 @@ def _person_task(name: str, call: Any) -> Task:
             super().__init__(*a, **k)
             self._argsrepr, self._kwargsrepr = redact.person_reprs(name, self._args, self._kwargs)
 
+    # As charlie.submit: a database that cannot be reached retries the message with backoff
+    # (the same request id, so it acts once) rather than dropping a person's action.
     return app.task(
-        name=name, base=Redacted, Request=RedactedRequest, ignore_result=True, bind=True
+        name=name,
+        base=Redacted,
+        Request=RedactedRequest,
+        ignore_result=True,
+        bind=True,
+        autoretry_for=(OperationalError,),
+        retry_backoff=2,
+        retry_backoff_max=60,
+        max_retries=15,
     )(run)
 
 

@@ -32,6 +32,19 @@ recovery
 scale
     N queued tasks (one turn each) drained by a fresh worker: transitions/s against the 50-run
     figure, the worker's resident memory (sum over its process group), database bytes per task.
+waiting
+    N tasks (1,000; 100 with --quick) whose first turn calls a tool on their ``approve`` list,
+    so they wait for a person (I25): the per-turn overhead of 1 run and the rate of a batch of
+    runs, without and then with the N waiting; meanwhile, what the N hold (leases, started
+    calls), their transitions, the sweeps' re-publishes and scans, the broker queue. Then every
+    held call is approved and the N timed to the end.
+console
+    the run console (``charlie ui``) on a real run of 2,000 transcript items (scripted turns of
+    a message and four instant tool calls): the task page's server time over HTTP, its live
+    fragment and revision read, and the time to a usable page in headless Chromium (Selenium,
+    Debian's chromium + chromium-driver; the load event: the page parsed, styled and its
+    script running); then the list's first page, a page deep in it, a status filter and a
+    search, over 100,000 tasks inserted directly with SQL.
 
 Each backend runs in a child process of its own (Charlie reads its settings once per process),
 one after the other; ``--quick`` is a smoke run whose figures nobody judges, so its backends run
@@ -61,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -74,11 +88,13 @@ if TYPE_CHECKING:
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
-SCENARIOS = ("transitions", "floor", "fanout", "recovery", "scale")
+SCENARIOS = ("transitions", "floor", "fanout", "recovery", "scale", "waiting", "console")
 PG_ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres"}
-PG_DATABASE = "charlie_bench"
+# BENCH_PG_DATABASE / BENCH_REDIS_DB: another database and Redis db, so that two benchmarks on
+# one machine do not wipe each other's
+PG_DATABASE = os.environ.get("BENCH_PG_DATABASE", "charlie_bench")
 PG_URL = f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
-REDIS_URL = "redis://127.0.0.1:6379/14"
+REDIS_URL = f"redis://127.0.0.1:6379/{os.environ.get('BENCH_REDIS_DB', '14')}"
 TOOL = "bench_echo"
 RANGE = "\u2013"  # an en dash, between a minimum and a maximum
 NONE = "-"
@@ -128,6 +144,15 @@ class Sizes:
     recovery_model_sleep: float  # seconds each scripted model call takes
     scale_tasks: int
     scale_limit: float  # least seconds the drain may take before it is reported unfinished
+    waiting_tasks: int  # tasks left waiting for an approval while ordinary runs are measured
+    waiting_runs: int  # the batch of ordinary runs measured without and with them waiting
+    waiting_turns: int  # T for each run of that batch
+    waiting_idle: float  # seconds the workers are watched with only the waiting tasks about
+    # an unrecorded batch before the runs without them, and (PostgreSQL) the runs with them
+    # measured again after an ANALYZE; not in the smoke run
+    waiting_thorough: bool
+    console_items: int = 2000  # transcript items of the run the console's task page shows
+    console_tasks: int = 100_000  # tasks the console's list pages through
 
     @property
     def recovery_samples(self) -> int:
@@ -136,13 +161,38 @@ class Sizes:
 
 def sizes_for(args: argparse.Namespace) -> Sizes:
     if args.quick:
-        sizes = Sizes(args.trials or 1, 4, 50, 1, 60, 4, 100, 1, 1.5, 200, 60)
+        sizes = Sizes(
+            args.trials or 1,
+            4,
+            50,
+            1,
+            60,
+            4,
+            100,
+            1,
+            1.5,
+            200,
+            60,
+            100,
+            10,
+            1,
+            2.0,
+            False,
+            200,
+            2000,
+        )
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
-        # 200 links): on a noisy machine a short trial is one burst of noise.
-        sizes = Sizes(args.trials or 5, 50, 50, 5, 200, 25, 100, 3, 3.0, 5000, 300)
+        # 200 links): on a noisy machine a short trial is one burst of noise. The waiting
+        # tasks are watched idle for longer than a stall period plus a sweep (5 s + 1 s), so
+        # that a sweep that took them for stalled work would have re-published them.
+        sizes = Sizes(
+            args.trials or 5, 50, 50, 5, 200, 25, 100, 3, 3.0, 5000, 300, 1000, 50, 5, 7.0, True
+        )
     if args.scale_tasks:
         sizes = dataclasses.replace(sizes, scale_tasks=args.scale_tasks)
+    if args.waiting_tasks:
+        sizes = dataclasses.replace(sizes, waiting_tasks=args.waiting_tasks)
     return sizes
 
 
@@ -417,12 +467,14 @@ class Cell:
         call = {"tool_calls": [{"id": "c", "name": TOOL, "arguments": {"value": "x"}}]}
         return self.script(f"turns-{turns}", [call] * turns + [{"say": "done"}])
 
-    def submit(self, model: str, prefix: str, count: int) -> list[str]:
+    def submit(
+        self, model: str, prefix: str, count: int, approve: list[str] | None = None
+    ) -> list[str]:
         from charlie import api
 
         ids = [f"{prefix}{n:05d}" for n in range(count)]
         for task_id in ids:
-            api.submit("bench", model=model, tools=[TOOL], task_id=task_id)
+            api.submit("bench", model=model, tools=[TOOL], task_id=task_id, approve=approve)
         return ids
 
     def new_prefix(self, label: str) -> str:
@@ -569,8 +621,9 @@ class Cell:
 
     # ---- 1. transitions
 
-    def charlie_runs(self, runs: int, turns: int, key: str) -> float:
-        """Run ``runs`` tasks of ``turns`` turns at once; record their rate; return it."""
+    def charlie_runs(self, runs: int, turns: int, key: str, turn_key: str = "turn.ms") -> float:
+        """Run ``runs`` tasks of ``turns`` turns at once; record their rate; return it (and,
+        for one run, its median per-turn overhead under ``turn_key``)."""
         model = self.turns_script(turns)
         prefix = self.new_prefix(key)
         before = self.stats()
@@ -591,7 +644,7 @@ class Cell:
         message = f"Charlie, {runs} x {turns} turns: {rate:.0f} transitions/s"
         if runs == 1:
             overheads = turn_overheads(rows)
-            self.results.add("turn.ms", statistics.median(overheads) * 1000)
+            self.results.add(turn_key, statistics.median(overheads) * 1000)
             message += f", {statistics.median(overheads) * 1000:.1f} ms per turn"
         progress(message)
         return rate
@@ -840,6 +893,531 @@ class Cell:
             f"MiB, queue {depth_end} messages"
         )
 
+    # ---- 6. waiting for a person (I25)
+
+    def waiting(self) -> None:
+        """N tasks held for an approval, and ordinary runs measured without and with them; then
+        every held call approved and the N timed to the end."""
+        s, r = self.sizes, self.results
+        n = s.waiting_tasks
+        # A batch first, not recorded: run alone (--only waiting), the first trial would
+        # otherwise measure a cold worker, and only the runs without the N would pay for it.
+        if s.waiting_thorough:
+            self.charlie_runs(s.waiting_runs, s.waiting_turns, "wait_warm")
+            for key in [k for k in r.values if k.startswith("wait_warm.")]:
+                del r.values[key]
+        scan_ms, _ = self.sweep_scans(None, "base")
+        r.add("waiting.scan_base_ms", scan_ms)
+        for _ in range(s.trials):
+            self.charlie_runs(1, s.turns_one, "wait_base_one", "wait_base_one.turn_ms")
+            self.charlie_runs(s.waiting_runs, s.waiting_turns, "wait_base_many")
+
+        # N tasks whose first turn calls a tool on their approve list: held, never dispatched.
+        call = {"id": "c", "name": TOOL, "arguments": {"value": "approved"}}
+        model = self.script("approve-first", [{"tool_calls": [call]}, {"say": "done"}])
+        prefix = self.new_prefix("waiting")
+        t0 = time.perf_counter()
+        ids = self.submit(model, prefix, n, approve=[TOOL])
+        r.add("waiting.submit_per_s", n / (time.perf_counter() - t0))
+        self.wait_status(prefix, n, "waiting", timeout=60 + n * 3 * 0.2)
+        rows = self.transitions(prefix)
+        r.add("waiting.to_waiting_s", max(ts(x.at) for x in rows) - self.first_submit(prefix))
+        r.add("waiting.transitions_to_wait", len(rows) / n)
+        republished_on_the_way = self.beat_republished(prefix)
+        r.add("waiting.republished_on_the_way", republished_on_the_way)
+        progress(
+            f"waiting: {n} tasks waiting for an approval ({len(rows) / n:.1f} transitions each)"
+        )
+        # What is still queued then was published while they were on their way (ticks a
+        # sweep re-published in the burst, now stale): let it drain before watching them.
+        r.add("waiting.queue_reached", self.queue_depth())
+        r.add("waiting.queue_drain_s", self.drain_queue(timeout=60 + n * 0.2))
+        at_rest = self.held_by(ids)
+
+        # Nothing but the waiting tasks: the workers run nothing for them.
+        before = self.settled_stats()
+        time.sleep(s.waiting_idle)
+        ticks, invokes, _ = self.loop_counts(self.stats_delta(before, self.settled_stats()))
+        r.add("waiting.idle_worker_tasks", ticks + invokes)
+        r.add("waiting.queue_rest", self.queue_depth())
+
+        # The same ordinary runs, with the N waiting, watched all along.
+        watch = HeldWatch(self, ids)
+        watch.start()
+        try:
+            for _ in range(s.trials):
+                self.charlie_runs(1, s.turns_one, "wait_with_one", "wait_with_one.turn_ms")
+                self.charlie_runs(s.waiting_runs, s.waiting_turns, "wait_with_many")
+            scan_ms, scan_rows = self.sweep_scans(prefix)
+            r.add("waiting.scan_with_ms", scan_ms)
+            if self.backend.name == "postgres":
+                # A fresh database has no planner statistics until autovacuum's ANALYZE (none
+                # at all on a server running without it): the same once they are there.
+                self.analyze()
+                scan_ms, more_rows = self.sweep_scans(prefix, "analyzed")
+                scan_rows = max(scan_rows, more_rows)
+                r.add("waiting.scan_analyzed_ms", scan_ms)
+                for _ in range(s.trials if s.waiting_thorough else 0):
+                    self.charlie_runs(
+                        1, s.turns_one, "wait_analyzed_one", "wait_analyzed_one.turn_ms"
+                    )
+                    self.charlie_runs(s.waiting_runs, s.waiting_turns, "wait_analyzed_many")
+        finally:
+            watch.stop()
+        after = self.held_by(ids)
+        r.add("waiting.scan_rows", scan_rows)
+        r.add("waiting.queue_after", self.queue_depth())
+        r.add("waiting.samples", watch.samples)
+        for name in ("leases", "calls_moved", "not_waiting"):
+            r.add(f"waiting.{name}_max", max(watch.most[name], at_rest[name], after[name]))
+        r.add("waiting.transitions_while", after["transitions"] - at_rest["transitions"])
+        r.add("waiting.swept", after["runs_swept"] + after["calls_swept"])
+        r.add("waiting.republished_while", self.beat_republished(prefix) - republished_on_the_way)
+        progress(
+            f"waiting: {watch.samples} samples, most leases held {watch.most['leases']}, most "
+            f"calls moved {watch.most['calls_moved']}, "
+            f"{after['transitions'] - at_rest['transitions']} transitions and "
+            f"{after['runs_swept'] + after['calls_swept']} sweeps of theirs"
+        )
+        self.approve_all(prefix, ids)
+
+    def approve_all(self, prefix: str, ids: list[str]) -> None:
+        """Approve every held call (found through list_tasks' waiting_for); time the N to the
+        end: approvals/s by this producer, and first approve -> last task finished."""
+        from charlie import api
+
+        n = len(ids)
+        wanted = set(ids)
+        held: dict[str, str] = {}
+        before: str | None = None
+        while True:
+            page = api.list_tasks(status="waiting", limit=api.MAX_PAGE, before=before)
+            for info in page:
+                if info.id in wanted:
+                    waits = [w for w in info.waiting_for if w.kind == "approval" and w.tool == TOOL]
+                    if len(info.waiting_for) == 1 and waits:
+                        held[info.id] = waits[0].call_id
+            if len(page) < api.MAX_PAGE:
+                break
+            before = page[-1].id
+        if len(held) != n:
+            self.results.notes.append(
+                f"waiting: {len(held)} of {n} tasks listed as waiting for one approval of {TOOL}"
+            )
+        t0 = time.perf_counter()
+        for task_id in ids:
+            if task_id in held:
+                api.approve(task_id, held[task_id], operator="bench")
+        self.results.add("waiting.approve_per_s", len(held) / (time.perf_counter() - t0))
+        progress(f"waiting: {len(held)} calls approved")
+        self.wait_done(prefix, n, timeout=60 + n * 7 * 0.2)
+        outcomes = self.call_outcomes(prefix)
+        self.results.add("waiting.approved_ok_pct", 100 * outcomes.get("ok", 0) / n)
+        self.results.add("waiting.approved_deadline", outcomes.get("deadline_exceeded", 0))
+        self.results.add("waiting.started_late", outcomes.get("started_late", 0))
+        if set(outcomes) - {"ok", "started_late"}:
+            self.results.notes.append(f"waiting: the approved calls settled {outcomes}")
+        latencies, first, last = self.approve_latencies(prefix)
+        self.results.add("waiting.drain_s", last - first)
+        self.results.add("waiting.drain_tasks_per_s", n / (last - first))
+        for value in latencies:
+            self.results.add("waiting.approve_to_done_s", value)
+        progress(f"waiting: approved {n} finished {last - first:.1f}s after the first approve")
+
+    def beat_republished(self, prefix: str) -> int:
+        """Ticks of the runs of ``prefix`` that beat's sweeps re-published, from its logs."""
+        needle = f"execution_id=x-{prefix}"
+        count = 0
+        for path in (self.home / "logs").glob("beat-*.log"):
+            with open(path, errors="replace") as f:
+                count += sum(1 for line in f if "re-published tick" in line and needle in line)
+        return count
+
+    def call_outcomes(self, prefix: str) -> dict[str, int]:
+        """The outcomes of the calls of ``prefix``'s runs, and how many started past their
+        deadline (``started_late``)."""
+        from sqlalchemy import func, select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import tool_calls
+
+        c = tool_calls.c
+        theirs = c.execution_id.like(f"x-{prefix}%")
+        with read(self.rt.engine) as conn:
+            out = {
+                str(row[0]): int(row[1])
+                for row in conn.execute(
+                    select(c.outcome, func.count()).where(theirs).group_by(c.outcome)
+                )
+            }
+            out["started_late"] = int(
+                conn.execute(
+                    select(func.count()).where(theirs, c.started_at > c.deadline_at)
+                ).scalar_one()
+            )
+        return out
+
+    def drain_queue(self, timeout: float) -> float:
+        """Wait for Charlie's broker queue to be empty; return how long that took."""
+        started = time.monotonic()
+        while self.queue_depth() > 0:
+            if time.monotonic() - started > timeout:
+                self.results.notes.append(
+                    f"waiting: the broker queue still held {self.queue_depth()} messages "
+                    f"after {timeout:.0f} s"
+                )
+                break
+            time.sleep(0.25)
+        return time.monotonic() - started
+
+    def analyze(self) -> None:
+        """ANALYZE the PostgreSQL database, as autovacuum would."""
+        from sqlalchemy import text
+
+        with self.rt.engine.connect() as conn:
+            conn.execute(text("ANALYZE"))
+            conn.commit()
+
+    def wait_status(self, prefix: str, count: int, status: str, timeout: float) -> None:
+        """Poll until ``count`` tasks of ``prefix`` have ``status``; fail if one ended."""
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = self.status_counts(prefix)
+            if counts.get(status, 0) >= count:
+                return
+            if any(counts.get(t) for t in TERMINAL):
+                raise RuntimeError(f"{prefix}: tasks ended {counts}: {self.first_error(prefix)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{prefix}: statuses {counts} after {timeout:.0f}s")
+            time.sleep(0.25)
+
+    def held_by(self, ids: list[str], watched: bool = False) -> dict[str, int]:
+        """What the tasks ``ids`` hold (leases, calls moved past their hold, tasks no longer
+        waiting) and, unless ``watched`` (the watch's sample, which must stay cheap), what
+        was done to them (transitions, sweeps). By primary key and index: while the runs are
+        measured, a scan of the tables would compete with the workers."""
+        from sqlalchemy import func, or_, select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import executions, tasks, tool_calls, transitions
+
+        e, c, t = executions.c, tool_calls.c, tasks.c
+        xids = [f"x-{task_id}" for task_id in ids]
+        runs, their_calls = e.id.in_(xids), c.execution_id.in_(xids)
+        moved = or_(
+            c.state != "pending", c.queued_at.is_not(None), c.started_at.is_not(None),
+            c.lease_owner.is_not(None), c.hold.is_(None),
+        )  # fmt: skip
+        leased = or_(e.lease_owner.is_not(None), e.lease_until.is_not(None))
+        queries = {
+            "leases": select(func.count()).where(runs, leased),
+            "calls_moved": select(func.count()).where(their_calls, moved),
+            "not_waiting": select(func.count()).where(t.id.in_(ids), t.status != "waiting"),
+        }
+        if not watched:
+            queries["transitions"] = select(func.count()).where(
+                transitions.c.execution_id.in_(xids)
+            )
+            queries["runs_swept"] = select(func.count()).where(runs, e.swept_at.is_not(None))
+            queries["calls_swept"] = select(func.count()).where(
+                their_calls, c.swept_at.is_not(None)
+            )
+        with read(self.rt.engine) as conn:
+            return {name: int(conn.execute(q).scalar_one()) for name, q in queries.items()}
+
+    def sweep_scans(
+        self, prefix: str | None, label: str = "with", repeats: int = 10
+    ) -> tuple[float, int]:
+        """Beat's scans for due work, read-only, as one sweep round runs them: the median time
+        of a round (ms; the first round, which warms the caches, left out), and how many rows
+        they return of the runs of ``prefix``. Each scan's median goes to the info."""
+        from datetime import timedelta
+
+        from charlie import sweeps
+        from charlie.domain import utcnow
+        from charlie.store import calls as call_store
+        from charlie.store import scans
+        from charlie.store.engine import read
+
+        cfg = self.rt.settings
+        stall = timedelta(seconds=cfg.stall_seconds)
+        late = timedelta(seconds=cfg.late_watch_seconds)
+        limit = sweeps.LIMIT
+
+        def runs(reason: str) -> Callable[[Any, datetime], list[str]]:
+            return lambda c, now: [x.id for x in scans.runs_due(c, reason, now, stall, limit)]
+
+        queries = {f"runs_{reason}": runs(reason) for reason in scans.RUN_REASONS}
+        queries |= {
+            "abandoned_calls": lambda c, now: [
+                x.execution_id for x in scans.abandoned_calls(c, now, limit)
+            ],
+            "overdue_calls": lambda c, now: [
+                x.execution_id for x in scans.overdue_calls(c, now, limit)
+            ],
+            "lost_calls": lambda c, now: [
+                x.execution_id for x in scans.lost_calls(c, now, stall, limit)
+            ],
+            "orphaned_calls": lambda c, now: [
+                x.execution_id for x in scans.orphaned_calls(c, now, stall, limit)
+            ],
+            "overdue_waits": lambda c, now: [
+                x.execution_id
+                for x in call_store.overdue_waits(c, now - late, now - stall, sweeps.WATCH_LIMIT)
+            ],
+            "tasks_past_timeout": lambda c, now: [
+                f"x-{x}" for x in scans.tasks_past_timeout(c, now, limit)
+            ],
+        }
+        rounds: list[float] = []
+        each: dict[str, list[float]] = {name: [] for name in queries}
+        found = 0
+        for _ in range(repeats + 1):
+            now = utcnow()
+            rows: list[str] = []
+            with read(self.rt.engine) as conn:
+                for name, query in queries.items():
+                    started = time.perf_counter()
+                    rows += query(conn, now)
+                    each[name].append(time.perf_counter() - started)
+            rounds.append(sum(each[name][-1] for name in queries))
+            if prefix is not None:
+                found = max(found, sum(1 for x in rows if x.startswith(f"x-{prefix}")))
+        self.results.info[f"waiting.scan_{label}_ms_each"] = {
+            name: round(statistics.median(times[1:]) * 1000, 2) for name, times in each.items()
+        }
+        return statistics.median(rounds[1:]) * 1000, found
+
+    def approve_latencies(self, prefix: str) -> tuple[list[float], float, float]:
+        """Per task, its approve -> its finish (s); and the first approve and last finish."""
+        from sqlalchemy import select
+
+        from charlie.store.engine import read
+        from charlie.store.schema import operator_actions, tasks
+
+        a, t = operator_actions.c, tasks.c
+        with read(self.rt.engine) as conn:
+            rows = conn.execute(
+                select(a.at, t.finished_at)
+                .select_from(operator_actions.join(tasks, t.id == a.task_id))
+                .where(a.task_id.like(f"{prefix}%"), a.action == "approve")
+            ).all()
+        latencies = [ts(x.finished_at) - ts(x.at) for x in rows]
+        return latencies, min(ts(x.at) for x in rows), max(ts(x.finished_at) for x in rows)
+
+    # ---- 7. the run console
+
+    def console(self) -> None:
+        import httpx
+
+        items = self.sizes.console_items
+        per_turn = 9  # a message, four calls and their four results
+        turns = max(1, items // per_turn)
+        calls = [
+            {"id": f"c{n}", "name": TOOL, "arguments": {"value": f"result {n} " + "x" * 40}}
+            for n in range(4)
+        ]
+        model = self.script(
+            "console", [{"say": "step", "tool_calls": calls}] * turns + [{"say": "done"}]
+        )
+        prefix = self.new_prefix("console")
+        (task_id,) = self.submit(model, prefix, 1)
+        self.wait_done(prefix, 1, timeout=600)
+        from charlie import api
+
+        shown = len(api.transcript(task_id))
+        self.results.info["console.items"] = shown
+        token = uuid.uuid4().hex + uuid.uuid4().hex
+        port = free_port()
+        argv = [sys.executable, "-m", "charlie", "ui", "--port", str(port), "--token", token]
+        self.procs.spawn("console", argv)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/", timeout=2).status_code == 401:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("charlie ui did not answer")
+            time.sleep(0.2)
+        # a page's time is noisy on a shared machine: at least 3 samples, but for the smoke run
+        trials = self.sizes.trials if self.sizes.console_items < 1000 else max(3, self.sizes.trials)
+        r = self.results
+        with httpx.Client(base_url=base, timeout=120) as http:
+            assert http.get(f"/?token={token}").status_code == 303
+            page = f"/tasks/{task_id}"
+            http.get(page)  # the first render compiles the templates
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                body = http.get(page)
+                r.add("console.page_ms", 1000 * (time.perf_counter() - t0))
+                assert body.status_code == 200
+                assert shown <= 300 or 'id="all-rows"' in body.text  # the latest rows only
+                r.add("console.page_kib", len(body.content) / 1024)
+                t0 = time.perf_counter()
+                assert http.get(page + "?all=1").status_code == 200
+                r.add("console.page_all_ms", 1000 * (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                assert http.get(f"/live/tasks/{task_id}").status_code == 200
+                r.add("console.fragment_ms", 1000 * (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                assert http.get(f"/api/tasks/{task_id}/revision").status_code == 200
+                r.add("console.revision_ms", 1000 * (time.perf_counter() - t0))
+            progress(
+                f"console: task page of {shown} items in "
+                f"{statistics.median(r.values['console.page_ms']):.0f} ms"
+            )
+            self.console_browser(base, token, page, trials)
+            self.console_list(http, trials)
+        self.procs.kill("console")
+
+    def console_browser(self, base: str, token: str, page: str, trials: int) -> None:
+        chromium, driver_path = "/usr/bin/chromium", "/usr/bin/chromedriver"
+        missing = [p for p in (chromium, driver_path) if not os.path.exists(p)]
+        if missing or importlib.util.find_spec("selenium") is None:
+            why = f"{', '.join(missing)} missing" if missing else "selenium is not installed"
+            self.results.notes.append(f"console: no time in a browser ({why})")
+            return
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+            options.add_argument(arg)
+        options.add_argument("--window-size=1400,1000")
+        driver = webdriver.Chrome(service=Service(driver_path), options=options)
+        try:
+            driver.get(f"{base}/?token={token}")
+            driver.get(base + page)  # warm: the static files are cached from here on
+            timing = "return performance.getEntriesByType('navigation')[0].toJSON()"
+            for _ in range(trials):
+                driver.get("about:blank")
+                t0 = time.perf_counter()
+                driver.get(base + page)
+                wall = 1000 * (time.perf_counter() - t0)
+                nav = driver.execute_script(timing)
+                self.results.add("console.browser_load_ms", float(nav["loadEventEnd"]))
+                self.results.add("console.browser_dcl_ms", float(nav["domContentLoadedEventEnd"]))
+                self.results.add("console.browser_wall_ms", wall)
+                driver.get("about:blank")
+                driver.get(base + page + "?all=1")
+                nav = driver.execute_script(timing)
+                self.results.add("console.browser_all_load_ms", float(nav["loadEventEnd"]))
+        finally:
+            driver.quit()
+        progress(
+            "console: usable in Chromium after "
+            f"{statistics.median(self.results.values['console.browser_load_ms']):.0f} ms"
+        )
+
+    def console_list(self, http: Any, trials: int) -> None:
+        """The list over many tasks, inserted directly (no run behind them)."""
+        from datetime import UTC, timedelta
+
+        from sqlalchemy import insert
+
+        from charlie.domain import execution_id_for
+        from charlie.store.engine import write
+        from charlie.store.schema import executions, tasks
+
+        n = self.sizes.console_tasks
+        now = datetime.now(UTC)
+        statuses = ["succeeded"] * 6 + ["failed", "canceled", "waiting", "running"]
+        prefix = self.new_prefix("list")
+        batch = 5000
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            rows, runs = [], []
+            for k in range(start, min(n, start + batch)):
+                task_id = f"{prefix}{k:07d}"
+                created = now - timedelta(seconds=n - k)
+                status = statuses[k % len(statuses)]
+                rows.append(
+                    {
+                        "id": task_id,
+                        "prompt": f"benchmark task {k}: fix the build of service {k % 97}",
+                        "model": "scripted:bench.json",
+                        "metadata": {},
+                        "status": status,
+                        "created_at": created,
+                    }
+                )
+                runs.append(
+                    {
+                        "id": execution_id_for(task_id),
+                        "task_id": task_id,
+                        "phase": "done" if status in TERMINAL else "await_tools",
+                        "version": 7,
+                        "state": {},
+                        "turn": 1,
+                        "next_seq": 6,
+                        "updated_at": created,
+                        "created_at": created,
+                    }
+                )
+            with write(self.rt.engine) as conn:
+                conn.execute(insert(tasks), rows)
+                conn.execute(insert(executions), runs)
+        progress(f"console: {n:,} tasks inserted in {time.perf_counter() - t0:.1f}s")
+        deep = f"{prefix}{n // 2:07d}"
+        pages = {
+            "console.list_first_ms": "/",
+            "console.list_deep_ms": f"/?before={deep}",
+            "console.list_status_ms": "/?status=failed",
+            "console.list_search_ms": f"/?q=service+{n % 97}",
+        }
+        for key, path in pages.items():
+            assert http.get(path).status_code == 200
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                assert http.get(path).status_code == 200
+                self.results.add(key, 1000 * (time.perf_counter() - t0))
+        self.results.info["console.tasks"] = n
+        progress(
+            f"console: a list page over {n:,} tasks in "
+            f"{statistics.median(self.results.values['console.list_first_ms']):.0f} ms"
+        )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class HeldWatch:
+    """Samples, on a thread, what the waiting tasks hold while the ordinary runs are measured:
+    the most seen of each count of :meth:`Cell.held_by` (its cheap ones)."""
+
+    def __init__(self, cell: Cell, ids: list[str], every: float = 0.5) -> None:
+        self.cell, self.ids, self.every = cell, ids, every
+        self.most: dict[str, int] = {"leases": 0, "calls_moved": 0, "not_waiting": 0}
+        self.samples = 0
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="held-watch", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.every):
+            try:
+                seen = self.cell.held_by(self.ids, watched=True)
+            except Exception as exc:  # a busy database: the next sample will do
+                self.error = exc
+                continue
+            self.samples += 1
+            for name in self.most:
+                self.most[name] = max(self.most[name], seen[name])
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=30)
+
 
 def turn_overheads(rows: list[Any]) -> list[float]:
     """Model response committed -> next model call's tick started, for each turn of each run."""
@@ -889,11 +1467,23 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     if backend.embedded:
         described += f", embedded broker polling every {cfg.embedded_poll_interval * 1000:g} ms"
     cell.results.info["settings"] = described
+    if backend.name == "postgres":
+        autovacuum = pg_setting("autovacuum")
+        if autovacuum != "on":
+            cell.results.notes.append(
+                f"the PostgreSQL server runs with autovacuum {autovacuum}: the benchmark's "
+                "fresh database has no planner statistics but where it runs ANALYZE itself"
+            )
     steps: dict[str, Callable[[], None]] = {}
     if only & {"transitions", "floor"}:
         with_charlie, with_floor = "transitions" in only, "floor" in only
         steps["transitions+floor"] = lambda: cell.transitions_and_floor(with_charlie, with_floor)
-    steps.update({name: getattr(cell, name) for name in ("fanout", "recovery", "scale")})
+    steps.update(
+        {
+            name: getattr(cell, name)
+            for name in ("fanout", "recovery", "scale", "waiting", "console")
+        }
+    )
     failed = False
     try:
         cell.start_worker()
@@ -940,6 +1530,18 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
             "failed": failed,
         }
         result_path.write_text(json.dumps(doc, default=str))
+
+
+def pg_setting(name: str) -> str:
+    import psycopg2
+
+    conn = psycopg2.connect(**PG_ADMIN)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SHOW {name}")
+            return str(cur.fetchone()[0])
+    finally:
+        conn.close()
 
 
 def server_versions(backend: Backend) -> dict[str, str]:
@@ -1021,6 +1623,77 @@ ROWS: list[Row | str] = [
     Row("Worker RSS at the end (MiB)", "scale.rss_end_mib", 0, "not growing"),
     Row("Database bytes per finished task", "scale.bytes_per_task"),
     Row("Producer: submits/s (api.submit, one at a time)", "scale.submit_per_s"),
+    "**Waiting** (N tasks held for an approval; ordinary runs without and with them waiting, "
+    "2 worker processes)",
+    Row("Producer: submits/s of the N (api.submit, one at a time)", "waiting.submit_per_s"),
+    Row("Submit → all N tasks waiting (s)", "waiting.to_waiting_s", 1),
+    Row("Transitions per task, up to waiting", "waiting.transitions_to_wait", 1, "3"),
+    Row("Broker queue depth when all N were waiting (messages)", "waiting.queue_reached"),
+    Row("... drained in (s)", "waiting.queue_drain_s", 1),
+    Row("1 run: per-turn overhead, none waiting (ms)", "wait_base_one.turn_ms", 1),
+    Row("1 run: per-turn overhead, N waiting (ms)", "wait_with_one.turn_ms", 1),
+    Row("Per-turn overhead, N waiting / none", "waiting.turn_ratio", 2, "≈ 1"),
+    Row("1 run: per-turn overhead, N waiting, after ANALYZE (ms)", "wait_analyzed_one.turn_ms", 1),
+    Row("Per-turn overhead, N waiting after ANALYZE / none", "waiting.turn_ratio_analyzed", 2),
+    Row("Batch: transitions/s, none waiting", "wait_base_many.tps"),
+    Row("Batch: transitions/s, N waiting", "wait_with_many.tps"),
+    Row("Batch transitions/s, N waiting / none", "waiting.tps_ratio", 2, "≈ 1"),
+    Row("Batch: transitions/s, N waiting, after ANALYZE", "wait_analyzed_many.tps"),
+    Row("Batch transitions/s, N waiting after ANALYZE / none", "waiting.tps_ratio_analyzed", 2),
+    Row(
+        "Batch: SQL statements per transition, none waiting",
+        "wait_base_many.statements_per_transition",
+        1,
+    ),
+    Row(
+        "Batch: SQL statements per transition, N waiting",
+        "wait_with_many.statements_per_transition",
+        1,
+    ),
+    Row(
+        "Batch: Celery tasks per transition, none waiting", "wait_base_many.tasks_per_transition", 2
+    ),
+    Row("Batch: Celery tasks per transition, N waiting", "wait_with_many.tasks_per_transition", 2),
+    Row(
+        "Worker tasks run while only the N wait (idle window)", "waiting.idle_worker_tasks", 0, "0"
+    ),
+    Row("Their runs holding a lease, most seen", "waiting.leases_max", 0, "0"),
+    Row("Their calls queued, started or released, most seen", "waiting.calls_moved_max", 0, "0"),
+    Row("Their tasks not `waiting`, most seen", "waiting.not_waiting_max", 0, "0"),
+    Row("Their transitions while they wait", "waiting.transitions_while", 0, "0"),
+    Row(
+        "Sweep re-publishes of their ticks on the way to waiting (beat's log)",
+        "waiting.republished_on_the_way",
+    ),
+    Row("Sweep re-publishes of their runs and calls while they wait", "waiting.swept", 0, "0"),
+    Row("... of their ticks while they wait (beat's log)", "waiting.republished_while", 0, "0"),
+    Row("Rows of theirs the sweeps' scans find due", "waiting.scan_rows", 0, "0"),
+    Row("Broker queue depth, N waiting at rest (messages)", "waiting.queue_rest", 0, "0"),
+    Row("Broker queue depth, after the runs measured (messages)", "waiting.queue_after", 0, "0"),
+    Row("Sweeps' scans, one round, none waiting (ms)", "waiting.scan_base_ms", 1),
+    Row("Sweeps' scans, one round, N waiting (ms)", "waiting.scan_with_ms", 1),
+    Row("Sweeps' scans, one round, N waiting, after ANALYZE (ms)", "waiting.scan_analyzed_ms", 1),
+    Row("Producer: approvals/s (charlie.approve, one at a time)", "waiting.approve_per_s"),
+    Row("First approve → all N finished (s)", "waiting.drain_s", 1),
+    Row("Approved tasks finished/s", "waiting.drain_tasks_per_s", 1),
+    Row("Approve → task finished, p50 (s)", "waiting.approve_to_done_s", 2, "", "p50"),
+    Row("Approve → task finished, p95 (s)", "waiting.approve_to_done_s", 2, "", "p95"),
+    Row("Approved calls that settled ok (%)", "waiting.approved_ok_pct", 0, "100"),
+    Row("... settled deadline_exceeded (calls)", "waiting.approved_deadline", 0, "0"),
+    Row("... started past their deadline (calls)", "waiting.started_late", 0, "0"),
+    "**Console** (`charlie ui`: one run's page, the task list; sizes above)",
+    Row("Task page (the latest 300 rows): server time over HTTP (ms)", "console.page_ms"),
+    Row("Task page: size (KiB)", "console.page_kib"),
+    Row("Task page with every row (?all=1): server time (ms)", "console.page_all_ms"),
+    Row("Task page: its live fragment (ms)", "console.fragment_ms"),
+    Row("Task page: the revision poll (ms)", "console.revision_ms", 1),
+    Row("Task page in Chromium: usable (load event, ms)", "console.browser_load_ms"),
+    Row("Task page in Chromium: DOM ready (ms)", "console.browser_dcl_ms"),
+    Row("Task page with every row in Chromium: usable (ms)", "console.browser_all_load_ms"),
+    Row("List: first page (ms)", "console.list_first_ms", 1),
+    Row("List: a page halfway down (ms)", "console.list_deep_ms", 1),
+    Row("List: a status filter's first page (ms)", "console.list_status_ms", 1),
+    Row("List: a search's first page (ms)", "console.list_search_ms", 1),
 ]
 
 
@@ -1041,6 +1714,16 @@ def derive(values: dict[str, list[float]]) -> None:
     many = values.get("many.tps")
     if many and values.get("scale.tps"):
         values["scale.vs_many"] = [v / statistics.median(many) for v in values["scale.tps"]]
+    # Waiting: the runs without the N waiting are all measured before they are submitted, so
+    # the ratios are of the medians, not trial by trial.
+    for ratio, base, held in (
+        ("waiting.turn_ratio", "wait_base_one.turn_ms", "wait_with_one.turn_ms"),
+        ("waiting.tps_ratio", "wait_base_many.tps", "wait_with_many.tps"),
+        ("waiting.turn_ratio_analyzed", "wait_base_one.turn_ms", "wait_analyzed_one.turn_ms"),
+        ("waiting.tps_ratio_analyzed", "wait_base_many.tps", "wait_analyzed_many.tps"),
+    ):
+        if values.get(base) and values.get(held):
+            values[ratio] = [statistics.median(values[held]) / statistics.median(values[base])]
 
 
 def render(
@@ -1058,7 +1741,10 @@ def render(
         f"Trials: {sizes.trials} (median, min{RANGE}max); 1 run of {sizes.turns_one} turns; "
         f"{sizes.runs_many} runs of {sizes.turns_many} turns; floor chains of {sizes.links_one} "
         f"and {sizes.runs_many} x {sizes.links_many} links; fan-out of {sizes.fanout_calls}; "
-        f"{sizes.recovery_samples} recovery samples; scale {sizes.scale_tasks:,} tasks."
+        f"{sizes.recovery_samples} recovery samples; scale {sizes.scale_tasks:,} tasks; "
+        f"N = {sizes.waiting_tasks:,} waiting tasks, batch of {sizes.waiting_runs} runs of "
+        f"{sizes.waiting_turns} turns; console: a run of about {sizes.console_items:,} "
+        f"transcript items, a list over {sizes.console_tasks:,} tasks."
     )
     out.append("")
     if names:
@@ -1120,6 +1806,22 @@ FOOTNOTES = [
     "- Scale: the tasks are queued with the worker stopped, then a fresh worker drains them; "
     "rates are over the window from the first to the last transition.",
     "- RSS is summed over the worker's process group (shared pages counted in each process).",
+    "- Waiting (I25): N tasks whose first turn calls a tool on their `approve` list. With all "
+    "N `waiting` and the broker queue drained, the workers are watched idle; then the 1-run and "
+    "batch measurements are run again (the ones without were run before the N were submitted; "
+    "ratios are of medians). Leases, calls and statuses are sampled every 0.5 s meanwhile; a "
+    "sweep re-publish is a `swept_at` set on their run or call, or a line of beat's log. Scans: "
+    "beat's read-only queries for due work, one round, median of 10. On PostgreSQL the scans, "
+    "and but for `--quick` the runs with the N waiting, are measured again after an ANALYZE "
+    "(what autovacuum does to a fresh database). Then every held call is approved "
+    "(`charlie.approve`, one at a time) and the N run to their final answer; an approved "
+    "call's deadline (the tool's, 60 s) runs from its approve, its wait in the queue included.",
+    "- Console: times are the client's, over loopback, 50 tasks a list page; the task page is "
+    "its header, open calls, actions, the timeline SVG of the whole run and the latest 300 "
+    "transcript rows (a call's whole record loads when its row is opened); `?all=1` has every "
+    "row. In Chromium, 'usable' is the navigation's load event (HTML parsed, "
+    "style and script loaded, the live poll started). The list's tasks are inserted with SQL, "
+    "a tenth of them failed, canceled, waiting or running; the search matches about 1 in 97.",
 ]
 
 
@@ -1170,6 +1872,8 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
         argv += ["--trials", str(args.trials)]
     if args.scale_tasks:
         argv += ["--scale-tasks", str(args.scale_tasks)]
+    if args.waiting_tasks:
+        argv += ["--waiting-tasks", str(args.waiting_tasks)]
     if args.keep:
         argv.append("--keep")
     for kv in args.worker_env:
@@ -1177,6 +1881,9 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
     if args.dbos_python:
         argv += ["--dbos-python", args.dbos_python]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
+    env.update(
+        {k: os.environ[k] for k in ("BENCH_PG_DATABASE", "BENCH_REDIS_DB") if k in os.environ}
+    )
     env.update(backend.env(home))
     env["CHARLIE_TOOL_MODULES"] = "_bench_support"
     env["PYTHONPATH"] = os.pathsep.join(
@@ -1247,6 +1954,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--scale-tasks", type=int, default=None, help="tasks in the scale run (default 5000)"
     )
+    p.add_argument(
+        "--waiting-tasks",
+        type=int,
+        default=None,
+        help="tasks left waiting for an approval in the waiting run (default 1000)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     p.add_argument("--keep", action="store_true", help="keep homes, logs and the PG database")
     p.add_argument(
@@ -1274,6 +1987,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--trials must be at least 1")
     if args.scale_tasks is not None and args.scale_tasks < 1:
         p.error("--scale-tasks must be at least 1")
+    if args.waiting_tasks is not None and args.waiting_tasks < 1:
+        p.error("--waiting-tasks must be at least 1")
     if any("=" not in kv for kv in args.worker_env):
         p.error("--worker-env takes KEY=VALUE")
     return args

@@ -349,6 +349,7 @@ def _summary(task_id: str, url: str, token: str) -> int:
         f"HEAD {(workspace.head or '-')[:12]}" + (" (the fix commit)" if committed else "")
     )
     click.echo(f"inspect it again with: charlie show {task_id}")
+    click.echo(f"or in the run console: charlie ui --task {task_id}  (then open the address)")
     return 0 if info.status.value == "succeeded" and committed else 1
 
 

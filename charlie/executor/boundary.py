@@ -9,6 +9,7 @@ from typing import Any
 from charlie.domain import (
     ENDING_PHASES,
     CallState,
+    Hold,
     ItemKind,
     NewItem,
     Outcome,
@@ -50,6 +51,16 @@ def close_turn(
         if call.state is CallState.SETTLED:
             assert call.outcome is not None
             outcome, result = call.outcome, call.result
+        elif call.hold is Hold.RECONCILE:
+            # Started and interrupted, its verdict never given: it may have happened, and the
+            # model (after a resume) must not read it as not done (I10).
+            evidence = (call.hold_info or {}).get("evidence")
+            outcome = Outcome.INTERRUPTED
+            result = {
+                **(evidence if isinstance(evidence, dict) else {"evidence": evidence}),
+                "held_for_a_verdict": f"the run ended ({reason}) before an operator decided",
+            }
+            settle.append(Settlement(call.call_id, outcome, result))
         else:
             outcome, result = Outcome.CANCELED, {"reason": reason}
             settle.append(Settlement(call.call_id, outcome, result))

@@ -105,6 +105,8 @@ def _hold(rt: Runtime, done: CallResult) -> bool:
             token=call.attempts,
         ):
             return True
+        if calls.is_held(conn, call.execution_id, call.turn, call.call_id):
+            return True  # a retry after a lost connection: the first attempt held it
         calls.record_late_report(
             conn, call.execution_id, call.turn, call.call_id, done.outcome.value, done.result
         )
@@ -154,6 +156,16 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
             return True
         if calls.settled_by(conn, *key) == rt.worker:
             return True  # a retry after a lost connection: the first attempt's commit went through
+        if calls.settle_held_late(
+            conn, *key, outcome, done.result, rt.worker, utcnow(), done.duration_ms, call.attempts
+        ):
+            # Its lease lapsed and the sweep held it for an operator, but nobody took it over:
+            # this is the call's real and first result, and no verdict is needed any more.
+            log.warning(
+                "a held call's own holder reported: settled, hold ended",
+                extra={"execution_id": call.execution_id, "call_id": call.call_id},
+            )
+            return True
         # I12/I13: it was settled meanwhile (deadline, interrupted, canceled): count it; a wait's
         # observation only if the late watch has not recorded that same end already.
         calls.record_late_report(conn, *key, outcome, done.result, first_only=call.resumable)

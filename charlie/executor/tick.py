@@ -23,6 +23,7 @@ from charlie.executor import boundary
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs, run_phase
+from charlie.executor.phases.mailbox import reopen_final
 from charlie.executor.settle import (
     CallResult,
     held_for_operator,
@@ -486,6 +487,17 @@ def _run_tick(
                 transition = _compute(rt, view)
             faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
         with write(rt.engine) as conn:
+            # A final answer while mail waits is not final (I22): the messages sent while the
+            # model wrote it go in now, and the model answers again; report_terminal itself
+            # never calls the model (I16). Sends lock the run's row too, so one committed after
+            # this lock finds the run finishing and is refused.
+            if (
+                phase is Phase.CALL_MODEL
+                and transition.to is Phase.REPORT_TERMINAL
+                and calls.lock_run_inbox(conn, execution_id) > 0
+            ):
+                mail = runs.load_messages(conn, view.task.id)
+                transition = reopen_final(replace(view, messages=mail), transition)
             if not _commit(rt, conn, claim, view, transition, started):
                 log.warning("lease lost during %s; discarding its result", phase.value)
                 return "lost_lease", None
@@ -510,7 +522,9 @@ def _run_tick(
             if progress.durable_claim:
                 # The claim committed apart, so this transaction holds no lock on the run yet:
                 # take it before the calls, in the order settlers take them (no deadlock).
-                calls.lock_run(conn, execution_id)
+                # ...and its mailbox as it is now: a send may have committed since the claim.
+                inbox = calls.lock_run_inbox(conn, execution_id)
+                claim = replace(claim, inbox=max(claim.inbox, inbox))
             view = _view(conn, claim, now)
             settlement = None
             if progress.settlement is not None:

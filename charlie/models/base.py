@@ -135,4 +135,9 @@ def render_tool_result(outcome: Outcome, result: Any) -> str:
         )
     if outcome is Outcome.CANCELED:
         return "CANCELED: the task was canceled before this call finished."
+    if outcome is Outcome.DENIED:
+        return (
+            f"DENIED by {detail.get('denied_by', 'a person')}: {detail.get('reason', '')}. "
+            "This call was not run."
+        )
     return f"ERROR: {detail.get('error', detail)}"

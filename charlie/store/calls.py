@@ -33,7 +33,7 @@ from charlie.domain import (
     utcnow,
 )
 from charlie.store.engine import write
-from charlie.store.schema import executions, tasks, tool_calls
+from charlie.store.schema import executions, operator_actions, tasks, tool_calls
 
 ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
 log = logging.getLogger(__name__)
@@ -160,7 +160,13 @@ def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
     # A call held for a person is started by no one until a verdict releases it (I23).
     stmt = update(tool_calls).where(CALL_KEY, live, _c.hold.is_(None))
     if mode == "start":
-        stmt = stmt.where(_c.state == CallState.PENDING.value, _c.queued_at.is_not(None)).values(
+        # A call already past its deadline is not started: it will settle deadline_exceeded
+        # as never started (I13), rather than run, late, and leave an uncertain outcome.
+        stmt = stmt.where(
+            _c.state == CallState.PENDING.value,
+            _c.queued_at.is_not(None),
+            or_(_c.deadline_at.is_(None), _c.deadline_at > now),
+        ).values(
             state=CallState.STARTED.value,
             started_at=now,
             started_by=bindparam("b_owner"),
@@ -504,6 +510,8 @@ SETTLE = (
         lease_owner=None,
         lease_until=None,
         duration_ms=bindparam("b_duration"),
+        # settled, it waits for nobody (a question's deadline, a held call's stop)
+        hold=None,
     )
 )
 
@@ -513,6 +521,60 @@ SETTLE = (
 SETTLE_HELD = SETTLE.where(
     _c.lease_owner == bindparam("b_owner"), _c.attempts == bindparam("b_token")
 )
+
+
+#: A holder whose lease lapsed while its call was held for an operator (hold='reconcile') and
+#: not taken over since (the attempt count is still its own): its real result is the call's
+#: first, so it settles the call and ends the hold rather than becoming a late report.
+SETTLE_HELD_LATE = (
+    update(tool_calls)
+    .where(
+        CALL_KEY,
+        _c.state == CallState.STARTED.value,
+        _c.hold == "reconcile",
+        _c.attempts == bindparam("b_token"),
+    )
+    .values(
+        state=CallState.SETTLED.value,
+        outcome=bindparam("b_outcome"),
+        result=bindparam("b_result", type_=_c.result.type),
+        settled_at=bindparam("b_now", type_=_c.settled_at.type),
+        settled_by=bindparam("b_owner"),
+        lease_owner=None,
+        lease_until=None,
+        duration_ms=bindparam("b_duration"),
+        hold=None,
+    )
+)
+
+
+def settle_held_late(
+    conn: Connection,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    outcome: str,
+    result: Any,
+    owner: str,
+    now: datetime,
+    duration_ms: float | None,
+    token: int,
+) -> bool:
+    return (
+        conn.execute(
+            SETTLE_HELD_LATE,
+            {
+                **key_params(execution_id, turn, call_id),
+                "b_token": token,
+                "b_outcome": outcome,
+                "b_result": result,
+                "b_now": now,
+                "b_owner": owner,
+                "b_duration": duration_ms,
+            },
+        ).rowcount
+        == 1
+    )
 
 
 def settle_call(
@@ -546,7 +608,11 @@ def settle_call(
     return done.rowcount == 1
 
 
-_LOCK_RUN = select(_e.phase, _e.version).where(_e.id == bindparam("b_execution")).with_for_update()
+_LOCK_RUN = (
+    select(_e.phase, _e.version, _e.inbox)
+    .where(_e.id == bindparam("b_execution"))
+    .with_for_update()
+)
 
 
 def lock_run(conn: Connection, execution_id: str) -> tuple[str, int] | None:
@@ -557,6 +623,12 @@ def lock_run(conn: Connection, execution_id: str) -> tuple[str, int] | None:
     first's commit and knows the turn is complete (I7)."""
     row = conn.execute(_LOCK_RUN, {"b_execution": execution_id}).first()
     return (row.phase, row.version) if row else None
+
+
+def lock_run_inbox(conn: Connection, execution_id: str) -> int:
+    """Lock the run's row (as lock_run) and return its mailbox count as it is now."""
+    row = conn.execute(_LOCK_RUN, {"b_execution": execution_id}).first()
+    return int(row.inbox) if row else 0
 
 
 _COUNT_UNSETTLED = (
@@ -611,7 +683,28 @@ def hold_interrupted(
     held for an operator's verdict instead of reported (charlie.reconcile). It stays started
     (it was), with no lease and no deadline, so no sweep takes it over, settles it or times it
     out; its task is ``waiting`` (I25). A worker holds it fenced by its lease (``owner`` and
-    ``token``); a sweep only once its lease has lapsed."""
+    ``token``); a sweep only once its lease has lapsed.
+
+    ``hold_info`` keeps the call's deadline (a ``not_done`` repeat gets the same one) and the
+    last operator action on the call so far: verdicts before it belong to an earlier round
+    (an approve that let it run, a ``not_done`` that repeated it), I24."""
+    row = conn.execute(
+        select(_c.queued_at, _c.deadline_at, _c.hold_info).where(CALL_KEY),
+        key_params(execution_id, turn, call_id),
+    ).first()
+    if row is None:
+        return False
+    info = dict(row.hold_info or {})
+    if row.deadline_at is not None and row.queued_at is not None:
+        info["deadline_seconds"] = (row.deadline_at - row.queued_at).total_seconds()
+    last_action = conn.execute(
+        select(func.max(operator_actions.c.id)).where(
+            operator_actions.c.task_id == task_id_of(execution_id),
+            operator_actions.c.call_id == call_id,
+            operator_actions.c.turn == turn,
+        )
+    ).scalar()
+    info.update(evidence=evidence, held_at=now.isoformat(), after_action=int(last_action or 0))
     stmt = update(tool_calls).where(
         CALL_KEY, _c.state == CallState.STARTED.value, _c.hold.is_(None)
     )
@@ -625,7 +718,7 @@ def hold_interrupted(
     held = conn.execute(
         stmt.values(
             hold="reconcile",
-            hold_info={"evidence": evidence, "held_at": now.isoformat()},
+            hold_info=info,
             lease_owner=None,
             lease_until=None,
             deadline_at=None,
@@ -640,6 +733,15 @@ def hold_interrupted(
         .values(status=TaskStatus.WAITING.value)
     )
     return True
+
+
+def is_held(conn: Connection, execution_id: str, turn: int, call_id: str) -> bool:
+    return (
+        conn.execute(
+            select(_c.hold).where(CALL_KEY), key_params(execution_id, turn, call_id)
+        ).scalar()
+        is not None
+    )
 
 
 def settled_by(conn: Connection, execution_id: str, turn: int, call_id: str) -> str | None:

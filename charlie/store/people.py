@@ -202,6 +202,9 @@ def release_call(
                 lease_owner=None,
                 lease_until=None,
                 swept_at=None,
+                # the outside work's id of the interrupted attempt stays in the evidence
+                # (hold_info), not as the repeat's handle
+                handle=None,
             )
         ).rowcount
         == 1
@@ -364,6 +367,11 @@ def reenter_run(
             note=note,
         )
     )
+
+
+def task_timeout_at(conn: Connection, task_id: str) -> datetime | None:
+    value = conn.execute(select(_t.timeout_at).where(_t.id == task_id)).scalar()
+    return value if isinstance(value, datetime) else None
 
 
 def reopen_task(

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Row, and_, or_, select
+from sqlalchemy import Connection, Row, and_, func, or_, select, true
 
 from charlie.domain import TaskStatus
-from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
+from charlie.store.schema import (
+    executions,
+    operator_actions,
+    tasks,
+    tool_calls,
+    transcript_items,
+    transitions,
+)
 
 _t, _e, _i, _c, _tr = tasks.c, executions.c, transcript_items.c, tool_calls.c, transitions.c
 
@@ -38,10 +45,14 @@ def task_page(
     parent: str | None,
     limit: int,
     before: tuple[Any, str] | None,
+    search: str | None = None,
 ) -> list[Row[Any]]:
     """Tasks newest first, each with its run's counters: at most ``limit``, older than the
-    ``before`` keyset (created_at, id), filtered by status and parent."""
-    stmt = task_page_statement(statuses=statuses, parent=parent, limit=limit, before=before)
+    ``before`` keyset (created_at, id), filtered by status, parent and a search in id and
+    prompt."""
+    stmt = task_page_statement(
+        statuses=statuses, parent=parent, limit=limit, before=before, search=search
+    )
     return list(conn.execute(stmt).all())
 
 
@@ -51,14 +62,23 @@ def task_page_statement(
     parent: str | None,
     limit: int,
     before: tuple[Any, str] | None,
+    search: str | None = None,
 ) -> Any:
     """The statement of :func:`task_page`. Each filter walks its own index in (created_at, id)
-    order (migration 0006), so a page costs the same whatever the table's size."""
+    order (migration 0006), so a page costs the same whatever the table's size. A search
+    filters the rows that walk reads (no index: it stops when the page is full)."""
     stmt = _with_run()
     if statuses:
         stmt = stmt.where(_t.status.in_(statuses))
     if parent is not None:
         stmt = stmt.where(_t.parent_id == parent)
+    if search:
+        stmt = stmt.where(
+            or_(
+                _t.id.icontains(search, autoescape=True),
+                _t.prompt.icontains(search, autoescape=True),
+            )
+        )
     if before is not None:
         created, task_id = before
         stmt = stmt.where(
@@ -107,6 +127,53 @@ def transition_rows(conn: Connection, execution_id: str) -> list[dict[str, Any]]
         .order_by(_tr.id)
     ).all()
     return [dict(r._mapping) for r in rows]
+
+
+def run_revision(conn: Connection, task_id: str, execution_id: str) -> tuple[Any, ...] | None:
+    """What changes when anything shown of a run changes (None: no such task): the task's
+    status and usage, the run's version, phase, mailbox and next transcript seq, aggregates of
+    its calls (dispatch, leases, holds, outcomes, late reports), its latest operator action and
+    its children. Each part is an indexed lookup or an aggregate over one run's rows."""
+    calls = (
+        select(
+            func.count(),
+            func.count(_c.queued_at),
+            func.count(_c.started_at),
+            func.count(_c.settled_at),
+            func.count(_c.hold),
+            func.coalesce(func.sum(_c.attempts), 0),
+            func.coalesce(func.sum(_c.late_reports), 0),
+            func.max(_c.lease_until),
+        )
+        .where(_c.execution_id == execution_id)
+        .subquery()
+    )
+    last_action = (
+        select(func.max(operator_actions.c.id))
+        .where(operator_actions.c.task_id == task_id)
+        .scalar_subquery()
+    )
+    children = select(func.count()).where(_t.parent_id == task_id).scalar_subquery()
+    row = conn.execute(
+        select(
+            _t.status,
+            _t.input_tokens,
+            _t.output_tokens,
+            _t.reasoning_tokens,
+            _t.finished_at,
+            _e.version,
+            _e.phase,
+            _e.inbox,
+            _e.next_seq,
+            _e.lease_owner,
+            last_action,
+            children,
+            calls,
+        )
+        .select_from(tasks.outerjoin(executions, _e.task_id == _t.id).join(calls, true()))
+        .where(_t.id == task_id)
+    ).first()
+    return None if row is None else tuple(row)
 
 
 def canceled_among(conn: Connection, task_ids: list[str]) -> list[str]:

@@ -251,6 +251,7 @@ def call_view(r: Any) -> CallView:
         lease_owner=r.lease_owner,
         attempts=r.attempts,
         hold=Hold(r.hold) if r.hold else None,
+        hold_info=r.hold_info,
     )
 
 
@@ -270,6 +271,7 @@ CALL_COLUMNS = (
     tool_calls.c.lease_owner,
     tool_calls.c.attempts,
     tool_calls.c.hold,
+    tool_calls.c.hold_info,
 )
 
 

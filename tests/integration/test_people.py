@@ -213,7 +213,8 @@ def test_a_call_needing_approval_is_never_started_before_the_approve(
         ]
     )
     task_id = charlie.submit("approve me", model=model, task_id=tid())
-    wait_for(lambda: ledger_for(task_id, "sleep_then.end"))
+    # the read settles (its ledger line is written before its settle commits: wait for that)
+    wait_for(lambda: [c for c in charlie.calls(task_id) if c.call_id == "r" and c.outcome])
     wait_for(lambda: charlie.get_task(task_id).waiting_for)
     calls = {c.call_id: c for c in charlie.calls(task_id)}
     assert calls["r"].outcome == "ok"

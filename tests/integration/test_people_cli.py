@@ -90,7 +90,8 @@ def test_the_whole_loop_from_the_command_line(cluster: Cluster, script) -> None:
     forked = charlie_cli(env, "fork", task_id, "--turn", "1", "--message", "again")
     assert forked.returncode == 0, forked.stderr
     fork_id = forked.stdout.strip()
-    assert charlie.get_task(fork_id).metadata["forked_from"] == {"task": task_id, "turn": 1}
+    origin = charlie.get_task(fork_id).metadata["forked_from"]
+    assert (origin["task"], origin["turn"]) == (task_id, 1)
     charlie.cancel(fork_id)
 
 
@@ -99,14 +100,20 @@ def test_reconcile_and_resume_from_the_command_line(cluster: Cluster, script, tm
     fault.write_text("")
     model, _ = script(
         [
-            {"tool_calls": [{"id": "h", "name": "held_write", "arguments": {"key": "r", "hold": 30}}]},
+            {
+                "tool_calls": [
+                    {"id": "h", "name": "held_write", "arguments": {"key": "r", "hold": 30}}
+                ]
+            },
             {"raise": "model down", "raise_while": str(fault), "say": "x", "tool_calls": []},
         ]
     )
     env = {**cluster.settings_env, "CHARLIE_OPERATOR": "cli-bo"}
     task_id = charlie.submit("cli reconcile", model=model, task_id=tid())
     (run,) = wait_for(
-        lambda: [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "held_write"]
+        lambda: [
+            e for e in read_ledger() if e.get("task") == task_id and e["event"] == "held_write"
+        ]
     )
     cluster.kill_pid_group(int(run["pid"]))
     wait_for(lambda: charlie.get_task(task_id).waiting_for, timeout=60)
@@ -144,6 +151,9 @@ def test_actions_are_celery_tasks_by_name(cluster: Cluster, script) -> None:  # 
     app.send_task(
         "charlie.send", args=[task_id, "from celery"], kwargs={"operator": "svc"}, task_id="msg-1"
     )
+    # Two messages may reach two workers in either order: approve once the send is in, so the
+    # message is sure to wait for the boundary after the approved call.
+    wait_for(lambda: [a for a in charlie.actions(task_id) if a.action.value == "send"])
     for _ in range(2):  # the same message twice: one approve
         app.send_task(
             "charlie.approve", args=[task_id, "w"], kwargs={"operator": "svc"}, task_id="appr-1"

@@ -213,3 +213,43 @@ def test_an_unknown_verdict_settles_interrupted_and_the_model_is_told(
     (call,) = charlie.calls(task_id)
     assert call.outcome == "interrupted" and call.result["note"] == "cannot tell from the logs"
     assert len(ledger_for(task_id, "held_write")) == 1
+
+
+def test_an_approved_call_held_after_a_kill_takes_its_own_verdict(cluster: Cluster, script) -> None:
+    """I24: approve and hold are two rounds: the approve that let the call run does not
+    answer the reconcile its interruption asks for."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "h", "name": "held_write", "arguments": {"key": "ah", "hold": 30}}
+                ]
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "h", "outcome": "ok"}]},
+                "say": "both rounds",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit(
+        "approve then hold", model=model, task_id=tid(), approve=["held_write"]
+    )
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    charlie.approve(task_id, "h")
+    (run,) = wait_for(lambda: ledger_for(task_id, "held_write"))
+    cluster.kill_pid_group(int(run["pid"]))
+    info = wait_for(
+        lambda: (
+            (i := charlie.get_task(task_id)).waiting_for
+            and i.waiting_for[0].kind == "reconcile"
+            and i
+        ),
+        timeout=60,
+    )
+    assert info.status is TaskStatus.WAITING
+    with pytest.raises(charlie.api.NotHeld, match="waits for reconcile"):
+        charlie.approve(task_id, "h")
+    charlie.reconcile(task_id, "h", "done", result={"written": "ah"})
+    assert charlie.wait(task_id, timeout=120).status is TaskStatus.SUCCEEDED
+    assert len(ledger_for(task_id, "held_write")) == 1

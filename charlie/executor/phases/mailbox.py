@@ -8,7 +8,9 @@ its item; a message committed after that transaction began waits for the next bo
 
 from __future__ import annotations
 
-from charlie.domain import ItemKind, NewItem, RunView, Transition
+from dataclasses import replace
+
+from charlie.domain import ItemKind, NewItem, Phase, RunView, Transition
 
 
 def take_messages(view: RunView, transition: Transition) -> Transition:
@@ -27,3 +29,25 @@ def take_messages(view: RunView, transition: Transition) -> Transition:
             )
         )
     return transition
+
+
+def reopen_final(view: RunView, transition: Transition) -> Transition:
+    """A final answer committed while messages wait: it becomes an assistant message, the
+    messages follow it, and the run calls the model again at the next turn (I22, I16)."""
+    if not view.messages:
+        return transition
+    items = [
+        NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": i.payload.get("content", "")})
+        if i.kind is ItemKind.FINAL
+        else i
+        for i in transition.items
+    ]
+    reopened = replace(
+        transition,
+        to=Phase.CALL_MODEL,
+        items=items,
+        next_turn=True,
+        take_messages=[],
+        note=f"{len(view.messages)} message(s) arrived with the final answer",
+    )
+    return take_messages(view, reopened)

@@ -10,10 +10,9 @@ from datetime import timedelta
 from typing import Any
 
 from charlie.domain import ItemKind, Phase, RunView, TaskStatus, Transition
-from charlie.executor.phases.mailbox import take_messages
 from charlie.ports import PhaseDeps, TransientSchedulerError
 
-NEEDS = frozenset({"items", "messages"})
+NEEDS = frozenset({"items"})
 
 
 def report(
@@ -50,18 +49,6 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
     stop = view.state.get("stop")
     if stop:
         return report(view, deps, TaskStatus(stop), error={"reason": f"task {stop}"})
-    if view.messages:
-        # Messages sent while the model wrote its final answer (a send is refused once the run
-        # is here, so these were committed before): the answer is not final after all; the
-        # model is called again with them, as at any turn boundary (I22).
-        return take_messages(
-            view,
-            Transition(
-                to=Phase.CALL_MODEL,
-                next_turn=True,
-                note=f"{len(view.messages)} message(s) arrived with the final answer",
-            ),
-        )
     finals = [i for i in view.items if i.kind is ItemKind.FINAL]
     if not finals:
         raise RuntimeError("report_terminal reached without a final item in the transcript")

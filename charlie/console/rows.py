@@ -1,0 +1,359 @@
+"""The run as a person reads it: semantic rows built from the API's records.
+
+A tool call and its result are one row (as ``charlie show`` pairs them, charlie.views): the
+name, the arguments in short, an outcome badge, the duration, the worker, the finishing order
+and a late report beside the outcome, with the full arguments and result behind it. Messages,
+reasoning (collapsed) and the final answer are rows of their own. Open calls are listed with
+their dispatch state and, when they wait for a person, what that person can do.
+
+Everything here is plain data: the templates escape every string they are given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from charlie import api
+from charlie.views import short
+
+#: the badge of each outcome, and of each state a call is in before it has one
+OUTCOME_LABELS = {
+    "ok": "ok",
+    "error": "error",
+    "interrupted": "interrupted",
+    "deadline_exceeded": "deadline exceeded",
+    "denied": "denied",
+    "canceled": "canceled",
+}
+
+#: how much of a long value a page carries in full (a result is at most
+#: CHARLIE_MAX_RESULT_BYTES already; a page of 2,000 of them must still load)
+FULL_LIMIT = 64 * 1024
+
+
+def pretty(value: Any, limit: int = FULL_LIMIT) -> str:
+    """A value in full, as a person reads it: text as it is, anything else as indented JSON."""
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else json.dumps(value, indent=2, ensure_ascii=False)
+    if len(text) > limit:
+        return text[:limit] + f"\n… ({len(text) - limit} more characters; the API has it all)"
+    return text
+
+
+def model_label(model: str, limit: int = 40) -> str:
+    """A model as a list shows it: a scripted model by its file's name, not its whole path."""
+    kind, _, rest = model.partition(":")
+    if kind == "scripted" and "/" in rest:
+        model = f"scripted:…/{rest.rsplit('/', 1)[-1]}"
+    return short(model, limit)
+
+
+def when(value: datetime | None) -> str:
+    """A time as a page shows it: UTC, to the millisecond."""
+    if value is None:
+        return "-"
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def clock(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def span(ms: float | None) -> str:
+    """A duration in milliseconds, in the unit a person reads it in."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms / 60_000:.1f} min"
+
+
+def call_state(call: api.CallRecord) -> tuple[str, str]:
+    """(badge text, badge class) of a call: its outcome once it has one, else where it is."""
+    if call.outcome:
+        return OUTCOME_LABELS.get(call.outcome, call.outcome), call.outcome
+    if call.hold == "approval":
+        return "awaiting approval", "held"
+    if call.hold == "reply":
+        return "awaiting reply", "held"
+    if call.hold == "reconcile":
+        return "held: interrupted", "held"
+    if call.state == "started":
+        return ("waiting (parked)" if call.lease_owner is None else "started"), "started"
+    if call.queued_at is not None:
+        return "queued", "queued"
+    return "pending", "pending"
+
+
+@dataclass(frozen=True)
+class CallView:
+    """One tool call with its result and evidence."""
+
+    call_id: str
+    turn: int
+    name: str
+    args_short: str
+    arguments: str
+    badge: str
+    badge_class: str
+    duration: str
+    worker: str
+    finish_order: int | None
+    late: str | None
+    result_short: str
+    result: str
+    settled: bool
+    #: (label, value) lines of evidence behind the row
+    evidence: list[tuple[str, str]]
+
+
+def call_view(
+    call: api.CallRecord, raw_arguments: str | None = None, *, full: bool = True
+) -> CallView:
+    """A call's row; ``full=False`` leaves out what only its opened row shows (the whole
+    arguments and result, the evidence), which a task page loads when a row is opened."""
+    badge, badge_class = call_state(call)
+    args = raw_arguments if raw_arguments is not None else json.dumps(call.arguments)
+    late = None
+    if call.late_reports:
+        report = call.late_result if isinstance(call.late_result, dict) else {}
+        outcome = report.get("outcome")
+        late = f"late report: {OUTCOME_LABELS.get(str(outcome), outcome)}"
+        if report.get("result") is not None:
+            late += f", {short(report.get('result'), 60)}"
+    wall = None
+    if call.started_at is not None and call.settled_at is not None:
+        wall = (call.settled_at - call.started_at).total_seconds() * 1000
+    evidence = (
+        []
+        if not full
+        else [
+            ("call", f"{call.call_id} (turn {call.turn}, #{call.index})"),
+            ("took", f"{span(wall)} from start to settle; handler {span(call.duration_ms)}"),
+            ("effect", call.effect + (", resumable" if call.resumable else "")),
+            ("state", call.state + (f", held for {call.hold}" if call.hold else "")),
+            ("queued", when(call.queued_at)),
+            ("started", f"{when(call.started_at)} by {call.started_by or '-'}"),
+            ("settled", f"{when(call.settled_at)} by {call.settled_by or '-'}"),
+            ("deadline", when(call.deadline_at)),
+            ("attempts", str(call.attempts)),
+        ]
+    )
+    if full and call.lease_owner:
+        evidence.append(("lease", f"{call.lease_owner} until {when(call.lease_until)}"))
+    if full and call.handle:
+        evidence.append(("handle", call.handle))
+    if full and call.late_reports:
+        evidence.append(("late reports", f"{call.late_reports}: {short(call.late_result, 300)}"))
+    if full and call.hold_info:
+        evidence.append(("held because", short(call.hold_info, 600)))
+    return CallView(
+        call_id=call.call_id,
+        turn=call.turn,
+        name=call.name,
+        args_short=short(args, 90),
+        arguments=pretty(call.arguments) if full else "",
+        badge=badge,
+        badge_class=badge_class,
+        duration=span(wall if wall is not None else call.duration_ms),
+        worker=call.started_by or (call.settled_by or "-"),
+        finish_order=call.finish_order,
+        late=late,
+        result_short=short(call.result, 120) if call.result is not None else "",
+        result=pretty(call.result) if full else "",
+        settled=call.state == "settled",
+        evidence=evidence,
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the transcript. ``kind``: system, user, message (a person's, sent to the
+    run), assistant, reasoning, call, result (a result whose call item is missing), final."""
+
+    key: str
+    seq: int
+    turn: int
+    kind: str
+    who: str
+    text: str = ""
+    call: CallView | None = None
+    copied: str | None = None
+
+
+def transcript_rows(
+    entries: list[api.TranscriptEntry], calls: list[api.CallRecord], *, full: bool = False
+) -> list[Row]:
+    """The transcript's semantic rows, in its one chronology (I6); with ``full``, each call's
+    whole arguments, result and evidence too (what an opened row shows)."""
+    by_call = {(c.turn, c.call_id): c for c in calls}
+    has_call_item = {(e.turn, e.call_id) for e in entries if e.kind == "tool_call"}
+    rows: list[Row] = []
+    for e in entries:
+        p = e.payload or {}
+        copied = None
+        if isinstance(p.get("copied_from"), dict):
+            origin = p["copied_from"]
+            copied = f"copied from {origin.get('task')} #{origin.get('seq')}"
+        key = f"s{e.seq}"
+        if e.kind == "tool_call":
+            record = by_call.get((e.turn, e.call_id or ""))
+            view = (
+                call_view(record, str(p.get("raw_arguments") or ""), full=full)
+                if record is not None
+                else _call_from_items(e, entries)
+            )
+            rows.append(
+                Row(key, e.seq, e.turn, "call", str(p.get("name")), call=view, copied=copied)
+            )
+        elif e.kind == "tool_result":
+            if (e.turn, e.call_id) in has_call_item:
+                continue  # shown in its call's row
+            text = f"{p.get('name')} ({e.call_id}): {p.get('outcome')}\n{pretty(p.get('result'))}"
+            rows.append(Row(key, e.seq, e.turn, "result", "tool result", text, copied=copied))
+        elif e.kind == "input":
+            role = str(p.get("role") or "user")
+            if p.get("message_id") or p.get("sent_by"):
+                who = f"message from {p.get('sent_by') or 'a person'}"
+                rows.append(Row(key, e.seq, e.turn, "message", who, _text(p), copied=copied))
+            elif role == "system":
+                rows.append(Row(key, e.seq, e.turn, "system", "system", _text(p), copied=copied))
+            else:
+                rows.append(Row(key, e.seq, e.turn, "user", role, _text(p), copied=copied))
+        elif e.kind == "reasoning":
+            text = _text(p) or pretty(p.get("summary"))
+            rows.append(Row(key, e.seq, e.turn, "reasoning", "reasoning", text, copied=copied))
+        elif e.kind == "final":
+            rows.append(Row(key, e.seq, e.turn, "final", "final answer", _text(p), copied=copied))
+        else:
+            who = str(p.get("role") or e.kind)
+            kind = "assistant" if e.kind == "message" else e.kind
+            rows.append(Row(key, e.seq, e.turn, kind, who, _text(p), copied=copied))
+    return rows
+
+
+def _text(payload: dict[str, Any]) -> str:
+    content = payload.get("content")
+    if content is None:
+        content = payload.get("summary")
+    return pretty(content)
+
+
+def _call_from_items(item: api.TranscriptEntry, entries: list[api.TranscriptEntry]) -> CallView:
+    """A call item without a call record (a fork's copied history): what the items say."""
+    p = item.payload or {}
+    result = next(
+        (
+            e
+            for e in entries
+            if e.kind == "tool_result" and e.call_id == item.call_id and e.turn == item.turn
+        ),
+        None,
+    )
+    outcome = result.outcome if result is not None else None
+    value = (result.payload or {}).get("result") if result is not None else None
+    return CallView(
+        call_id=item.call_id or "",
+        turn=item.turn,
+        name=str(p.get("name")),
+        args_short=short(p.get("raw_arguments") or p.get("arguments") or "", 90),
+        arguments=pretty(p.get("arguments")),
+        badge=OUTCOME_LABELS.get(str(outcome), str(outcome or "no result")),
+        badge_class=str(outcome or "pending"),
+        duration="-",
+        worker="-",
+        finish_order=None,
+        late=None,
+        result_short=short(value, 120) if value is not None else "",
+        result=pretty(value),
+        settled=result is not None,
+        evidence=[("call", f"{item.call_id} (turn {item.turn}), from the transcript only")],
+    )
+
+
+@dataclass(frozen=True)
+class OpenCall:
+    """An open call: where it is in its dispatch, and what a person may do about it."""
+
+    call: CallView
+    state: str
+    #: "approval", "reply", "reconcile" or None (nothing for a person to do)
+    needs: str | None
+    question: str | None
+    evidence: str | None
+    deadline: str
+    lines: list[str] = field(default_factory=list)
+
+
+def open_calls(calls: list[api.CallRecord], now: datetime) -> list[OpenCall]:
+    found = []
+    for c in calls:
+        if c.state == "settled":
+            continue
+        view = call_view(c)
+        info = c.hold_info if isinstance(c.hold_info, dict) else {}
+        lines: list[str] = []
+        if c.hold == "approval":
+            state = "awaiting approval: not dispatched, no worker holds it"
+            if info.get("why"):
+                lines.append(f"why: {short(info.get('why'), 300)}")
+        elif c.hold == "reply":
+            state = "awaiting a reply: queued to no worker"
+        elif c.hold == "reconcile":
+            state = "held: interrupted, waits for a verdict (done / not done / unknown)"
+        elif c.state == "started":
+            if c.lease_owner:
+                left = (c.lease_until - now).total_seconds() if c.lease_until else None
+                state = f"started by {c.started_by or '-'}, lease held by {c.lease_owner}"
+                lease = f"lease until {when(c.lease_until)}"
+                if left is not None:
+                    lease += f" ({left:+.1f} s)"
+                lines.append(lease)
+            else:
+                state = f"started by {c.started_by or '-'}; parked, observed again by polls"
+            if c.handle:
+                lines.append(f"handle {c.handle}")
+        elif c.queued_at is not None:
+            state = f"queued at {when(c.queued_at)} (dispatch v{c.dispatch_version})"
+        else:
+            state = "pending: not dispatched yet"
+        if c.attempts > 1:
+            lines.append(f"attempts {c.attempts}")
+        evidence = None
+        if c.hold == "reconcile":
+            evidence = pretty(info.get("evidence", info))
+        found.append(
+            OpenCall(
+                call=view,
+                state=state,
+                needs=c.hold,
+                question=str(info.get("question")) if c.hold == "reply" else None,
+                evidence=evidence,
+                deadline=when(c.deadline_at),
+                lines=lines,
+            )
+        )
+    return found
+
+
+def settled_turns(info: api.TaskInfo, entries: list[api.TranscriptEntry]) -> list[int]:
+    """The turns a fork may start after: those before the run's current one, and the current
+    one once the run has its final answer or has ended (people.fork checks again)."""
+    turns = sorted({e.turn for e in entries})
+    current = info.turn
+    done = info.terminal or any(e.kind == "final" for e in entries if e.turn == current)
+    return [t for t in turns if t < current or (t == current and done)]

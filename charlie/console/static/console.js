@@ -1,0 +1,278 @@
+// The run console's only script: follow a page live without a reload.
+//
+// A task page polls its cheap revision read (/api/tasks/<id>/revision) every second; when the
+// revision changed it fetches the page's server-rendered regions (/live/tasks/<id>) and swaps
+// those that differ. The list polls its table (/live/tasks?...) every two seconds. Every byte
+// of data arrives escaped by the server: this script never builds HTML from data; it parses
+// the server's fragment into an inert document and moves its nodes in, and writes its own
+// words with textContent only.
+(function () {
+  "use strict";
+
+  var live = document.querySelector("[data-live]");
+  var stateLine = document.getElementById("live-state");
+
+  // No double submit: a form's buttons are disabled once it is sent.
+  document.addEventListener("submit", function (event) {
+    var form = event.target;
+    window.setTimeout(function () {
+      form.querySelectorAll("button").forEach(function (b) { b.disabled = true; });
+    }, 0);
+  });
+
+  // An opened call row loads its whole record (arguments, result, evidence), rendered by the
+  // server, the first time it is opened: a run of thousands of calls stays a light page.
+  function loadFull(details) {
+    var lazy = details.querySelector(":scope > .full[data-lazy]");
+    var url = details.getAttribute("data-full");
+    if (!lazy || !url || lazy.hasAttribute("data-loading")) {
+      return;
+    }
+    lazy.setAttribute("data-loading", "");
+    fetch(url, { credentials: "same-origin", cache: "no-store", headers: { Accept: "text/html" } })
+      .then(function (r) {
+        if (!r.ok) {
+          throw new Error("the console answered " + r.status);
+        }
+        return r.text();
+      })
+      .then(function (html) {
+        var doc = new DOMParser().parseFromString(html, "text/html");
+        var full = doc.querySelector(".full");
+        if (full && lazy.isConnected) {
+          lazy.replaceWith(document.importNode(full, true));
+        }
+      })
+      .catch(function (err) {
+        lazy.removeAttribute("data-loading");
+        lazy.textContent = "could not load the record: " + err.message;
+      });
+  }
+
+  document.addEventListener("toggle", function (event) {
+    var details = event.target;
+    if (details.tagName === "DETAILS" && details.open && details.hasAttribute("data-full")) {
+      loadFull(details);
+    }
+  }, true);
+
+  if (!live) {
+    return;
+  }
+  var revisionUrl = live.getAttribute("data-revision-url");
+  var fragmentUrl = live.getAttribute("data-fragment-url");
+  var revision = live.getAttribute("data-revision");
+  var period = revisionUrl ? 1000 : 2000;
+  // the server's HTML of each region and each keyed row, as last received
+  var seen = new Map();
+  var failures = 0;
+
+  // The XSRF field is masked anew on every render: not a change worth a swap.
+  function normal(html) {
+    return html.replace(/name="_xsrf" value="[^"]*"/g, "");
+  }
+
+  function say(text, bad) {
+    if (!stateLine) {
+      return;
+    }
+    stateLine.textContent = text;
+    stateLine.classList.toggle("bad", !!bad);
+  }
+
+  function remember(root) {
+    root.querySelectorAll("[data-region]").forEach(function (region) {
+      var name = region.getAttribute("data-region");
+      seen.set("region:" + name, normal(region.outerHTML));
+      if (region.hasAttribute("data-keyed")) {
+        Array.prototype.forEach.call(region.children, function (child) {
+          var key = child.getAttribute("data-key");
+          if (key) {
+            seen.set("row:" + name + ":" + key, normal(child.outerHTML));
+          }
+        });
+      }
+    });
+  }
+
+  // What a person has done on the page that a swap must keep: open details, typed text, focus.
+  function capture(root) {
+    var kept = { open: new Map(), values: new Map(), focus: null };
+    root.querySelectorAll("details[data-key]").forEach(function (d) {
+      kept.open.set(d.getAttribute("data-key"), d.open);
+    });
+    root.querySelectorAll("form[data-key] input, form[data-key] textarea, form[data-key] select")
+      .forEach(function (field) {
+        if (field.type === "hidden" || !field.name) {
+          return;
+        }
+        var key = field.form.getAttribute("data-key") + ":" + field.name;
+        kept.values.set(key, field.value);
+        if (document.activeElement === field) {
+          kept.focus = {
+            key: key,
+            start: field.selectionStart,
+            end: field.selectionEnd,
+          };
+        }
+      });
+    return kept;
+  }
+
+  function restore(root, kept) {
+    root.querySelectorAll("details[data-key]").forEach(function (d) {
+      var key = d.getAttribute("data-key");
+      if (kept.open.has(key)) {
+        d.open = kept.open.get(key);
+      }
+    });
+    root.querySelectorAll("form[data-key] input, form[data-key] textarea, form[data-key] select")
+      .forEach(function (field) {
+        if (field.type === "hidden" || !field.name) {
+          return;
+        }
+        var key = field.form.getAttribute("data-key") + ":" + field.name;
+        if (kept.values.has(key)) {
+          field.value = kept.values.get(key);
+        }
+        if (kept.focus && kept.focus.key === key) {
+          field.focus();
+          try {
+            field.setSelectionRange(kept.focus.start, kept.focus.end);
+          } catch (e) {
+            // not a text field
+          }
+        }
+      });
+  }
+
+  function swapNode(old, fresh) {
+    var kept = capture(old);
+    var node = document.importNode(fresh, true);
+    old.replaceWith(node);
+    restore(node, kept);
+    return node;
+  }
+
+  // A keyed region (the transcript): rows are replaced only where they changed, and new rows
+  // are put in their place, so a long run's page does not redraw on every move.
+  function swapKeyed(name, old, fresh) {
+    var existing = new Map();
+    Array.prototype.forEach.call(old.children, function (child) {
+      var key = child.getAttribute("data-key");
+      if (key) {
+        existing.set(key, child);
+      }
+    });
+    var previous = null;
+    var wanted = new Set();
+    Array.prototype.slice.call(fresh.children).forEach(function (child) {
+      var key = child.getAttribute("data-key");
+      var html = normal(child.outerHTML);
+      var node;
+      if (!key) {
+        node = old.querySelector(":scope > " + child.tagName.toLowerCase() + ":not([data-key])");
+        if (!node) {
+          node = document.importNode(child, true);
+          old.insertBefore(node, previous ? previous.nextSibling : old.firstChild);
+        }
+      } else {
+        wanted.add(key);
+        node = existing.get(key);
+        if (!node) {
+          node = document.importNode(child, true);
+          old.insertBefore(node, previous ? previous.nextSibling : old.firstChild);
+        } else if (seen.get("row:" + name + ":" + key) !== html) {
+          node = swapNode(node, child);
+        }
+        seen.set("row:" + name + ":" + key, html);
+      }
+      previous = node;
+    });
+    existing.forEach(function (node, key) {
+      if (!wanted.has(key)) {
+        node.remove();
+        seen.delete("row:" + name + ":" + key);
+      }
+    });
+  }
+
+  function swap(html) {
+    var doc = new DOMParser().parseFromString(html, "text/html");
+    var changed = 0;
+    doc.querySelectorAll("[data-region]").forEach(function (fresh) {
+      var name = fresh.getAttribute("data-region");
+      var old = live.querySelector('[data-region="' + name + '"]');
+      var text = normal(fresh.outerHTML);
+      if (!old) {
+        return;
+      }
+      if (seen.get("region:" + name) === text) {
+        return;
+      }
+      changed += 1;
+      if (fresh.hasAttribute("data-keyed")) {
+        swapKeyed(name, old, fresh);
+      } else {
+        swapNode(old, fresh);
+      }
+      seen.set("region:" + name, text);
+    });
+    if (changed) {
+      live.setAttribute("data-updated", String(Date.now()));
+    }
+  }
+
+  function get(url, accept) {
+    return fetch(url, {
+      credentials: "same-origin",
+      cache: "no-store",
+      headers: { Accept: accept },
+    }).then(function (response) {
+      if (response.status === 401) {
+        throw new Error("the session ended: open the console's address with its token again");
+      }
+      if (!response.ok) {
+        throw new Error("the console answered " + response.status);
+      }
+      return response;
+    });
+  }
+
+  function poll() {
+    var work;
+    if (revisionUrl) {
+      work = get(revisionUrl, "application/json")
+        .then(function (r) { return r.json(); })
+        .then(function (body) {
+          if (body.revision === revision) {
+            return null;
+          }
+          var next = body.revision;
+          return get(fragmentUrl, "text/html")
+            .then(function (r) { return r.text(); })
+            .then(function (html) {
+              swap(html);
+              revision = next;
+            });
+        });
+    } else {
+      work = get(fragmentUrl, "text/html")
+        .then(function (r) { return r.text(); })
+        .then(swap);
+    }
+    work.then(function () {
+      failures = 0;
+      say("live · " + new Date().toLocaleTimeString(), false);
+    }).catch(function (err) {
+      failures += 1;
+      say("not live: " + err.message, true);
+    }).then(function () {
+      window.setTimeout(poll, Math.min(period * (1 + failures), 15000));
+    });
+  }
+
+  remember(live);
+  say("live", false);
+  window.setTimeout(poll, period);
+})();

@@ -1,0 +1,527 @@
+"""The console in a real browser (headless Chromium through Selenium) against real workers:
+the rows of a run with every kind of call, the people's actions clicked on its page and
+checked in the database through the API, live updates without a reload, attacker-controlled
+text kept inert, and the task list's search, filters and pages."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import charlie
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.console.conftest import OPERATOR, Console, screenshot
+from tests.support.cluster import Cluster
+from tests.support.tools import read_ledger
+
+pytestmark = [pytest.mark.timeout(240)]
+
+ACTOR = f"ui:{OPERATOR}"
+
+
+def tid(prefix: str = "ui") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def ledger_for(task_id: str, event: str) -> list[dict[str, Any]]:
+    return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
+
+
+# -- driving a page that changes under the driver -------------------------------------------
+
+
+def retry(fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """``fn()`` until it returns something truthy; the page swaps regions while it runs, so an
+    element found a moment ago may be gone: look again."""
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
+
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except (
+            StaleElementReferenceException,
+            NoSuchElementException,
+            ElementClickInterceptedException,
+        ) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise AssertionError(f"not so within {timeout} s (last error: {last})")
+
+
+def css(driver: Any, selector: str) -> Any:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, selector)
+
+
+def css_all(driver: Any, selector: str) -> list[Any]:
+    from selenium.webdriver.common.by import By
+
+    return list(driver.find_elements(By.CSS_SELECTOR, selector))
+
+
+def text_of(driver: Any, selector: str) -> str:
+    return str(retry(lambda: css(driver, selector).get_attribute("textContent") or " "))
+
+
+def badge(driver: Any, call_id: str) -> str:
+    return text_of(driver, f'details.call[data-call="{call_id}"] summary .badge').strip()
+
+
+def open_task(driver: Any, console: Console, task_id: str) -> None:
+    driver.get(console.url(f"/tasks/{task_id}"))
+    retry(lambda: css(driver, "#status"))
+
+
+def submit_form(driver: Any, form: str, fields: dict[str, str], button: str = "button") -> None:
+    """Fill a form of the page and press its button (one action, as a person would)."""
+
+    def go() -> bool:
+        element = css(driver, f'form[data-key="{form}"]')
+        for name, value in fields.items():
+            field = element.find_element("css selector", f'[name="{name}"]')
+            if field.tag_name == "select":
+                from selenium.webdriver.support.ui import Select
+
+                Select(field).select_by_value(value)
+            else:
+                field.clear()
+                field.send_keys(value)
+        element.find_element("css selector", button).click()
+        return True
+
+    before = driver.current_url.split("#")[0]
+    driver.execute_script("window.__beforeSubmit = 1;")
+    retry(go)
+    # the post redirects back to the page (a new one), which shows the result
+    retry(
+        lambda: (
+            driver.execute_script("return typeof window.__beforeSubmit") == "undefined"
+            and css(driver, "#result")
+        )
+    )
+    assert driver.current_url.split("#")[0] == before
+
+
+def flash(driver: Any) -> str:
+    return text_of(driver, "#result")
+
+
+# -- a run with every kind of call ------------------------------------------------------------
+
+
+def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
+    console: Console, browser: Any, cluster: Cluster, script, screenshots: Path
+) -> None:
+    """One run: a call ok and one in error; a read whose worker is SIGKILLed (interrupted);
+    a held_write whose worker is SIGKILLed (held for a verdict, reconciled `done` in the
+    browser); two approved_writes (approve one, deny the other, in the browser); a question
+    (answered in the browser). Each click is checked in the database through the API."""
+    key = f"hw-{uuid.uuid4().hex[:6]}"
+    model, _ = script(
+        [
+            {
+                "say": "First a look around.",
+                "tool_calls": [
+                    {
+                        "id": "ok1",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 0.1, "value": "all fine"},
+                    },
+                    {"id": "err1", "name": "boom", "arguments": {"message": "the disk is full"}},
+                ],
+            },
+            {
+                "tool_calls": [
+                    {
+                        "id": "slow",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 50, "value": "never"},
+                    }
+                ]
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "slow", "outcome": "interrupted"}]},
+                "say": "That read was interrupted; writing the record now.",
+                "tool_calls": [
+                    {"id": "hw", "name": "held_write", "arguments": {"key": key, "hold": 50}}
+                ],
+            },
+            {
+                "expect": {
+                    "tool_results": [{"call_id": "hw", "outcome": "ok", "contains": "by hand"}]
+                },
+                "tool_calls": [
+                    {"id": "ap1", "name": "approved_write", "arguments": {"key": f"{key}-a"}},
+                    {"id": "ap2", "name": "approved_write", "arguments": {"key": f"{key}-b"}},
+                ],
+            },
+            {
+                "expect": {
+                    "tool_results": [
+                        {"call_id": "ap1", "outcome": "ok"},
+                        {"call_id": "ap2", "outcome": "denied", "contains": "not today"},
+                    ]
+                },
+                "tool_calls": [
+                    {"id": "q", "name": "ask_human", "arguments": {"question": "Which branch?"}}
+                ],
+            },
+            {
+                "expect": {"tool_results": [{"call_id": "q", "outcome": "ok", "contains": "main"}]},
+                "say": "Done on main.",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("A run with every kind of call", model=model, task_id=tid("story"))
+    open_task(browser, console, task_id)
+
+    # the read of turn 1 runs: kill its worker; the sweep settles it interrupted
+    (start,) = wait_for(lambda: ledger_for(task_id, "sleep_then.start")[1:], timeout=60)
+    cluster.kill_pid_group(int(start["pid"]))
+    # the held write of turn 2 runs: kill its worker; it is held for a verdict
+    (write,) = wait_for(lambda: ledger_for(task_id, "held_write"), timeout=90)
+    cluster.kill_pid_group(int(write["pid"]))
+    wait_for(lambda: charlie.get_task(task_id).waiting_for, timeout=60)
+
+    # the page followed all of it live: the rows and the held call are there without a reload
+    retry(lambda: badge(browser, "slow") == "interrupted", timeout=30)
+    assert badge(browser, "ok1") == "ok"
+    assert badge(browser, "err1") == "error"
+    assert "the disk is full" in text_of(browser, 'details.call[data-call="err1"]')
+    retry(lambda: "held: interrupted" in text_of(browser, '.open-call[data-call="hw"]'))
+    assert "evidence of the interruption" in text_of(browser, '.open-call[data-call="hw"]')
+    assert "a reconcile verdict on hw" in text_of(browser, "#waiting-for")
+    assert css_all(browser, "svg#timeline path.kill")  # the interrupted call, on its worker's lane
+    lanes = [t.text for t in css_all(browser, "svg#timeline text.lane-label")]
+    assert lanes[0] == "run" and len(lanes) >= 3
+    screenshot(browser, screenshots, "task-interrupted-and-held")
+
+    # the reconcile verdict, clicked
+    result = json.dumps({"written": key, "checked": "by hand"})
+    submit_form(
+        browser,
+        "reconcile-hw",
+        {"note": "the row is in the ledger", "result": result},
+        'button[value="done"]',
+    )
+    assert "reconcile done" in flash(browser)
+    call = {c.call_id: c for c in charlie.calls(task_id)}["hw"]
+    assert call.outcome == "ok" and call.result == {"written": key, "checked": "by hand"}
+
+    # two approvals arrive live; approve one, deny the other
+    retry(lambda: css(browser, 'form[data-key="approve-ap1"]'), timeout=60)
+    retry(lambda: css(browser, 'form[data-key="deny-ap2"]'), timeout=30)
+    screenshot(browser, screenshots, "task-awaiting-approval")
+    submit_form(browser, "approve-ap1", {"note": "looks right"}, "button.approve")
+    assert "approve done" in flash(browser)
+    submit_form(browser, "deny-ap2", {"reason": "not today"}, "button.deny")
+    assert "deny done" in flash(browser)
+
+    # the question arrives live; answer it
+    retry(lambda: css(browser, 'form[data-key="reply-q"]'), timeout=60)
+    assert "Which branch?" in text_of(browser, '.open-call[data-call="q"]')
+    submit_form(browser, "reply-q", {"text": "main"}, "button.reply")
+    assert "reply done" in flash(browser)
+
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    calls = {c.call_id: c for c in charlie.calls(task_id)}
+    assert (calls["ap1"].outcome, calls["ap2"].outcome, calls["q"].outcome) == (
+        "ok",
+        "denied",
+        "ok",
+    )
+    assert len(ledger_for(task_id, "approved_write")) == 1  # the denied one never ran
+    assert calls["q"].result == "main"
+    done = [(a.action.value, a.call_id, a.actor) for a in charlie.actions(task_id)]
+    assert done == [
+        ("reconcile", "hw", ACTOR),
+        ("approve", "ap1", ACTOR),
+        ("deny", "ap2", ACTOR),
+        ("reply", "q", ACTOR),
+    ]
+    # the finished run, live: the final answer row and every outcome
+    retry(lambda: "Done on main." in text_of(browser, ".row.kind-final"), timeout=30)
+    assert badge(browser, "ap2") == "denied"
+    assert retry(lambda: text_of(browser, "#status").strip() == "succeeded")
+    log = text_of(browser, ".actions-log")
+    assert "reconcile done by ui:tester" in log and "deny by ui:tester" in log
+    screenshot(browser, screenshots, "task-finished")
+
+
+def test_a_row_appears_live_without_a_reload(
+    console: Console, browser: Any, cluster: Cluster, script
+) -> None:
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {
+                        "id": "first",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 2, "value": "one"},
+                    }
+                ]
+            },
+            {
+                "tool_calls": [
+                    {
+                        "id": "second",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 2, "value": "two"},
+                    }
+                ]
+            },
+            {"say": "both done", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("live rows", model=model, task_id=tid("live"))
+    open_task(browser, console, task_id)
+    browser.execute_script("window.__samePage = 'yes';")
+    assert not css_all(browser, 'details.call[data-call="second"]')
+    retry(lambda: css(browser, 'details.call[data-call="first"]'), timeout=30)
+    retry(lambda: badge(browser, "second") in ("started", "ok"), timeout=30)
+    retry(lambda: badge(browser, "second") == "ok", timeout=30)
+    retry(lambda: "both done" in text_of(browser, ".row.kind-final"), timeout=30)
+    assert browser.execute_script("return window.__samePage") == "yes"  # never reloaded
+    assert text_of(browser, "#status").strip() == "succeeded"
+
+
+def test_send_and_cancel_from_the_page(
+    console: Console, browser: Any, cluster: Cluster, script
+) -> None:
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 6, "value": "v"}}
+                ]
+            },
+            {
+                "expect": {"contains": ["also check the logs"]},
+                "tool_calls": [
+                    {"id": "long", "name": "sleep_then", "arguments": {"seconds": 40, "value": "w"}}
+                ],
+            },
+            {"say": "never", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("send then cancel", model=model, task_id=tid("send"))
+    wait_for(lambda: ledger_for(task_id, "sleep_then.start"), timeout=30)
+    open_task(browser, console, task_id)
+    submit_form(browser, "send", {"text": "please also check the logs"}, "button.send")
+    assert "send done" in flash(browser)
+    (sent,) = [a for a in charlie.actions(task_id) if a.action.value == "send"]
+    assert sent.actor == ACTOR
+    # the message enters at the turn boundary: its row appears live
+    retry(lambda: "also check the logs" in text_of(browser, ".row.kind-message"), timeout=30)
+    assert "message from ui:tester" in text_of(browser, ".row.kind-message")
+    wait_for(lambda: len(ledger_for(task_id, "sleep_then.start")) == 2, timeout=30)
+    retry(lambda: badge(browser, "long") == "started", timeout=30)
+    submit_form(browser, "cancel", {"note": "wrong task"}, "button.cancel")
+    assert "cancel done" in flash(browser)
+    info = charlie.get_task(task_id)
+    assert info.status is TaskStatus.CANCELED
+    (record,) = [a for a in charlie.actions(task_id) if a.action.value == "cancel"]
+    assert record.actor == ACTOR and record.note == "wrong task"
+    retry(lambda: badge(browser, "long") == "canceled", timeout=30)
+    assert not css_all(browser, 'form[data-key="cancel"]')  # nothing more to cancel
+
+
+def test_resume_and_fork_from_the_page(
+    console: Console, browser: Any, cluster: Cluster, script, tmp_path: Path, screenshots: Path
+) -> None:
+    fault = tmp_path / "model-is-down"
+    fault.write_text("")
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "ledger_write", "arguments": {"key": "once"}}]},
+            {
+                "raise": "the model is down",
+                "raise_while": str(fault),
+                "say": "recovered",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("resume and fork", model=model, task_id=tid("resume"))
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done", timeout=30)
+    open_task(browser, console, task_id)
+    assert "the model is down" in text_of(browser, ".error-box")
+    fault.unlink()
+    submit_form(browser, "resume", {"note": "the model is back"}, "button.resume")
+    assert "resume done" in flash(browser)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    (resumed,) = [a for a in charlie.actions(task_id) if a.action.value == "resume"]
+    assert resumed.actor == ACTOR and resumed.detail["phase"] == "call_model"
+    retry(lambda: "recovered" in text_of(browser, ".row.kind-final"), timeout=30)
+
+    retry(lambda: css(browser, 'form[data-key="fork"]'))
+    submit_form(browser, "fork", {"turn": "0", "message": "try it another way"}, "button.fork")
+    assert "fork done" in flash(browser)
+    link = css(browser, "#result-link")
+    fork_id = link.text.removeprefix("open ").strip()
+    (forked,) = [a for a in charlie.actions(task_id) if a.action.value == "fork"]
+    assert forked.detail["fork"] == fork_id and forked.actor == ACTOR
+    link.click()
+    retry(lambda: fork_id in text_of(browser, ".task-id"))
+    assert charlie.wait(fork_id, timeout=60).status is TaskStatus.SUCCEEDED
+    retry(lambda: "copied from" in text_of(browser, "#transcript"), timeout=30)
+    retry(lambda: "try it another way" in text_of(browser, ".row.kind-message"), timeout=30)
+    assert len(ledger_for(task_id, "write")) == 1 and not ledger_for(fork_id, "write")
+
+
+PAYLOAD = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=1">'
+
+
+def test_attacker_controlled_text_stays_inert(
+    console: Console, browser: Any, cluster: Cluster, script
+) -> None:
+    """Tool output and prompts are attacker-controlled: escaped everywhere, shown literally."""
+    model, _ = script(
+        [
+            {
+                "say": PAYLOAD,
+                "tool_calls": [
+                    {
+                        "id": "x",
+                        "name": "sleep_then",
+                        "arguments": {"seconds": 0, "value": PAYLOAD},
+                    },
+                    {"id": "y", "name": "boom", "arguments": {"message": PAYLOAD}},
+                ],
+            },
+            {"say": f"final {PAYLOAD}", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit(f"xss {PAYLOAD}", model=model, task_id=tid("xss"))
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    # the server's HTML carries it escaped only
+    with console.session() as http:
+        for path in (f"/tasks/{task_id}", f"/live/tasks/{task_id}", f"/?q={task_id}"):
+            html = http.get(path).text
+            assert "<script>window.__pwned" not in html and "<img src=x" not in html, path
+            assert "&lt;script&gt;window.__pwned=1&lt;/script&gt;" in html, path
+
+    browser.get(console.url(f"/?q={task_id}"))
+    retry(lambda: css(browser, f'tr[data-key="{task_id}"]'))
+    assert PAYLOAD in text_of(browser, f'tr[data-key="{task_id}"] .prompt')
+    assert browser.execute_script("return typeof window.__pwned") == "undefined"
+
+    open_task(browser, console, task_id)
+    retry(lambda: badge(browser, "x") == "ok")
+    css(browser, 'details.call[data-call="x"] summary').click()
+    assert (
+        text_of(browser, 'details.call[data-call="x"] pre.arguments').count("window.__pwned") == 2
+    )
+    assert text_of(browser, 'details.call[data-call="x"] pre.result') == PAYLOAD
+    # an error's result is JSON: its quotes are escaped there, its tags shown as they are
+    assert "<script>window.__pwned=1</script>" in text_of(browser, 'details.call[data-call="y"]')
+    assert PAYLOAD in text_of(browser, ".row.kind-user")
+    assert f"final {PAYLOAD}" in text_of(browser, ".row.kind-final")
+    assert not css_all(browser, "#transcript img") and not css_all(browser, "#transcript script")
+    time.sleep(1.5)  # a live poll or two: swapped fragments stay inert as well
+    assert browser.execute_script("return typeof window.__pwned") == "undefined"
+
+
+def test_the_list_searches_filters_pages_and_updates_live(
+    console: Console, browser: Any, cluster: Cluster, script, screenshots: Path
+) -> None:
+    marker = uuid.uuid4().hex[:8]
+    quick, _ = script([{"say": "done", "tool_calls": []}])
+    broken, _ = script([{"raise": "the model refused", "say": "x", "tool_calls": []}])
+    slow, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 20, "value": "v"}}
+                ]
+            },
+            {"say": "slept", "tool_calls": []},
+        ]
+    )
+    asks, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "q", "name": "ask_human", "arguments": {"question": "Ship it?"}}
+                ]
+            },
+            {"say": "ok", "tool_calls": []},
+        ]
+    )
+    made = []
+    for n, (what, model) in enumerate(
+        [("number 0", quick), ("number 1", quick), ("fails", broken), ("canceled", slow),
+         ("runs", slow), ("asks", asks)]
+    ):  # fmt: skip
+        made.append(charlie.submit(f"list {marker} {what}", model=model, task_id=tid(f"list{n}")))
+        time.sleep(0.02)
+    charlie.cancel(made[3])
+    waiting = made[5]
+    wait_for(lambda: charlie.get_task(waiting).waiting_for, timeout=30)
+    wait_for(lambda: charlie.get_task(made[2]).terminal, timeout=90)
+    wait_for(lambda: charlie.get_task(made[4]).status is TaskStatus.RUNNING, timeout=30)
+
+    browser.get(console.url(f"/?q={marker}"))
+    retry(lambda: len(css_all(browser, "tr.task")) == 6)
+    statuses = [t.text for t in css_all(browser, "tr.task td:nth-child(2) .badge")]
+    assert statuses == ["waiting", "running", "canceled", "failed", "succeeded", "succeeded"]
+    assert "a reply to q: Ship it?" in text_of(browser, f'tr[data-key="{waiting}"] .waits')
+    screenshot(browser, screenshots, "task-list")
+
+    browser.get(console.url(f"/?q={marker}&limit=2"))
+    keys = lambda: [r.get_attribute("data-key") for r in css_all(browser, "tr.task")]  # noqa: E731
+    assert retry(keys) == [made[5], made[4]]  # newest first, two a page
+    css(browser, "#older").click()
+    retry(lambda: keys() == [made[3], made[2]])
+    css(browser, "#older").click()
+    retry(lambda: keys() == [made[1], made[0]])
+    assert css_all(browser, "#newest")
+
+    browser.get(console.url(f"/?q={marker}"))
+    retry(lambda: len(css_all(browser, "tr.task")) == 6)
+    css(browser, 'input[name="status"][value="waiting"]').click()
+    css(browser, 'input[name="status"][value="failed"]').click()
+    css(browser, "#filter").click()
+    retry(lambda: keys() == [waiting, made[2]])
+    assert "status=waiting" in browser.current_url and "status=failed" in browser.current_url
+
+    # live: a new task appears, and a status changes, without a reload
+    browser.get(console.url(f"/?q={marker}"))
+    retry(lambda: len(css_all(browser, "tr.task")) == 6)
+    browser.execute_script("window.__samePage = 'yes';")
+    late = charlie.submit(f"list {marker} late", model=quick, task_id=tid("list"))
+    retry(lambda: keys()[0] == late, timeout=20)
+    charlie.reply(waiting, "q", "yes")
+    retry(lambda: "succeeded" in text_of(browser, f'tr[data-key="{waiting}"]'), timeout=30)
+    assert browser.execute_script("return window.__samePage") == "yes"
+    charlie.cancel(made[4])
+
+
+def test_a_page_that_is_not_there(console: Console, browser: Any, cluster: Cluster) -> None:
+    browser.get(console.url("/tasks/no-such-task"))
+    assert "no task no-such-task" in text_of(browser, "body")
+    with console.session() as http:
+        assert http.get("/tasks/no-such-task").status_code == 404
+        assert http.get("/nowhere").status_code == 404
+    assert httpx.get(console.url("/nowhere")).status_code == 401
