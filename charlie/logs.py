@@ -100,6 +100,8 @@ class JsonFormatter(logging.Formatter):
             entry.setdefault(key, json.loads(_json(value)))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:  # a traceback a filter already formatted (charlie.mcp scrubs them)
+            entry["exc"] = record.exc_text
         if record.stack_info:
             entry["stack"] = self.formatStack(record.stack_info)
         return json.dumps(entry)

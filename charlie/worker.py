@@ -24,6 +24,7 @@ from celery import Task
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    celeryd_after_setup,
     worker_process_init,
     worker_ready,
     worker_shutdown,
@@ -230,6 +231,21 @@ def _structured_logs(logger: logging.Logger, **_: Any) -> None:
     logs.install(logger, json_lines=settings().log_format == "json")
 
 
+@celeryd_after_setup.connect
+def _list_mcp_tools(**_: Any) -> None:
+    # After logging is set up, before the pool forks: list the MCP servers' tools once, in the
+    # main process, so every pool process inherits them (and the SDK, imported) instead of
+    # each listing on its first task; the sessions end here, and each pool process connects
+    # on its first call. A server that is down is listed again by the pool processes
+    # (charlie.mcp.start).
+    s = settings()
+    if s.mcp_config or s.mcp_servers:
+        from charlie import mcp
+        from charlie.tools.registry import REGISTRY
+
+        mcp.start(s, REGISTRY, keep=False)
+
+
 @worker_process_init.connect
 def _after_fork(**_: Any) -> None:
     # A prefork child must open its own database connections and take its own worker identity.
@@ -238,13 +254,9 @@ def _after_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _ready(sender: Any = None, **_: Any) -> None:
-    # Fail fast on a missing schema, a bad tool module or a bad MCP configuration; a prefork
-    # main process runs no tool, so it connects to no MCP server (its pool children do).
+    # Fail fast on a missing schema or a bad tool module. MCP servers were listed before the
+    # pool forked (_list_mcp_tools); the pool processes connect to them.
     rt = get_runtime(mcp=False)
-    if settings().mcp_config or settings().mcp_servers:
-        from charlie.mcp import config_of
-
-        config_of(settings())
     # The main process says it is alive, and what it consumes, for `charlie doctor`.
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker

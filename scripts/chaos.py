@@ -48,6 +48,9 @@ on any violation:
   its model never plays turn 0, its copied items are marked (I26);
 - every action the person took is one operator-action row with its actor; refused ones none
   (I27).
+- a share of tasks (``--mcp-share``) also calls an MCP read and an MCP write over stdio (the
+  test server of tests/support/mcp_server.py, one per worker process); no MCP write executed
+  twice according to the server's own ledger (I10, issue 15).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ sys.path.insert(0, str(REPO))
 from tests.support.cluster import (  # noqa: E402
     Backend,
     Cluster,
+    McpServers,
     cluster_env,
     flush_redis,
     recreate_postgres_database,
@@ -112,7 +116,44 @@ def parse_args() -> argparse.Namespace:
         help="once the first questions all wait, the person answers nothing for at most this "
         "long (I25)",
     )
+    p.add_argument(
+        "--mcp-share", type=float, default=0.25, help="share of tasks calling MCP tools (0: none)"
+    )
     return p.parse_args()
+
+
+def add_mcp_turn(plan: Plan, share: float, seed: int) -> None:
+    """For a share of tasks, one more turn just before the final answer: an MCP read and an
+    MCP write over stdio (issue 15). It takes over what the final answer's turn was to be shown
+    (the turn before it may be a person's), and has its own random stream, so the rest of a
+    seed's run is what it was without it."""
+    rng = random.Random(f"{seed}-mcp-{plan.n}")
+    if rng.random() >= share:
+        return
+    n = plan.n
+    calls = [
+        {"id": "mr", "name": "mcp__files__lookup", "arguments": {"key": f"m-{n}"}},
+        {
+            "id": "mw",
+            "name": "mcp__files__delete_record",
+            "arguments": {"key": f"m-{n}", "hold": rng.uniform(0, 1)},
+        },
+    ]
+    final = len(plan.turns) - MAX_MESSAGES - 1
+    turn: dict[str, Any] = {"say": "the MCP tools", "tool_calls": calls}
+    if "expect" in plan.turns[final]:
+        turn["expect"] = plan.turns[final].pop("expect")
+    plan.turns.insert(final, turn)
+
+
+def mcp_violations(home: Path) -> list[str]:
+    """I10 for MCP writes: the test server's ledger, outside Charlie, ran each at most once."""
+    ledger = McpServers(home, 0, 0, 0).ledger
+    if not ledger.exists():
+        return []
+    rows = [json.loads(line) for line in ledger.read_text().splitlines() if line.strip()]
+    runs = Counter(r["key"] for r in rows if r["event"] == "delete.start")
+    return [f"MCP write {key} ran {count}x" for key, count in runs.items() if count > 1]
 
 
 @dataclass(frozen=True)
@@ -963,7 +1004,8 @@ def main() -> int:
     home = Path(tempfile.mkdtemp(prefix="charlie-chaos-"))
     (home / "scripts").mkdir()
     backend = Backend("chaos", args.database_url, args.broker_url)
-    env = cluster_env(home, backend)
+    mcp = McpServers(home, 0, 0, 0, only=("files",)) if args.mcp_share > 0 else None
+    env = cluster_env(home, backend, mcp=mcp)
     # Default recovery settings: the figures below are what an operator gets. Questions wait
     # as long as the person takes (the default deadline is a day).
     for key in (
@@ -1009,6 +1051,7 @@ def main() -> int:
     plans: dict[str, Plan] = {}
     for n in range(args.tasks):
         plan = task_script(rng, home, n, early_ask=n < early)
+        add_mcp_turn(plan, args.mcp_share, args.seed)
         (home / "scripts" / f"task-{n}.json").write_text(json.dumps(plan.turns))
         plans[plan.task_id] = plan
     print(
@@ -1049,7 +1092,11 @@ def main() -> int:
         person.join()
         # Let children and late reports land before checking.
         time.sleep(3)
-        return check(args, killer, person, plans, started, pending)
+        code = check(args, killer, person, plans, started, pending)
+        problems = mcp_violations(home)
+        for problem in problems:
+            print(f"  - {problem}")
+        return 1 if problems else code
     finally:
         killer.stop.set()
         person.stop.set()

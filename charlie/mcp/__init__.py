@@ -9,10 +9,12 @@ I22-I25).
 - :mod:`charlie.mcp.tools`: names, effects, and one call (results, input_required as a question
   to a person, tasks as resumable waits by their id).
 
-A worker discovers the servers' tools when it builds its runtime (``start``), each within a short
-timeout; a server that is down then is tried again every ``CHARLIE_MCP_RETRY_SECONDS`` (and said
-so once in the log), and its tools are registered when it answers. A producer discovers them
-only to check an ``mcp__`` tool name it does not know (``discover``, with sessions it closes).
+A worker lists the servers' tools once, in its main process before its pool forks (Celery's
+``worker_init``), each within a short timeout, and ends those sessions: every pool process
+inherits the tools and connects on its first call. A server that is down then is listed again
+by each pool process when it builds its runtime, and every ``CHARLIE_MCP_RETRY_SECONDS`` after
+(said once in the log); its tools are registered when it answers. A producer lists them only to
+check an ``mcp__`` tool name it does not know (``discover``, with sessions it closes).
 
 Layer: above charlie.tools (it imports the tool SDK, charlie.config and charlie.domain), below
 the runtime; it never imports the engine (pyproject.toml's import-linter contracts).
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 from charlie.config import Settings
 from charlie.mcp.config import McpConfig, McpConfigError, load
-from charlie.mcp.connections import Connections, McpFailure, connections
+from charlie.mcp.connections import McpFailure
 from charlie.mcp.connections import reset_after_fork as _reset_connections
 from charlie.mcp.tools import Servers, definition, register, server_of, tool_name
 from charlie.tools.registry import ToolRegistry
@@ -50,7 +52,52 @@ log = logging.getLogger("charlie.mcp")
 
 def config_of(settings: Settings) -> McpConfig:
     """The MCP configuration of these settings (raises McpConfigError, naming the bad key)."""
-    return load(settings.mcp_config, settings.mcp_servers)
+    config = load(settings.mcp_config, settings.mcp_servers)
+    _guard_logs(config)
+    return config
+
+
+class _Scrub(logging.Filter):
+    """Blanks the configuration's secrets out of the MCP SDK's and its HTTP client's log
+    records (a URL's query, an echoed header), message and traceback both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.configs: dict[str, McpConfig] = {}
+
+    def scrub(self, text: str) -> str:
+        for config in self.configs.values():
+            text = config.scrub(text)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        scrubbed = self.scrub(message)
+        if scrubbed != message:
+            record.msg, record.args = scrubbed, None
+        if record.exc_info:
+            # formatted here, scrubbed, and the exception dropped, so no formatter shows it raw
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_text, record.exc_info = self.scrub(text), None
+        return True
+
+
+_SCRUB = _Scrub()
+#: the loggers of what talks to MCP servers (filters do not pass down to child loggers, so
+#: each is given it; they exist once the SDK is imported, as it is here).
+_GUARDED = ("mcp", "httpx2", "httpcore2", "httpx", "httpcore")
+
+
+def _guard_logs(config: McpConfig) -> None:
+    _SCRUB.configs[config.fingerprint()] = config
+    names = [n for n in list(logging.root.manager.loggerDict) if n.split(".")[0] in _GUARDED]
+    for name in {*names, *_GUARDED}:
+        logger = logging.getLogger(name)
+        if _SCRUB not in logger.filters:
+            logger.addFilter(_SCRUB)
 
 
 @dataclass
@@ -67,7 +114,8 @@ class Status:
 
 @dataclass
 class _Process:
-    """This process's MCP state: made again in a forked child."""
+    """This process's MCP state; a forked child inherits it (and the tools it registered) and
+    makes its own from it."""
 
     pid: int
     servers: Servers
@@ -81,15 +129,9 @@ _process: _Process | None = None
 _lock = threading.Lock()
 
 
-def _servers(settings: Settings, config: McpConfig, *, private: bool = False) -> Servers:
-    """The MCP tools' servers: this process's connections, or (``private``) connections of
-    their own, for a one-off listing that closes them."""
+def _servers(settings: Settings, config: McpConfig) -> Servers:
     return Servers(
-        config=config,
-        connections=Connections(config, settings.mcp_timeout)
-        if private
-        else connections(config, settings.mcp_timeout),
-        default_deadline=settings.tool_deadline,
+        config=config, timeout=settings.mcp_timeout, default_deadline=settings.tool_deadline
     )
 
 
@@ -113,45 +155,66 @@ def _list(
     return statuses
 
 
+def _mine(config: McpConfig) -> _Process | None:
+    state = _process
+    if state is None or state.pid != os.getpid():
+        return None
+    return state if state.servers.config.fingerprint() == config.fingerprint() else None
+
+
 def discover(
     settings: Settings, registry: ToolRegistry, *, keep: bool = False, timeout: float | None = None
 ) -> dict[str, Status]:
-    """List every configured server's tools and register them. In a process that discovered
-    already (a worker: ``start``), with its sessions; elsewhere (a producer, a command) with
-    sessions of its own, ended after unless ``keep`` (the tools stay registered, and connect
-    again if they are ever called here)."""
+    """List every configured server's tools and register them. In a worker (after ``start``)
+    with its sessions; elsewhere (a producer, a command) with sessions ended after, unless
+    ``keep`` (the tools stay registered, and connect again if they are ever called here)."""
     config = config_of(settings)
     if not config.servers:
         return {}
     names = [s.name for s in config.servers]
-    state = _process
-    if state is not None and state.pid == os.getpid() and state.servers.config == config:
-        return _list(state.servers, registry, names, timeout)
-    servers = _servers(settings, config, private=not keep)
+    state = _mine(config)
+    servers = state.servers if state is not None else _servers(settings, config)
     try:
         return _list(servers, registry, names, timeout)
     finally:
-        if not keep:
+        if not keep and state is None:
             servers.connections.close()
 
 
-def start(settings: Settings, registry: ToolRegistry) -> dict[str, Status]:
-    """A worker's discovery, once per process: list every server's tools (each within
-    CHARLIE_MCP_TIMEOUT), register them, keep the sessions for the calls, and try a server that
-    is down again every CHARLIE_MCP_RETRY_SECONDS until it answers."""
+def start(settings: Settings, registry: ToolRegistry, *, keep: bool = True) -> dict[str, Status]:
+    """A worker's discovery, once per process: list the servers' tools (each within
+    CHARLIE_MCP_TIMEOUT) and register them; a forked child inherits what its parent listed and
+    lists only the servers that were down then. ``keep``: keep the sessions for the calls and
+    try a server that is down again every CHARLIE_MCP_RETRY_SECONDS until it answers; without
+    (a prefork worker's main process, before its pool forks), end them, so no session or
+    thread of it crosses a fork: each child connects on its first call."""
     global _process
     with _lock:
-        if _process is not None and _process.pid == os.getpid():
-            return _process.status
         config = config_of(settings)
         if not config.servers:
             return {}
-        servers = _servers(settings, config)
-        state = _process = _Process(os.getpid(), servers, {})
-    state.status = _list(servers, registry, [s.name for s in config.servers])
-    for status in state.status.values():
-        _report(state, status, settings)
-    if any(s.problem for s in state.status.values()):
+        mine = _mine(config)
+        if mine is not None:
+            # (a solo pool: its main process listed before it ran tasks; now it keeps trying)
+            if keep and mine.retrying is None and any(s.problem for s in mine.status.values()):
+                _retry_later(mine, settings, registry)
+            return mine.status
+        inherited = _process
+        if inherited is not None and inherited.servers.config.fingerprint() != config.fingerprint():
+            inherited = None
+        state = _process = _Process(os.getpid(), _servers(settings, config), {})
+    names = [s.name for s in config.servers]
+    if inherited is not None:
+        state.status = dict(inherited.status)
+        state.warned = set(inherited.warned)
+    todo = [n for n in names if n not in state.status or state.status[n].problem]
+    if todo:
+        for name, status in _list(state.servers, registry, todo).items():
+            state.status[name] = status
+            _report(state, status, settings)
+    if not keep:
+        state.servers.connections.close()
+    elif any(s.problem for s in state.status.values()):
         _retry_later(state, settings, registry)
     return state.status
 
@@ -208,14 +271,7 @@ def status() -> dict[str, Status]:
     return dict(state.status) if state is not None and state.pid == os.getpid() else {}
 
 
-def current_connections() -> Connections | None:
-    state = _process
-    return state.servers.connections if state is not None and state.pid == os.getpid() else None
-
-
 def reset_after_fork() -> None:
-    """A forked child discovers (and connects) for itself: its parent's sessions and loop
-    thread are not its own."""
-    global _process
-    _process = None
+    """A forked child connects for itself (its parent's sessions and loop thread are not its
+    own); what its parent listed stays registered, and ``start`` there lists what was down."""
     _reset_connections()

@@ -23,10 +23,11 @@ credentials a URL carries, out of any text that leaves charlie.mcp.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -161,6 +162,11 @@ class McpConfig:
 
     def server(self, name: str) -> ServerConfig | None:
         return next((s for s in self.servers if s.name == name), None)
+
+    def fingerprint(self) -> str:
+        """Equal for equal configurations (a key for this process's connections)."""
+        shape = json.dumps([asdict(s) for s in self.servers], default=str, sort_keys=True)
+        return hashlib.sha256(shape.encode()).hexdigest()
 
     def scrub(self, text: str) -> str:
         """``text`` with every configured secret replaced by ``***``."""

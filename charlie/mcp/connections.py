@@ -506,20 +506,32 @@ class Connections:
         self._loop = None
 
 
-_current: Connections | None = None
+#: this process's connections, per configuration (a process has one; tests have several).
+_current: dict[str, Connections] = {}
 _lock = threading.Lock()
 
 
 def connections(config: McpConfig, timeout: float) -> Connections:
-    """This process's connections (made again in a forked child)."""
-    global _current
+    """This process's connections for ``config`` (made again in a forked child: a fork copies
+    no thread, so a parent's loop and sessions are not the child's)."""
+    key = config.fingerprint()
     with _lock:
-        if _current is None or _current.pid != os.getpid() or _current.config != config:
-            _current = Connections(config, timeout)
-        return _current
+        found = _current.get(key)
+        if found is None or found.pid != os.getpid():
+            found = _current[key] = Connections(config, timeout)
+        return found
+
+
+def close_all() -> None:
+    """End this process's sessions (their servers stop; a later call connects again)."""
+    with _lock:
+        mine = [c for c in _current.values() if c.pid == os.getpid()]
+        _current.clear()
+    for found in mine:
+        found.close()
 
 
 def reset_after_fork() -> None:
     """A forked child uses none of its parent's sessions (their loop thread did not fork)."""
-    global _current
-    _current = None
+    with _lock:
+        _current.clear()

@@ -58,6 +58,7 @@ from charlie.mcp.connections import (
     McpFailure,
     Refused,
     Unavailable,
+    connections,
 )
 from charlie.tools.context import (
     AskPerson,
@@ -131,12 +132,18 @@ def _schema(tool: mcp_types.Tool) -> JSON | None:
 
 @dataclass
 class Servers:
-    """What the MCP tools of one process run on: the configuration and its connections."""
+    """What the MCP tools run on: the configuration, and this process's connections for it
+    (looked up at each call, so tools registered before a fork connect from the child)."""
 
     config: McpConfig
-    connections: Connections
+    #: seconds to connect to a server (CHARLIE_MCP_TIMEOUT, unless the server sets one).
+    timeout: float
     #: the deadline of a tool with none of its own (CHARLIE_TOOL_DEADLINE).
     default_deadline: float
+
+    @property
+    def connections(self) -> Connections:
+        return connections(self.config, self.timeout)
 
     def scrub(self, text: str) -> str:
         return self.config.scrub(text)
@@ -201,10 +208,27 @@ def _handler(
     servers: Servers, server: str, tool: str, effect: Effect, deadline: float | None
 ) -> Any:
     def call(_charlie_ctx: ToolContext, **arguments: Any) -> Any:
-        return McpCall(
-            servers, server, tool, effect, deadline or servers.default_deadline, arguments,
-            _charlie_ctx,
-        ).run()  # fmt: skip
+        try:
+            return McpCall(
+                servers, server, tool, effect, deadline or servers.default_deadline, arguments,
+                _charlie_ctx,
+            ).run()  # fmt: skip
+        except ToolError:  # (Interrupted and LeaseLost too)
+            raise
+        except Exception as exc:
+            # Anything else (an SDK's surprise, a bug here): said without a traceback, and
+            # scrubbed, since its text may carry what the server or the transport said.
+            text = servers.scrub(f"{type(exc).__name__}: {exc}")[:2000]
+            if _charlie_ctx.overdue:
+                raise RuntimeError(text) from None  # a failed look: looked at again later
+            if effect is Effect.READ:
+                raise ToolError(f"the call to MCP server {server!r} failed: {text}") from None
+            raise Interrupted(
+                f"the call to MCP server {server!r} failed unexpectedly ({text}); Charlie "
+                "cannot tell whether it took effect, and does not send it again",
+                server=server,
+                tool=tool,
+            ) from None
 
     call.__qualname__ = f"mcp:{server}:{tool}"
     return call

@@ -17,7 +17,6 @@ import pytest
 
 from charlie.domain import Effect, Outcome
 from charlie.mcp.config import load
-from charlie.mcp.connections import Connections
 from charlie.mcp.tools import Servers, definition, register
 from charlie.testing import ToolEnvironment
 from charlie.tools.registry import ToolRegistry
@@ -78,8 +77,8 @@ class Remote:
             }
         }
         self.config = load(None, json.dumps(document))
-        self.connections = Connections(self.config, timeout=10.0)
-        self.tools = Servers(self.config, self.connections, default_deadline=30.0)
+        self.tools = Servers(self.config, timeout=10.0, default_deadline=30.0)
+        self.connections = self.tools.connections
         self.found = self.connections.list_many(["files", "web", "down"])
         for name in ("files", "web"):
             server = self.config.server(name)
@@ -211,10 +210,10 @@ def test_an_http_server_that_is_down_is_a_tool_error_for_reads_and_writes(
             }
         ),
     )
-    connections = Connections(config, timeout=5.0)
+    tools = Servers(config, timeout=5.0, default_deadline=30.0)
+    connections = tools.connections
     try:
         registry = ToolRegistry()
-        tools = Servers(config, connections, default_deadline=30.0)
         server = config.server("gone")
         assert server is not None
         register(

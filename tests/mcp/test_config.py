@@ -170,3 +170,47 @@ def test_tool_names_fit_what_model_apis_accept() -> None:
         assert name.startswith("mcp__server-1__")
     assert len(set(names)) == len(names)  # distinct, and the same in every process:
     assert names == [tool_name("server-1", t) for t in odd]
+
+
+def test_the_sdks_log_records_and_surprises_are_scrubbed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Secrets stay out of the MCP SDK's own log lines, and out of any error a call shows,
+    whatever raised it (item 5)."""
+    import logging
+
+    from charlie.domain import Outcome
+    from charlie.mcp import config_of
+    from charlie.mcp.connections import Connections
+    from charlie.mcp.tools import Servers, definition
+    from charlie.testing import ToolEnvironment
+    from charlie.tools.registry import ToolRegistry
+
+    document = {"mcpServers": {"s": {"url": "http://h/mcp", "headers": {"X-Api-Key": SECRET}}}}
+    settings = type("S", (), {"mcp_config": None, "mcp_servers": json.dumps(document)})()
+    config = config_of(settings)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("mcp.client.streamable_http").info("POST with key %s", SECRET)
+        try:
+            raise RuntimeError(f"failed with {SECRET}")
+        except RuntimeError:
+            logging.getLogger("httpx2").exception("request failed")
+    assert SECRET not in caplog.text and "***" in caplog.text
+
+    def surprise(self: Connections, *args: object, **kwargs: object) -> object:
+        raise KeyError(f"a surprise mentioning {SECRET}")
+
+    monkeypatch.setattr(Connections, "call_tool", surprise)
+    servers = Servers(config, timeout=1.0, default_deadline=5.0)
+    registry = ToolRegistry()
+    server = config.servers[0]
+    for name, hint in (("r", True), ("w", False)):
+        made = definition(servers, server, tool(name, read_only=hint))
+        assert made is not None
+        registry.add(made)
+    env = ToolEnvironment(registry=registry)
+    read, write = env.run("mcp__s__r"), env.run("mcp__s__w")
+    assert read.outcome is Outcome.ERROR and write.outcome is Outcome.INTERRUPTED
+    for done in (read, write):
+        assert SECRET not in json.dumps(done.result) and "KeyError" in done.result["error"]
+        assert "traceback" not in done.result

@@ -271,6 +271,8 @@ class McpServers:
     web_port: int
     flaky_port: int
     dead_port: int
+    #: configure only these servers (None: all of them).
+    only: tuple[str, ...] | None = None
 
     @property
     def ledger(self) -> Path:
@@ -325,7 +327,11 @@ class McpServers:
         }
 
     def write_config(self) -> Path:
-        self.config_path.write_text(json.dumps(self.config(), indent=2))
+        config = self.config()
+        if self.only is not None:
+            servers = config["mcpServers"]
+            config["mcpServers"] = {k: v for k, v in servers.items() if k in self.only}
+        self.config_path.write_text(json.dumps(config, indent=2))
         return self.config_path
 
     def start_http(self, port: int, name: str) -> subprocess.Popen[bytes]:
