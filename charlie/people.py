@@ -388,6 +388,33 @@ def _after_settle(conn: Connection, run: Any, call: Any) -> int | None:
     return None
 
 
+def _verdict_row(
+    conn: Connection,
+    task_id: str,
+    call: Any,
+    action: Action,
+    actor: str,
+    now: datetime,
+    request_id: str | None,
+    *,
+    note: str | None = None,
+    detail: JSON | None = None,
+) -> int:
+    """The evidence row of a verdict on ``call``, in the verdict's own transaction (I27)."""
+    return store.record_action(
+        conn,
+        task_id=task_id,
+        action=action,
+        actor=actor,
+        now=now,
+        call_id=call.call_id,
+        turn=call.turn,
+        note=note,
+        detail=detail,
+        request_id=request_id,
+    )
+
+
 def _deadline_seconds(rt: Producer, call: Any) -> float:
     """A released call's deadline: its tool's, as the worker that planned it recorded it."""
     seconds = (call.hold_info or {}).get("deadline_seconds")
@@ -438,17 +465,16 @@ def approve(
             deadline_at=deadline,
             version=run.version,
         )
-        rid = store.record_action(
+        rid = _verdict_row(
             conn,
-            task_id=task_id,
-            action=Action.APPROVE,
-            actor=actor,
-            now=now,
-            call_id=call.call_id,
-            turn=call.turn,
+            task_id,
+            call,
+            Action.APPROVE,
+            actor,
+            now,
+            request_id,
             note=note,
             detail={"tool": call.name, "deadline_at": deadline.isoformat()},
-            request_id=request_id,
         )
         return _Decided(rid, invoke=(call.execution_id, call.turn, call.call_id))
 
@@ -485,17 +511,16 @@ def deny(
             by=f"operator:{actor}"[:200],
             now=now,
         )
-        rid = store.record_action(
+        rid = _verdict_row(
             conn,
-            task_id=task_id,
-            action=Action.DENY,
-            actor=actor,
-            now=now,
-            call_id=call.call_id,
-            turn=call.turn,
+            task_id,
+            call,
+            Action.DENY,
+            actor,
+            now,
+            request_id,
             note=reason,
             detail={"tool": call.name},
-            request_id=request_id,
         )
         return _Decided(rid, await_version=_after_settle(conn, run, call))
 
@@ -563,17 +588,7 @@ def reply(
             detail["question_id"] = info["question_id"]
         if resumes:
             detail["resumes"] = True
-        rid = store.record_action(
-            conn,
-            task_id=task_id,
-            action=Action.REPLY,
-            actor=actor,
-            now=now,
-            call_id=call.call_id,
-            turn=call.turn,
-            detail=detail,
-            request_id=request_id,
-        )
+        rid = _verdict_row(conn, task_id, call, Action.REPLY, actor, now, request_id, detail=detail)
         if resumes:
             return _Decided(
                 rid, invoke=(call.execution_id, call.turn, call.call_id), invoke_mode="resume"
@@ -669,17 +684,8 @@ def reconcile(
                 now=now,
             )
             await_version = _after_settle(conn, run, call)
-        rid = store.record_action(
-            conn,
-            task_id=task_id,
-            action=Action.RECONCILE,
-            actor=actor,
-            now=now,
-            call_id=call.call_id,
-            turn=call.turn,
-            note=note,
-            detail=detail,
-            request_id=request_id,
+        rid = _verdict_row(
+            conn, task_id, call, Action.RECONCILE, actor, now, request_id, note=note, detail=detail
         )
         return _Decided(rid, invoke=invoke, await_version=await_version)
 
