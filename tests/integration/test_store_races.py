@@ -378,3 +378,24 @@ def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_befor
     assert swept[0]["deadline"] == 1
     assert call_row(engine, execution_id, "c2").outcome == "deadline_exceeded"
     assert publisher.ticks == [(execution_id, Phase.AWAIT_TOOLS, 3)]
+
+
+@pytest.mark.parametrize("hold", ["approval", "reply", "reconcile"])
+def test_no_claim_starts_a_call_held_for_a_person(engine: Engine, hold: str) -> None:
+    """I23: a stray or redelivered invoke never starts a held call, in any mode: only a
+    verdict releases it (the claim's `hold IS NULL`)."""
+    _, execution_id = queued_call(engine, hold=hold, deadline_at=utcnow() + timedelta(hours=1))
+    for mode in ("start", "resume", "reconcile"):
+        assert calls.claim_call_alone(engine, execution_id, 0, "c1", mode, "w-test", 5.0) is None
+    row = call_row(engine, execution_id)
+    assert row.state == CallState.PENDING.value and row.started_at is None
+
+
+def test_a_call_past_its_deadline_is_not_started(engine: Engine) -> None:
+    """I13: a call still queued when its deadline passed settles deadline_exceeded as never
+    started; no worker starts it late."""
+    _, execution_id = queued_call(engine, deadline_at=utcnow() - timedelta(seconds=1))
+    assert calls.claim_call_alone(engine, execution_id, 0, "c1", "start", "w-test", 5.0) is None
+    assert call_row(engine, execution_id).started_at is None
+    _, fresh = queued_call(engine, deadline_at=utcnow() + timedelta(minutes=5))
+    assert calls.claim_call_alone(engine, fresh, 0, "c1", "start", "w-test", 5.0) is not None
