@@ -377,15 +377,11 @@ def _standing_verdict(rows: list[Any], call: Any) -> Any:
 
 def _after_settle(conn: Connection, run: Any, call: Any) -> int | None:
     """The run's await tick, when settling this call completed a turn the run waits on (I7)."""
-    from charlie.store.calls import count_unsettled
+    from charlie.store.calls import await_version_if_complete
 
-    if (
-        run.phase == Phase.AWAIT_TOOLS.value
-        and run.turn == call.turn
-        and count_unsettled(conn, call.execution_id, call.turn) == 0
-    ):
-        return int(run.version)
-    return None
+    if run.turn != call.turn:
+        return None
+    return await_version_if_complete(conn, call.execution_id, call.turn, run.phase, run.version)
 
 
 def _verdict_row(

@@ -525,27 +525,8 @@ SETTLE_HELD = SETTLE.where(
 
 #: A holder whose lease lapsed while its call was held for an operator (hold='reconcile') and
 #: not taken over since (the attempt count is still its own): its real result is the call's
-#: first, so it settles the call and ends the hold rather than becoming a late report.
-SETTLE_HELD_LATE = (
-    update(tool_calls)
-    .where(
-        CALL_KEY,
-        _c.state == CallState.STARTED.value,
-        _c.hold == "reconcile",
-        _c.attempts == bindparam("b_token"),
-    )
-    .values(
-        state=CallState.SETTLED.value,
-        outcome=bindparam("b_outcome"),
-        result=bindparam("b_result", type_=_c.result.type),
-        settled_at=bindparam("b_now", type_=_c.settled_at.type),
-        settled_by=bindparam("b_owner"),
-        lease_owner=None,
-        lease_until=None,
-        duration_ms=bindparam("b_duration"),
-        hold=None,
-    )
-)
+#: first, so it settles the call (SETTLE ends the hold) rather than becoming a late report.
+SETTLE_HELD_LATE = SETTLE.where(_c.hold == "reconcile", _c.attempts == bindparam("b_token"))
 
 
 def settle_held_late(
@@ -560,21 +541,10 @@ def settle_held_late(
     duration_ms: float | None,
     token: int,
 ) -> bool:
-    return (
-        conn.execute(
-            SETTLE_HELD_LATE,
-            {
-                **key_params(execution_id, turn, call_id),
-                "b_token": token,
-                "b_outcome": outcome,
-                "b_result": result,
-                "b_now": now,
-                "b_owner": owner,
-                "b_duration": duration_ms,
-            },
-        ).rowcount
-        == 1
-    )
+    return settle_call(
+        conn, execution_id, turn, call_id, outcome, result, owner, now, duration_ms,
+        token=token, statement=SETTLE_HELD_LATE,
+    )  # fmt: skip
 
 
 def settle_call(
@@ -589,12 +559,15 @@ def settle_call(
     duration_ms: float | None = None,
     *,
     token: int | None = None,
+    statement: Any = None,
 ) -> bool:
     """The first result wins (I12): only an unsettled call takes an outcome. On False the
     caller records a late report instead. ``token``: a holder settles, fenced by the lease it
     took (owner and attempt count, see HELD_BY); without it, a sweep or a stop."""
+    if statement is None:
+        statement = SETTLE if token is None else SETTLE_HELD
     done = conn.execute(
-        SETTLE if token is None else SETTLE_HELD,
+        statement,
         {
             **({} if token is None else {"b_token": token}),
             **key_params(execution_id, turn, call_id),
@@ -659,13 +632,19 @@ def settle_in_turn(
     position = lock_run(conn, execution_id)
     if not settle(conn):
         return False, None
-    if (
-        position is not None
-        and position[0] == Phase.AWAIT_TOOLS.value
-        and count_unsettled(conn, execution_id, turn) == 0
-    ):
-        return True, position[1]
-    return True, None
+    if position is None:
+        return True, None
+    return True, await_version_if_complete(conn, execution_id, turn, *position)
+
+
+def await_version_if_complete(
+    conn: Connection, execution_id: str, turn: int, phase: str, version: int
+) -> int | None:
+    """After a settle, under the run's lock: the version of the run's await tick when the run
+    waits in await_tools and this turn has no open call left (I7), else None."""
+    if phase == Phase.AWAIT_TOOLS.value and count_unsettled(conn, execution_id, turn) == 0:
+        return version
+    return None
 
 
 def hold_interrupted(

@@ -33,6 +33,7 @@ from charlie.store.schema import (
     transcript_items,
     transitions,
 )
+from charlie.store.tasks import insert_task_and_run
 
 _e, _t, _c, _m, _a = executions.c, tasks.c, tool_calls.c, messages.c, operator_actions.c
 _i = transcript_items.c
@@ -453,37 +454,23 @@ def insert_forked_run(
     """The fork's task (queued) and its run at call_model, turn ``turn``, with the copied
     history as its transcript. No tool call record is copied: nothing of the source can be
     dispatched from the fork (I26)."""
-    conn.execute(
-        insert(tasks).values(
-            id=task_id,
-            prompt=prompt,
-            model=model,
-            tools=tools,
-            approve=approve,
-            metadata=metadata,
-            status=TaskStatus.QUEUED.value,
-            created_at=now,
-            input_tokens=0,
-            output_tokens=0,
-            reasoning_tokens=0,
-        )
-    )
-    conn.execute(
-        insert(executions).values(
-            id=execution_id,
-            task_id=task_id,
-            phase=Phase.CALL_MODEL.value,
-            version=0,
-            state=state,
-            turn=turn,
-            next_seq=len(items),
-            updated_at=now,
-            attempts=0,
-            model_calls=0,
-            model_repeats=0,
-            inbox=0,
-            created_at=now,
-        )
+    insert_task_and_run(
+        conn,
+        task_id=task_id,
+        execution_id=execution_id,
+        prompt=prompt,
+        model=model,
+        tools=tools,
+        timeout=None,
+        metadata=metadata,
+        parent_id=None,
+        parent_call_id=None,
+        now=now,
+        approve=approve,
+        phase=Phase.CALL_MODEL,
+        turn=turn,
+        next_seq=len(items),
+        state=state,
     )
     if items:
         conn.execute(

@@ -33,9 +33,13 @@ def insert_task_and_run(
     parent_call_id: str | None,
     now: datetime,
     approve: list[str] | None = None,
+    phase: Phase = Phase.LOAD_CONTEXT,
+    turn: int = 0,
+    next_seq: int = 0,
+    state: JSON | None = None,
 ) -> None:
-    """A queued task and its run at load_context, version 0 (raises IntegrityError when the
-    id is taken)."""
+    """A queued task and its run at ``phase`` (load_context; a fork's: call_model), version 0
+    (raises IntegrityError when the id is taken)."""
     conn.execute(
         insert(tasks).values(
             id=task_id,
@@ -58,11 +62,11 @@ def insert_task_and_run(
         insert(executions).values(
             id=execution_id,
             task_id=task_id,
-            phase=Phase.LOAD_CONTEXT.value,
+            phase=phase.value,
             version=0,
-            state={},
-            turn=0,
-            next_seq=0,
+            state=state or {},
+            turn=turn,
+            next_seq=next_seq,
             updated_at=now,
             attempts=0,
             model_calls=0,
