@@ -564,7 +564,9 @@ def commit_transition(
         status = transition.task_status
         conn.execute(
             _task_statement(
-                bool(transition.usage), status is not None, status is TaskStatus.RUNNING
+                bool(transition.usage),
+                status is not None,
+                status in (TaskStatus.RUNNING, TaskStatus.WAITING),
             ),
             {
                 "b_task": claim.task_id,

@@ -10,6 +10,7 @@ import pytest
 from charlie.domain import (
     CallState,
     CallView,
+    Hold,
     Item,
     ItemKind,
     NewItem,
@@ -150,6 +151,28 @@ def test_call_model_final_answer_becomes_the_final_item() -> None:
     assert [i.kind for i in t.items] == [ItemKind.FINAL]
     assert t.items[0].payload == {"content": "done"}
     assert t.model_repeats == 1  # I3: a second claim of this version is a counted repeat
+
+
+def test_a_model_turn_asking_for_a_held_call_makes_the_task_wait_in_its_own_commit() -> None:
+    # I23/I25: the call is held from the model's commit on; the task says so from then, not
+    # from the dispatch tick, which a kill may delay (caught by chaos, every step published).
+    tools = registry()
+    tools.add(build_tool(a_tool, name="write", effect="write", approval=True))
+    response = ModelResponse(
+        output=[
+            tool_call_item("a", "read", {"path": "x"}),
+            tool_call_item("b", "write", {"path": "y"}),
+        ]
+    )
+    d = deps(FakeModel(response))
+    d = PhaseDeps(
+        model_for=d.model_for, tools=tools, scheduler=d.scheduler, limits=d.limits, sleep=d.sleep
+    )
+    t = call_model.run(view(Phase.CALL_MODEL), d)
+    assert [c.hold for c in t.calls] == [None, Hold.APPROVAL]
+    assert t.task_status is TaskStatus.WAITING
+    plain = ModelResponse(output=[tool_call_item("a", "read", {"path": "x"})])
+    assert call_model.run(view(Phase.CALL_MODEL), deps(FakeModel(plain))).task_status is None
 
 
 def test_call_model_disallowed_tool_is_an_error_result() -> None:

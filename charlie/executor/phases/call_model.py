@@ -141,6 +141,9 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
     # A fork starts at this phase, its task still queued: its first model call starts it.
     started = TaskStatus.RUNNING if task.status is TaskStatus.QUEUED else None
     if calls:
+        # A call held for a person is held from this commit on, so the task waits from it too
+        # (get_task().waiting_for lists it), not from the dispatch tick, which may come late.
+        held = any(c.hold is not None for c in calls) and task.status is not TaskStatus.WAITING
         return Transition(
             to=Phase.DISPATCH_TOOLS,
             state=state,
@@ -149,7 +152,7 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
             model_calls=1,
             model_repeats=repeats,
             usage=usage,
-            task_status=started,
+            task_status=TaskStatus.WAITING if held else started,
         )
     # The final answer: its last message becomes the durable final item (I16).
     messages = [i for i in items if i.kind is ItemKind.MESSAGE]
