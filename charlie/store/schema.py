@@ -88,6 +88,11 @@ class Task(Base):
     input_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    #: the task's limits: {"tokens": N, "usd": X, "model_calls": K} (any of them), checked at
+    #: every turn boundary against the durable usage (issue 16).
+    budget: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    #: the task's trace context (W3C: traceparent, tracestate): every tick continues it.
+    trace: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
 
 
 class Execution(Base):
