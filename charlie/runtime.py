@@ -29,6 +29,7 @@ from charlie.config import Settings, settings
 from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
 from charlie.models import Model, resolve_model
+from charlie.observe import NOOP, Observer
 from charlie.ports import PhaseDeps, PhaseLimits
 from charlie.presence import Presence
 from charlie.scheduler import DbScheduler
@@ -103,11 +104,17 @@ class Runtime(Producer):
     heartbeats_sent: dict[str, float] = field(default_factory=dict)
     #: a worker main process's heartbeat in the database (charlie/presence.py), once ready.
     presence: Presence | None = None
+    #: telemetry (charlie.telemetry installs one per process from the environment): spans and
+    #: metrics around ticks, model calls, tool calls and sweeps; by default nothing, at no cost.
+    observer: Observer = NOOP
 
     def model_for(self, spec: str) -> Model:
         model = self._models.get(spec)
         if model is None:
-            model = self._models[spec] = resolve_model(spec)
+            model = resolve_model(spec)
+            if self.observer.enabled:
+                model = self.observer.wrap_model(spec, model)
+            self._models[spec] = model
         return model
 
     @cached_property

@@ -24,8 +24,9 @@ from sqlalchemy import Connection
 
 from charlie import scheduler
 from charlie.app import app
-from charlie.domain import JSON, Outcome, Phase, utcnow
+from charlie.domain import JSON, Outcome, Phase, task_id_of, utcnow
 from charlie.executor.settle import settle_and_move
+from charlie.observe import CallEvent, SweepEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
 from charlie.store import scans
@@ -184,6 +185,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 now,
             ):
                 counts["abandoned"] += 1
+                _report_call(rt, gone, Outcome.CANCELED)
 
     for late in overdue:
         assert late.deadline_at is not None
@@ -203,6 +205,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
 
         if settle_and_move(rt, late.execution_id, late.turn, past_deadline):
             counts["deadline"] += 1
+            _report_call(rt, late, Outcome.DEADLINE_EXCEEDED)
 
     def take(row: Any, period: timedelta = stall) -> bool:
         with write(rt.engine) as conn:
@@ -287,11 +290,37 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
 
         if settle_and_move(rt, row.execution_id, row.turn, interrupted):
             counts["interrupted"] += 1
+            _report_call(rt, row, Outcome.INTERRUPTED)
             log.warning(
                 "call interrupted",
                 extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
             )
     return counts
+
+
+def _report_call(rt: Runtime, row: Any, outcome: Outcome) -> None:
+    """Tell telemetry of a call this sweep settled (the row as its scan read it)."""
+    if not rt.observer.enabled:
+        return
+    started = getattr(row, "started_at", None)
+    event = CallEvent(
+        task_id=task_id_of(row.execution_id),
+        execution_id=row.execution_id,
+        turn=row.turn,
+        call_id=row.call_id,
+        tool=getattr(row, "name", None) or "?",
+        outcome=outcome.value,
+        by=f"sweep@{rt.worker}",
+        settled=time.time(),
+        started=started.timestamp() if started is not None else None,
+        effect=_effect_of(rt, getattr(row, "name", None)),
+    )
+    safely(rt.observer.call_settled, event)
+
+
+def _effect_of(rt: Runtime, tool: str | None) -> str | None:
+    definition = rt.tools.get(tool) if tool else None
+    return definition.effect.value if definition is not None else None
 
 
 def sweep_task_timeouts(rt: Runtime) -> int:
@@ -336,8 +365,18 @@ SWEEPS: dict[str, Callable[[Runtime], object]] = dict(
 
 def run_sweep(rt: Runtime, name: str) -> object:
     """Run one sweep and record its heartbeat (for `charlie doctor`: a beat drives recovery)."""
+    started = time.time()
     result = SWEEPS[name](rt)
     heartbeat(rt, name)
+    if rt.observer.enabled:
+        ended = time.time()
+        actions: dict[str, Any] = result if isinstance(result, dict) else {"acted": result}
+        for action, count in actions.items():
+            if isinstance(count, int) and count:
+                safely(
+                    rt.observer.sweep,
+                    SweepEvent(name, action, int(count), started, ended, rt.worker),
+                )
     return result
 
 

@@ -222,7 +222,7 @@ def observe_overdue_wait(rt: Runtime, execution_id: str, turn: int, call_id: str
 
     if not again_if_disconnected(record, "record a late report"):
         return "already_reported"
-    log_settled(done, False)
+    log_settled(rt, done, False)
     return "late"
 
 

@@ -14,6 +14,7 @@ dependency points from the tick down to here and never back.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,8 @@ from typing import Any
 from sqlalchemy import Connection
 
 from charlie import faults
-from charlie.domain import Outcome, Phase, utcnow
+from charlie.domain import Outcome, Phase, RunView, Settlement, task_id_of, utcnow
+from charlie.observe import CallEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
@@ -128,7 +130,7 @@ def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
         lambda: settle_in_turn(rt, done.call.execution_id, done.call.turn, _first_wins(rt, done)),
         "settle a tool call",
     )
-    log_settled(done, settled)
+    log_settled(rt, done, settled)
     if await_version is not None:
         return "settled", await_version
     return ("settled" if settled else "late"), None
@@ -174,8 +176,24 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
     return settle
 
 
-def log_settled(done: CallResult, settled: bool) -> None:
+def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
     call = done.call
+    if rt.observer.enabled:
+        event = CallEvent(
+            task_id=task_id_of(call.execution_id),
+            execution_id=call.execution_id,
+            turn=call.turn,
+            call_id=call.call_id,
+            tool=call.name,
+            outcome=done.outcome.value,
+            by=rt.worker,
+            settled=time.time(),
+            started=call.started_at.timestamp() if call.started_at else None,
+            duration_ms=done.duration_ms,
+            late=not settled,
+            effect=_effect(rt, call.name),
+        )
+        safely(rt.observer.call_settled, event)
     log.info(
         "call settled" if settled else "late report",
         extra={
@@ -187,3 +205,34 @@ def log_settled(done: CallResult, settled: bool) -> None:
         },
     )
     faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
+
+
+def report_settlements(
+    rt: Runtime, view: RunView, settlements: list[Settlement], by: str | None = None
+) -> None:
+    """Tell telemetry of the calls a committed transition settled (deadlines, a stop's
+    cancels, a local call's result)."""
+    calls_by_id = {c.call_id: c for c in view.calls}
+    now = time.time()
+    for s in settlements:
+        call = calls_by_id.get(s.call_id)
+        started = call.started_at.timestamp() if call and call.started_at else None
+        event = CallEvent(
+            task_id=view.task.id,
+            execution_id=view.execution_id,
+            turn=view.turn,
+            call_id=s.call_id,
+            tool=call.name if call else "?",
+            outcome=s.outcome.value,
+            by=by or rt.worker,
+            settled=now,
+            started=started,
+            duration_ms=s.duration_ms,
+            effect=_effect(rt, call.name) if call else None,
+        )
+        safely(rt.observer.call_settled, event)
+
+
+def _effect(rt: Runtime, tool: str) -> str | None:
+    definition = rt.tools.get(tool)
+    return definition.effect.value if definition is not None else None

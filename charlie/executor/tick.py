@@ -29,8 +29,10 @@ from charlie.executor.settle import (
     held_for_operator,
     log_settled,
     move_turn,
+    report_settlements,
     settle_result,
 )
+from charlie.observe import TickScope
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
@@ -211,7 +213,8 @@ def _publish(
 def invoke(rt: Runtime, execution_id: str, turn: int, call_id: str, mode: Mode) -> str:
     """The ``charlie.tool.invoke`` task: run the call, then, if it completed the turn, the
     run's await tick (here, with inline phases; else published, see settle.move_turn)."""
-    result, await_version = run_call(rt, execution_id, turn, call_id, mode)
+    with rt.observer.invocation(execution_id, turn, call_id):
+        result, await_version = run_call(rt, execution_id, turn, call_id, mode)
     if await_version is not None:
         move_turn(rt, execution_id, await_version, lambda xid, v: advance_awaiting_run(rt, xid, v))
     return result
@@ -302,7 +305,7 @@ def _settle_local_call(
             rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress
         )
         if progress.settled is not None:
-            log_settled(done, progress.settled)
+            log_settled(rt, done, progress.settled)
             return moved, follow
     settled, await_version = settle_result(rt, done)
     if await_version is None:
@@ -325,6 +328,15 @@ def _guarded_tick(
 ) -> tuple[TickResult, Follow | None]:
     if progress is None:
         progress = _Progress(inline=inline, durable_claim=durable_claim)
+    progress.scope = scope = TickScope(execution_id, phase, version, rt.worker)
+    with rt.observer.tick(scope):
+        scope.result, follow = _observed_tick(rt, execution_id, phase, version, progress)
+        return scope.result, follow
+
+
+def _observed_tick(
+    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
+) -> tuple[TickResult, Follow | None]:
     try:
         try:
             return _run_tick(rt, execution_id, phase, version, progress)
@@ -381,6 +393,8 @@ class _Progress:
     #: set once that transaction committed: True if it settled the call, False if the call
     #: had been settled already (a late report). None: not committed here.
     settled: bool | None = None
+    #: what telemetry hears of this tick (charlie.observe)
+    scope: TickScope | None = None
 
 
 def _follow(
@@ -462,6 +476,18 @@ def _claim(
         log.error("execution %s has no task row", execution_id)
         return None
     return claim, now
+
+
+def _observed(progress: _Progress, claim: runs.Claim, transition: Transition) -> None:
+    scope = progress.scope
+    if scope is not None:
+        scope.task_id = claim.task_id
+        scope.turn = claim.turn
+        scope.attempts = claim.attempts
+        scope.to = transition.to
+        scope.model_calls = transition.model_calls
+        scope.model_repeats = transition.model_repeats
+        scope.note = transition.note
 
 
 def _run_tick(
@@ -551,6 +577,11 @@ def _run_tick(
         progress.claim_committed = True
         if progress.settlement is not None:
             progress.settled = settlement is not None
+    _observed(progress, claim, transition)
+    if transition.settle and rt.observer.enabled:
+        local_result = progress.settlement.call.call_id if progress.settlement else None
+        # (the local call's own settle is reported by log_settled, with its late report)
+        report_settlements(rt, view, [s for s in transition.settle if s.call_id != local_result])
     follow = _follow(progress, claim, transition, local)
     _publish(
         rt,

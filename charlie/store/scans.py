@@ -133,7 +133,13 @@ def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
     return list(
         conn.execute(
             select(
-                _c.execution_id, _c.turn, _c.call_id, _c.started_at, _c.queued_at, _c.deadline_at
+                _c.execution_id,
+                _c.turn,
+                _c.call_id,
+                _c.name,
+                _c.started_at,
+                _c.queued_at,
+                _c.deadline_at,
             )
             .where(_c.state != CallState.SETTLED.value, _c.deadline_at < now)
             .limit(limit)

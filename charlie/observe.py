@@ -1,0 +1,153 @@
+"""What the engine tells telemetry: a thin observer, switched off at no cost (issue 16).
+
+The executor, the settlers and the sweeps call an :class:`Observer` at a few points: around a
+tick, around a model call, when a tool call settles (or reports late), after a sweep action.
+The default observer does nothing and allocates nothing; :mod:`charlie.telemetry` builds one
+that records spans (OpenTelemetry) and metrics (Prometheus) when the environment asks for them.
+Events carry plain values, never a connection or a lock: an observer runs after the commit it
+reports on and can neither block nor undo it, and an observer that raises is logged and ignored
+by :func:`safely`.
+
+This module sits at the bottom of the layers (it imports only the domain) so that the executor
+can call the observer it is handed without importing telemetry, which sits above it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from charlie.domain import Phase
+
+log = logging.getLogger("charlie.telemetry")
+
+
+@dataclass(slots=True)
+class TickScope:
+    """One tick as an observer sees it; the tick shell fills it in as it goes."""
+
+    execution_id: str
+    phase: Phase
+    version: int
+    worker: str
+    task_id: str | None = None
+    #: "moved", "waiting", "done", "stale", "lost_lease", "refused" (tick.TickResult)
+    result: str | None = None
+    to: Phase | None = None
+    #: the claim's attempt count (a repeat of this version when > 1)
+    attempts: int = 0
+    turn: int | None = None
+    #: what the committed transition counted (I3: a repeat is a model call whose result a
+    #: crash lost, made again)
+    model_calls: int = 0
+    model_repeats: int = 0
+    #: the transition's note ("queued 3, 0 left", "poison", ...)
+    note: str | None = None
+    #: whatever the observer keeps for itself between entering and leaving (a span, a timer)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCallEvent:
+    task_id: str
+    execution_id: str
+    turn: int
+    model: str
+    started: float  # time.time()
+    ended: float
+    #: "ok", "retry" (a transient failure, tried again later) or "error"
+    outcome: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    finish_reason: str | None = None
+    tool_calls: int = 0
+    #: a repeat of a model call whose result was lost (a crash before its commit, I3)
+    repeat: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallEvent:
+    """A tool call's settlement (or a late report, I12/I13), recorded once it committed."""
+
+    task_id: str
+    execution_id: str
+    turn: int
+    call_id: str
+    tool: str
+    outcome: str
+    #: who settled it: a worker, a sweep, a person
+    by: str
+    settled: float  # time.time()
+    #: when it was marked started (dispatch-started, I9), if it was
+    started: float | None = None
+    duration_ms: float | None = None
+    late: bool = False
+    #: the tool's effect ("read", "write", "wait"), when this process knows the tool
+    effect: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SweepEvent:
+    sweep: str
+    action: str
+    count: int
+    started: float
+    ended: float
+    worker: str
+
+
+class Observer:
+    """The engine's telemetry hooks. This base does nothing: the default, at no cost."""
+
+    #: False: callers may skip building events at all.
+    enabled: bool = False
+
+    def tick(self, scope: TickScope) -> AbstractContextManager[TickScope]:
+        """Entered around one tick (claim, phase, commit); the shell fills ``scope`` in."""
+        return nullcontext(scope)
+
+    def invocation(
+        self, execution_id: str, turn: int, call_id: str
+    ) -> AbstractContextManager[None]:
+        """Entered around one tool invocation's claim, handler and settle (a published
+        ``charlie.tool.invoke``); a turn's local call runs inside its dispatch tick's scope."""
+        return nullcontext()
+
+    def wrap_model(self, spec: str, model: Any) -> Any:
+        """The model a worker calls for ``spec``: this one, or one that reports its calls
+        (model_call) around it. Called once per model per process, only when enabled."""
+        return model
+
+    def model_call(self, event: ModelCallEvent) -> None:
+        pass
+
+    def call_settled(self, event: CallEvent) -> None:
+        pass
+
+    def sweep(self, event: SweepEvent) -> None:
+        pass
+
+    def gauges(self, read: Callable[[], dict[str, Any]]) -> None:
+        """A sweep offers the fleet's gauges; ``read`` queries the database, so an observer
+        that serves no metrics never calls it."""
+
+    def trace_id(self) -> str | None:
+        """The current trace id (hex), for log lines; None without tracing."""
+        return None
+
+
+NOOP = Observer()
+
+
+def safely(hook: Callable[..., object], *args: Any) -> None:
+    """Call an observer hook; telemetry never breaks the work it observes."""
+    try:
+        hook(*args)
+    except Exception:
+        name = getattr(hook, "__name__", hook)
+        log.warning("telemetry hook %s raised; ignored", name, exc_info=True)

@@ -1,0 +1,189 @@
+"""Telemetry operators already use: OpenTelemetry traces and Prometheus metrics (issue 16).
+
+:func:`install` gives a process's runtime the observer its environment asks for:
+
+- traces (:mod:`charlie.telemetry.tracing`) when the standard ``OTEL_*`` environment names an
+  exporter (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, or
+  ``OTEL_TRACES_EXPORTER=console``), unless ``OTEL_SDK_DISABLED=true``;
+- metrics (:mod:`charlie.telemetry.metrics`) when ``CHARLIE_METRICS_PORT`` is set.
+
+Neither: the runtime keeps :data:`charlie.observe.NOOP`, and the hot path pays nothing (the
+benchmark's ``telemetry`` figures). Each prefork pool process installs its own after the fork:
+exporter threads and sockets do not survive one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any
+
+from charlie.observe import (
+    NOOP,
+    CallEvent,
+    ModelCallEvent,
+    Observer,
+    SweepEvent,
+    TickScope,
+    safely,
+)
+
+log = logging.getLogger("charlie.telemetry")
+
+
+class Observers(Observer):
+    """Several observers as one: each hook goes to each, one failing never stops the others."""
+
+    enabled = True
+
+    def __init__(self, observers: list[Observer]) -> None:
+        self.observers = observers
+
+    @contextmanager
+    def _all(self, enter: Callable[[Observer], AbstractContextManager[Any]]) -> Any:
+        with ExitStack() as stack:
+            for observer in self.observers:
+                try:
+                    stack.enter_context(enter(observer))
+                except Exception:
+                    log.warning("telemetry hook raised on entry; ignored", exc_info=True)
+            yield
+
+    def tick(self, scope: TickScope) -> AbstractContextManager[TickScope]:
+        @contextmanager
+        def entered() -> Any:
+            with self._all(lambda o: o.tick(scope)):
+                yield scope
+
+        return entered()
+
+    def invocation(
+        self, execution_id: str, turn: int, call_id: str
+    ) -> AbstractContextManager[None]:
+        return self._all(lambda o: o.invocation(execution_id, turn, call_id))
+
+    def wrap_model(self, spec: str, model: Any) -> Any:
+        return ObservedModel(spec, model, self)
+
+    def model_call(self, event: ModelCallEvent) -> None:
+        for observer in self.observers:
+            safely(observer.model_call, event)
+
+    def call_settled(self, event: CallEvent) -> None:
+        for observer in self.observers:
+            safely(observer.call_settled, event)
+
+    def sweep(self, event: SweepEvent) -> None:
+        for observer in self.observers:
+            safely(observer.sweep, event)
+
+    def gauges(self, read: Callable[[], dict[str, Any]]) -> None:
+        for observer in self.observers:
+            safely(observer.gauges, read)
+
+    def trace_id(self) -> str | None:
+        for observer in self.observers:
+            found = observer.trace_id()
+            if found:
+                return found
+        return None
+
+    def shutdown(self) -> None:
+        for observer in self.observers:
+            stop = getattr(observer, "shutdown", None)
+            if stop is not None:
+                safely(stop)
+
+
+class ObservedModel:
+    """A model whose every call is reported (model_call) with its timing, usage and outcome."""
+
+    def __init__(self, spec: str, model: Any, observer: Observer) -> None:
+        self.spec = spec
+        self.model = model
+        self.observer = observer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def complete(self, request: Any) -> Any:
+        started = time.time()
+        try:
+            response = self.model.complete(request)
+        except Exception as exc:
+            transient = type(exc).__name__ == "TransientModelError"
+            self._report(request, started, "retry" if transient else "error", error=exc)
+            raise
+        self._report(request, started, "ok", response=response)
+        return response
+
+    def _report(
+        self,
+        request: Any,
+        started: float,
+        outcome: str,
+        *,
+        response: Any = None,
+        error: BaseException | None = None,
+    ) -> None:
+        usage = getattr(response, "usage", None)
+        calls = len(response.tool_calls) if response is not None else 0
+        event = ModelCallEvent(
+            task_id=request.task_id,
+            execution_id=request.execution_id,
+            turn=request.turn,
+            model=self.spec,
+            started=started,
+            ended=time.time(),
+            outcome=outcome,
+            input_tokens=int(getattr(usage, "input_tokens", 0) or 0),
+            output_tokens=int(getattr(usage, "output_tokens", 0) or 0),
+            reasoning_tokens=int(getattr(usage, "reasoning_tokens", 0) or 0),
+            finish_reason=None if response is None else ("tool_calls" if calls else "stop"),
+            tool_calls=calls,
+            error=None if error is None else f"{type(error).__name__}: {error}"[:500],
+        )
+        self.observer.model_call(event)
+
+
+def build_observer(environ: dict[str, str] | None = None) -> Observer:
+    """The observer this environment asks for (NOOP when it asks for none)."""
+    import os
+
+    env = dict(os.environ if environ is None else environ)
+    observers = [o for o in (_part("tracing", env), _part("metrics", env)) if o is not None]
+    return Observers(observers) if observers else NOOP
+
+
+def _part(name: str, env: dict[str, str]) -> Observer | None:
+    """charlie.telemetry.<name>'s observer, if the environment asks for it."""
+    import importlib
+
+    module = importlib.import_module(f"charlie.telemetry.{name}")
+    if not module.wanted(env):
+        return None
+    observer: Observer = module.from_environment(env)
+    return observer
+
+
+def install(rt: Any, environ: dict[str, str] | None = None) -> Observer:
+    """Give ``rt`` (a Runtime) the observer its environment asks for; returns it."""
+    observer = build_observer(environ)
+    rt.observer = observer
+    # models built before this are not observed: start from none
+    rt._models.clear()
+    if observer.enabled:
+        log.info(
+            "telemetry on: %s",
+            ", ".join(type(o).__name__ for o in getattr(observer, "observers", [observer])),
+        )
+    return observer
+
+
+def shutdown(rt: Any) -> None:
+    """Flush what the observer holds (a worker process's exit)."""
+    stop = getattr(rt.observer, "shutdown", None)
+    if stop is not None:
+        safely(stop)
