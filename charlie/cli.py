@@ -121,7 +121,14 @@ def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    sweeps.run_beat(get_runtime(mcp=False), stop, liveness=schedule)
+    from charlie import telemetry
+
+    rt = get_runtime(mcp=False)
+    telemetry.install(rt)  # the sweeps' spans and gauges
+    try:
+        sweeps.run_beat(rt, stop, liveness=schedule)
+    finally:
+        telemetry.shutdown(rt)
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from datetime import UTC, datetime
 from typing import Any
 
 #: the context keys that lead, in this order; any others follow sorted.
-LEADING_KEYS = ("task_id", "execution_id", "phase", "version", "call_id", "to", "note")
+LEADING_KEYS = ("task_id", "execution_id", "phase", "version", "call_id", "to", "note", "trace_id")
 
 #: attributes every LogRecord has: anything else on a record came from ``extra``.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
@@ -30,16 +31,30 @@ MAX_VALUE_CHARS = 300
 
 def context_of(record: logging.LogRecord) -> dict[str, Any]:
     """The ``extra`` fields of one of Charlie's records that have a value, leading keys first;
-    {} for others (Celery's own records carry extras that its format already prints)."""
+    for others (Celery's own records carry extras that its format already prints) only the
+    trace id. With tracing on, a line logged inside a tick or a tool call says its trace."""
+    trace_id = current_trace_id()
     if not record.name.startswith("charlie"):
-        return {}
+        return {"trace_id": trace_id} if trace_id else {}
     fields = {
         k: v
         for k, v in vars(record).items()
         if k not in _STANDARD and not k.startswith("_") and v is not None
     }
     leading = {k: fields.pop(k) for k in LEADING_KEYS if k in fields}
+    if trace_id:
+        fields.setdefault("trace_id", trace_id)
     return {**leading, **dict(sorted(fields.items()))}
+
+
+def current_trace_id() -> str | None:
+    """The current OpenTelemetry trace id (hex), if this process traces and a span is
+    current; without OpenTelemetry imported, nothing is imported and nothing is looked up."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None:
+        return None
+    context = trace.get_current_span().get_span_context()
+    return format(context.trace_id, "032x") if context.is_valid else None
 
 
 def _json(value: Any) -> str:

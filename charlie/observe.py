@@ -15,6 +15,8 @@ can call the observer it is handed without importing telemetry, which sits above
 from __future__ import annotations
 
 import logging
+import secrets
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -151,3 +153,26 @@ def safely(hook: Callable[..., object], *args: Any) -> None:
     except Exception:
         name = getattr(hook, "__name__", hook)
         log.warning("telemetry hook %s raised; ignored", name, exc_info=True)
+
+
+def new_trace() -> dict[str, str]:
+    """A new task's trace context, stored with it (W3C ``traceparent``): the producer's current
+    span, if it has one, is the task's parent (a delegate's child: its parent task's span);
+    else a new trace. The span id is the task's own span, which the worker that ends the task
+    records; every tick on any worker is its child. Costs no OpenTelemetry import: a producer
+    that traces has imported it already."""
+    trace_id, parent, flags, state = 0, 0, 1, ""
+    otel = sys.modules.get("opentelemetry.trace")
+    if otel is not None:
+        current = otel.get_current_span().get_span_context()
+        if current.is_valid:
+            trace_id, parent, flags = current.trace_id, current.span_id, int(current.trace_flags)
+            state = current.trace_state.to_header() if current.trace_state else ""
+    trace_id = trace_id or secrets.randbits(128) or 1
+    span_id = secrets.randbits(64) or 1
+    trace = {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"}
+    if parent:
+        trace["parent"] = f"{parent:016x}"
+    if state:
+        trace["tracestate"] = state
+    return trace

@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -144,6 +144,8 @@ class Runtime(Producer):
 
 _runtime: Runtime | None = None
 _producer: Producer | None = None
+#: called with each worker runtime this process builds (the worker shell's telemetry)
+_built_hooks: list[Callable[[Runtime], object]] = []
 _mcp_discovered = False
 _lock = threading.Lock()
 
@@ -210,10 +212,19 @@ def get_runtime(*, mcp: bool = True) -> Runtime:
                 publisher=Publisher(app),
                 tools=REGISTRY,
             )
+            for hook in _built_hooks:
+                hook(_runtime)
         if mcp and not _mcp_discovered:
             discover_mcp_tools(_runtime.settings)
             _mcp_discovered = True
         return _runtime
+
+
+def when_built(hook: Callable[[Runtime], object]) -> None:
+    """Call ``hook`` with every worker runtime this process builds from now on (and again
+    in each forked pool child, which builds its own)."""
+    if hook not in _built_hooks:
+        _built_hooks.append(hook)
 
 
 def current() -> Runtime | None:

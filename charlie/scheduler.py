@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
 from charlie.domain import JSON, Action, TaskStatus, execution_id_for, utcnow
+from charlie.observe import new_trace
 from charlie.ports import TransientSchedulerError
 from charlie.store import tasks as task_store
 from charlie.store.calls import hold_live_task
@@ -62,6 +63,7 @@ def submit(
     parent_id: str | None = None,
     parent_call_id: str | None = None,
     approve: list[str] | None = None,
+    trace: JSON | None = None,
 ) -> Submitted:
     """Write the task and its execution in one transaction; idempotent on ``task_id``,
     whatever has happened to its parent since the first submit."""
@@ -90,6 +92,8 @@ def submit(
                 parent_call_id=parent_call_id,
                 now=now,
                 approve=approve,
+                # the producer's span (a delegate's: its parent task's) parents the task's
+                trace=trace or new_trace(),
             )
     except IntegrityError:
         with read(engine) as conn:

@@ -26,13 +26,14 @@ from celery.signals import (
     after_setup_task_logger,
     celeryd_after_setup,
     worker_process_init,
+    worker_process_shutdown,
     worker_ready,
     worker_shutdown,
 )
 from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
 
-from charlie import logs, redact, runtime, sweeps
+from charlie import logs, redact, runtime, sweeps, telemetry
 from charlie.app import app
 from charlie.config import settings
 from charlie.domain import Phase
@@ -41,6 +42,10 @@ from charlie.presence import Presence
 from charlie.runtime import get_runtime
 
 INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
+
+# Every runtime a worker process builds gets the telemetry its environment asks for (OTEL_*,
+# CHARLIE_METRICS_PORT); a forked pool child builds its own, with its own exporter thread.
+runtime.when_built(telemetry.install)
 
 
 def _phase_task(phase: Phase) -> Task:
@@ -263,8 +268,18 @@ def _ready(sender: Any = None, **_: Any) -> None:
     rt.presence = Presence(rt.engine, node, queues).start()
 
 
+@worker_process_shutdown.connect
+def _flush_telemetry(**_: Any) -> None:
+    # A pool child that exits cleanly exports the spans it still holds (a SIGKILL loses them).
+    rt = runtime.current()
+    if rt is not None:
+        telemetry.shutdown(rt)
+
+
 @worker_shutdown.connect
 def _shutdown(**_: Any) -> None:
     rt = runtime.current()
     if rt is not None and rt.presence is not None:
         rt.presence.stop()
+    if rt is not None:
+        telemetry.shutdown(rt)  # a solo or threads pool ran its tasks here

@@ -41,25 +41,44 @@ _ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT)
 #: run without it configures none, so the rest of the suite starts no MCP server.
 _MCP = McpServers(_HOME, web_port=free_port(), flaky_port=free_port(), dead_port=free_port())
 _MCP_ON = False
+#: The OTLP receiver the cluster's workers export their spans to, when tests/telemetry is part
+#: of the run (issue 16): the whole session's workers trace then, into this test process.
+_OTLP_PORT = free_port()
+_OTLP: Any = None
 
 
-def _wants_mcp(config: pytest.Config) -> bool:
-    forced = os.environ.get("CHARLIE_TEST_MCP")
+def _wants(config: pytest.Config, folder: str, forced: str | None) -> bool:
     if forced is not None:
         return forced not in ("", "0")
-    tests_mcp = REPO / "tests" / "mcp"
+    tests_dir = REPO / "tests" / folder
     for arg in config.args or ["tests"]:
         path = Path(str(arg).split("::")[0]).resolve()
-        if path == tests_mcp or tests_mcp in path.parents or path in tests_mcp.parents:
+        if path == tests_dir or tests_dir in path.parents or path in tests_dir.parents:
             return True
     return False
 
 
+def _wants_mcp(config: pytest.Config) -> bool:
+    return _wants(config, "mcp", os.environ.get("CHARLIE_TEST_MCP"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    global _MCP_ON
+    global _MCP_ON, _OTLP
     if _wants_mcp(config):
         _MCP_ON = True
         _ENV.update(cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, mcp=_MCP))
+    if _wants(config, "telemetry", os.environ.get("CHARLIE_TEST_TRACING")):
+        from tests.support.otlp import OtlpReceiver
+
+        # Started before any worker: the first spans are not refused.
+        _OTLP = OtlpReceiver(_OTLP_PORT).start()
+        _ENV.update(
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{_OTLP_PORT}",
+                "OTEL_SERVICE_NAME": "charlie-test",
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+            }
+        )
     # The test process must see the cluster's settings before charlie reads its environment.
     for key in [
         k for k in os.environ if k.startswith("CHARLIE_") and not k.startswith("CHARLIE_TEST_")
@@ -72,6 +91,8 @@ def pytest_report_header(config: pytest.Config) -> str:
     line = f"charlie backend: {BACKEND.name} (home {_HOME})"
     if _MCP_ON:
         line += "; MCP test servers configured"
+    if _OTLP is not None:
+        line += f"; workers trace into an OTLP receiver on :{_OTLP_PORT}"
     if BACKEND_PROBLEM:
         line += f"; cluster tests will be skipped: {BACKEND_PROBLEM}"
     if SANDBOX_PROBLEM:
@@ -132,6 +153,14 @@ def _start_mcp_servers() -> dict[str, Any]:
     MCP_PROCESSES["web"] = _MCP.start_http(_MCP.web_port, "web")
     MCP_PROCESSES["flaky"] = _MCP.start_http(_MCP.flaky_port, "flaky")
     return MCP_PROCESSES
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver(cluster_session: Cluster) -> Any:
+    """The OTLP receiver the cluster's workers export their spans to (tests/telemetry)."""
+    if _OTLP is None:
+        pytest.skip("workers trace only when tests/telemetry is in the run (CHARLIE_TEST_TRACING)")
+    return _OTLP
 
 
 @pytest.fixture(scope="session")

@@ -272,7 +272,10 @@ def run_tick(
                         report.result = result
             else:
                 args = (execution_id, step.call.turn, step.call.call_id, "start")
-                with reports.task("charlie.tool.invoke", args) as report:
+                with (
+                    reports.task("charlie.tool.invoke", args) as report,
+                    rt.observer.invocation(*args[:3]),
+                ):
                     done = execute_call(rt, step.call, "start")
                     report.result = done if isinstance(done, str) else "settled"
                 if isinstance(done, str):
@@ -280,7 +283,10 @@ def run_tick(
                 # The handler may have run long: the chain's time limit counts it.
                 chain = budget > 0 and time.monotonic() < deadline
                 await_args = (execution_id, step.await_version)
-                with reports.task("charlie.phase.await_tools", await_args) as report:
+                with (
+                    reports.task("charlie.phase.await_tools", await_args) as report,
+                    rt.observer.invocation(*args[:3]),  # its settle's log lines too
+                ):
                     result, follow = _settle_local_call(rt, execution_id, step, done, chain=chain)
                     report.result = result
             if follow is None:

@@ -24,6 +24,7 @@ from charlie.domain import (
     Phase,
     TaskStatus,
 )
+from charlie.observe import new_trace
 from charlie.store.schema import (
     executions,
     messages,
@@ -471,6 +472,7 @@ def insert_forked_run(
         turn=turn,
         next_seq=len(items),
         state=state,
+        trace=new_trace(),  # a trace of its own: the fork's ticks are not the source's
     )
     if items:
         conn.execute(

@@ -182,3 +182,11 @@ def canceled_among(conn: Connection, task_ids: list[str]) -> list[str]:
         select(_t.id).where(_t.id.in_(task_ids), _t.status == TaskStatus.CANCELED.value)
     )
     return [r.id for r in rows]
+
+
+def task_trace(conn: Connection, task_id: str) -> Any:
+    """What a worker's tracing needs of a task, once per task per process: its stored trace
+    context and its times (the task's own span), or None."""
+    return conn.execute(
+        select(_t.trace, _t.created_at, _t.finished_at, _t.status, _t.model).where(_t.id == task_id)
+    ).first()

@@ -37,6 +37,7 @@ def insert_task_and_run(
     turn: int = 0,
     next_seq: int = 0,
     state: JSON | None = None,
+    trace: JSON | None = None,
 ) -> None:
     """A queued task and its run at ``phase`` (load_context; a fork's: call_model), version 0
     (raises IntegrityError when the id is taken)."""
@@ -56,6 +57,7 @@ def insert_task_and_run(
             input_tokens=0,
             output_tokens=0,
             reasoning_tokens=0,
+            trace=trace,
         )
     )
     conn.execute(

@@ -148,12 +148,16 @@ class ObservedModel:
         self.observer.model_call(event)
 
 
-def build_observer(environ: dict[str, str] | None = None) -> Observer:
+def build_observer(rt: Any, environ: dict[str, str] | None = None) -> Observer:
     """The observer this environment asks for (NOOP when it asks for none)."""
     import os
 
     env = dict(os.environ if environ is None else environ)
     observers = [o for o in (_part("tracing", env), _part("metrics", env)) if o is not None]
+    for observer in observers:
+        bind = getattr(observer, "bind", None)
+        if bind is not None:
+            bind(rt)  # what it reads through: the database, the worker's name
     return Observers(observers) if observers else NOOP
 
 
@@ -161,7 +165,12 @@ def _part(name: str, env: dict[str, str]) -> Observer | None:
     """charlie.telemetry.<name>'s observer, if the environment asks for it."""
     import importlib
 
-    module = importlib.import_module(f"charlie.telemetry.{name}")
+    try:
+        module = importlib.import_module(f"charlie.telemetry.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"charlie.telemetry.{name}":
+            raise
+        return None
     if not module.wanted(env):
         return None
     observer: Observer = module.from_environment(env)
@@ -169,8 +178,17 @@ def _part(name: str, env: dict[str, str]) -> Observer | None:
 
 
 def install(rt: Any, environ: dict[str, str] | None = None) -> Observer:
-    """Give ``rt`` (a Runtime) the observer its environment asks for; returns it."""
-    observer = build_observer(environ)
+    """Give ``rt`` (a Runtime) the observer its environment asks for, once; returns it."""
+    if getattr(rt, "telemetry_installed", False):
+        current: Observer = rt.observer
+        return current
+    rt.telemetry_installed = True
+    try:
+        observer = build_observer(rt, environ)
+    except Exception:
+        # Telemetry never stops the work: a bad OTEL_* value or port is said, then ignored.
+        log.exception("telemetry could not start; this process runs without it")
+        observer = NOOP
     rt.observer = observer
     # models built before this are not observed: start from none
     rt._models.clear()
@@ -187,3 +205,4 @@ def shutdown(rt: Any) -> None:
     stop = getattr(rt.observer, "shutdown", None)
     if stop is not None:
         safely(stop)
+    rt.observer = NOOP  # once: what comes after the flush is not observed

@@ -1,0 +1,180 @@
+"""Traces through real workers into a real OTLP receiver (issue 16, item 1).
+
+The session's workers export with the OpenTelemetry SDK's OTLP/HTTP exporter to the receiver in
+this test process (tests/support/otlp.py decodes the protobuf). A task is one trace, whatever
+worker runs which tick and whichever of them dies: its trace context is stored with it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import charlie
+from charlie import api
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.support.cluster import Cluster
+from tests.support.otlp import OtlpReceiver, ReceivedSpan
+from tests.support.tools import read_ledger
+
+pytestmark = [pytest.mark.recovery, pytest.mark.timeout(180)]
+
+QUICK = {"seconds": 0, "value": "v"}
+PHASE_SPANS = {"load_context", "call_model", "dispatch_tools", "await_tools", "advance_turn"}
+
+
+def _stored_trace(task_id: str) -> dict[str, Any]:
+    from sqlalchemy import select
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import read
+    from charlie.store.schema import tasks
+
+    with read(get_producer().engine) as conn:
+        stored = conn.execute(select(tasks.c.trace).where(tasks.c.id == task_id)).scalar_one()
+    assert isinstance(stored, dict) and stored["traceparent"].startswith("00-")
+    return stored
+
+
+def _task_span(receiver: OtlpReceiver, task_id: str) -> ReceivedSpan:
+    spans = wait_for(
+        lambda: [s for s in receiver.of_task(task_id) if s.name == "charlie task"], timeout=30
+    )
+    assert len(spans) == 1, spans  # recorded once, by the worker whose tick ended the task
+    return spans[0]
+
+
+def test_one_trace_per_task_across_a_sigkill(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    """A worker SIGKILLed inside a write: the task's spans, from the worker that died and from
+    the one that finished it, are one trace whose id and root span were stored at submit."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "q", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {
+                "tool_calls": [
+                    {"id": "w", "name": "ledger_write", "arguments": {"key": "k-otel", "hold": 30}}
+                ]
+            },
+            {"say": "checked the write"},
+        ]
+    )
+    task_id = charlie.submit("traced across a kill", model=model)
+    writes = wait_for(
+        lambda: [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "write"]
+    )
+    doomed = f":{writes[0]['pid']}"
+    # What the doomed worker did before the write reaches the receiver (batches of 200 ms).
+    wait_for(
+        lambda: [s for s in otlp_receiver.of_task(task_id) if (s.worker or "").endswith(doomed)],
+        timeout=20,
+    )
+    cluster.kill_pid_group(int(writes[0]["pid"]))
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert api.calls(task_id)[1].outcome == "interrupted"
+
+    stored = _stored_trace(task_id)
+    _, trace_id, task_span_id, _ = stored["traceparent"].split("-")
+    root = _task_span(otlp_receiver, task_id)
+    spans = otlp_receiver.of_task(task_id)
+
+    assert {s.trace_id for s in spans} == {trace_id}  # one trace, the stored one
+    assert root.span_id == task_span_id and root.parent_span_id == ""
+    assert root.attributes["charlie.task.status"] == "succeeded"
+
+    ticks = [s for s in spans if s.name in PHASE_SPANS or s.name == "report_terminal"]
+    assert {s.parent_span_id for s in ticks} == {task_span_id}
+    workers = {s.worker for s in ticks}
+    assert len(workers) >= 2 and any(w and w.endswith(doomed) for w in workers), workers
+    for tick in ticks:
+        assert tick.attributes["charlie.execution.id"] == f"x-{task_id}"
+        assert isinstance(tick.attributes["charlie.version"], int)
+        assert tick.attributes["charlie.tick.result"] in {"moved", "waiting", "done", "stale"}
+    assert {"load_context", "call_model", "report_terminal"} <= {s.name for s in ticks}
+
+    # Model calls (GenAI conventions), inside their call_model ticks.
+    chats = [s for s in spans if s.name.startswith("chat ")]
+    assert len(chats) >= 3
+    tick_ids = {s.span_id for s in ticks if s.name == "call_model"}
+    for chat in chats:
+        assert chat.parent_span_id in tick_ids
+        assert chat.attributes["gen_ai.operation.name"] == "chat"
+        assert chat.attributes["gen_ai.provider.name"] == "scripted"
+        assert "gen_ai.usage.input_tokens" in chat.attributes
+    assert {tuple(c.attributes["gen_ai.response.finish_reasons"]) for c in chats} >= {
+        ("tool_calls",),
+        ("stop",),
+    }
+
+    # Tool calls from dispatch-start to settlement: the write settled by the sweep.
+    tools = {s.attributes["gen_ai.tool.call.id"]: s for s in spans if s.name.startswith("execute")}
+    assert tools["q"].attributes["charlie.tool.outcome"] == "ok"
+    write = tools["w"]
+    assert write.name == "execute_tool ledger_write"
+    assert write.attributes["charlie.tool.outcome"] == "interrupted"
+    assert write.attributes["charlie.tool.effect"] == "write"
+    assert str(write.attributes["charlie.tool.settled_by"]).startswith("sweep@")
+    assert write.status == 2 and write.parent_span_id == task_span_id
+    assert write.end_ns - write.start_ns > 1_000_000_000  # from its start, before the kill
+
+
+def test_the_producers_span_is_the_tasks_parent(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("producer")  # unexported: only its ids matter
+    model, _ = script([{"say": "hi"}])
+    with tracer.start_as_current_span("producer request") as span:
+        task_id = charlie.submit("traced from a producer", model=model)
+        context = span.get_span_context()
+    assert trace.get_current_span().get_span_context().is_valid is False
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+
+    root = _task_span(otlp_receiver, task_id)
+    assert root.trace_id == format(context.trace_id, "032x")
+    assert root.parent_span_id == format(context.span_id, "016x")
+    assert {s.trace_id for s in otlp_receiver.of_task(task_id)} == {root.trace_id}
+
+
+def test_worker_log_lines_carry_the_trace_id(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "done"},
+        ]
+    )
+    task_id = charlie.submit("traced log lines", model=model)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    trace_id = _stored_trace(task_id)["traceparent"].split("-")[1]
+
+    def lines() -> list[str]:
+        found = []
+        for path in Path(cluster.home).glob("worker-*.log"):
+            found += [
+                line for line in path.read_text(errors="replace").splitlines() if task_id in line
+            ]
+        return found
+
+    ours = wait_for(lambda: [line for line in lines() if "transition" in line], timeout=20)
+    assert ours and all(f"trace_id={trace_id}" in line for line in ours), ours[:3]
+    settled = [line for line in lines() if "call settled" in line]
+    assert settled and all(re.search(f"trace_id={trace_id}", line) for line in settled)
