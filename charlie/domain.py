@@ -208,6 +208,8 @@ class CallView:
     hold: Hold | None = None
     #: why it is held (for a reconcile: the interruption's evidence).
     hold_info: JSON | None = None
+    #: who settled it: a worker, ``sweep@...``, ``operator:NAME`` (a person's verdict)
+    settled_by: str | None = None
 
 
 @dataclass(frozen=True)

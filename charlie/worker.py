@@ -148,15 +148,18 @@ def submit_task(
     task's id."""
     from charlie.api import submit  # the producer face; a worker imports it when first used
 
-    return submit(
-        prompt,
-        model=model,
-        tools=tools,
-        task_id=task_id or self.request.id,
-        timeout=timeout,
-        metadata=metadata,
-        approve=approve,
-    )
+    # A producer's trace context, sent as the message's W3C headers (send_task(...,
+    # headers={"traceparent": ...})), parents the task as a Python producer's span does.
+    with telemetry.producer_context(self.request):
+        return submit(
+            prompt,
+            model=model,
+            tools=tools,
+            task_id=task_id or self.request.id,
+            timeout=timeout,
+            metadata=metadata,
+            approve=approve,
+        )
 
 
 # People in the loop as Celery tasks, for producers that have only Celery (I27):

@@ -236,3 +236,26 @@ def report_settlements(
 def _effect(rt: Runtime, tool: str) -> str | None:
     definition = rt.tools.get(tool)
     return definition.effect.value if definition is not None else None
+
+
+def report_people_settled(rt: Runtime, view: RunView) -> None:
+    """Tell telemetry of the calls of a turn that people settled (a deny, a reply, a
+    reconcile): they settle in a producer's process, which reports nothing; the worker that
+    takes the turn's results in reports them, once."""
+    for call in view.calls:
+        if call.outcome is None or not (call.settled_by or "").startswith("operator:"):
+            continue
+        settled = call.settled_at.timestamp() if call.settled_at else time.time()
+        event = CallEvent(
+            task_id=view.task.id,
+            execution_id=view.execution_id,
+            turn=view.turn,
+            call_id=call.call_id,
+            tool=call.name,
+            outcome=call.outcome.value,
+            by=call.settled_by or "operator",
+            settled=settled,
+            started=(call.started_at or call.queued_at or call.settled_at or view.now).timestamp(),
+            effect=_effect(rt, call.name),
+        )
+        safely(rt.observer.call_settled, event)

@@ -29,6 +29,7 @@ from charlie.executor.settle import (
     held_for_operator,
     log_settled,
     move_turn,
+    report_people_settled,
     report_settlements,
     settle_result,
 )
@@ -584,6 +585,8 @@ def _run_tick(
         if progress.settlement is not None:
             progress.settled = settlement is not None
     _observed(progress, claim, transition)
+    if phase is Phase.ADVANCE_TURN and rt.observer.enabled and transition.next_turn:
+        report_people_settled(rt, view)
     if transition.settle and rt.observer.enabled:
         local_result = progress.settlement.call.call_id if progress.settlement else None
         # (the local call's own settle is reported by log_settled, with its late report)

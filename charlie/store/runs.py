@@ -252,6 +252,7 @@ def call_view(r: Any) -> CallView:
         attempts=r.attempts,
         hold=Hold(r.hold) if r.hold else None,
         hold_info=r.hold_info,
+        settled_by=r.settled_by,
     )
 
 
@@ -272,6 +273,7 @@ CALL_COLUMNS = (
     tool_calls.c.attempts,
     tool_calls.c.hold,
     tool_calls.c.hold_info,
+    tool_calls.c.settled_by,
 )
 
 

@@ -206,3 +206,26 @@ def shutdown(rt: Any) -> None:
     if stop is not None:
         safely(stop)
     rt.observer = NOOP  # once: what comes after the flush is not observed
+
+
+@contextmanager
+def producer_context(request: Any) -> Any:
+    """Inside it, the trace context a Celery message carried in its ``traceparent`` (and
+    ``tracestate``) headers is current, so the task it submits stores it as its parent; a
+    message without them changes nothing."""
+    traceparent = getattr(request, "traceparent", None)
+    if not isinstance(traceparent, str):
+        yield
+        return
+    from opentelemetry import context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier = {"traceparent": traceparent}
+    tracestate = getattr(request, "tracestate", None)
+    if isinstance(tracestate, str):
+        carrier["tracestate"] = tracestate
+    token = context.attach(TraceContextTextMapPropagator().extract(carrier))
+    try:
+        yield
+    finally:
+        context.detach(token)

@@ -178,3 +178,45 @@ def test_worker_log_lines_carry_the_trace_id(
     assert ours and all(f"trace_id={trace_id}" in line for line in ours), ours[:3]
     settled = [line for line in lines() if "call settled" in line]
     assert settled and all(re.search(f"trace_id={trace_id}", line) for line in settled)
+
+
+def test_a_celery_only_producer_passes_its_trace_in_the_message_headers(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    from charlie.app import app
+
+    model, _ = script([{"say": "hi"}])
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    app.send_task(
+        "charlie.submit",
+        kwargs={"prompt": "traced from Celery", "model": model, "task_id": "otel-celery-1"},
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+    )
+    wait_for(lambda: charlie.list_tasks(search="otel-celery-1"))
+    assert charlie.wait("otel-celery-1", timeout=60).status is TaskStatus.SUCCEEDED
+    stored = _stored_trace("otel-celery-1")
+    assert stored["traceparent"].split("-")[1] == trace_id and stored["parent"] == parent
+    root = _task_span(otlp_receiver, "otel-celery-1")
+    assert (root.trace_id, root.parent_span_id) == (trace_id, parent)
+
+
+def test_a_call_a_person_denied_is_a_span_of_the_tasks_trace(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    """A deny settles the call in the operator's process, which exports nothing: the worker
+    that takes the turn's results in reports it, once."""
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "k-deny"}}]},
+            {"say": "not written, as told"},
+        ]
+    )
+    task_id = charlie.submit("traced deny", model=model, approve=["ledger_write"])
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    charlie.deny(task_id, "w", "not today")
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    _task_span(otlp_receiver, task_id)
+    (denied,) = [s for s in otlp_receiver.of_task(task_id) if s.name.startswith("execute_tool")]
+    assert denied.attributes["charlie.tool.outcome"] == "denied"
+    assert str(denied.attributes["charlie.tool.settled_by"]).startswith("operator:")
+    assert denied.status == 2
