@@ -62,6 +62,7 @@ def submit(
     parent_id: str | None = None,
     parent_call_id: str | None = None,
     approve: list[str] | None = None,
+    budget: JSON | None = None,
 ) -> Submitted:
     """Write the task and its execution in one transaction; idempotent on ``task_id``,
     whatever has happened to its parent since the first submit."""
@@ -90,6 +91,7 @@ def submit(
                 parent_call_id=parent_call_id,
                 now=now,
                 approve=approve,
+                budget=budget,
             )
     except IntegrityError:
         with read(engine) as conn:
