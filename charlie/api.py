@@ -461,7 +461,7 @@ def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInf
 
 def _cost(row: Any) -> float | None:
     try:
-        prices = pricing.price_table(settings().prices)
+        prices = pricing.price_table(get_producer().settings.prices)
     except pricing.PriceError:
         log.warning("CHARLIE_PRICES cannot be read; costs are not shown", exc_info=True)
         return None
