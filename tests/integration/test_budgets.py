@@ -162,3 +162,70 @@ def test_defaults_from_settings_are_stored_at_submit(
     turns = [(c["task_id"], c["turn"]) for c in model_calls(ledger)]
     assert [t for x, t in turns if x == task_id] == [0]
     assert [t for x, t in turns if x == mine] == [0, 1, 2]
+
+
+def test_the_cli_submits_with_a_budget_and_status_shows_cost_and_budget(
+    cluster: Cluster, script
+) -> None:
+    from tests.integration.test_production_path import charlie_cli
+
+    model, ledger = script(TURNS)
+    task_id = tid()
+    # This process prices scripted turns (the workers' table does not: for them they cost 0).
+    env = {**cluster.settings_env, "CHARLIE_PRICES": '{"scripted:": {"input": 1, "output": 1000}}'}
+    submitted = charlie_cli(
+        env,
+        "submit",
+        "cli budget",
+        "--model",
+        model,
+        "--task-id",
+        task_id,
+        "--budget-model-calls",
+        "1",
+        "--budget-usd",
+        "5",
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    info = charlie.wait(task_id, timeout=60)
+    assert_stopped_by(info, "model_calls", 1, 1)
+    assert info.budget == {"model_calls": 1, "usd": 5.0}
+    status = charlie_cli(env, "status", task_id)
+    assert status.returncode == 0, status.stderr
+    lines = {line.split(None, 1)[0]: line for line in status.stdout.splitlines() if line.strip()}
+    cost = info.usage["output_tokens"] * 1000 / 1e6
+    assert f"${cost:.4f}" in lines["cost"], status.stdout
+    assert f"model_calls 1 of 1, usd ${cost:.4f} of $5.0000" in lines["budget"], status.stdout
+    refused = charlie_cli(env, "submit", "x", "--model", model, "--budget-tokens", "-5")
+    assert refused.returncode != 0 and "budget tokens must be positive" in refused.stderr
+    resumed = charlie_cli(env, "resume", task_id)
+    assert resumed.returncode != 0 and "--budget-model-calls MORE" in resumed.stderr
+    assert [c["turn"] for c in model_calls(ledger)] == [0]
+
+
+def test_a_celery_message_submits_with_a_budget(cluster: Cluster, script) -> None:
+    from charlie.app import app
+    from tests.conftest import wait_for
+
+    model, ledger = script(TURNS)
+    task_id = tid()
+    app.send_task(
+        "charlie.submit",
+        kwargs={
+            "prompt": "by name",
+            "model": model,
+            "task_id": task_id,
+            "budget": {"model_calls": 1},
+        },
+    )
+
+    def exists() -> bool:
+        try:
+            charlie.get_task(task_id)
+        except api.TaskNotFound:
+            return False
+        return True
+
+    wait_for(exists, timeout=60)
+    assert_stopped_by(charlie.wait(task_id, timeout=60), "model_calls", 1, 1)
+    assert [c["turn"] for c in model_calls(ledger)] == [0]
