@@ -197,7 +197,8 @@ def with_defaults(budget: object, defaults: Mapping[str, Any]) -> dict[str, Any]
     keys not given; a key given as None opts out of its default."""
     validate_budget(budget)  # an object of known keys and good values, or None
     merged: dict[str, Any] = {k: v for k, v in defaults.items() if v is not None}
-    merged.update(budget or {})  # type: ignore[call-overload]
+    if isinstance(budget, Mapping):
+        merged.update(budget)
     return validate_budget(merged)
 
 
