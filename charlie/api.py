@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from charlie import people, scheduler
+from charlie import people, pricing, scheduler
 from charlie.config import WorkspaceRefused, settings
 from charlie.domain import (
     JSON,
@@ -112,6 +112,19 @@ class TaskInfo:
     usage: dict[str, int]
     #: what a waiting task waits for from a person: questions, approvals, held calls (I25).
     waiting_for: list[WaitingFor] = field(default_factory=list)
+    #: the task's budget as stored at submit (``{"tokens": N, "usd": X, "model_calls": K}``,
+    #: any of them), or None (issue 16).
+    budget: JSON | None = None
+    #: what its tokens cost in USD by CHARLIE_PRICES; None when its model has no price.
+    cost_usd: float | None = None
+
+    def budget_used(self) -> list[tuple[str, Any, Any]]:
+        """(limit's key, used, limit) for each limit of the budget."""
+        usage = {**self.usage, "model_calls": self.model_calls}
+        return [
+            (key, self.cost_usd if key == "usd" else used, limit)
+            for key, used, limit in pricing.describe(self.budget, usage, self.model, {})
+        ]
 
     @property
     def terminal(self) -> bool:
@@ -238,10 +251,14 @@ def submit(
     timeout: float | None = None,
     metadata: JSON | None = None,
     approve: list[str] | None = None,
+    budget: JSON | None = None,
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
     id again returns it without starting a second run. ``approve``: tool names whose calls in
-    this task wait for a person's approve (or deny) before they are dispatched (I23)."""
+    this task wait for a person's approve (or deny) before they are dispatched (I23).
+    ``budget``: ``{"tokens": N, "usd": X, "model_calls": K}``, any of them, over the defaults
+    of CHARLIE_BUDGET_* (a limit given as None drops its default); stored on the task, checked
+    before every model call: the task fails rather than call its model past it (issue 16)."""
     rt = get_producer()
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidSubmission("prompt must be a non-empty string")
@@ -293,6 +310,12 @@ def submit(
                 rt.settings.confine_workspace(metadata["workspace"])
             except WorkspaceRefused as exc:
                 raise InvalidSubmission(str(exc)) from None
+    try:
+        budget = pricing.with_defaults(budget, rt.settings.budget_defaults)
+        if budget and "usd" in budget:
+            pricing.check_priced(budget, model, pricing.price_table(rt.settings.prices))
+    except (pricing.BudgetError, pricing.PriceError) as exc:
+        raise InvalidSubmission(str(exc)) from None
     # The id is fixed before the first try, so a try again after a lost connection finds the
     # task the first one may have committed instead of saving a second.
     task_id = task_id or uuid.uuid4().hex
@@ -310,6 +333,7 @@ def submit(
             timeout=timeout,
             metadata=metadata,
             approve=approve,
+            budget=budget,
         )
 
     submitted = again_if_disconnected(save, "submit a task")
@@ -430,6 +454,19 @@ def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInf
             "reasoning_tokens": row.reasoning_tokens,
         },
         waiting_for=waiting_for or [],
+        budget=row.budget,
+        cost_usd=_cost(row),
+    )
+
+
+def _cost(row: Any) -> float | None:
+    try:
+        prices = pricing.price_table(get_producer().settings.prices)
+    except pricing.PriceError:
+        log.warning("CHARLIE_PRICES cannot be read; costs are not shown", exc_info=True)
+        return None
+    return pricing.cost_usd(
+        row.model, row.input_tokens, row.output_tokens, row.reasoning_tokens, prices
     )
 
 

@@ -158,6 +158,29 @@ def flower(ctx: click.Context, basic_auth: str | None) -> None:
     app.start(["flower", f"--conf={flowerconfig.__file__}", *extra, *args])
 
 
+def _budget_options(command: Any) -> Any:
+    """--budget-tokens, --budget-usd, --budget-model-calls (issue 16)."""
+    for name, kind, what in reversed(
+        (
+            ("--budget-tokens", int, "tokens (input + output)"),
+            ("--budget-usd", float, "USD, by the price table CHARLIE_PRICES"),
+            ("--budget-model-calls", int, "model calls"),
+        )
+    ):
+        command = click.option(
+            name,
+            type=kind,
+            default=None,
+            help=f"Fail the task rather than call its model past this many {what}.",
+        )(command)
+    return command
+
+
+def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[str, Any] | None:
+    given = {"tokens": tokens, "usd": usd, "model_calls": calls}
+    return {k: v for k, v in given.items() if v is not None} or None
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", required=True, help="scripted:PATH, openai:NAME, ...")
@@ -175,6 +198,7 @@ def flower(ctx: click.Context, basic_auth: str | None) -> None:
     multiple=True,
     help="A tool whose calls wait for `charlie approve` before they run (repeatable).",
 )
+@_budget_options
 @click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
 def submit(
     prompt: str,
@@ -184,6 +208,9 @@ def submit(
     timeout: float | None,
     workspace: str | None,
     approve: tuple[str, ...],
+    budget_tokens: int | None,
+    budget_usd: float | None,
+    budget_model_calls: int | None,
     wait_: bool,
 ) -> None:
     """Submit a task and print its id."""
@@ -200,6 +227,7 @@ def submit(
             timeout=timeout,
             metadata=metadata,
             approve=list(approve) or None,
+            budget=_budget(budget_tokens, budget_usd, budget_model_calls),
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -368,8 +396,8 @@ def _age(seconds: float) -> str:
 @main.command()
 @click.argument("task_id")
 def status(task_id: str) -> None:
-    """Show a task's status, result and usage."""
-    from charlie import api
+    """Show a task's status, result, usage, cost and budget."""
+    from charlie import api, views
     from charlie.scheduler import TaskNotFound
 
     try:
@@ -393,6 +421,8 @@ def status(task_id: str) -> None:
                 **info.usage
             ),
         ),
+        ("cost", views.usd(info.cost_usd)),
+        ("budget", views.budget_text(info)),
         ("result", _short(info.result, 400) if info.result is not None else "-"),
         ("error", _short(info.error, 400) if info.error is not None else "-"),
     ]
@@ -554,11 +584,23 @@ def reconcile_(
 @click.argument("task_id")
 @click.option("--timeout", type=float, default=None, help="Seconds from now before it times out.")
 @click.option("--note", default=None, help="Why, for the record.")
-def resume(task_id: str, timeout: float | None, note: str | None) -> None:
-    """Resume a failed or timed-out task where it ended, with a fresh attempt budget."""
+@_budget_options
+def resume(
+    task_id: str,
+    timeout: float | None,
+    note: str | None,
+    budget_tokens: int | None,
+    budget_usd: float | None,
+    budget_model_calls: int | None,
+) -> None:
+    """Resume a failed or timed-out task where it ended, with a fresh attempt budget.
+
+    A --budget-* option sets that limit of the task's budget (the others stay): a task that
+    failed by its budget resumes only with room in it."""
     from charlie import api
 
-    _said(_act(lambda: api.resume(task_id, timeout=timeout, note=note)))
+    budget = _budget(budget_tokens, budget_usd, budget_model_calls)
+    _said(_act(lambda: api.resume(task_id, timeout=timeout, note=note, budget=budget)))
 
 
 @main.command()

@@ -32,6 +32,28 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={raw!r} is not a whole number") from exc
 
 
+def _env_positive(name: str, value: float) -> None:
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={os.environ.get(name)!r} must be positive (unset: no limit)")
+
+
+def _env_limit_int(name: str) -> int | None:
+    """A positive whole budget limit, or None when unset (no default limit)."""
+    if not os.environ.get(name, "").strip():
+        return None
+    value = _env_int(name, 0)
+    _env_positive(name, value)
+    return value
+
+
+def _env_limit_float(name: str) -> float | None:
+    if not os.environ.get(name, "").strip():
+        return None
+    value = _env_float(name, 0.0)
+    _env_positive(name, value)
+    return value
+
+
 def _env_flag(name: str) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
@@ -151,6 +173,21 @@ class Settings:
     mcp_timeout: float = 10.0
     #: a server that could not be reached is tried again after this many seconds.
     mcp_retry_seconds: float = 30.0
+    #: CHARLIE_PRICES: the price table, inline JSON or a JSON file's path; read by
+    #: ``charlie.pricing.price_table(settings.prices)``.
+    prices: str | None = None
+    #: default budget limits, applied at submit and stored on the task (issue 16): None, none.
+    budget_tokens: int | None = None
+    budget_usd: float | None = None
+    budget_model_calls: int | None = None
+
+    @property
+    def budget_defaults(self) -> dict[str, float | int | None]:
+        return {
+            "tokens": self.budget_tokens,
+            "usd": self.budget_usd,
+            "model_calls": self.budget_model_calls,
+        }
 
     @property
     def worker_queues(self) -> tuple[str, ...]:
@@ -258,6 +295,10 @@ def load_settings() -> Settings:
         mcp_servers=os.environ.get("CHARLIE_MCP_SERVERS", "").strip() or None,
         mcp_timeout=_env_float("CHARLIE_MCP_TIMEOUT", 10.0),
         mcp_retry_seconds=_env_float("CHARLIE_MCP_RETRY_SECONDS", 30.0),
+        prices=os.environ.get("CHARLIE_PRICES", "").strip() or None,
+        budget_tokens=_env_limit_int("CHARLIE_BUDGET_TOKENS"),
+        budget_usd=_env_limit_float("CHARLIE_BUDGET_USD"),
+        budget_model_calls=_env_limit_int("CHARLIE_BUDGET_MODEL_CALLS"),
         delegate_models=tuple(
             m.strip() for m in os.environ.get("CHARLIE_DELEGATE_MODELS", "").split(",") if m.strip()
         ),

@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
+from charlie import pricing
 from charlie.domain import (
     JSON,
     MAX_TASK_ID,
@@ -719,9 +720,14 @@ def resume(
     operator: str | None = None,
     request_id: str | None = None,
     note: str | None = None,
+    budget: JSON | None = None,
 ) -> ActionRecord:
     """Resume a task that ``failed`` or ``timed_out``: its run re-enters at the phase it ended
     in, with a fresh attempt budget (and, for a timeout, ``timeout`` seconds from now, or none).
+    ``budget`` changes the task's budget: the limits it names replace those stored (a limit
+    given as None is dropped), the others stay; a task whose budget its usage has
+    already reached (one that failed by its budget) is refused unless given one with room, so
+    a resume never just fails again at the next model call (issue 16).
     A turn whose calls were closed when it ended keeps their results (the model was shown
     them, I8): the run re-enters at that turn's next model call, and no call runs again. A
     succeeded or canceled task is refused (fork it instead)."""
@@ -729,6 +735,11 @@ def resume(
     note = _note(note)
     if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
         raise ActionRefused(f"timeout must be positive seconds, got {timeout!r}")
+    if budget is not None:
+        try:
+            pricing.validate_budget(budget)
+        except pricing.BudgetError as exc:
+            raise ActionRefused(str(exc)) from None
     request_id = request_id or f"resume-{uuid.uuid4().hex}"
     actor = actor_name(operator, rt)
     xid = execution_id_for(task_id)
@@ -750,6 +761,7 @@ def resume(
                 f"task {task_id!r} is {status} but its run is still reporting it "
                 f"({run.phase}); try again in a moment"
             )
+        limits = _budget_for_resume(rt, conn, task_id, budget)
         state = dict(run.state or {})
         phase, turn = _reentry(conn, xid, state, run.turn)
         now = utcnow()
@@ -795,6 +807,7 @@ def resume(
                 "turn": turn,
                 "version": run.version + 1,
                 "ended_with": _summary(previous),
+                **({"budget": limits} if budget is not None else {}),
             },
             request_id=request_id,
         )
@@ -809,10 +822,51 @@ def resume(
     return _record(rt, rid)
 
 
+def _budget_for_resume(
+    rt: Producer, conn: Connection, task_id: str, change: JSON | None
+) -> JSON | None:
+    """The budget a resumed task runs under (a new one stored); refused if its usage has
+    reached it already, since its next model call would fail the task again at once."""
+    row = store.task_budget_usage(conn, task_id)
+    if row is None:
+        raise TaskNotFound(task_id)
+    given = change is not None
+    limits = pricing.with_defaults(change, row.budget or {}) if given else row.budget
+    if not limits:
+        if given:
+            store.set_task_budget(conn, task_id, None)
+        return None
+    try:
+        prices = pricing.price_table(rt.settings.prices)
+        if given:
+            pricing.check_priced(limits, row.model, prices)
+    except (pricing.PriceError, pricing.BudgetError) as exc:
+        raise NotResumable(f"task {task_id!r}: {exc}") from None
+    usage = {
+        "input_tokens": row.input_tokens,
+        "output_tokens": row.output_tokens,
+        "reasoning_tokens": row.reasoning_tokens,
+        "model_calls": row.model_calls,
+    }
+    reached = pricing.exceeded(limits, usage, row.model, prices)
+    if reached is not None:
+        key = reached["budget"]
+        raise NotResumable(
+            f"task {task_id!r}: {reached['message']}. Resume it with a larger budget: "
+            f"charlie.resume({task_id!r}, budget={{{key!r}: MORE}}) or `charlie resume "
+            f"{task_id} --budget-{key.replace('_', '-')} MORE` (the usage so far counts "
+            "against it)"
+        )
+    if given:
+        store.set_task_budget(conn, task_id, limits)
+    return limits
+
+
 def _summary(ended: object) -> JSON | None:
     if not isinstance(ended, dict):
         return None
-    return {k: ended[k] for k in ("phase", "type", "message", "reason") if k in ended}
+    keys = ("phase", "type", "message", "reason", "budget", "limit", "used")
+    return {k: ended[k] for k in keys if k in ended}
 
 
 def _reentry(conn: Connection, xid: str, state: JSON, turn: int) -> tuple[Phase, int]:
@@ -892,6 +946,13 @@ def fork(
                 return new_id, False  # this fork was made already
             raise TaskConflict(f"task id {new_id!r} is taken by another task")
         _check_turn_settled(conn, src, turn)
+        if model is not None and src.budget:
+            # The fork inherits the source's budget (its own usage starts at 0): a usd limit
+            # needs a price for its model too.
+            try:
+                pricing.check_priced(src.budget, model, pricing.price_table(rt.settings.prices))
+            except (pricing.PriceError, pricing.BudgetError) as exc:
+                raise ForkRefused(str(exc)) from None
         items = _copied_items(conn, src, turn)
         if message is not None:
             items.append(
@@ -917,6 +978,7 @@ def fork(
             items=items,
             state={"forked_from": origin},
             now=now,
+            budget=src.budget,
         )
         store.record_action(
             conn,

@@ -64,6 +64,7 @@ def submit(
     parent_call_id: str | None = None,
     approve: list[str] | None = None,
     trace: JSON | None = None,
+    budget: JSON | None = None,
 ) -> Submitted:
     """Write the task and its execution in one transaction; idempotent on ``task_id``,
     whatever has happened to its parent since the first submit."""
@@ -94,6 +95,7 @@ def submit(
                 approve=approve,
                 # the producer's span (a delegate's: its parent task's) parents the task's
                 trace=trace or new_trace(),
+                budget=budget,
             )
     except IntegrityError:
         with read(engine) as conn:

@@ -49,3 +49,21 @@ def transcript_rows(task_id: str, *, after_seq: int = -1) -> list[tuple[int, str
             line = f"{entry.kind}: {short(text, 120)}"
         rows.append((entry.seq, f"{entry.seq:>3} t{entry.turn}  {line}"))
     return rows
+
+
+def usd(amount: float | None) -> str:
+    """A cost for people: ``$0.0123``; ``-`` when no price is known (CHARLIE_PRICES)."""
+    if amount is None:
+        return "-"
+    return f"${amount:.4f}" if amount < 100 else f"${amount:,.2f}"
+
+
+def budget_text(info: api.TaskInfo) -> str:
+    """``model_calls 2 of 2, tokens 340 of 1000`` (issue 16); ``none`` without a budget."""
+    parts = []
+    for key, used, limit in info.budget_used():
+        if key == "usd":
+            parts.append(f"usd {usd(used)} of {usd(float(limit))}")
+        else:
+            parts.append(f"{key} {used} of {limit}")
+    return ", ".join(parts) or "none"

@@ -137,6 +137,7 @@ def submit_task(
     timeout: float | None = None,
     metadata: dict[str, object] | None = None,
     approve: list[str] | None = None,
+    budget: dict[str, object] | None = None,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
     ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
@@ -159,6 +160,7 @@ def submit_task(
             timeout=timeout,
             metadata=metadata,
             approve=approve,
+            budget=budget,
         )
 
 

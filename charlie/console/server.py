@@ -36,7 +36,7 @@ import tornado.netutil
 import tornado.web
 from tornado.escape import url_escape
 
-from charlie import api
+from charlie import api, views
 from charlie.console import auth, rows, timeline
 from charlie.domain import TaskStatus
 
@@ -410,6 +410,8 @@ class Base(tornado.web.RequestHandler):
             operator=self.config.operator,
             STATUSES=STATUSES,
             json_pretty=rows.pretty,
+            usd=views.usd,
+            budget_text=views.budget_text,
         )
         return ns
 

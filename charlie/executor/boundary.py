@@ -20,6 +20,7 @@ from charlie.domain import (
     Transition,
 )
 from charlie.models.base import render_tool_result
+from charlie.pricing import PriceTable, exceeded
 
 TOOL_PHASES = frozenset({Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN})
 
@@ -36,6 +37,31 @@ def stop_reason(view: RunView) -> TaskStatus | None:
     if status.terminal:  # failed or succeeded elsewhere: nothing more to do
         return status
     return None
+
+
+def over_budget(view: RunView, prices: PriceTable) -> Transition | None:
+    """Before a model call (issue 16): if the durable usage has reached any limit of the task's
+    budget, the model is not called; the run fails, its error naming the budget, its limit and
+    what was used. None: within budget, or no budget."""
+    task = view.task
+    if view.phase is not Phase.CALL_MODEL or not task.budget:
+        return None
+    reached = exceeded(task.budget, task.usage or {}, task.model, prices)
+    if reached is None:
+        return None
+    error = {
+        "phase": view.phase.value,
+        "type": "BudgetExceeded",
+        "kind": "budget",
+        "traceback": None,
+        "attempt": view.attempts,
+        **reached,
+    }
+    return Transition(
+        to=Phase.REPORT_FAILURE,
+        state={**view.state, "error": error},
+        note=str(reached["message"])[:200],
+    )
 
 
 def close_turn(

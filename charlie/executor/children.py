@@ -6,7 +6,7 @@ the publisher without importing them.
 
 from __future__ import annotations
 
-from charlie import scheduler
+from charlie import pricing, scheduler
 from charlie.domain import JSON, Phase, TaskStatus
 from charlie.runtime import Runtime
 from charlie.store import reads
@@ -43,6 +43,13 @@ class DbChildren:
             unknown = [t for t in tools if self.rt.tools.get(t) is None]
             if unknown:
                 raise ToolError(f"cannot delegate: unknown tool(s): {', '.join(unknown)}")
+        # A child gets the default budget of CHARLIE_BUDGET_* (its own usage starts at 0).
+        try:
+            budget = pricing.with_defaults(None, self.rt.settings.budget_defaults)
+            if budget and "usd" in budget:
+                pricing.check_priced(budget, model, pricing.price_table(self.rt.settings.prices))
+        except (pricing.BudgetError, pricing.PriceError) as exc:
+            raise ToolError(f"cannot delegate: {exc}") from None
         try:
             submitted = scheduler.submit(
                 self.rt.engine,
@@ -54,6 +61,7 @@ class DbChildren:
                 metadata=metadata,
                 parent_id=parent_id,
                 parent_call_id=parent_call_id,
+                budget=budget,
             )
         except scheduler.ParentStopped as stopped:
             raise ToolError(str(stopped)) from None

@@ -17,7 +17,7 @@ from typing import Literal
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from charlie import faults
+from charlie import faults, pricing
 from charlie.domain import CallState, Outcome, Phase, RunView, Settlement, Transition, utcnow
 from charlie.executor import boundary
 from charlie.executor.events import InlineReports
@@ -104,6 +104,12 @@ def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
     reason = boundary.stop_reason(view)
     if reason is not None:
         return boundary.stop(view, reason)
+    if view.task.budget:  # only call_model's claim loads one (issue 16)
+        try:
+            prices = pricing.price_table(rt.settings.prices)
+        except pricing.PriceError as exc:
+            return boundary.fail(view, exc)
+        return boundary.over_budget(view, prices)
     return None
 
 

@@ -376,6 +376,26 @@ def task_timeout_at(conn: Connection, task_id: str) -> datetime | None:
     return value if isinstance(value, datetime) else None
 
 
+def task_budget_usage(conn: Connection, task_id: str) -> Any | None:
+    """A task's budget, model and token usage, with its run's model calls (issue 16)."""
+    return conn.execute(
+        select(
+            _t.budget,
+            _t.model,
+            _t.input_tokens,
+            _t.output_tokens,
+            _t.reasoning_tokens,
+            _e.model_calls,
+        )
+        .select_from(tasks.join(executions, _e.task_id == _t.id))
+        .where(_t.id == task_id)
+    ).first()
+
+
+def set_task_budget(conn: Connection, task_id: str, budget: JSON | None) -> None:
+    conn.execute(update(tasks).where(_t.id == task_id).values(budget=budget))
+
+
 def reopen_task(
     conn: Connection, task_id: str, *, status: TaskStatus, timeout_at: datetime | None
 ) -> bool:
@@ -405,6 +425,7 @@ def source_of_fork(conn: Connection, task_id: str) -> Any | None:
             _t.model,
             _t.tools,
             _t.approve,
+            _t.budget,
             _t.metadata,
             _t.status,
             _e.id.label("x_id"),
@@ -451,6 +472,7 @@ def insert_forked_run(
     items: list[dict[str, Any]],
     state: JSON,
     now: datetime,
+    budget: JSON | None = None,
 ) -> None:
     """The fork's task (queued) and its run at call_model, turn ``turn``, with the copied
     history as its transcript. No tool call record is copied: nothing of the source can be
@@ -468,6 +490,7 @@ def insert_forked_run(
         parent_call_id=None,
         now=now,
         approve=approve,
+        budget=budget,
         phase=Phase.CALL_MODEL,
         turn=turn,
         next_seq=len(items),

@@ -7,7 +7,7 @@ that matches no row means another worker or a newer message got there first.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -84,32 +84,47 @@ _TASK_COLUMNS = (
     _t.approve,
 )
 
-_CLAIM = (
-    update(executions)
-    .where(
-        _e.id == bindparam("b_id"),
-        _e.phase == bindparam("b_phase"),
-        _e.version == bindparam("b_version"),
-        or_(
-            _e.lease_until.is_(None), _e.lease_until < bindparam("b_now", type_=_e.lease_until.type)
-        ),
+
+def _claim_statement(*extra: Any) -> Any:
+    return (
+        update(executions)
+        .where(
+            _e.id == bindparam("b_id"),
+            _e.phase == bindparam("b_phase"),
+            _e.version == bindparam("b_version"),
+            or_(
+                _e.lease_until.is_(None),
+                _e.lease_until < bindparam("b_now", type_=_e.lease_until.type),
+            ),
+        )
+        .values(
+            lease_owner=bindparam("b_owner"),
+            lease_until=bindparam("b_until", type_=_e.lease_until.type),
+            attempts=_e.attempts + 1,
+            wake_at=None,
+        )
+        .returning(
+            _e.task_id,
+            _e.turn,
+            _e.next_seq,
+            _e.state,
+            _e.attempts,
+            _e.error,
+            _e.inbox,
+            *(_task_column(column) for column in _TASK_COLUMNS),
+            *extra,
+        )
     )
-    .values(
-        lease_owner=bindparam("b_owner"),
-        lease_until=bindparam("b_until", type_=_e.lease_until.type),
-        attempts=_e.attempts + 1,
-        wake_at=None,
-    )
-    .returning(
-        _e.task_id,
-        _e.turn,
-        _e.next_seq,
-        _e.state,
-        _e.attempts,
-        _e.error,
-        _e.inbox,
-        *(_task_column(column) for column in _TASK_COLUMNS),
-    )
+
+
+_CLAIM = _claim_statement()
+# call_model's claim, the one boundary that checks a budget (issue 16): the budget rides along
+# as one more scalar subquery, and the run's model-call count as a plain column; a task's
+# tokens are read (one more statement) only when its budget counts them. Other phases' claims
+# carry neither.
+_CLAIM_MODEL = _claim_statement(_task_column(_t.budget), _e.model_calls)
+_LOAD_TOKENS = select(_t.input_tokens, _t.output_tokens, _t.reasoning_tokens).where(
+    _t.id == bindparam("b_task")
 )
 
 
@@ -125,8 +140,9 @@ def claim_execution(
     """Take the lease on the row if it is still at (phase, version) and nobody live holds it.
 
     ``None`` is a stale or duplicate message (I2)."""
+    model = phase is Phase.CALL_MODEL
     row = conn.execute(
-        _CLAIM,
+        _CLAIM_MODEL if model else _CLAIM,
         {
             "b_id": execution_id,
             "b_phase": phase.value,
@@ -140,6 +156,8 @@ def claim_execution(
         return None
     # The foreign key makes a missing task unlikely, not impossible.
     task = _task_view(row.task_id, row) if row.status is not None else None
+    if task is not None and model and row.budget:
+        task = replace(task, budget=row.budget, usage=_usage(conn, row))
     return Claim(
         execution_id,
         row.task_id,
@@ -153,6 +171,20 @@ def claim_execution(
         task,
         row.inbox,
     )
+
+
+def _usage(conn: Connection, row: Any) -> JSON:
+    """The durable usage a budget counts: the run's model calls (in the claim), and the task's
+    tokens when the budget has a tokens or usd limit."""
+    usage: JSON = {"model_calls": row.model_calls}
+    if any(row.budget.get(k) is not None for k in ("tokens", "usd")):
+        tokens = conn.execute(_LOAD_TOKENS, {"b_task": row.task_id}).one()
+        usage.update(
+            input_tokens=tokens.input_tokens,
+            output_tokens=tokens.output_tokens,
+            reasoning_tokens=tokens.reasoning_tokens,
+        )
+    return usage
 
 
 def renew_execution_lease(

@@ -1,0 +1,290 @@
+"""Prices and budgets (issue 16): what a task's tokens cost, and whether it may call its model
+again. Pure: no SQL, no Celery, no settings read here; callers pass the table and the usage.
+
+A price table maps a model spec, or a prefix of specs, to USD per million tokens::
+
+    {"openai:gpt-4.1": {"input": 2.0, "output": 8.0},
+     "openai:o4-": {"input": 1.1, "output": 4.4, "reasoning": 4.4}}
+
+It comes from ``CHARLIE_PRICES`` (the JSON object inline, or the path of a JSON file). A spec
+is priced by its exact entry, else by the longest key that is a prefix of it and ends at a
+separator (one of ``: / - . _ @``): ``openai:gpt-4o`` prices only ``openai:gpt-4o``, while
+``openai:gpt-4o-`` prices ``openai:gpt-4o-mini`` and ``openai:gpt-4o-2024-08-06`` alike (a
+longer key for ``-mini`` wins over it). Built in: scripted models (``scripted:``) cost 0. No
+real-world price is built in: a model missing from the table has no known cost.
+
+Reasoning tokens: the OpenAI APIs report them as part of the output tokens (Charlie's clients
+record both counts as reported), so a task's tokens are input + output, and its reasoning
+tokens are priced at ``reasoning`` (default: the ``output`` price) instead of, not on top of,
+the output price.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PRICES_SETTING = "CHARLIE_PRICES"
+#: the kinds of budget, in the order the boundary checks them.
+BUDGET_KEYS = ("model_calls", "tokens", "usd")
+#: what a price table key may end at to be a prefix of specs.
+SEPARATORS = frozenset(":/-._@")
+
+
+class PriceError(ValueError):
+    """CHARLIE_PRICES cannot be read or is not a price table."""
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be used: an unknown key, a value that is not a positive number, a
+    usd limit for a model with no price."""
+
+
+@dataclass(frozen=True)
+class Price:
+    """USD per million tokens."""
+
+    input: float
+    output: float
+    #: None: reasoning tokens cost what output tokens do.
+    reasoning: float | None = None
+
+
+BUILTIN_PRICES: dict[str, Price] = {"scripted:": Price(0.0, 0.0, 0.0)}
+
+PriceTable = Mapping[str, Price]
+
+
+def _rate(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PriceError(f"{PRICES_SETTING}: {where} must be a number (USD per 1M tokens)")
+    if value < 0:
+        raise PriceError(f"{PRICES_SETTING}: {where} must not be negative, got {value}")
+    return float(value)
+
+
+def parse_prices(raw: str | None) -> dict[str, Price]:
+    """The price table of a ``CHARLIE_PRICES`` value (inline JSON, or a JSON file's path),
+    over the built-in one; a PriceError naming the setting when it cannot be used."""
+    table = dict(BUILTIN_PRICES)
+    if raw is None or not raw.strip():
+        return table
+    text = raw.strip()
+    source = "the inline JSON"
+    if not text.startswith("{"):
+        path = os.path.expanduser(text)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError as exc:
+            raise PriceError(
+                f"{PRICES_SETTING}={raw!r} is neither a JSON object nor a readable file: "
+                f"{exc.strerror or exc}"
+            ) from None
+        source = path
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PriceError(f"{PRICES_SETTING}: {source} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PriceError(f"{PRICES_SETTING}: {source} must be a JSON object of model: price")
+    for model, entry in data.items():
+        if not model:
+            raise PriceError(f"{PRICES_SETTING}: a model key is empty")
+        if not isinstance(entry, dict):
+            raise PriceError(
+                f'{PRICES_SETTING}: {model!r} must be {{"input": N, "output": N}} '
+                "(USD per 1M tokens)"
+            )
+        unknown = sorted(set(entry) - {"input", "output", "reasoning"})
+        if unknown:
+            raise PriceError(
+                f"{PRICES_SETTING}: {model!r} has unknown key(s) {', '.join(unknown)}; "
+                "the keys are input, output and reasoning"
+            )
+        missing = [k for k in ("input", "output") if k not in entry]
+        if missing:
+            raise PriceError(f"{PRICES_SETTING}: {model!r} lacks {' and '.join(missing)}")
+        reasoning = entry.get("reasoning")
+        table[model] = Price(
+            _rate(entry["input"], f"{model!r} input"),
+            _rate(entry["output"], f"{model!r} output"),
+            None if reasoning is None else _rate(reasoning, f"{model!r} reasoning"),
+        )
+    return table
+
+
+@functools.cache
+def price_table(raw: str | None) -> PriceTable:
+    """:func:`parse_prices`, once per value (a file is read once per process)."""
+    return parse_prices(raw)
+
+
+def price_for(model: str, table: PriceTable) -> Price | None:
+    """The exact entry, else the longest key ending at a separator that prefixes ``model``."""
+    exact = table.get(model)
+    if exact is not None:
+        return exact
+    prefixes = [k for k in table if k and k[-1] in SEPARATORS and model.startswith(k)]
+    return table[max(prefixes, key=len)] if prefixes else None
+
+
+def total_tokens(input_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> int:
+    """A task's tokens: reasoning tokens are part of the output tokens (see the module)."""
+    del reasoning_tokens
+    return int(input_tokens) + int(output_tokens)
+
+
+def cost_usd(
+    model: str,
+    input_tokens: int,
+    output_tokens: int,
+    reasoning_tokens: int,
+    table: PriceTable,
+) -> float | None:
+    """What the tokens cost in USD, or None when no price for ``model`` is known."""
+    price = price_for(model, table)
+    if price is None:
+        return None
+    reasoning = max(0, min(int(reasoning_tokens), int(output_tokens)))
+    plain = int(output_tokens) - reasoning
+    reasoning_rate = price.output if price.reasoning is None else price.reasoning
+    return (
+        int(input_tokens) * price.input + plain * price.output + reasoning * reasoning_rate
+    ) / 1_000_000
+
+
+# -- budgets ---------------------------------------------------------------------------------
+
+
+def validate_budget(budget: object) -> dict[str, Any] | None:
+    """A budget as stored: known keys only, positive limits (whole numbers for ``tokens`` and
+    ``model_calls``); a key given as None has no limit. None or {}: no budget."""
+    if budget is None:
+        return None
+    if not isinstance(budget, Mapping):
+        raise BudgetError('budget must be an object like {"tokens": N, "usd": X, "model_calls": K}')
+    unknown = sorted(str(k) for k in budget if k not in BUDGET_KEYS)
+    if unknown:
+        raise BudgetError(
+            f"unknown budget key(s) {', '.join(unknown)}; the keys are tokens, usd, model_calls"
+        )
+    out: dict[str, Any] = {}
+    for key in BUDGET_KEYS:
+        value = budget.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BudgetError(f"budget {key} must be a number, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise BudgetError(f"budget {key} must be positive, got {value!r}")
+        if key == "usd":
+            out[key] = float(value)
+        else:
+            if value != int(value):
+                raise BudgetError(f"budget {key} must be a whole number, got {value!r}")
+            out[key] = int(value)
+    return out or None
+
+
+def with_defaults(budget: object, defaults: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The budget a task is stored with: the given limits, and the defaults (settings) for the
+    keys not given; a key given as None opts out of its default."""
+    validate_budget(budget)  # an object of known keys and good values, or None
+    merged: dict[str, Any] = {k: v for k, v in defaults.items() if v is not None}
+    if isinstance(budget, Mapping):
+        merged.update(budget)
+    return validate_budget(merged)
+
+
+def check_priced(budget: Mapping[str, Any] | None, model: str, table: PriceTable) -> None:
+    """A usd limit needs a price for the task's model: refused (before anything is written)
+    otherwise."""
+    if budget and budget.get("usd") is not None and price_for(model, table) is None:
+        raise BudgetError(
+            f"a usd budget needs a price for model {model!r}, and none is known: add it to "
+            f"{PRICES_SETTING} (for example "
+            f'{{"{model}": {{"input": USD_PER_1M, "output": USD_PER_1M}}}}) or give a tokens '
+            "or model_calls budget instead"
+        )
+
+
+def usage_of(usage: Mapping[str, Any], model: str, table: PriceTable) -> dict[str, Any]:
+    """What a budget counts, from the durable usage (tokens and model calls)."""
+    i = int(usage.get("input_tokens") or 0)
+    o = int(usage.get("output_tokens") or 0)
+    r = int(usage.get("reasoning_tokens") or 0)
+    return {
+        "model_calls": int(usage.get("model_calls") or 0),
+        "tokens": total_tokens(i, o, r),
+        "usd": cost_usd(model, i, o, r, table),
+    }
+
+
+def exceeded(
+    budget: Mapping[str, Any] | None,
+    usage: Mapping[str, Any],
+    model: str,
+    table: PriceTable,
+) -> dict[str, Any] | None:
+    """The first budget the usage has reached (the next model call would start past it), as
+    the error a task fails with; None while every limit has room. A usd limit whose model has
+    no price (it was removed from the table after submit) cannot be checked: it counts as
+    reached, so spending never goes on unmetered."""
+    if not budget:
+        return None
+    used = usage_of(usage, model, table)
+    shown = {
+        "input_tokens": int(usage.get("input_tokens") or 0),
+        "output_tokens": int(usage.get("output_tokens") or 0),
+        "reasoning_tokens": int(usage.get("reasoning_tokens") or 0),
+        "model_calls": used["model_calls"],
+        "cost_usd": used["usd"],
+    }
+    for key in BUDGET_KEYS:
+        limit = budget.get(key)
+        if limit is None:
+            continue
+        amount = used[key]
+        if amount is None:
+            return {
+                "reason": "budget exceeded",
+                "budget": key,
+                "limit": limit,
+                "used": None,
+                "usage": shown,
+                "message": (
+                    f"the usd budget ({limit}) cannot be checked: model {model!r} has no price "
+                    f"in {PRICES_SETTING}; add one, then resume the task"
+                ),
+            }
+        if amount >= limit:
+            what = {"model_calls": "model calls", "tokens": "tokens", "usd": "USD"}[key]
+            shown_amount = f"{amount:.6f}" if key == "usd" else str(amount)
+            return {
+                "reason": "budget exceeded",
+                "budget": key,
+                "limit": limit,
+                "used": amount,
+                "usage": shown,
+                "message": (
+                    f"{key} budget exceeded: {shown_amount} {what} used of a limit of {limit}; "
+                    "the model was not called again"
+                ),
+            }
+    return None
+
+
+def describe(
+    budget: Mapping[str, Any] | None, usage: Mapping[str, Any], model: str, table: PriceTable
+) -> list[tuple[str, Any, Any]]:
+    """(key, used, limit) for each limit of a budget, for people to read."""
+    if not budget:
+        return []
+    used = usage_of(usage, model, table)
+    return [(k, used[k], budget[k]) for k in BUDGET_KEYS if budget.get(k) is not None]
