@@ -25,18 +25,21 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     celeryd_after_setup,
+    worker_init,
     worker_process_init,
+    worker_process_shutdown,
     worker_ready,
     worker_shutdown,
 )
 from celery.worker.request import Request
 from sqlalchemy.exc import OperationalError
 
-from charlie import logs, redact, runtime, sweeps
+from charlie import logs, redact, runtime, sweeps, telemetry
 from charlie.app import app
 from charlie.config import settings
 from charlie.domain import Phase
 from charlie.executor import tick
+from charlie.observe import NOOP
 from charlie.presence import Presence
 from charlie.runtime import get_runtime
 
@@ -246,10 +249,35 @@ def _list_mcp_tools(**_: Any) -> None:
         mcp.start(s, REGISTRY, keep=False)
 
 
+@worker_init.connect
+def _serve_metrics(**_: Any) -> None:
+    # CHARLIE_METRICS_PORT: the main process serves /metrics for its pool, and sets up the
+    # directory the pool processes count into before it forks them (charlie.telemetry.metrics).
+    # A port another process has stops the worker here, before it consumes anything.
+    global _metrics_server
+    try:
+        _metrics_server = telemetry.serve_metrics("worker")
+    except telemetry.MetricsError as exc:
+        logging.getLogger("charlie.telemetry").critical("%s", exc)
+        raise SystemExit(f"charlie: {exc}") from None
+
+
+_metrics_server: Any = None
+
+
 @worker_process_init.connect
 def _after_fork(**_: Any) -> None:
-    # A prefork child must open its own database connections and take its own worker identity.
+    # A prefork child must open its own database connections and take its own worker identity,
+    # and its own telemetry (exporter threads and sockets do not survive a fork).
     runtime.reset_after_fork()
+    if telemetry.wanted():
+        telemetry.install(get_runtime(mcp=False))
+
+
+@worker_process_shutdown.connect
+def _process_gone(pid: int | None = None, **_: Any) -> None:
+    if _metrics_server is not None or telemetry.wanted():
+        telemetry.process_exit(pid)
 
 
 @worker_ready.connect
@@ -257,6 +285,9 @@ def _ready(sender: Any = None, **_: Any) -> None:
     # Fail fast on a missing schema or a bad tool module. MCP servers were listed before the
     # pool forked (_list_mcp_tools); the pool processes connect to them.
     rt = get_runtime(mcp=False)
+    if rt.observer is NOOP and telemetry.wanted():
+        # --pool threads runs tasks in this process, and no pool process init told it so.
+        telemetry.install(rt)
     # The main process says it is alive, and what it consumes, for `charlie doctor`.
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker
@@ -268,3 +299,7 @@ def _shutdown(**_: Any) -> None:
     rt = runtime.current()
     if rt is not None and rt.presence is not None:
         rt.presence.stop()
+    if rt is not None:
+        telemetry.shutdown(rt)
+    if _metrics_server is not None:
+        _metrics_server.stop()
