@@ -288,6 +288,12 @@ def _ready(sender: Any = None, **_: Any) -> None:
     if rt.observer is NOOP and telemetry.wanted():
         # --pool threads runs tasks in this process, and no pool process init told it so.
         telemetry.install(rt)
+    if _metrics_server is not None:  # said again: this process's logging was not set up then
+        logging.getLogger("charlie.telemetry").info(
+            "serving Prometheus metrics on http://%s:%s/metrics",
+            _metrics_server.host,
+            _metrics_server.port,
+        )
     # The main process says it is alive, and what it consumes, for `charlie doctor`.
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker

@@ -140,6 +140,7 @@ def serve(port: int, env: Mapping[str, str], role: str) -> Server:
     base = env.get(DIRECTORY, "").strip() or None
     if base is not None:
         os.makedirs(base, exist_ok=True)
+    _remove_stale(base or tempfile.gettempdir())
     directory = tempfile.mkdtemp(prefix=f"charlie-metrics-{role}-{os.getpid()}-", dir=base)
     os.environ[MULTIPROC] = directory
     from prometheus_client import values
@@ -166,6 +167,27 @@ def serve(port: int, env: Mapping[str, str], role: str) -> Server:
         ) from None
     log.info("serving Prometheus metrics on http://%s:%s/metrics", host, port)
     return Server(host, port, directory, httpd)
+
+
+def _remove_stale(base: str) -> None:
+    """Directories of serving processes that are gone (a SIGKILL leaves its directory)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        match = _DIRECTORY_NAME.fullmatch(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's): not ours to remove
+
+
+_DIRECTORY_NAME = re.compile(r"charlie-metrics-(?:worker|beat)-(\d+)-\w+")
 
 
 def process_exit(pid: int | None = None) -> None:
