@@ -109,8 +109,9 @@ def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: 
     import signal
     import threading
 
-    from charlie import logs, sweeps
+    from charlie import logs, sweeps, telemetry
     from charlie.runtime import get_runtime
+    from charlie.telemetry import metrics
 
     level = logging.getLevelName(loglevel.upper())
     if not isinstance(level, int):
@@ -121,14 +122,24 @@ def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    from charlie import telemetry
-
+    # Metrics (issue 16): the sweeps run here, so the fleet's gauges and the sweeps' counts are
+    # served from here, on CHARLIE_BEAT_METRICS_PORT (else CHARLIE_METRICS_PORT).
+    try:
+        server = telemetry.serve_metrics("beat")
+    except telemetry.MetricsError as exc:
+        _fail(str(exc))
+        return
+    environ = dict(os.environ)
+    if server is not None:
+        environ[metrics.PORT] = str(server.port)
     rt = get_runtime(mcp=False)
-    telemetry.install(rt)  # the sweeps' spans and gauges
+    telemetry.install(rt, environ)
     try:
         sweeps.run_beat(rt, stop, liveness=schedule)
     finally:
         telemetry.shutdown(rt)
+        if server is not None:
+            server.stop()
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

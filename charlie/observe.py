@@ -48,6 +48,10 @@ class TickScope:
     model_repeats: int = 0
     #: the transition's note ("queued 3, 0 left", "poison", ...)
     note: str | None = None
+    #: (tool, outcome) of each tool result the committed transition entered into the
+    #: transcript (advance_turn, or a stop closing a turn): every call's outcome once, whoever
+    #: settled it (a worker, a sweep, a person's deny). Filled only when an observer is on.
+    results: tuple[tuple[str, str], ...] = ()
     #: whatever the observer keeps for itself between entering and leaving (a span, a timer)
     state: dict[str, Any] = field(default_factory=dict)
 

@@ -24,6 +24,7 @@ from sqlalchemy import Connection
 
 from charlie import scheduler
 from charlie.app import app
+from charlie.config import SWEEP_QUEUE, TICK_QUEUE
 from charlie.domain import JSON, Outcome, Phase, task_id_of, utcnow
 from charlie.executor.settle import settle_and_move
 from charlie.observe import CallEvent, SweepEvent, safely
@@ -389,7 +390,24 @@ def sweep_round(rt: Runtime) -> dict[str, object]:
             results[name] = run_sweep(rt, name)
         except Exception:
             log.exception("%s failed; trying again next round", name)
+    if rt.observer.enabled:
+        # The fleet's gauges (issue 16); an observer that serves no metrics never reads them,
+        # and a metrics observer at most every CHARLIE_METRICS_GAUGE_SECONDS.
+        safely(rt.observer.gauges, lambda: fleet_gauges(rt))
     return results
+
+
+#: the broker queues whose depth the gauges report.
+GAUGE_QUEUES = (TICK_QUEUE, SWEEP_QUEUE)
+
+
+def fleet_gauges(rt: Runtime) -> dict[str, Any]:
+    """What the fleet looks like now, for metrics: the database's counts and the broker's
+    queue depths (each None where the broker cannot say)."""
+    with read(rt.engine) as conn:
+        found = scans.fleet_gauges(conn, utcnow(), timedelta(seconds=rt.settings.stall_seconds))
+    found["queue_depth"] = {queue: queue_depth(queue) for queue in GAUGE_QUEUES}
+    return found
 
 
 def run_beat(rt: Runtime, stop: threading.Event, liveness: Path | None = None) -> None:

@@ -25,6 +25,7 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     celeryd_after_setup,
+    worker_init,
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
@@ -256,17 +257,47 @@ def _list_mcp_tools(**_: Any) -> None:
         mcp.start(s, REGISTRY, keep=False)
 
 
+@worker_init.connect
+def _serve_metrics(**_: Any) -> None:
+    # CHARLIE_METRICS_PORT: the main process serves /metrics for its pool, and sets up the
+    # directory the pool processes count into before it forks them (charlie.telemetry.metrics).
+    # A port another process has stops the worker here, before it consumes anything.
+    global _metrics_server
+    try:
+        _metrics_server = telemetry.serve_metrics("worker")
+    except telemetry.MetricsError as exc:
+        logging.getLogger("charlie.telemetry").critical("%s", exc)
+        raise SystemExit(f"charlie: {exc}") from None
+
+
+_metrics_server: Any = None
+
+
 @worker_process_init.connect
 def _after_fork(**_: Any) -> None:
-    # A prefork child must open its own database connections and take its own worker identity.
+    # A prefork child must open its own database connections and take its own worker identity,
+    # and its own telemetry (exporter threads and sockets do not survive a fork): the runtime
+    # it builds gets it (runtime.when_built above).
     runtime.reset_after_fork()
+
+
+@worker_process_shutdown.connect
+def _process_gone(pid: int | None = None, **_: Any) -> None:
+    if _metrics_server is not None or telemetry.wanted():
+        telemetry.process_exit(pid)
 
 
 @worker_ready.connect
 def _ready(sender: Any = None, **_: Any) -> None:
     # Fail fast on a missing schema or a bad tool module. MCP servers were listed before the
     # pool forked (_list_mcp_tools); the pool processes connect to them.
-    rt = get_runtime(mcp=False)
+    rt = get_runtime(mcp=False)  # with its telemetry (a threads or solo pool runs tasks here)
+    if _metrics_server is not None:  # said again: this process's logging was not set up then
+        logging.getLogger("charlie.telemetry").info(
+            "serving Prometheus metrics on http://%s:%s/metrics",
+            _metrics_server.host,
+            _metrics_server.port,
+        )
     # The main process says it is alive, and what it consumes, for `charlie doctor`.
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker
@@ -287,4 +318,6 @@ def _shutdown(**_: Any) -> None:
     if rt is not None and rt.presence is not None:
         rt.presence.stop()
     if rt is not None:
-        telemetry.shutdown(rt)  # a solo or threads pool ran its tasks here
+        telemetry.shutdown(rt)
+    if _metrics_server is not None:
+        _metrics_server.stop()

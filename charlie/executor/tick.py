@@ -18,7 +18,16 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
 from charlie import faults, pricing
-from charlie.domain import CallState, Outcome, Phase, RunView, Settlement, Transition, utcnow
+from charlie.domain import (
+    CallState,
+    ItemKind,
+    Outcome,
+    Phase,
+    RunView,
+    Settlement,
+    Transition,
+    utcnow,
+)
 from charlie.executor import boundary
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
@@ -491,7 +500,7 @@ def _claim(
     return claim, now
 
 
-def _observed(progress: _Progress, claim: runs.Claim, transition: Transition) -> None:
+def _observed(rt: Runtime, progress: _Progress, claim: runs.Claim, transition: Transition) -> None:
     scope = progress.scope
     if scope is not None:
         scope.task_id = claim.task_id
@@ -501,6 +510,12 @@ def _observed(progress: _Progress, claim: runs.Claim, transition: Transition) ->
         scope.model_calls = transition.model_calls
         scope.model_repeats = transition.model_repeats
         scope.note = transition.note
+        if rt.observer.enabled and transition.items:
+            scope.results = tuple(
+                (str(i.payload.get("name")), str(i.payload.get("outcome")))
+                for i in transition.items
+                if i.kind is ItemKind.TOOL_RESULT
+            )
 
 
 def _run_tick(
@@ -590,7 +605,7 @@ def _run_tick(
         progress.claim_committed = True
         if progress.settlement is not None:
             progress.settled = settlement is not None
-    _observed(progress, claim, transition)
+    _observed(rt, progress, claim, transition)
     if phase is Phase.ADVANCE_TURN and rt.observer.enabled and transition.next_turn:
         report_people_settled(rt, view)
     if transition.settle and rt.observer.enabled:

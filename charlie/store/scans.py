@@ -10,9 +10,9 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, exists, or_, select, update
+from sqlalchemy import Connection, and_, distinct, exists, func, or_, select, update
 
-from charlie.domain import JSON, CallState, Outcome, Phase, TaskStatus
+from charlie.domain import JSON, CallState, Hold, Outcome, Phase, TaskStatus
 from charlie.store.runs import ACTIVE
 from charlie.store.schema import executions, tasks, tool_calls
 
@@ -265,3 +265,47 @@ def current_ticks(conn: Connection, task_ids: list[str]) -> list[Any]:
             )
         ).all()
     )
+
+
+def fleet_gauges(conn: Connection, now: datetime, stall: timedelta) -> dict[str, Any]:
+    """The fleet's gauges for metrics (issue 16), in four bounded aggregate statements over
+    indexed columns: runs not done by phase, active tasks by status, open tool calls and the
+    tasks waiting for a person by what they wait for, and the age of the oldest run that is
+    due and not moving (what the stalled-run sweep looks for: a lapsed lease, or ready and
+    quiet for the stall period)."""
+    runs_by_phase: dict[str, int] = dict(
+        conn.execute(
+            select(_e.phase, func.count()).where(_e.phase != Phase.DONE.value).group_by(_e.phase)
+        ).all()
+    )
+    tasks_by_status = {s: 0 for s in ACTIVE}
+    tasks_by_status.update(
+        conn.execute(
+            select(_t.status, func.count()).where(_t.status.in_(ACTIVE)).group_by(_t.status)
+        ).all()
+    )
+    open_calls = 0
+    waiting = {h.value: 0 for h in Hold}
+    for hold, calls, runs in conn.execute(
+        select(_c.hold, func.count(), func.count(distinct(_c.execution_id)))
+        .where(_c.state.in_((CallState.PENDING.value, CallState.STARTED.value)))
+        .group_by(_c.hold)
+    ).all():
+        open_calls += calls
+        if hold is not None:
+            waiting[hold] = runs
+    oldest = conn.execute(
+        select(func.min(_e.updated_at)).where(
+            _e.phase != Phase.DONE.value,
+            or_(_run_clause("lapsed", now, stall), _run_clause("stalled", now, stall)),
+        )
+    ).scalar()
+    if isinstance(oldest, str):  # SQLite's min() of a text column skips the type's decoding
+        oldest = datetime.fromisoformat(oldest).replace(tzinfo=now.tzinfo)
+    return {
+        "runs": runs_by_phase,
+        "tasks": tasks_by_status,
+        "open_tool_calls": open_calls,
+        "waiting_for_person": waiting,
+        "oldest_stalled_run_seconds": max(0.0, (now - oldest).total_seconds()) if oldest else 0.0,
+    }

@@ -5,7 +5,9 @@
 - traces (:mod:`charlie.telemetry.tracing`) when the standard ``OTEL_*`` environment names an
   exporter (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, or
   ``OTEL_TRACES_EXPORTER=console``), unless ``OTEL_SDK_DISABLED=true``;
-- metrics (:mod:`charlie.telemetry.metrics`) when ``CHARLIE_METRICS_PORT`` is set.
+- metrics (:mod:`charlie.telemetry.metrics`) when ``CHARLIE_METRICS_PORT`` is set; the
+  process that serves them (:func:`serve_metrics`, a worker's main process or the beat) must
+  start serving before it forks the processes that count.
 
 Neither: the runtime keeps :data:`charlie.observe.NOOP`, and the hot path pays nothing (the
 benchmark's ``telemetry`` figures). Each prefork pool process installs its own after the fork:
@@ -29,6 +31,8 @@ from charlie.observe import (
     TickScope,
     safely,
 )
+from charlie.telemetry.metrics import MetricsError as MetricsError
+from charlie.telemetry.metrics import Server
 
 log = logging.getLogger("charlie.telemetry")
 
@@ -148,7 +152,7 @@ class ObservedModel:
         self.observer.model_call(event)
 
 
-def build_observer(rt: Any, environ: dict[str, str] | None = None) -> Observer:
+def build_observer(environ: dict[str, str] | None = None, rt: Any = None) -> Observer:
     """The observer this environment asks for (NOOP when it asks for none)."""
     import os
 
@@ -156,9 +160,46 @@ def build_observer(rt: Any, environ: dict[str, str] | None = None) -> Observer:
     observers = [o for o in (_part("tracing", env), _part("metrics", env)) if o is not None]
     for observer in observers:
         bind = getattr(observer, "bind", None)
-        if bind is not None:
+        if bind is not None and rt is not None:
             bind(rt)  # what it reads through: the database, the worker's name
     return Observers(observers) if observers else NOOP
+
+
+def wanted(environ: dict[str, str] | None = None) -> bool:
+    """Whether this environment asks for any telemetry (else :func:`install` gives NOOP)."""
+    import importlib
+    import os
+
+    env = dict(os.environ if environ is None else environ)
+    return any(
+        importlib.import_module(f"charlie.telemetry.{name}").wanted(env)
+        for name in ("tracing", "metrics")
+    )
+
+
+def serve_metrics(role: str, environ: dict[str, str] | None = None) -> Server | None:
+    """Serve /metrics from this process for itself and the processes it forks from now on
+    (a worker's main process, before its pool starts; the beat), when the environment asks:
+    ``CHARLIE_METRICS_PORT``, and for the beat ``CHARLIE_BEAT_METRICS_PORT`` first. None when
+    it does not: nothing is imported. Raises MetricsError (a port taken, a bad value)."""
+    import os
+
+    from charlie.telemetry import metrics
+
+    env = dict(os.environ if environ is None else environ)
+    port = metrics.port_of(env, metrics.BEAT_PORT) if role == "beat" else None
+    if port is None:
+        port = metrics.port_of(env)
+    if port is None:
+        return None
+    return metrics.serve(port, env, role)
+
+
+def process_exit(pid: int | None = None) -> None:
+    """A pool process ended: its metrics' live gauges go (its counters stay, and count)."""
+    from charlie.telemetry import metrics
+
+    safely(metrics.process_exit, pid)
 
 
 def _part(name: str, env: dict[str, str]) -> Observer | None:
@@ -184,7 +225,7 @@ def install(rt: Any, environ: dict[str, str] | None = None) -> Observer:
         return current
     rt.telemetry_installed = True
     try:
-        observer = build_observer(rt, environ)
+        observer = build_observer(environ, rt)
     except Exception:
         # Telemetry never stops the work: a bad OTEL_* value or port is said, then ignored.
         log.exception("telemetry could not start; this process runs without it")

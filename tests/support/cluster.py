@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,12 @@ class Cluster:
     _stopping: threading.Event = field(default_factory=threading.Event)
     want_workers: int = 2
     restarts: int = 0
+    #: serve Prometheus metrics (issue 16): every worker and beat started gets a port of its
+    #: own (CHARLIE_METRICS_PORT, CHARLIE_BEAT_METRICS_PORT), recorded here by process id.
+    metrics: bool = False
+    #: the workers' pool (metered clusters may run threads or solo)
+    pool: str = "prefork"
+    metrics_ports: dict[int, int] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
@@ -124,11 +131,13 @@ class Cluster:
     def ledger_path(self) -> Path:
         return Path(self.settings_env["CHARLIE_TEST_LEDGER"])
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, args: list[str], log_name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with open(self.home / log_name, "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "charlie", *args],
-                env=self.env,
+                env={**self.env, **(env or {})},
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -138,19 +147,57 @@ class Cluster:
     def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
         self._serial += 1
         name = f"w{self._serial}"
+        port = free_port() if self.metrics else None
         proc = self._spawn(
-            ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "--pool", "prefork"],
+            ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "--pool", self.pool],
             f"worker-{name}.log",
+            {"CHARLIE_METRICS_PORT": str(port)} if port else None,
         )
+        if port:
+            self.metrics_ports[proc.pid] = port
         self.workers.append(proc)
         return proc
 
     def start_beat(self) -> subprocess.Popen[bytes]:
         self._serial += 1
         schedule = self.home / f"beat-{self._serial}.schedule"
-        proc = self._spawn(["beat", "--schedule", str(schedule)], f"beat-{self._serial}.log")
+        port = free_port() if self.metrics else None
+        metrics = {"CHARLIE_BEAT_METRICS_PORT": str(port), "CHARLIE_METRICS_GAUGE_SECONDS": "0"}
+        proc = self._spawn(
+            ["beat", "--schedule", str(schedule)],
+            f"beat-{self._serial}.log",
+            metrics if port else None,
+        )
+        if port:
+            self.metrics_ports[proc.pid] = port
         self.beats.append(proc)
         return proc
+
+    @contextlib.contextmanager
+    def metered(self, pool: str = "prefork") -> Iterator[Cluster]:
+        """The cluster's workers and beat replaced by ones that serve metrics, for a while;
+        the plain ones come back after."""
+        with self._lock:
+            self._terminate(self.workers + self.beats)
+            self.workers, self.beats, self.metrics, self.pool = [], [], True, pool
+            self.ensure(workers=self.want_workers, beat=True)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._terminate(self.workers + self.beats)
+                self.workers, self.beats, self.metrics, self.pool = [], [], False, "prefork"
+                self.metrics_ports.clear()
+                self.ensure(workers=self.want_workers, beat=True)
+
+    def worker_metrics_ports(self) -> list[int]:
+        return [
+            self.metrics_ports[w.pid] for w in self.alive_workers() if w.pid in self.metrics_ports
+        ]
+
+    def beat_metrics_port(self) -> int:
+        (port,) = [self.metrics_ports[b.pid] for b in self.beats if b.poll() is None]
+        return port
 
     def alive_workers(self) -> list[subprocess.Popen[bytes]]:
         return [w for w in self.workers if w.poll() is None]
@@ -212,12 +259,15 @@ class Cluster:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join()
-        for proc in self.workers + self.beats:
+        self._terminate(self.workers + self.beats)
+
+    def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        for proc in procs:
             if proc.poll() is None:
                 # TERM to the main process: it shuts its own pool down.
                 proc.send_signal(signal.SIGTERM)
         deadline = time.time() + 10
-        for proc in self.workers + self.beats:
+        for proc in procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
