@@ -97,6 +97,7 @@ class _Doctor:
         self.mcp()
         self.sandbox()
         self.devbox()
+        self.telemetry()
         self.beat(engine)
         self.workers()
         return self.checks
@@ -278,6 +279,43 @@ class _Doctor:
             )
             return
         self.add("sandbox", "ok", "bubblewrap runs commands in their own namespaces")
+
+    def telemetry(self) -> None:
+        import os
+        import socket
+        from urllib.parse import urlparse
+
+        from charlie.telemetry import tracing
+
+        env = dict(os.environ)
+        if not tracing.wanted(env):
+            self.add("traces", "skip", "off (no OTEL_EXPORTER_OTLP_ENDPOINT)")
+        elif "otlp" not in tracing.exporters(env):
+            self.add("traces", "ok", f"exported to {', '.join(tracing.exporters(env))}")
+        else:
+            endpoint = tracing.traces_endpoint(env)
+            url = urlparse(endpoint)
+            port = url.port or (443 if url.scheme == "https" else 80)
+            try:
+                with socket.create_connection((url.hostname or "localhost", port), self.timeout):
+                    pass
+            except OSError as exc:
+                self.add(
+                    "traces",
+                    "FAIL",
+                    f"the OTLP endpoint {endpoint} does not answer: {_first_line(exc)}",
+                    "start the collector, or fix OTEL_EXPORTER_OTLP_ENDPOINT (workers run on "
+                    "without the spans they cannot send)",
+                )
+            else:
+                self.add("traces", "ok", f"OTLP/HTTP to {endpoint} answers")
+        metrics_port = env.get("CHARLIE_METRICS_PORT", "").strip()
+        if metrics_port:
+            self.add(
+                "metrics", "ok", f"workers serve Prometheus metrics on :{metrics_port}/metrics"
+            )
+        else:
+            self.add("metrics", "skip", "off (no CHARLIE_METRICS_PORT)")
 
     def devbox(self) -> None:
         from charlie.devbox.client import DevboxClient, DevboxError, DevboxUnavailable

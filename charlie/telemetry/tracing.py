@@ -70,11 +70,11 @@ def wanted(env: dict[str, str]) -> bool:
     """Whether the standard OpenTelemetry environment asks this process for traces."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    exporters = _exporters(env)
-    return bool(exporters) and exporters != ["none"]
+    named = exporters(env)
+    return bool(named) and named != ["none"]
 
 
-def _exporters(env: dict[str, str]) -> list[str]:
+def exporters(env: dict[str, str]) -> list[str]:
     named = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
     if named:
         return named
@@ -82,6 +82,15 @@ def _exporters(env: dict[str, str]) -> list[str]:
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
     return ["otlp"] if endpoint else []
+
+
+def traces_endpoint(env: dict[str, str]) -> str:
+    """Where OTLP/HTTP spans go, as the exporter reads the environment."""
+    specific = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if specific:
+        return specific
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+    return base.rstrip("/") + "/v1/traces"
 
 
 def from_environment(env: dict[str, str]) -> TracingObserver:
@@ -171,7 +180,7 @@ class TracingObserver(Observer):
         ids = _ChosenIds()
         attributes = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": "charlie"}
         provider = TracerProvider(resource=Resource.create(attributes), id_generator=ids)
-        for name in _exporters(env):
+        for name in exporters(env):
             exporter = _exporter(name, env)
             if exporter is None:
                 continue

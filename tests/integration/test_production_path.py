@@ -127,6 +127,16 @@ def test_doctor_names_a_dead_broker(tmp_path: Path) -> None:
     assert "cannot connect to redis://127.0.0.1:1/0" in checks["broker"]["detail"]
 
 
+def test_doctor_names_an_otlp_endpoint_that_does_not_answer(tmp_path: Path) -> None:
+    code, checks = doctor(fresh_env(tmp_path, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:1"))
+    assert code == 1
+    assert checks["traces"]["status"] == "FAIL"
+    assert "http://127.0.0.1:1/v1/traces does not answer" in checks["traces"]["detail"]
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" in checks["traces"]["fix"]
+    _, quiet = doctor(fresh_env(tmp_path, OTEL_SDK_DISABLED="true"))
+    assert quiet["traces"]["status"] == "skip" and quiet["metrics"]["status"] == "skip"
+
+
 def test_doctor_names_a_tool_module_that_does_not_import(tmp_path: Path) -> None:
     code, checks = doctor(fresh_env(tmp_path, CHARLIE_TOOL_MODULES="no_such_package.tools"))
     assert code == 1
