@@ -50,7 +50,7 @@ class Observers(Observer):
         with ExitStack() as stack:
             for observer in self.observers:
                 try:
-                    stack.enter_context(enter(observer))
+                    stack.enter_context(_Guarded(enter(observer)))
                 except Exception:
                     log.warning("telemetry hook raised on entry; ignored", exc_info=True)
             yield
@@ -99,6 +99,25 @@ class Observers(Observer):
             stop = getattr(observer, "shutdown", None)
             if stop is not None:
                 safely(stop)
+
+
+class _Guarded:
+    """An observer's context whose exit can neither raise nor swallow what the work raised:
+    the work's exception passes through untouched, the observer's own is logged."""
+
+    def __init__(self, inner: AbstractContextManager[Any]) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+        try:
+            self.inner.__exit__(kind, value, tb)
+        except Exception as exc:
+            if exc is not value:
+                log.warning("telemetry hook raised on exit; ignored", exc_info=True)
+        return False
 
 
 class ObservedModel:

@@ -54,7 +54,7 @@ from opentelemetry.trace import (
 )
 
 from charlie.domain import Phase, task_id_of
-from charlie.observe import CallEvent, ModelCallEvent, Observer, SweepEvent, TickScope
+from charlie.observe import CallEvent, ModelCallEvent, Observer, SweepEvent, TickScope, safely
 from charlie.store import reads
 from charlie.store.engine import read
 
@@ -267,7 +267,8 @@ class TracingObserver(Observer):
                 span.set_attribute("charlie.note", scope.note[:300])
             span.end()
             if scope.to is Phase.DONE and scope.result == "done":
-                self._task_span(task_id, task)
+                # after the tick's commit: a failure here costs the task's span, nothing else
+                safely(self._task_span, task_id, task)
 
     def _task_span(self, task_id: str, task: TaskTrace) -> None:
         """The task's own span, recorded once by the worker whose tick ended it."""

@@ -150,3 +150,31 @@ def test_a_tick_scope_reaches_every_observer() -> None:
     with observers.tick(TickScope("x-t", Phase.CALL_MODEL, 3, "w")) as scope:
         scope.result = "moved"
     assert seen == [Phase.CALL_MODEL, Phase.CALL_MODEL]
+
+
+def test_an_observer_can_neither_break_a_tick_nor_hide_what_it_raised() -> None:
+    from contextlib import contextmanager, suppress
+
+    class Broken(Observer):
+        enabled = True
+
+        @contextmanager
+        def tick(self, scope: TickScope) -> Any:
+            try:
+                yield scope
+            finally:
+                raise RuntimeError("the observer's own failure")
+
+    class Swallowing(Observer):
+        enabled = True
+
+        @contextmanager
+        def tick(self, scope: TickScope) -> Any:
+            with suppress(Exception):  # would hide the tick's exception if it were obeyed
+                yield scope
+
+    observers = telemetry.Observers([Broken(), Swallowing()])
+    with observers.tick(TickScope("x-t", Phase.CALL_MODEL, 3, "w")) as scope:
+        scope.result = "moved"  # the observer's failure is logged, the tick goes on
+    with pytest.raises(KeyError), observers.tick(TickScope("x-t", Phase.CALL_MODEL, 3, "w")):
+        raise KeyError("the tick's own failure")
