@@ -285,7 +285,7 @@ class _Doctor:
         import socket
         from urllib.parse import urlparse
 
-        from charlie.telemetry import tracing
+        from charlie.telemetry import environment as tracing
 
         env = dict(os.environ)
         if not tracing.wanted(env):

@@ -175,7 +175,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
 
     for gone in abandoned:
         with write(rt.engine) as conn:
-            if call_store.settle_call(
+            canceled = call_store.settle_call(
                 conn,
                 gone.execution_id,
                 gone.turn,
@@ -184,9 +184,10 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 {"reason": "the run ended before this call finished"},
                 f"sweep@{rt.worker}",
                 now,
-            ):
-                counts["abandoned"] += 1
-                _report_call(rt, gone, Outcome.CANCELED)
+            )
+        if canceled:  # reported once committed
+            counts["abandoned"] += 1
+            _report_call(rt, gone, Outcome.CANCELED)
 
     for late in overdue:
         assert late.deadline_at is not None
@@ -301,8 +302,11 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
 
 def _report_call(rt: Runtime, row: Any, outcome: Outcome) -> None:
     """Tell telemetry of a call this sweep settled (the row as its scan read it)."""
-    if not rt.observer.enabled:
-        return
+    if rt.observer.enabled:
+        safely(_call_settled, rt, row, outcome)
+
+
+def _call_settled(rt: Runtime, row: Any, outcome: Outcome) -> None:
     started = getattr(row, "started_at", None)
     event = CallEvent(
         task_id=task_id_of(row.execution_id),
@@ -316,7 +320,7 @@ def _report_call(rt: Runtime, row: Any, outcome: Outcome) -> None:
         started=started.timestamp() if started is not None else None,
         effect=_effect_of(rt, getattr(row, "name", None)),
     )
-    safely(rt.observer.call_settled, event)
+    rt.observer.call_settled(event)
 
 
 def _effect_of(rt: Runtime, tool: str | None) -> str | None:
@@ -378,6 +382,12 @@ def run_sweep(rt: Runtime, name: str) -> object:
                     rt.observer.sweep,
                     SweepEvent(name, action, int(count), started, ended, rt.worker),
                 )
+        if name == GAUGE_SWEEP:
+            # The fleet's gauges (issue 16), with one sweep so that `charlie beat` and
+            # --celery-beat (the sweeps as tasks on the workers) both read them; an observer
+            # that serves no metrics never does, a metrics observer at most every
+            # CHARLIE_METRICS_GAUGE_SECONDS.
+            safely(rt.observer.gauges, lambda: fleet_gauges(rt))
     return result
 
 
@@ -390,13 +400,11 @@ def sweep_round(rt: Runtime) -> dict[str, object]:
             results[name] = run_sweep(rt, name)
         except Exception:
             log.exception("%s failed; trying again next round", name)
-    if rt.observer.enabled:
-        # The fleet's gauges (issue 16); an observer that serves no metrics never reads them,
-        # and a metrics observer at most every CHARLIE_METRICS_GAUGE_SECONDS.
-        safely(rt.observer.gauges, lambda: fleet_gauges(rt))
     return results
 
 
+#: the sweep after which the fleet's gauges are read
+GAUGE_SWEEP = "sweep.stalled_runs"
 #: the broker queues whose depth the gauges report.
 GAUGE_QUEUES = (TICK_QUEUE, SWEEP_QUEUE)
 

@@ -25,6 +25,8 @@ from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
     celeryd_after_setup,
+    task_postrun,
+    task_prerun,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -302,6 +304,37 @@ def _ready(sender: Any = None, **_: Any) -> None:
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker
     rt.presence = Presence(rt.engine, node, queues).start()
+
+
+#: a running task's trace context, entered at its prerun and left at its postrun
+_task_contexts: dict[str, Any] = {}
+
+
+@task_prerun.connect
+def _enter_trace(task_id: str = "", task: Any = None, args: Any = None, **_: Any) -> None:
+    # Celery's own lines about a run's task (its success, its retry) say the run's trace too.
+    name = getattr(task, "name", "") or ""
+    if not (name.startswith("charlie.phase.") or name == "charlie.tool.invoke"):
+        return
+    if not args or not isinstance(args[0], str) or not args[0].startswith("x-"):
+        return
+    try:
+        rt = get_runtime(mcp=False)  # the task itself needs it next
+        if not rt.observer.enabled:
+            return
+        context = rt.observer.invocation(args[0], 0, "")
+        context.__enter__()
+    except Exception:
+        logging.getLogger("charlie.telemetry").debug("no trace context", exc_info=True)
+        return
+    _task_contexts[task_id] = context
+
+
+@task_postrun.connect
+def _leave_trace(task_id: str = "", **_: Any) -> None:
+    context = _task_contexts.pop(task_id, None)
+    if context is not None:
+        context.__exit__(None, None, None)
 
 
 @worker_process_shutdown.connect

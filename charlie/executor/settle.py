@@ -179,21 +179,7 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
 def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
     call = done.call
     if rt.observer.enabled:
-        event = CallEvent(
-            task_id=task_id_of(call.execution_id),
-            execution_id=call.execution_id,
-            turn=call.turn,
-            call_id=call.call_id,
-            tool=call.name,
-            outcome=done.outcome.value,
-            by=rt.worker,
-            settled=time.time(),
-            started=call.started_at.timestamp() if call.started_at else None,
-            duration_ms=done.duration_ms,
-            late=not settled,
-            effect=_effect(rt, call.name),
-        )
-        safely(rt.observer.call_settled, event)
+        safely(_report_result, rt, done, settled)
     log.info(
         "call settled" if settled else "late report",
         extra={
@@ -259,3 +245,22 @@ def report_people_settled(rt: Runtime, view: RunView) -> None:
             effect=_effect(rt, call.name),
         )
         safely(rt.observer.call_settled, event)
+
+
+def _report_result(rt: Runtime, done: CallResult, settled: bool) -> None:
+    call = done.call
+    event = CallEvent(
+        task_id=task_id_of(call.execution_id),
+        execution_id=call.execution_id,
+        turn=call.turn,
+        call_id=call.call_id,
+        tool=call.name,
+        outcome=done.outcome.value,
+        by=rt.worker,
+        settled=time.time(),
+        started=call.started_at.timestamp() if call.started_at else None,
+        duration_ms=done.duration_ms,
+        late=not settled,
+        effect=_effect(rt, call.name),
+    )
+    rt.observer.call_settled(event)

@@ -42,7 +42,7 @@ from charlie.executor.settle import (
     report_settlements,
     settle_result,
 )
-from charlie.observe import TickScope
+from charlie.observe import TickScope, safely
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
@@ -114,10 +114,12 @@ def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
     if reason is not None:
         return boundary.stop(view, reason)
     if view.task.budget:  # only call_model's claim loads one (issue 16)
-        try:
-            prices = pricing.price_table(rt.settings.prices)
-        except pricing.PriceError as exc:
-            return boundary.fail(view, exc)
+        prices: pricing.PriceTable = {}
+        if "usd" in view.task.budget:  # only a cost limit needs the table
+            try:
+                prices = pricing.price_table(rt.settings.prices)
+            except pricing.PriceError as exc:
+                return boundary.fail(view, exc)
         return boundary.over_budget(view, prices)
     return None
 
@@ -500,6 +502,15 @@ def _claim(
     return claim, now
 
 
+def _report_calls(rt: Runtime, progress: _Progress, view: RunView, transition: Transition) -> None:
+    if view.phase is Phase.ADVANCE_TURN and transition.next_turn:
+        report_people_settled(rt, view)
+    if transition.settle:
+        local_result = progress.settlement.call.call_id if progress.settlement else None
+        # (the local call's own settle is reported by log_settled, with its late report)
+        report_settlements(rt, view, [s for s in transition.settle if s.call_id != local_result])
+
+
 def _observed(rt: Runtime, progress: _Progress, claim: runs.Claim, transition: Transition) -> None:
     scope = progress.scope
     if scope is not None:
@@ -605,13 +616,6 @@ def _run_tick(
         progress.claim_committed = True
         if progress.settlement is not None:
             progress.settled = settlement is not None
-    _observed(rt, progress, claim, transition)
-    if phase is Phase.ADVANCE_TURN and rt.observer.enabled and transition.next_turn:
-        report_people_settled(rt, view)
-    if transition.settle and rt.observer.enabled:
-        local_result = progress.settlement.call.call_id if progress.settlement else None
-        # (the local call's own settle is reported by log_settled, with its late report)
-        report_settlements(rt, view, [s for s in transition.settle if s.call_id != local_result])
     follow = _follow(progress, claim, transition, local)
     _publish(
         rt,
@@ -621,6 +625,10 @@ def _run_tick(
         publish_next=not isinstance(follow, NextTick),
         local_call=local.call_id if local is not None else None,
     )
+    # Telemetry hears of the commit only once what it allows is published (I1, I4).
+    _observed(rt, progress, claim, transition)
+    if rt.observer.enabled:
+        safely(_report_calls, rt, progress, view, transition)
     if transition.to is None:
         # Waiting (open tool calls, a stored wake-up): whoever settles the last call locks the
         # run after this commit and sees the wait (see store.calls.lock_run); the sweep wakes

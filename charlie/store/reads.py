@@ -190,3 +190,13 @@ def task_trace(conn: Connection, task_id: str) -> Any:
     return conn.execute(
         select(_t.trace, _t.created_at, _t.finished_at, _t.status, _t.model).where(_t.id == task_id)
     ).first()
+
+
+def task_resumes(conn: Connection, task_id: str) -> Any:
+    """How often a task was resumed, and when last (its evidence rows, I27)."""
+    a = operator_actions.c
+    return conn.execute(
+        select(func.count().label("count"), func.max(a.at).label("last")).where(
+            a.task_id == task_id, a.action == "resume"
+        )
+    ).one()

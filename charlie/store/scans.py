@@ -117,7 +117,7 @@ def abandoned_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
     worker: they settle canceled so each still has its one outcome."""
     return list(
         conn.execute(
-            select(_c.execution_id, _c.turn, _c.call_id)
+            select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
             .where(
                 _c.state != CallState.SETTLED.value,
                 ~_run_live(),

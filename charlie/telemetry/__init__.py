@@ -22,6 +22,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
+from charlie.models.base import TransientModelError
 from charlie.observe import (
     NOOP,
     CallEvent,
@@ -31,10 +32,17 @@ from charlie.observe import (
     TickScope,
     safely,
 )
+from charlie.telemetry import environment, metrics
 from charlie.telemetry.metrics import MetricsError as MetricsError
 from charlie.telemetry.metrics import Server
 
 log = logging.getLogger("charlie.telemetry")
+
+#: each part, and whether an environment asks for it (read without importing the part)
+_WANTED: dict[str, Callable[[dict[str, str]], bool]] = {
+    "tracing": environment.wanted,
+    "metrics": metrics.wanted,
+}
 
 
 class Observers(Observer):
@@ -111,13 +119,12 @@ class _Guarded:
     def __enter__(self) -> Any:
         return self.inner.__enter__()
 
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         try:
             self.inner.__exit__(kind, value, tb)
         except Exception as exc:
             if exc is not value:
                 log.warning("telemetry hook raised on exit; ignored", exc_info=True)
-        return False
 
 
 class ObservedModel:
@@ -136,10 +143,10 @@ class ObservedModel:
         try:
             response = self.model.complete(request)
         except Exception as exc:
-            transient = type(exc).__name__ == "TransientModelError"
-            self._report(request, started, "retry" if transient else "error", error=exc)
+            outcome = "retry" if isinstance(exc, TransientModelError) else "error"
+            safely(self._report, request, started, outcome, None, exc)
             raise
-        self._report(request, started, "ok", response=response)
+        safely(self._report, request, started, "ok", response)
         return response
 
     def _report(
@@ -147,7 +154,6 @@ class ObservedModel:
         request: Any,
         started: float,
         outcome: str,
-        *,
         response: Any = None,
         error: BaseException | None = None,
     ) -> None:
@@ -186,14 +192,10 @@ def build_observer(environ: dict[str, str] | None = None, rt: Any = None) -> Obs
 
 def wanted(environ: dict[str, str] | None = None) -> bool:
     """Whether this environment asks for any telemetry (else :func:`install` gives NOOP)."""
-    import importlib
     import os
 
     env = dict(os.environ if environ is None else environ)
-    return any(
-        importlib.import_module(f"charlie.telemetry.{name}").wanted(env)
-        for name in ("tracing", "metrics")
-    )
+    return any(wanted_part(env) for wanted_part in _WANTED.values())
 
 
 def serve_metrics(role: str, environ: dict[str, str] | None = None) -> Server | None:
@@ -222,17 +224,13 @@ def process_exit(pid: int | None = None) -> None:
 
 
 def _part(name: str, env: dict[str, str]) -> Observer | None:
-    """charlie.telemetry.<name>'s observer, if the environment asks for it."""
+    """charlie.telemetry.<name>'s observer, if the environment asks for it (asked without
+    importing the part: the OpenTelemetry SDK only for a process that traces)."""
     import importlib
 
-    try:
-        module = importlib.import_module(f"charlie.telemetry.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"charlie.telemetry.{name}":
-            raise
+    if not _WANTED[name](env):
         return None
-    if not module.wanted(env):
-        return None
+    module = importlib.import_module(f"charlie.telemetry.{name}")
     observer: Observer = module.from_environment(env)
     return observer
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -57,6 +58,8 @@ from charlie.domain import Phase, task_id_of
 from charlie.observe import CallEvent, ModelCallEvent, Observer, SweepEvent, TickScope, safely
 from charlie.store import reads
 from charlie.store.engine import read
+from charlie.telemetry.environment import exporters
+from charlie.telemetry.environment import wanted as wanted
 
 log = logging.getLogger("charlie.telemetry")
 
@@ -64,33 +67,6 @@ log = logging.getLogger("charlie.telemetry")
 CACHE_SIZE = 4096
 #: outcomes a span marks as an error
 FAILED_OUTCOMES = frozenset({"error", "interrupted", "deadline_exceeded", "denied", "canceled"})
-
-
-def wanted(env: dict[str, str]) -> bool:
-    """Whether the standard OpenTelemetry environment asks this process for traces."""
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    named = exporters(env)
-    return bool(named) and named != ["none"]
-
-
-def exporters(env: dict[str, str]) -> list[str]:
-    named = [e.strip().lower() for e in env.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
-    if named:
-        return named
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    return ["otlp"] if endpoint else []
-
-
-def traces_endpoint(env: dict[str, str]) -> str:
-    """Where OTLP/HTTP spans go, as the exporter reads the environment."""
-    specific = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    if specific:
-        return specific
-    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
-    return base.rstrip("/") + "/v1/traces"
 
 
 def from_environment(env: dict[str, str]) -> TracingObserver:
@@ -174,6 +150,7 @@ class TracingObserver(Observer):
         self.engine: Any = None
         self.worker = ""
         self._traces: OrderedDict[str, TaskTrace] = OrderedDict()
+        self._lock = threading.Lock()  # a threads pool's ticks share the cache
 
     @classmethod
     def from_environment(cls, env: dict[str, str]) -> TracingObserver:
@@ -204,10 +181,11 @@ class TracingObserver(Observer):
     # -- the task's trace --------------------------------------------------------------------
 
     def task_trace(self, task_id: str) -> TaskTrace:
-        found = self._traces.get(task_id)
-        if found is not None:
-            self._traces.move_to_end(task_id)
-            return found
+        with self._lock:
+            found = self._traces.get(task_id)
+            if found is not None:
+                self._traces.move_to_end(task_id)
+                return found
         stored = None
         if self.engine is not None:
             try:
@@ -218,9 +196,10 @@ class TracingObserver(Observer):
                 log.warning("could not read task %s's trace context", task_id, exc_info=True)
                 return parse_trace(None, task_id)  # not cached: read again next time
         found = parse_trace(stored, task_id)
-        self._traces[task_id] = found
-        if len(self._traces) > CACHE_SIZE:
-            self._traces.popitem(last=False)
+        with self._lock:
+            self._traces[task_id] = found
+            if len(self._traces) > CACHE_SIZE:
+                self._traces.popitem(last=False)
         return found
 
     def trace_id(self) -> str | None:
@@ -276,7 +255,25 @@ class TracingObserver(Observer):
             return
         with read(self.engine) as conn:
             row = reads.task_trace(conn, task_id)
+            resumes = reads.task_resumes(conn, task_id) if row is not None else None
         if row is None:
+            return
+        if resumes is not None and resumes.count:
+            # A resumed task ends again: its span id was spent on its first end. This life is
+            # a span of its own under the first (charlie.resume).
+            span = self.tracer.start_span(
+                "charlie task (resumed)",
+                context=task.context,
+                start_time=_time_ns(resumes.last),
+                attributes={
+                    "charlie.task.id": task_id,
+                    "charlie.task.status": str(row.status),
+                    "charlie.task.resumes": int(resumes.count),
+                },
+            )
+            if str(row.status) != "succeeded":
+                span.set_status(Status(StatusCode.ERROR, f"task {row.status}"))
+            span.end(end_time=_time_ns(row.finished_at) if row.finished_at else None)
             return
         if task.parent is not None:
             context = trace.set_span_in_context(NonRecordingSpan(task.parent))
@@ -299,7 +296,8 @@ class TracingObserver(Observer):
         if str(row.status) != "succeeded":
             span.set_status(Status(StatusCode.ERROR, f"task {row.status}"))
         span.end(end_time=_time_ns(row.finished_at) if row.finished_at else None)
-        self._traces.pop(task_id, None)
+        with self._lock:
+            self._traces.pop(task_id, None)
 
     def invocation(
         self, execution_id: str, turn: int, call_id: str

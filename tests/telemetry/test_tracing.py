@@ -178,6 +178,14 @@ def test_worker_log_lines_carry_the_trace_id(
     assert ours and all(f"trace_id={trace_id}" in line for line in ours), ours[:3]
     settled = [line for line in lines() if "call settled" in line]
     assert settled and all(re.search(f"trace_id={trace_id}", line) for line in settled)
+    # Celery's own lines about the run's tasks say the trace too (task_prerun/postrun).
+    celery = [
+        line
+        for path in Path(cluster.home).glob("worker-*.log")
+        for line in path.read_text(errors="replace").splitlines()
+        if "succeeded in" in line and f"trace_id={trace_id}" in line
+    ]
+    assert celery, "no Celery success line carries the run's trace id"
 
 
 def test_a_celery_only_producer_passes_its_trace_in_the_message_headers(
@@ -220,3 +228,26 @@ def test_a_call_a_person_denied_is_a_span_of_the_tasks_trace(
     assert denied.attributes["charlie.tool.outcome"] == "denied"
     assert str(denied.attributes["charlie.tool.settled_by"]).startswith("operator:")
     assert denied.status == 2
+
+
+def test_a_resumed_task_records_its_second_life_under_its_first(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "sleep_then", "arguments": QUICK}]},
+            {"say": "done"},
+        ]
+    )
+    task_id = charlie.submit("traced resume", model=model, budget={"model_calls": 1})
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED  # its budget
+    first = _task_span(otlp_receiver, task_id)
+    charlie.resume(task_id, budget={"model_calls": 5})
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    second = wait_for(
+        lambda: [s for s in otlp_receiver.of_task(task_id) if s.name == "charlie task (resumed)"]
+    )
+    assert len(second) == 1 and second[0].parent_span_id == first.span_id
+    assert second[0].attributes["charlie.task.status"] == "succeeded"
+    assert [s for s in otlp_receiver.of_task(task_id) if s.name == "charlie task"] == [first]
+    assert {s.trace_id for s in otlp_receiver.of_task(task_id)} == {first.trace_id}
