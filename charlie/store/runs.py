@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, insert, or_, select, update
+from sqlalchemy import Connection, bindparam, case, func, insert, or_, select, update
 
 from charlie.domain import (
     JSON,
@@ -431,13 +431,18 @@ def _task_statement(usage: bool, status: bool, running: bool) -> Any:
             output_tokens=_t.output_tokens + bindparam("b_output"),
             reasoning_tokens=_t.reasoning_tokens + bindparam("b_reasoning"),
         )
+    active = _t.status.in_(ACTIVE)
     if status:
-        values["status"] = bindparam("b_status")
+        # A status moves only from an active one (I16, I18)...
+        values["status"] = case((active, bindparam("b_status")), else_=_t.status)
     if running:
-        values["started_at"] = func.coalesce(
-            _t.started_at, bindparam("b_now", type_=_t.started_at.type)
+        values["started_at"] = case(
+            (active, func.coalesce(_t.started_at, bindparam("b_now", type_=_t.started_at.type))),
+            else_=_t.started_at,
         )
-    return update(tasks).where(_t.id == bindparam("b_task"), _t.status.in_(ACTIVE)).values(**values)
+    # ...while usage counts whatever the task's status: a model call that commits after its
+    # task timed out or was canceled was made and paid for, and a resumed task's budget sees it.
+    return update(tasks).where(_t.id == bindparam("b_task")).values(**values)
 
 
 _c = tool_calls.c

@@ -230,3 +230,20 @@ def test_a_celery_message_submits_with_a_budget(cluster: Cluster, script) -> Non
     wait_for(exists, timeout=60)
     assert_stopped_by(charlie.wait(task_id, timeout=60), "model_calls", 1, 1)
     assert [c["turn"] for c in model_calls(ledger)] == [0]
+
+
+def test_a_model_call_that_commits_after_its_task_was_canceled_still_counts_its_tokens(
+    cluster: Cluster, script
+) -> None:
+    """The call was made and paid for: a stop must not lose its usage (a resumed task's budget
+    counts it)."""
+    from tests.conftest import wait_for
+
+    model, ledger = script([{"say": "slow thoughts", "sleep": 3, "tool_calls": []}])
+    task_id = charlie.submit("canceled mid-call", model=model, task_id=tid())
+    wait_for(lambda: model_calls(ledger))  # the model call is under way
+    charlie.cancel(task_id)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.CANCELED
+    info = wait_for(lambda: (i := charlie.get_task(task_id)).usage["output_tokens"] and i, 30)
+    assert info.status is TaskStatus.CANCELED  # the usage moved no status
+    assert info.usage["output_tokens"] > 0 and info.model_calls == 1
