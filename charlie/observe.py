@@ -71,8 +71,6 @@ class ModelCallEvent:
     reasoning_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: int = 0
-    #: a repeat of a model call whose result was lost (a crash before its commit, I3)
-    repeat: bool = False
     error: str | None = None
 
 
@@ -141,10 +139,6 @@ class Observer:
     def gauges(self, read: Callable[[], dict[str, Any]]) -> None:
         """A sweep offers the fleet's gauges; ``read`` queries the database, so an observer
         that serves no metrics never calls it."""
-
-    def trace_id(self) -> str | None:
-        """The current trace id (hex), for log lines; None without tracing."""
-        return None
 
 
 NOOP = Observer()

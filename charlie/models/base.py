@@ -63,6 +63,9 @@ class ModelResponse:
 
     output: list[NewItem]
     usage: Usage = field(default_factory=Usage)
+    #: why the model stopped, as its provider says it ("stop", "tool_calls", "length",
+    #: "content_filter"), for telemetry; None when it does not say.
+    finish_reason: str | None = None
 
     @property
     def tool_calls(self) -> list[NewItem]:

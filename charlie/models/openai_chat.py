@@ -217,8 +217,10 @@ def parse_chat_completion(data: Any) -> ModelResponse:
             )
         )
     usage = data.get("usage")
+    finish = choice.get("finish_reason")
     return ModelResponse(
         output=output,
+        finish_reason=finish if isinstance(finish, str) else None,
         usage=Usage(
             input_tokens=token_count(usage, "prompt_tokens"),
             output_tokens=token_count(usage, "completion_tokens"),

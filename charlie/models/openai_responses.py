@@ -193,9 +193,22 @@ def parse_response(data: Any) -> ModelResponse:
     usage = data.get("usage")
     return ModelResponse(
         output=output,
+        finish_reason=_finish_reason(data, calls),
         usage=Usage(
             input_tokens=token_count(usage, "input_tokens"),
             output_tokens=token_count(usage, "output_tokens"),
             reasoning_tokens=token_count(usage, "output_tokens_details", "reasoning_tokens"),
         ),
     )
+
+
+def _finish_reason(data: dict[str, Any], calls: int) -> str:
+    """The Responses API has no finish reason: an incomplete response says why it stopped
+    (``max_output_tokens``: "length", ``content_filter``), a complete one stopped or called."""
+    detail = data.get("incomplete_details")
+    reason = detail.get("reason") if isinstance(detail, dict) else None
+    if reason == "max_output_tokens":
+        return "length"
+    if isinstance(reason, str) and reason:
+        return reason
+    return "tool_calls" if calls else "stop"

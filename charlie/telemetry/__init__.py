@@ -95,13 +95,6 @@ class Observers(Observer):
         for observer in self.observers:
             safely(observer.gauges, read)
 
-    def trace_id(self) -> str | None:
-        for observer in self.observers:
-            found = observer.trace_id()
-            if found:
-                return found
-        return None
-
     def shutdown(self) -> None:
         for observer in self.observers:
             stop = getattr(observer, "shutdown", None)
@@ -170,7 +163,9 @@ class ObservedModel:
             input_tokens=int(getattr(usage, "input_tokens", 0) or 0),
             output_tokens=int(getattr(usage, "output_tokens", 0) or 0),
             reasoning_tokens=int(getattr(usage, "reasoning_tokens", 0) or 0),
-            finish_reason=None if response is None else ("tool_calls" if calls else "stop"),
+            finish_reason=None
+            if response is None
+            else (response.finish_reason or ("tool_calls" if calls else "stop")),
             tool_calls=calls,
             error=None if error is None else f"{type(error).__name__}: {error}"[:500],
         )

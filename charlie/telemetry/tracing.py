@@ -202,10 +202,6 @@ class TracingObserver(Observer):
                 self._traces.popitem(last=False)
         return found
 
-    def trace_id(self) -> str | None:
-        current = trace.get_current_span().get_span_context()
-        return format(current.trace_id, "032x") if current.is_valid else None
-
     # -- hooks -------------------------------------------------------------------------------
 
     def tick(self, scope: TickScope) -> AbstractContextManager[TickScope]:

@@ -267,3 +267,13 @@ def test_responses_parse_skips_unknown_items_and_rejects_failures() -> None:
         parse_response({"status": "failed", "error": {"code": "server_error"}, "output": []})
     with pytest.raises(MalformedResponse):
         parse_response({"output": []})
+
+
+def test_the_providers_finish_reason_is_kept_for_telemetry() -> None:
+    body = {"choices": [{"message": {"content": "cut"}, "finish_reason": "length"}]}
+    assert parse_chat_completion(body).finish_reason == "length"
+    assert parse_chat_completion(chat({"content": "x"})).finish_reason == "stop"
+    done = {"output": [{"type": "message", "content": [{"type": "output_text", "text": "hi"}]}]}
+    assert parse_response(done).finish_reason == "stop"
+    cut = {**done, "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
+    assert parse_response(cut).finish_reason == "length"
