@@ -254,40 +254,27 @@ class TracingObserver(Observer):
             resumes = reads.task_resumes(conn, task_id) if row is not None else None
         if row is None:
             return
+        attributes: dict[str, str | int] = {
+            "charlie.task.id": task_id,
+            "charlie.task.status": str(row.status),
+            "gen_ai.request.model": str(row.model),
+        }
         if resumes is not None and resumes.count:
             # A resumed task ends again: its span id was spent on its first end. This life is
             # a span of its own under the first (charlie.resume).
-            span = self.tracer.start_span(
-                "charlie task (resumed)",
-                context=task.context,
-                start_time=_time_ns(resumes.last),
-                attributes={
-                    "charlie.task.id": task_id,
-                    "charlie.task.status": str(row.status),
-                    "charlie.task.resumes": int(resumes.count),
-                },
-            )
-            if str(row.status) != "succeeded":
-                span.set_status(Status(StatusCode.ERROR, f"task {row.status}"))
-            span.end(end_time=_time_ns(row.finished_at) if row.finished_at else None)
-            return
-        if task.parent is not None:
-            context = trace.set_span_in_context(NonRecordingSpan(task.parent))
+            attributes["charlie.task.resumes"] = int(resumes.count)
+            name, context, started = "charlie task (resumed)", task.context, resumes.last
         else:
-            # A root span: the SDK draws its trace id too; it draws the stored one.
-            context = otel_context.Context()
-            self.ids.next_trace.set(task.span.trace_id)
-        self.ids.next_span.set(task.span.span_id)
+            name, started = "charlie task", row.created_at
+            if task.parent is not None:
+                context = trace.set_span_in_context(NonRecordingSpan(task.parent))
+            else:
+                # A root span: the SDK draws its trace id too; it draws the stored one.
+                context = otel_context.Context()
+                self.ids.next_trace.set(task.span.trace_id)
+            self.ids.next_span.set(task.span.span_id)
         span = self.tracer.start_span(
-            "charlie task",
-            context=context,
-            kind=SpanKind.INTERNAL,
-            start_time=_time_ns(row.created_at),
-            attributes={
-                "charlie.task.id": task_id,
-                "charlie.task.status": str(row.status),
-                "gen_ai.request.model": str(row.model),
-            },
+            name, context=context, start_time=_time_ns(started), attributes=attributes
         )
         if str(row.status) != "succeeded":
             span.set_status(Status(StatusCode.ERROR, f"task {row.status}"))
