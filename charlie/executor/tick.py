@@ -818,7 +818,8 @@ def _merged_end(
 ) -> None:
     """The fault points at the end of a merged transaction: before its COMMIT
     (``tick.merged.end``) and just after it (``tick.merged.after_commit``), named by the phase
-    the transaction ended in (call_model: its claim; await_tools: the local call's start)."""
+    the transaction ended in (``phase``: call_model for its claim, await_tools after a
+    dispatch) and the one it began with (``first``)."""
     if not merged and carried is None:
         return
     last = carried.claim.phase if carried is not None else merged[-1].transition.to
@@ -826,6 +827,7 @@ def _merged_end(
         point,
         phase=last.value if last is not None else "wait",
         task_id=claim.task_id,
+        first=claim.phase.value,
         steps=len(merged) + (carried is not None),
     )
 
