@@ -205,18 +205,24 @@ def _commit(
     view: RunView,
     transition: Transition,
     started: float,
+    *,
+    claim_next: bool = False,
 ) -> bool:
+    """Commit the tick's transition; ``claim_next``: and claim the step after it for this
+    worker in the same statement (a merged transaction's next step, see runs.claimed_next)."""
     error = None
     if transition.to is Phase.REPORT_FAILURE and transition.state:
         error = transition.state.get("error")
+    now = utcnow()
     ok = runs.commit_transition(
         conn,
         claim,
         transition,
         owner=rt.worker,
-        now=utcnow(),
+        now=now,
         duration_ms=(time.perf_counter() - started) * 1000,
         error=error,
+        next_lease_until=now + timedelta(seconds=rt.settings.lease_seconds) if claim_next else None,
     )
     if ok and transition.to is Phase.DONE and transition.state and "poison" in transition.state:
         runs.fail_poisoned_task(conn, view.task.id, transition.state["poison"], utcnow())
@@ -615,6 +621,30 @@ def _start_local(
     )
 
 
+def _merges(rt: Runtime, claim: runs.Claim, local: bool = False) -> bool:
+    """Whether the steps after this one may share its transaction (see _merge)."""
+    return (
+        rt.settings.merge_phases
+        and rt.settings.inline_phases > 0
+        and claim.attempts == 1
+        and not local
+    )
+
+
+def _merges_next(claim: runs.Claim, transition: Transition) -> bool:
+    """Whether a merged transaction runs the step after this transition whole (claim, phase,
+    commit), so this transition's compare-and-set takes that step's claim too."""
+    to = transition.to
+    return (
+        to is not None
+        and transition.publish_next
+        and transition.wake_at is None
+        and to in MERGEABLE
+        # (a dispatch's next batch is a tick of its own, its invocations published first)
+        and to is not claim.phase
+    )
+
+
 def _merge(
     rt: Runtime,
     conn: Connection,
@@ -622,6 +652,8 @@ def _merge(
     claim: runs.Claim,
     transition: Transition,
     local: ClaimedCall | None,
+    *,
+    claimed: bool = False,
 ) -> tuple[list[_Step], Carried | None]:
     """After a transition's compare-and-set, before COMMIT: run in the same transaction the
     steps that follow it while nothing outside the database has to happen first (issue 17).
@@ -637,25 +669,28 @@ def _merge(
     on its own, so a step that kills its worker is counted in its own phase and poisons there,
     and repeats at most one model call (the counted repeat) on its way."""
     steps: list[_Step] = []
-    merging = rt.settings.merge_phases and rt.settings.inline_phases > 0
-    if not merging or claim.attempts != 1 or local is not None:
+    if not _merges(rt, claim, local is not None):
         return steps, None
     while len(steps) < MAX_MERGED:
         to = transition.to
-        if to is None or not transition.publish_next or transition.wake_at is not None:
-            break
-        if to is Phase.CALL_MODEL:
+        if claimed:
+            pass  # the move claimed it (_merges_next)
+        elif to is Phase.CALL_MODEL and transition.publish_next and transition.wake_at is None:
             if not progress.inline:
                 break  # its tick is published: this worker will not call the model
-        elif to not in MERGEABLE or to is claim.phase:
-            # (a dispatch's next batch is a tick of its own, its invocations published first)
+        elif not _merges_next(claim, transition):
+            break
+        if to is None:
             break
         faults.hit("tick.merged.step", phase=to.value, task_id=claim.task_id)
         started = time.perf_counter()
-        claimed = _claim(rt, conn, claim.execution_id, to, claim.version + 1)
-        if claimed is None:
-            break
-        next_claim, now = claimed
+        if claimed:
+            next_claim, now = runs.claimed_next(claim, transition), utcnow()
+        else:
+            taken = _claim(rt, conn, claim.execution_id, to, claim.version + 1)
+            if taken is None:
+                break
+            next_claim, now = taken
         view = _view(conn, next_claim, now)
         progress.merged += 1
         if to is Phase.CALL_MODEL:
@@ -665,12 +700,17 @@ def _merge(
         if next_transition is None:
             next_transition = _compute(rt, view)
             faults.hit("tick.in_transaction", phase=to.value, task_id=view.task.id)
-        if not _commit(rt, conn, next_claim, view, next_transition, started):
-            # This transaction took the lease a moment ago and holds the row.
-            raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
         # A local call is not started here but in a commit of its own once this one is done
         # (StartCall): a worker killed between the two leaves it pending, free to start (I11).
         local_id = _local_call_id(progress, view, next_transition)
+        claimed = (
+            local_id is None
+            and len(steps) + 1 < MAX_MERGED
+            and _merges_next(next_claim, next_transition)
+        )
+        if not _commit(rt, conn, next_claim, view, next_transition, started, claim_next=claimed):
+            # This transaction took the lease a moment ago and holds the row.
+            raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
         steps.append(_Step(next_claim, view, next_transition, local_id))
         if local_id is not None:
             break
@@ -725,6 +765,8 @@ def _run_tick(
             ):
                 mail = runs.load_messages(conn, view.task.id)
                 transition = reopen_final(replace(view, messages=mail), transition)
+            # (the next step claims the run itself: this claim's task view is as old as the
+            # model call, and a stop committed meanwhile must be seen at that boundary, I18)
             if not _commit(rt, conn, claim, view, transition, started):
                 log.warning("lease lost during %s; discarding its result", phase.value)
                 return "lost_lease", None
@@ -764,10 +806,14 @@ def _run_tick(
                 faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
             if settlement is not None:
                 transition.settle.append(settlement)
-            if not _commit(rt, conn, claim, view, transition, started):
+            local_id = _local_call_id(progress, view, transition)
+            claim_next = local_id is None and _merges(rt, claim) and _merges_next(claim, transition)
+            if not _commit(rt, conn, claim, view, transition, started, claim_next=claim_next):
                 return "lost_lease", None
             local = _start_local(rt, conn, progress, view, transition)
-            merged, carried = _merge(rt, conn, progress, claim, transition, local)
+            merged, carried = _merge(
+                rt, conn, progress, claim, transition, local, claimed=claim_next
+            )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
         progress.claim_committed = True
         if progress.settlement is not None:

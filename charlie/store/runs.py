@@ -7,7 +7,7 @@ that matches no row means another worker or a newer message got there first.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -305,8 +305,13 @@ def _commit_statement(
     usage: bool,
     error: bool,
     mail: bool = False,
+    claim_next: bool = False,
 ) -> Any:
-    """The execution row's compare-and-set for one shape of transition, built once."""
+    """The execution row's compare-and-set for one shape of transition, built once.
+
+    ``claim_next``: the move also takes the next (phase, version)'s lease for this worker, with
+    its first attempt counted, as its claim would (a merged transaction's next step, issue 17):
+    one statement instead of two."""
     values: dict[str, Any] = {
         "lease_owner": None,
         "lease_until": None,
@@ -315,6 +320,12 @@ def _commit_statement(
         # tick normally also resets, since the next claim is not a retry.
         "attempts": 0,
     }
+    if claim_next:
+        values.update(
+            lease_owner=bindparam("b_next_owner"),
+            lease_until=bindparam("b_next_until", type_=_e.lease_until.type),
+            attempts=1,
+        )
     if state:
         values["state"] = bindparam("b_state", type_=_e.state.type)
     if moving:
@@ -353,13 +364,19 @@ def _commit_statement(
 
 @functools.cache
 def _move_statement(
-    state: bool, items: bool, next_turn: bool, usage: bool, error: bool, mail: bool = False
+    state: bool,
+    items: bool,
+    next_turn: bool,
+    usage: bool,
+    error: bool,
+    mail: bool = False,
+    claim_next: bool = False,
 ) -> Any:
     """PostgreSQL: the compare-and-set and the transition's record in one statement (a
     data-modifying CTE), one round trip fewer per transition. Inserts no record, and so
     reports no row, when the compare-and-set matched nothing."""
     moved = (
-        _commit_statement(True, state, items, next_turn, usage, error, mail)
+        _commit_statement(True, state, items, next_turn, usage, error, mail, claim_next)
         .returning(_e.id)
         .cte("moved")
     )
@@ -440,14 +457,20 @@ def commit_transition(
     now: datetime,
     duration_ms: float,
     error: JSON | None = None,
+    next_lease_until: datetime | None = None,
 ) -> bool:
     """Write a tick's whole outcome in the caller's transaction (I1).
+
+    ``next_lease_until``: a move that also claims its next step for ``owner`` (see
+    :func:`claimed_next`), leased until then.
 
     Returns False, writing nothing, when the lease was lost meanwhile; the caller rolls back.
     """
     to = transition.to
     usage = bool(transition.model_calls or transition.model_repeats)
     mail = bool(transition.take_messages)
+    claim_next = next_lease_until is not None
+    assert not claim_next or to is not None
     statement = _commit_statement(
         to is not None,
         transition.state is not None,
@@ -456,6 +479,7 @@ def commit_transition(
         usage,
         error is not None,
         mail,
+        claim_next,
     )
     params: dict[str, Any] = {
         "b_id": claim.execution_id,
@@ -470,6 +494,8 @@ def commit_transition(
         "b_model_repeats": transition.model_repeats,
         "b_error": error,
         "b_taken": len(transition.take_messages),
+        "b_next_owner": owner,
+        "b_next_until": next_lease_until,
     }
     combined = to is not None and conn.dialect.name == "postgresql"
     if combined:
@@ -481,6 +507,7 @@ def commit_transition(
             usage,
             error is not None,
             mail,
+            claim_next,
         )
         params.update(
             b_from=claim.phase.value,
@@ -592,6 +619,33 @@ def commit_transition(
             },
         )
     return True
+
+
+def claimed_next(claim: Claim, transition: Transition) -> Claim:
+    """The claim of the step after ``claim``, taken by its move (``commit_transition`` with
+    ``next_lease_until``), as the claim statement would have returned it: what that move wrote,
+    read back from the transition instead of the row. The transaction holds the run's row
+    since its first statement, so nothing else has changed it. Its task is the task as the
+    move left it (the claim that began the transaction read it): a stop committed meanwhile is
+    seen at the next transaction's boundary, a model call's claim reads the task afresh."""
+    assert transition.to is not None and claim.task is not None
+    task = claim.task
+    status = transition.task_status
+    if status is not None and task.status.value in ACTIVE:
+        task = replace(task, status=status)
+    return Claim(
+        claim.execution_id,
+        claim.task_id,
+        transition.to,
+        claim.version + 1,
+        claim.turn + 1 if transition.next_turn else claim.turn,
+        claim.next_seq + len(transition.items),
+        transition.state if transition.state is not None else claim.state,
+        1,
+        None,
+        task,
+        claim.inbox - len(transition.take_messages),
+    )
 
 
 def _call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict[str, Any]]:
