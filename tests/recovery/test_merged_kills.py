@@ -12,6 +12,7 @@ one result (I8).
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
 from dataclasses import dataclass
@@ -123,6 +124,6 @@ def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
     history = api.history(task_id)
     versions = [h["version"] for h in history]
     assert versions == list(range(versions[0], versions[0] + len(versions))), history
-    for before, after in zip(history, history[1:], strict=False):
+    for before, after in itertools.pairwise(history):
         assert after["from_phase"] == before["to_phase"], history
     assert history[-1]["to_phase"] == "done"
