@@ -98,6 +98,11 @@ class Settings:
     #: committed and recorded on its own, and reported to Flower as a task of its own (I21).
     #: 0 publishes every step. A chain also stops after 30 seconds.
     inline_phases: int = 10
+    #: with inline steps on, carry the effect-free phase transitions that follow a commit in
+    #: that same transaction (each its own claim, transition row and version), up to the next
+    #: step with an outside effect: a model call (its claim commits in it), a tool handler (its
+    #: start commits in it), a publish (after it). False: one commit per phase (issue 17).
+    merge_phases: bool = True
     #: while more messages than this wait in the broker queue, the sweep does not re-publish
     #: runs that merely look stalled: in a backlog their ticks are queued, not lost.
     sweep_backlog_limit: int = 200
@@ -270,6 +275,7 @@ def load_settings() -> Settings:
         sweep_backlog_limit=_env_int("CHARLIE_SWEEP_BACKLOG_LIMIT", 200),
         sweep_backlog_max_wait=_env_float("CHARLIE_SWEEP_BACKLOG_MAX_WAIT", 120.0),
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 10),
+        merge_phases=_env_int("CHARLIE_MERGE_PHASES", 1) > 0,
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
         human_deadline=_env_float("CHARLIE_HUMAN_DEADLINE", 86400.0),
         operator=os.environ.get("CHARLIE_OPERATOR", "").strip() or None,

@@ -8,6 +8,9 @@ and difference them, even across a worker that was SIGKILLed.
 
 Counted: statements that go through a cursor (SQLite's ``BEGIN IMMEDIATE`` included); not
 counted: the driver's implicit BEGIN and COMMIT, and the ping of a connection that sat idle.
+Commits (issue 17): every write transaction's COMMIT (an SQLAlchemy ``commit`` event on a
+connection not opened read-only) and every write statement run in autocommit (its own
+transaction on the server, as a slow phase's claim is on PostgreSQL).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ OUTSIDE_TASKS = "-"
 
 
 class _Counter:
-    """Per-process counts: task name -> [tasks run, statements sent].
+    """Per-process counts: task name -> [tasks run, statements sent, commits].
 
     A prefork child runs one task at a time, so the task running now is process-wide: the
     statements of a lease heartbeat thread count for the task whose lease it renews."""
@@ -51,15 +54,22 @@ class _Counter:
     def task_started(self, name: str) -> None:
         self.current = name
         with self.lock:
-            self.counts.setdefault(name, [0, 0])[0] += 1
+            self.counts.setdefault(name, [0, 0, 0])[0] += 1
             self.dirty = True
 
     def task_finished(self) -> None:
         self.current = OUTSIDE_TASKS
 
-    def statement(self) -> None:
+    def statement(self, commits: int = 0) -> None:
         with self.lock:
-            self.counts.setdefault(self.current, [0, 0])[1] += 1
+            entry = self.counts.setdefault(self.current, [0, 0, 0])
+            entry[1] += 1
+            entry[2] += commits
+            self.dirty = True
+
+    def commit(self) -> None:
+        with self.lock:
+            self.counts.setdefault(self.current, [0, 0, 0])[2] += 1
             self.dirty = True
 
     def flush(self) -> None:
@@ -87,8 +97,15 @@ def _on_postrun(**_: Any) -> None:
     _counter.task_finished()
 
 
-def _on_statement(*_: Any) -> None:
-    _counter.statement()
+def _on_statement(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+    autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    writes = autocommit and not statement.lstrip()[:6].upper().startswith("SELECT")
+    _counter.statement(1 if writes else 0)
+
+
+def _on_commit(conn: Any) -> None:
+    if not conn.get_execution_options().get("readonly"):
+        _counter.commit()
 
 
 def _flush_forever(counter: _Counter) -> None:
@@ -115,5 +132,6 @@ if STATS_DIR:
     task_prerun.connect(_on_prerun, weak=False)
     task_postrun.connect(_on_postrun, weak=False)
     event.listen(Engine, "before_cursor_execute", _on_statement)
+    event.listen(Engine, "commit", _on_commit)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     _start_flusher()

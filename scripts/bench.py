@@ -580,10 +580,10 @@ class Cell:
                 doc = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            for name, (tasks_run, statements) in doc["counts"].items():
-                entry = totals.setdefault(name, [0, 0])
-                entry[0] += tasks_run
-                entry[1] += statements
+            for name, counts in doc["counts"].items():
+                entry = totals.setdefault(name, [0, 0, 0])
+                for n, value in enumerate(counts[:3]):
+                    entry[n] += value
         return totals
 
     def settled_stats(self) -> dict[str, list[int]]:
@@ -595,11 +595,17 @@ class Cell:
         before: dict[str, list[int]], after: dict[str, list[int]]
     ) -> dict[str, list[int]]:
         out = {}
-        for name, (tasks_run, statements) in after.items():
-            t0, s0 = before.get(name, [0, 0])
-            if tasks_run - t0 or statements - s0:
-                out[name] = [tasks_run - t0, statements - s0]
+        for name, counts in after.items():
+            earlier = before.get(name, [0, 0, 0])
+            diff = [now - then for now, then in zip(counts, earlier, strict=True)]
+            if any(diff):
+                out[name] = diff
         return out
+
+    @staticmethod
+    def loop_commits(delta: dict[str, list[int]]) -> int:
+        """The loop's write commits (issue 17), sweeps left out."""
+        return sum(v[2] for k, v in delta.items() if not k.startswith("charlie.sweep."))
 
     @staticmethod
     def loop_counts(delta: dict[str, list[int]]) -> tuple[int, int, int]:
@@ -626,10 +632,12 @@ class Cell:
         for one run, its median per-turn overhead under ``turn_key``)."""
         model = self.turns_script(turns)
         prefix = self.new_prefix(key)
+        server_before = self.pg_counters(PG_DATABASE, settle_first=True)
         before = self.stats()
         self.submit(model, prefix, runs)
         expected = runs * (4 * turns + 3)
         self.wait_done(prefix, runs, timeout=60 + expected * 0.2)
+        server_after = self.pg_counters(PG_DATABASE, settle_first=False)
         delta = self.stats_delta(before, self.settled_stats())
         rows = self.transitions(prefix)
         if len(rows) != expected:
@@ -641,7 +649,21 @@ class Cell:
         ticks, invokes, statements = self.loop_counts(delta)
         self.results.add(f"{key}.tasks_per_transition", (ticks + invokes) / len(rows))
         self.results.add(f"{key}.statements_per_transition", statements / len(rows))
+        # Per agent turn (issue 17): a run's turns, its first load and last report included.
+        all_turns = runs * turns
+        commits = self.loop_commits(delta)
+        self.results.add(f"{key}.turn_wall_ms", wall * 1000 / all_turns)
+        self.results.add(f"{key}.commits_per_turn", commits / all_turns)
+        self.results.add(f"{key}.statements_per_turn", statements / all_turns)
+        if server_before is not None and server_after is not None:
+            self.results.add(
+                f"{key}.server_commits_per_turn", (server_after[0] - server_before[0]) / all_turns
+            )
+            self.results.add(
+                f"{key}.wal_bytes_per_turn", (server_after[1] - server_before[1]) / all_turns
+            )
         message = f"Charlie, {runs} x {turns} turns: {rate:.0f} transitions/s"
+        message += f", {commits / all_turns:.2f} commits per turn"
         if runs == 1:
             overheads = turn_overheads(rows)
             self.results.add(turn_key, statistics.median(overheads) * 1000)
@@ -682,6 +704,33 @@ class Cell:
             self.results.add(f"{record}.ms", 1000 / rate)
         return rate
 
+    def pg_counters(self, database: str, *, settle_first: bool) -> tuple[int, int] | None:
+        """PostgreSQL's own counts (issue 17): ``pg_stat_database.xact_commit`` of
+        ``database`` (every session on it: the loop, the sweeps, this benchmark's polls) and
+        the WAL insert position (``pg_current_wal_insert_lsn``: the whole server, other
+        databases included; ``pg_stat_wal.wal_bytes`` counts the same bytes but, like
+        ``xact_commit``, only once each backend reports them). A backend reports its counts
+        when it goes idle, at most once a second, and an idle one may hold them back for up to
+        10 s, so ``xact_commit`` is read only after waiting that out (BENCH_PG_STATS_SETTLE
+        seconds, 11 by default): before the WAL position when ``settle_first`` (the start of a
+        measurement), after it otherwise (its end)."""
+        if self.backend.name != "postgres":
+            return None
+        import psycopg
+
+        settle = float(os.environ.get("BENCH_PG_STATS_SETTLE", "11"))
+        xact_sql = "SELECT xact_commit FROM pg_stat_database WHERE datname = %s"
+        with psycopg.connect(**PG_ADMIN, autocommit=True) as conn:  # type: ignore[arg-type]
+            if settle_first:
+                time.sleep(settle)
+                xact = conn.execute(xact_sql, (database,)).fetchone()
+            lsn = conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
+            if not settle_first:
+                time.sleep(settle)
+                xact = conn.execute(xact_sql, (database,)).fetchone()
+        assert xact is not None and lsn is not None
+        return int(xact[0] or 0), int(lsn[0])
+
     def floor_engine(self) -> Engine:
         import _bench_floor
 
@@ -709,7 +758,7 @@ class Cell:
     def dbos_trial(self) -> None:
         """DBOS on the same PostgreSQL, between Charlie's runs (scripts/_bench_dbos.py)."""
         s = self.sizes
-        url = PG_URL.rsplit("/", 1)[0] + "/charlie_bench_dbos"
+        url = f"{PG_URL}_dbos"
         argv = [str(self.dbos_python), str(SCRIPTS / "_bench_dbos.py"), "--database-url", url]
         argv += ["--turns", str(s.turns_one), "--runs", str(s.runs_many)]
         argv += ["--runs-turns", str(s.turns_many)]
@@ -726,7 +775,25 @@ class Cell:
         self.results.add("dbos.many_sps", doc["many_steps_s"][0])
         charlie_turn = self.results.values["turn.ms"][-1]
         self.results.add("turn_vs_dbos", charlie_turn / turn_ms)
-        self.results.add("whole_turn_vs_dbos", 4 * self.results.values["one.ms"][-1] / turn_ms)
+        self.results.add(
+            "whole_turn_vs_dbos", self.results.values["one.turn_wall_ms"][-1] / turn_ms
+        )
+        # Issue 17: the same figures for DBOS, per turn, 1 workflow and 50 at once.
+        for which in ("one", "many"):
+            for figure in ("turn_ms", "commits_per_turn", "wal_bytes_per_turn"):
+                if doc.get(f"{which}_{figure}"):
+                    self.results.add(f"dbos.{which}_{figure}", doc[f"{which}_{figure}"][0])
+        ratios = (
+            ("many_turn_vs_dbos", "many.turn_wall_ms", "dbos.many_turn_ms"),
+            ("one_commits_vs_dbos", "one.commits_per_turn", "dbos.one_commits_per_turn"),
+            ("many_commits_vs_dbos", "many.commits_per_turn", "dbos.many_commits_per_turn"),
+            ("one_wal_vs_dbos", "one.wal_bytes_per_turn", "dbos.one_wal_bytes_per_turn"),
+            ("many_wal_vs_dbos", "many.wal_bytes_per_turn", "dbos.many_wal_bytes_per_turn"),
+        )
+        for name, ours, theirs in ratios:
+            a, b = self.results.values.get(ours), self.results.values.get(theirs)
+            if a and b and b[-1]:
+                self.results.add(name, a[-1] / b[-1])
         progress(f"DBOS {doc['version']}: {turn_ms:.1f} ms per turn (a model and a tool step)")
 
     # ---- 3. fan-out
@@ -1573,7 +1640,7 @@ class Row:
     key: str
     digits: int = 0
     target: str = ""
-    kind: str = "median"  # median | p50 | p95
+    kind: str = "median"  # median | p50 | p95 | all (every trial, in order)
 
 
 ROWS: list[Row | str] = [
@@ -1591,10 +1658,38 @@ ROWS: list[Row | str] = [
     Row("SQL statements per transition, 50 runs", "many.statements_per_transition", 1),
     Row("Per-turn overhead: model response → next model call (ms)", "turn.ms", 1),
     Row("Per-turn overhead, in floor transitions", "turn.floor_units", 1, "≤ 4"),
+    "**Per turn** (issue 17: a run's turns, its first load and last report spread over them)",
+    Row("Charlie, 1 run: ms per turn (wall / turns)", "one.turn_wall_ms", 1),
+    Row("Charlie, 50 runs: ms per turn (wall / all turns)", "many.turn_wall_ms", 2),
+    Row("Commits per turn, 1 run (in the workers)", "one.commits_per_turn", 2, "≤ 3"),
+    Row("Commits per turn, 50 runs (in the workers)", "many.commits_per_turn", 2, "≤ 3"),
+    Row(
+        "Commits per turn, 1 run (server: xact_commit, sweeps and polls too)",
+        "one.server_commits_per_turn",
+        1,
+    ),
+    Row("Commits per turn, 50 runs (server)", "many.server_commits_per_turn", 1),
+    Row("WAL bytes per turn, 1 run (whole server)", "one.wal_bytes_per_turn"),
+    Row("WAL bytes per turn, 50 runs (whole server)", "many.wal_bytes_per_turn"),
+    Row("SQL statements per turn, 1 run", "one.statements_per_turn", 1),
+    Row("SQL statements per turn, 50 runs", "many.statements_per_turn", 1),
     "**DBOS** (optional: each turn a model step and a tool step as a DBOS workflow, same database)",
     Row("DBOS, 1 workflow: ms per turn", "dbos.turn_ms", 1),
     Row("Charlie per-turn overhead / DBOS per turn", "turn_vs_dbos", 2, "< 1 (stretch)"),
-    Row("Charlie whole turn (4 transitions) / DBOS per turn", "whole_turn_vs_dbos", 2),
+    Row("Charlie whole turn (wall / turns) / DBOS per turn", "whole_turn_vs_dbos", 2, "≤ 1.5"),
+    Row("... trial by trial", "whole_turn_vs_dbos", 2, "", "all"),
+    Row("... per-turn overhead / DBOS per turn, trial by trial", "turn_vs_dbos", 2, "", "all"),
+    Row("DBOS, 50 workflows: ms per turn (wall / all turns)", "dbos.many_turn_ms", 2),
+    Row("Charlie 50 runs / DBOS 50 workflows, per turn", "many_turn_vs_dbos", 2),
+    Row("... trial by trial", "many_turn_vs_dbos", 2, "", "all"),
+    Row("DBOS commits per turn, 1 workflow (in its process)", "dbos.one_commits_per_turn", 2),
+    Row("DBOS commits per turn, 50 workflows", "dbos.many_commits_per_turn", 2),
+    Row("Charlie / DBOS commits per turn, 1 / 50", "one_commits_vs_dbos", 2),
+    Row("... 50 runs / 50 workflows", "many_commits_vs_dbos", 2),
+    Row("DBOS WAL bytes per turn, 1 workflow", "dbos.one_wal_bytes_per_turn"),
+    Row("DBOS WAL bytes per turn, 50 workflows", "dbos.many_wal_bytes_per_turn"),
+    Row("Charlie / DBOS WAL bytes per turn, 1 / 50", "one_wal_vs_dbos", 2),
+    Row("... 50 runs / 50 workflows", "many_wal_vs_dbos", 2),
     Row("DBOS, 1 workflow: steps/s", "dbos.one_sps"),
     Row("DBOS, 50 workflows: steps/s", "dbos.many_sps"),
     "**Fan-out** (one turn of 100 instant tool calls)",
@@ -1700,6 +1795,8 @@ ROWS: list[Row | str] = [
 def cell_text(values: list[float] | None, row: Row) -> str:
     if not values:
         return NONE
+    if row.kind == "all":
+        return " / ".join(f"{v:,.{row.digits}f}" for v in values)
     if row.kind in ("p50", "p95"):
         v = percentile(values, 0.5 if row.kind == "p50" else 0.95)
         return f"{v:.{row.digits}f} (n={len(values)})"

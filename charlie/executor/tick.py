@@ -26,6 +26,7 @@ from charlie.domain import (
     RunView,
     Settlement,
     Transition,
+    task_id_of,
     utcnow,
 )
 from charlie.executor import boundary
@@ -46,7 +47,7 @@ from charlie.observe import TickScope, safely
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
-from charlie.store.engine import write, write_one
+from charlie.store.engine import again_if_disconnected, write, write_one
 
 log = logging.getLogger("charlie.tick")
 
@@ -59,12 +60,45 @@ TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done", "refused
 INLINE_SECONDS = 30.0
 
 
+#: Phases a merged transaction runs whole (claim, phase, commit): nothing outside the database
+#: happens between their claim and their commit. Of the slow phases only call_model's claim is
+#: taken in a merged transaction, and the transaction ends with it (issue 17).
+MERGEABLE = frozenset(
+    {Phase.LOAD_CONTEXT, Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN}
+)
+#: at most this many steps merged into one transaction
+MAX_MERGED = 4
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A slow phase's claim, committed at the end of a merged transaction (its attempt counted,
+    its lease this worker's): its tick works from here without claiming again."""
+
+    claim: runs.Claim
+    view: RunView
+    started: float
+
+
 @dataclass(frozen=True)
 class NextTick:
     """The run's next phase, to run in this worker."""
 
     phase: Phase
     version: int
+    #: its claim, already committed by this worker (a merged transaction's last step)
+    carried: Carried | None = None
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One phase transition committed in a merged transaction, for what follows the commit."""
+
+    claim: runs.Claim
+    view: RunView
+    transition: Transition
+    #: the turn's only call, queued in this transaction, to start and run here (StartCall)
+    local_id: str | None
 
 
 @dataclass(frozen=True)
@@ -76,7 +110,19 @@ class NextCall:
     await_version: int
 
 
-Follow = NextTick | NextCall
+@dataclass(frozen=True)
+class StartCall:
+    """The turn's only tool call, queued by a dispatch merged into another step's transaction:
+    this worker marks it started in a commit of its own (I9), then runs it as a NextCall. Its
+    start is not carried in that transaction, so a worker that dies after the commit leaves
+    the call pending, and the sweep starts it normally (I11), not an uncertain one (I10)."""
+
+    turn: int
+    call_id: str
+    await_version: int
+
+
+Follow = NextTick | NextCall | StartCall
 
 
 def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
@@ -169,18 +215,24 @@ def _commit(
     view: RunView,
     transition: Transition,
     started: float,
+    *,
+    claim_next: bool = False,
 ) -> bool:
+    """Commit the tick's transition; ``claim_next``: and claim the step after it for this
+    worker in the same statement (a merged transaction's next step, see runs.claimed_next)."""
     error = None
     if transition.to is Phase.REPORT_FAILURE and transition.state:
         error = transition.state.get("error")
+    now = utcnow()
     ok = runs.commit_transition(
         conn,
         claim,
         transition,
         owner=rt.worker,
-        now=utcnow(),
+        now=now,
         duration_ms=(time.perf_counter() - started) * 1000,
         error=error,
+        next_lease_until=now + timedelta(seconds=rt.settings.lease_seconds) if claim_next else None,
     )
     if ok and transition.to is Phase.DONE and transition.state and "poison" in transition.state:
         runs.fail_poisoned_task(conn, view.task.id, transition.state["poison"], utcnow())
@@ -277,27 +329,40 @@ def run_tick(
                     if inline
                     else nullcontext()
                 )
+                progress = _Progress(
+                    inline=chain,
+                    durable_claim=durable_claim,
+                    carried=step.carried,
+                    reports=reports,
+                )
                 with reporting as report:
                     result, follow = _guarded_tick(
-                        rt,
-                        execution_id,
-                        step.phase,
-                        step.version,
-                        inline=chain,
-                        durable_claim=durable_claim,
+                        rt, execution_id, step.phase, step.version, progress=progress
                     )
                     if report is not None:
                         report.result = result
             else:
-                args = (execution_id, step.call.turn, step.call.call_id, "start")
+                if isinstance(step, StartCall):
+                    args = (execution_id, step.turn, step.call_id, "start")
+                else:
+                    args = (execution_id, step.call.turn, step.call.call_id, "start")
                 with (
                     reports.task("charlie.tool.invoke", args) as report,
                     rt.observer.invocation(*args[:3]),
                 ):
-                    done = execute_call(rt, step.call, "start")
+                    done: CallResult | str
+                    if isinstance(step, StartCall):
+                        call = _start_call(rt, execution_id, step)
+                        if call is None:
+                            done = "not_claimable"
+                        else:
+                            step = NextCall(call, step.await_version)
+                    if isinstance(step, NextCall):
+                        done = execute_call(rt, step.call, "start")
                     report.result = done if isinstance(done, str) else "settled"
                 if isinstance(done, str):
                     return done
+                assert isinstance(step, NextCall)
                 # The handler may have run long: the chain's time limit counts it.
                 chain = budget > 0 and time.monotonic() < deadline
                 await_args = (execution_id, step.await_version)
@@ -305,7 +370,9 @@ def run_tick(
                     reports.task("charlie.phase.await_tools", await_args) as report,
                     rt.observer.invocation(*args[:3]),  # its settle's log lines too
                 ):
-                    result, follow = _settle_local_call(rt, execution_id, step, done, chain=chain)
+                    result, follow = _settle_local_call(
+                        rt, execution_id, step, done, chain=chain, reports=reports
+                    )
                     report.result = result
             if follow is None:
                 return result
@@ -317,14 +384,40 @@ def run_tick(
         reports.send()
 
 
+def _start_call(rt: Runtime, execution_id: str, step: StartCall) -> ClaimedCall | None:
+    """Mark a local call started, committed before its handler runs (I9); None: it is not
+    startable any more (its task stopped, I18; a deadline passed), nothing to run."""
+    faults.hit("tick.merged.before_start", call_id=step.call_id, task_id=task_id_of(execution_id))
+    return again_if_disconnected(
+        lambda: calls.claim_call_alone(
+            rt.engine,
+            execution_id,
+            step.turn,
+            step.call_id,
+            "start",
+            rt.worker,
+            rt.settings.lease_seconds,
+            implementations=rt.tools.implementations(),
+        ),
+        "start a local tool call",
+    )
+
+
 def _settle_local_call(
-    rt: Runtime, execution_id: str, step: NextCall, done: CallResult, *, chain: bool
+    rt: Runtime,
+    execution_id: str,
+    step: NextCall,
+    done: CallResult,
+    *,
+    chain: bool,
+    reports: InlineReports | None = None,
 ) -> tuple[str, Follow | None]:
     """Settle a local call's result in the await tick's own transaction (the settle, the turn's
-    completion and the move on commit together), or on its own if that tick cannot run here
-    (an interrupted call held for an operator never completes the turn: on its own)."""
+    completion and the move on commit together, and, merged, the steps after it up to the next
+    model call's claim), or on its own if that tick cannot run here (an interrupted call held
+    for an operator never completes the turn: on its own)."""
     if chain and not held_for_operator(done):
-        progress = _Progress(inline=chain, settlement=done)
+        progress = _Progress(inline=chain, settlement=done, reports=reports)
         moved, follow = _guarded_tick(
             rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress
         )
@@ -419,6 +512,12 @@ class _Progress:
     settled: bool | None = None
     #: what telemetry hears of this tick (charlie.observe)
     scope: TickScope | None = None
+    #: this tick's claim, committed already at the end of a merged transaction
+    carried: Carried | None = None
+    #: where the Celery task events of steps merged into this tick's transaction go (I21)
+    reports: InlineReports | None = None
+    #: how many following steps this tick merged into its transaction
+    merged: int = 0
 
 
 def _follow(
@@ -529,21 +628,149 @@ def _observed(rt: Runtime, progress: _Progress, claim: runs.Claim, transition: T
             )
 
 
+def _start_local(
+    rt: Runtime, conn: Connection, progress: _Progress, view: RunView, transition: Transition
+) -> ClaimedCall | None:
+    """Mark the turn's only call started in the dispatch's transaction, to run here (I9)."""
+    local_id = _local_call_id(progress, view, transition)
+    if local_id is None:
+        return None
+    return calls.start_local_call(
+        conn,
+        view.execution_id,
+        view.turn,
+        local_id,
+        rt.worker,
+        rt.settings.lease_seconds,
+        implementations=rt.tools.implementations(),
+    )
+
+
+def _merges(rt: Runtime, claim: runs.Claim, local: bool = False) -> bool:
+    """Whether the steps after this one may share its transaction (see _merge)."""
+    return (
+        rt.settings.merge_phases
+        and rt.settings.inline_phases > 0
+        and claim.attempts == 1
+        and not local
+    )
+
+
+def _merges_next(claim: runs.Claim, transition: Transition) -> bool:
+    """Whether a merged transaction runs the step after this transition whole (claim, phase,
+    commit), so this transition's compare-and-set takes that step's claim too."""
+    to = transition.to
+    return (
+        to is not None
+        and transition.publish_next
+        and transition.wake_at is None
+        and to in MERGEABLE
+        # (a dispatch's next batch is a tick of its own, its invocations published first)
+        and to is not claim.phase
+    )
+
+
+def _merge(
+    rt: Runtime,
+    conn: Connection,
+    progress: _Progress,
+    claim: runs.Claim,
+    transition: Transition,
+    local: ClaimedCall | None,
+    *,
+    claimed: bool = False,
+) -> tuple[list[_Step], Carried | None]:
+    """After a transition's compare-and-set, before COMMIT: run in the same transaction the
+    steps that follow it while nothing outside the database has to happen first (issue 17).
+
+    Each merged step is a tick of its own in all but the COMMIT: its claim's compare-and-set on
+    (phase, version), its boundary, its phase, its own ``transitions`` row and version + 1 (I1,
+    I21). The transaction ends where something outside the database comes next: a model call
+    (call_model's claim, with its attempt and this worker's lease, is the last write: it
+    commits before the model is called, I3, I5), a tool handler (a merged dispatch queues the
+    turn's only call, which is marked started in a commit of its own just after, I9), a publish
+    (a fan-out's invocations, a wait: after the COMMIT, I1). Only a first try merges
+    (``claim.attempts == 1``): a step that runs again after a crash or a refused write commits
+    on its own, so a step that kills its worker is counted in its own phase and poisons there,
+    and repeats at most one model call (the counted repeat) on its way."""
+    steps: list[_Step] = []
+    if not _merges(rt, claim, local is not None):
+        return steps, None
+    while len(steps) < MAX_MERGED:
+        to = transition.to
+        if claimed:
+            pass  # the move claimed it (_merges_next)
+        elif to is Phase.CALL_MODEL and transition.publish_next and transition.wake_at is None:
+            if not progress.inline:
+                break  # its tick is published: this worker will not call the model
+        elif not _merges_next(claim, transition):
+            break
+        if to is None:
+            break
+        faults.hit("tick.merged.step", phase=to.value, task_id=claim.task_id)
+        started = time.perf_counter()
+        if claimed:
+            next_claim, now = runs.claimed_next(claim, transition), utcnow()
+        else:
+            taken = _claim(rt, conn, claim.execution_id, to, claim.version + 1)
+            if taken is None:
+                break
+            next_claim, now = taken
+        view = _view(conn, next_claim, now)
+        progress.merged += 1
+        if to is Phase.CALL_MODEL:
+            # The claim is the transaction's last write; the model is called after COMMIT.
+            return steps, Carried(next_claim, view, started)
+        next_transition = _decide_at_boundary(rt, view)
+        if next_transition is None:
+            next_transition = _compute(rt, view)
+            faults.hit("tick.in_transaction", phase=to.value, task_id=view.task.id)
+        # A local call is not started here but in a commit of its own once this one is done
+        # (StartCall): a worker killed between the two leaves it pending, free to start (I11).
+        local_id = _local_call_id(progress, view, next_transition)
+        claimed = (
+            local_id is None
+            and len(steps) + 1 < MAX_MERGED
+            and _merges_next(next_claim, next_transition)
+        )
+        if not _commit(rt, conn, next_claim, view, next_transition, started, claim_next=claimed):
+            # This transaction took the lease a moment ago and holds the row.
+            raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
+        steps.append(_Step(next_claim, view, next_transition, local_id))
+        if local_id is not None:
+            break
+        claim, transition = next_claim, next_transition
+    return steps, None
+
+
 def _run_tick(
     rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
 ) -> tuple[TickResult, Follow | None]:
     started = time.perf_counter()
     local: ClaimedCall | None = None
+    merged: list[_Step] = []
+    carried: Carried | None = None
+    progress.merged = 0
     if phase in SLOW_PHASES:
-        # The claim commits on its own (on a server database each statement in autocommit, so
-        # without BEGIN and COMMIT round trips); from there until the commit no transaction is
-        # open (I5), and the attempt it counted stands even if this worker dies.
-        with write_one(rt.engine) as conn:
-            claimed = _claim(rt, conn, execution_id, phase, version)
-            if claimed is None:
-                return "stale", None
-            claim, now = claimed
-            view = _view(conn, claim, now)
+        if progress.carried is not None:
+            # Claimed (attempt counted, lease ours) in the transaction that merged the steps
+            # before this one: from here until the commit no transaction is open (I5).
+            claim, view, started = (
+                progress.carried.claim,
+                progress.carried.view,
+                progress.carried.started,
+            )
+        else:
+            # The claim commits on its own (on a server database each statement in autocommit,
+            # so without BEGIN and COMMIT round trips); from there until the commit no
+            # transaction is open (I5), and the attempt it counted stands even if this worker
+            # dies.
+            with write_one(rt.engine) as conn:
+                claimed = _claim(rt, conn, execution_id, phase, version)
+                if claimed is None:
+                    return "stale", None
+                claim, now = claimed
+                view = _view(conn, claim, now)
         progress.claim_committed = True
         transition = _decide_at_boundary(rt, view)
         if transition is None:
@@ -563,9 +790,13 @@ def _run_tick(
             ):
                 mail = runs.load_messages(conn, view.task.id)
                 transition = reopen_final(replace(view, messages=mail), transition)
+            # (the next step claims the run itself: this claim's task view is as old as the
+            # model call, and a stop committed meanwhile must be seen at that boundary, I18)
             if not _commit(rt, conn, claim, view, transition, started):
                 log.warning("lease lost during %s; discarding its result", phase.value)
                 return "lost_lease", None
+            merged, carried = _merge(rt, conn, progress, claim, transition, None)
+            _merged_end(progress, claim, merged, carried, "tick.merged.end")
     else:
         if progress.durable_claim:
             # A redelivered message may be the one that killed the last worker: count this
@@ -600,47 +831,140 @@ def _run_tick(
                 faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
             if settlement is not None:
                 transition.settle.append(settlement)
-            if not _commit(rt, conn, claim, view, transition, started):
-                return "lost_lease", None
             local_id = _local_call_id(progress, view, transition)
-            if local_id is not None:
-                local = calls.start_local_call(
-                    conn,
-                    execution_id,
-                    claim.turn,
-                    local_id,
-                    rt.worker,
-                    rt.settings.lease_seconds,
-                    implementations=rt.tools.implementations(),
-                )
+            claim_next = local_id is None and _merges(rt, claim) and _merges_next(claim, transition)
+            if not _commit(rt, conn, claim, view, transition, started, claim_next=claim_next):
+                return "lost_lease", None
+            local = _start_local(rt, conn, progress, view, transition)
+            merged, carried = _merge(
+                rt, conn, progress, claim, transition, local, claimed=claim_next
+            )
+            _merged_end(progress, claim, merged, carried, "tick.merged.end")
         progress.claim_committed = True
         if progress.settlement is not None:
             progress.settled = settlement is not None
+    _merged_end(progress, claim, merged, carried, "tick.merged.after_commit")
+    if merged or carried is not None:
+        # What each merged step does after the commit, in order; the chain goes on from the last.
+        _after_commit(rt, claim, view, transition, None, publish_next=False)
+        _report_tick(rt, progress, claim, view, transition)
+        for step in merged[:-1]:
+            _report_merged(rt, progress, step, None, publish_next=False)
+        if merged:
+            last = merged[-1]
+            follow = _carried_follow(carried) or _merged_follow(progress, last)
+            _report_merged(
+                rt, progress, last, follow, publish_next=not isinstance(follow, NextTick)
+            )
+        else:
+            follow = _carried_follow(carried)
+        return "moved", follow
     follow = _follow(progress, claim, transition, local)
+    local_id = local.call_id if local is not None else None
+    result = _after_commit(rt, claim, view, transition, local_id, follow=follow)
+    _report_tick(rt, progress, claim, view, transition)
+    return result, follow
+
+
+def _report_tick(
+    rt: Runtime, progress: _Progress, claim: runs.Claim, view: RunView, transition: Transition
+) -> None:
+    """Telemetry hears of a commit once what it allows is published (I1, I4)."""
+    _observed(rt, progress, claim, transition)
+    if rt.observer.enabled:
+        safely(_report_calls, rt, progress, view, transition)
+
+
+def _merged_follow(progress: _Progress, step: _Step) -> Follow | None:
+    if step.local_id is not None:
+        return StartCall(step.claim.turn, step.local_id, step.claim.version + 1)
+    return _follow(progress, step.claim, step.transition, None)
+
+
+def _carried_follow(carried: Carried | None) -> Follow | None:
+    if carried is None:
+        return None
+    return NextTick(carried.claim.phase, carried.claim.version, carried)
+
+
+def _merged_end(
+    progress: _Progress,
+    claim: runs.Claim,
+    merged: list[_Step],
+    carried: Carried | None,
+    point: str,
+) -> None:
+    """The fault points at the end of a merged transaction: before its COMMIT
+    (``tick.merged.end``) and just after it (``tick.merged.after_commit``), named by the phase
+    the transaction ended in (``phase``: call_model for its claim, await_tools after a
+    dispatch) and the one it began with (``first``)."""
+    if not merged and carried is None:
+        return
+    last = carried.claim.phase if carried is not None else merged[-1].transition.to
+    faults.hit(
+        point,
+        phase=last.value if last is not None else "wait",
+        task_id=claim.task_id,
+        first=claim.phase.value,
+        steps=len(merged) + (carried is not None),
+    )
+
+
+def _report_merged(
+    rt: Runtime, progress: _Progress, step: _Step, follow: Follow | None, *, publish_next: bool
+) -> None:
+    """After the commit, what a merged step's own tick would have said: telemetry's tick, the
+    calls it settled, its Celery task event (I21), its publishes, its log line."""
+    claim, view, transition = step.claim, step.view, step.transition
+    scope = TickScope(claim.execution_id, claim.phase, claim.version, rt.worker)
+    name, args = f"charlie.phase.{claim.phase.value}", (claim.execution_id, claim.version)
+    reporting = progress.reports.task(name, args) if progress.reports else nullcontext()
+    with reporting as report, rt.observer.tick(scope):
+        scope.result = _after_commit(
+            rt,
+            claim,
+            view,
+            transition,
+            step.local_id,
+            follow=follow,
+            publish_next=publish_next,
+        )
+        _report_tick(rt, _Progress(scope=scope), claim, view, transition)
+        if report is not None:
+            report.result = scope.result
+
+
+def _after_commit(
+    rt: Runtime,
+    claim: runs.Claim,
+    view: RunView,
+    transition: Transition,
+    local_call: str | None,
+    *,
+    follow: Follow | None = None,
+    publish_next: bool | None = None,
+) -> TickResult:
+    """A committed step's publishes (after the commit, I1) and its log line."""
     _publish(
         rt,
         claim,
         view,
         transition,
-        publish_next=not isinstance(follow, NextTick),
-        local_call=local.call_id if local is not None else None,
+        publish_next=not isinstance(follow, NextTick) if publish_next is None else publish_next,
+        local_call=local_call,
     )
-    # Telemetry hears of the commit only once what it allows is published (I1, I4).
-    _observed(rt, progress, claim, transition)
-    if rt.observer.enabled:
-        safely(_report_calls, rt, progress, view, transition)
     if transition.to is None:
         # Waiting (open tool calls, a stored wake-up): whoever settles the last call locks the
         # run after this commit and sees the wait (see store.calls.lock_run); the sweep wakes
         # the rest.
-        return "waiting", None
+        return "waiting"
     log.info(
         "transition %s -> %s",
-        phase.value,
+        claim.phase.value,
         transition.to.value,
         extra={**_ctx(view), "to": transition.to.value, "note": transition.note},
     )
     if transition.to is Phase.DONE:
         poke_waiters(rt, view.task.id)
-        return "done", None
-    return "moved", follow
+        return "done"
+    return "moved"

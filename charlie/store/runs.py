@@ -339,8 +339,13 @@ def _commit_statement(
     usage: bool,
     error: bool,
     mail: bool = False,
+    claim_next: bool = False,
 ) -> Any:
-    """The execution row's compare-and-set for one shape of transition, built once."""
+    """The execution row's compare-and-set for one shape of transition, built once.
+
+    ``claim_next``: the move also takes the next (phase, version)'s lease for this worker, with
+    its first attempt counted, as its claim would (a merged transaction's next step, issue 17):
+    one statement instead of two."""
     values: dict[str, Any] = {
         "lease_owner": None,
         "lease_until": None,
@@ -349,6 +354,12 @@ def _commit_statement(
         # tick normally also resets, since the next claim is not a retry.
         "attempts": 0,
     }
+    if claim_next:
+        values.update(
+            lease_owner=bindparam("b_next_owner"),
+            lease_until=bindparam("b_next_until", type_=_e.lease_until.type),
+            attempts=1,
+        )
     if state:
         values["state"] = bindparam("b_state", type_=_e.state.type)
     if moving:
@@ -387,13 +398,19 @@ def _commit_statement(
 
 @functools.cache
 def _move_statement(
-    state: bool, items: bool, next_turn: bool, usage: bool, error: bool, mail: bool = False
+    state: bool,
+    items: bool,
+    next_turn: bool,
+    usage: bool,
+    error: bool,
+    mail: bool = False,
+    claim_next: bool = False,
 ) -> Any:
     """PostgreSQL: the compare-and-set and the transition's record in one statement (a
     data-modifying CTE), one round trip fewer per transition. Inserts no record, and so
     reports no row, when the compare-and-set matched nothing."""
     moved = (
-        _commit_statement(True, state, items, next_turn, usage, error, mail)
+        _commit_statement(True, state, items, next_turn, usage, error, mail, claim_next)
         .returning(_e.id)
         .cte("moved")
     )
@@ -479,14 +496,20 @@ def commit_transition(
     now: datetime,
     duration_ms: float,
     error: JSON | None = None,
+    next_lease_until: datetime | None = None,
 ) -> bool:
     """Write a tick's whole outcome in the caller's transaction (I1).
+
+    ``next_lease_until``: a move that also claims its next step for ``owner`` (see
+    :func:`claimed_next`), leased until then.
 
     Returns False, writing nothing, when the lease was lost meanwhile; the caller rolls back.
     """
     to = transition.to
     usage = bool(transition.model_calls or transition.model_repeats)
     mail = bool(transition.take_messages)
+    claim_next = next_lease_until is not None
+    assert not claim_next or to is not None
     statement = _commit_statement(
         to is not None,
         transition.state is not None,
@@ -495,6 +518,7 @@ def commit_transition(
         usage,
         error is not None,
         mail,
+        claim_next,
     )
     params: dict[str, Any] = {
         "b_id": claim.execution_id,
@@ -509,6 +533,8 @@ def commit_transition(
         "b_model_repeats": transition.model_repeats,
         "b_error": error,
         "b_taken": len(transition.take_messages),
+        "b_next_owner": owner,
+        "b_next_until": next_lease_until,
     }
     combined = to is not None and conn.dialect.name == "postgresql"
     if combined:
@@ -520,6 +546,7 @@ def commit_transition(
             usage,
             error is not None,
             mail,
+            claim_next,
         )
         params.update(
             b_from=claim.phase.value,
@@ -631,6 +658,33 @@ def commit_transition(
             },
         )
     return True
+
+
+def claimed_next(claim: Claim, transition: Transition) -> Claim:
+    """The claim of the step after ``claim``, taken by its move (``commit_transition`` with
+    ``next_lease_until``), as the claim statement would have returned it: what that move wrote,
+    read back from the transition instead of the row. The transaction holds the run's row
+    since its first statement, so nothing else has changed it. Its task is the task as the
+    move left it (the claim that began the transaction read it): a stop committed meanwhile is
+    seen at the next transaction's boundary, a model call's claim reads the task afresh."""
+    assert transition.to is not None and claim.task is not None
+    task = claim.task
+    status = transition.task_status
+    if status is not None and task.status.value in ACTIVE:
+        task = replace(task, status=status)
+    return Claim(
+        claim.execution_id,
+        claim.task_id,
+        transition.to,
+        claim.version + 1,
+        claim.turn + 1 if transition.next_turn else claim.turn,
+        claim.next_seq + len(transition.items),
+        transition.state if transition.state is not None else claim.state,
+        1,
+        None,
+        task,
+        claim.inbox - len(transition.take_messages),
+    )
 
 
 def _call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict[str, Any]]:

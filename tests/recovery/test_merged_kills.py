@@ -1,0 +1,129 @@
+"""Recovery: a worker SIGKILLed inside a merged transaction, and just after it (issue 17).
+
+With inline steps on, a turn of one call commits in three transactions: A (call_model's result
+with the dispatch that queues the call), the call's start (I9), and B (the call's settle with
+await_tools, advance_turn and the next call_model's claim). Each phase keeps its transition
+row. A kill inside A or B rolls the whole transaction back; a kill just after it leaves what
+it committed. Either way the run recovers exactly: no transition lost or duplicated (versions
+consecutive, each transition starting where the last ended, I1, I2), no model call repeated
+beyond the one counted repeat (I3), no tool handler run twice (I10), and every call with its
+one result (I8).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+import charlie
+from charlie import api
+from charlie.domain import TaskStatus
+from tests.conftest import model_calls
+from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.support.cluster import Cluster
+from tests.support.tools import read_ledger
+
+pytestmark = [
+    pytest.mark.recovery,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        os.environ.get("CHARLIE_TEST_INLINE_PHASES") == "0",
+        reason="with every step published no transaction carries two phases",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    point: str
+    #: the phase the fault point names (see tick._merge and tick._merged_end)
+    phase: str | None
+    #: the phase the merged transaction began with (tick.merged.end / after_commit)
+    first: str | None
+    #: the call's outcome after recovery
+    outcome: str
+    #: how many times the handler ran (its end recorded)
+    ran: int
+    #: model calls of turn 0 and of turn 1 (the scripted model's ledger)
+    model_turns: tuple[int, int]
+    #: the run's counted repeats (attempts of call_model beyond the first)
+    repeats: int
+
+
+CASES = [
+    # The run's first transaction (load_context with call_model's claim), inside and after.
+    Case("tick.merged.end", "call_model", "load_context", "ok", 1, (1, 1), 0),
+    Case("tick.merged.after_commit", "call_model", "load_context", "ok", 1, (1, 1), 1),
+    # Inside A, after call_model's compare-and-set, before the dispatch's claim: all of A
+    # rolls back; call_model's claim had committed, so the model is called again (the counted
+    # repeat) and its result commits on its own this time; the call then starts normally.
+    Case("tick.merged.step", "dispatch_tools", None, "ok", 1, (2, 1), 1),
+    # Inside A at its end (the dispatch written, the call queued), before COMMIT: the same.
+    Case("tick.merged.end", "await_tools", "call_model", "ok", 1, (2, 1), 1),
+    # Just after A's COMMIT: the call is queued, never started; the sweep starts it (I11).
+    Case("tick.merged.after_commit", "await_tools", "call_model", "ok", 1, (1, 1), 0),
+    # After A's COMMIT, before the call's own start commits: the same.
+    Case("tick.merged.before_start", None, None, "ok", 1, (1, 1), 0),
+    # Inside B, after the settle and await_tools' compare-and-set, before advance_turn's
+    # claim: B rolls back, the handler's result with it; the call is started and its lease
+    # lapses, so the sweep settles it interrupted and never runs it again (I10).
+    Case("tick.merged.step", "advance_turn", None, "interrupted", 1, (1, 1), 0),
+    # Inside B at its end (the next call_model claimed), before COMMIT: the same.
+    Case("tick.merged.end", "call_model", "await_tools", "interrupted", 1, (1, 1), 0),
+    # Just after B's COMMIT: the result is in; call_model was claimed by the dead worker,
+    # whose lease lapses; the sweep re-publishes it and the model is called once for turn 1
+    # (the claim that died counts as an attempt, so as a repeat, though no call was lost).
+    Case("tick.merged.after_commit", "call_model", "await_tools", "ok", 1, (1, 1), 1),
+]
+
+
+def _ledger(task_id: str, event: str) -> list[dict[str, object]]:
+    return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.point}-{c.phase}")
+def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
+    cluster: Cluster, script, case: Case
+) -> None:
+    task_id = f"m17-{uuid.uuid4().hex[:12]}"
+    match: dict[str, str] = {"task_id": task_id}
+    if case.phase is not None:
+        match["phase"] = case.phase
+    if case.first is not None:
+        match["first"] = case.first
+    cluster.set_faults({case.point: {"action": "kill", "times": 1, "match": match}})
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("kill in a merged transaction", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count(case.point) == 1
+
+    (call,) = api.calls(task_id)
+    assert call.outcome == case.outcome, call
+    assert len(_ledger(task_id, "sleep_then.start")) == case.ran  # never run twice (I10)
+    assert len(_ledger(task_id, "sleep_then.end")) == case.ran
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert (turns.count(0), turns.count(1)) == case.model_turns, turns
+    assert info.model_repeats == case.repeats
+    assert_every_call_has_one_result(task_id)
+
+    # No transition lost or duplicated: one per version, each from where the last one went.
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history
+    for before, after in itertools.pairwise(history):
+        assert after["from_phase"] == before["to_phase"], history
+    assert history[-1]["to_phase"] == "done"
