@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from charlie import faults, pricing
 from charlie.domain import (
     CallState,
+    Effect,
     ItemKind,
     Outcome,
     Phase,
@@ -384,6 +385,22 @@ def run_tick(
         reports.send()
 
 
+def _lease_still_ours(rt: Runtime, claim: runs.Claim, claimed: float) -> bool:
+    """A claim carried from a merged transaction was taken before that transaction's publishes
+    and reports: if they took a third of the lease (a broker slow to answer), renew it before
+    the model is called, so no other worker takes the run meanwhile (I5); else no statement."""
+    if time.perf_counter() - claimed < rt.settings.lease_seconds / 3:
+        return True
+    until = utcnow() + timedelta(seconds=rt.settings.lease_seconds)
+    with write_one(rt.engine) as conn:
+        renewed = runs.renew_execution_lease(
+            conn, claim.execution_id, claim.version, rt.worker, until
+        )
+    if not renewed:
+        log.warning("the lease of a carried call_model claim lapsed before the model call")
+    return renewed
+
+
 def _start_call(rt: Runtime, execution_id: str, step: StartCall) -> ClaimedCall | None:
     """Mark a local call started, committed before its handler runs (I9); None: it is not
     startable any more (its task stopped, I18; a deadline passed), nothing to run."""
@@ -646,14 +663,27 @@ def _start_local(
     )
 
 
-def _merges(rt: Runtime, claim: runs.Claim, local: bool = False) -> bool:
-    """Whether the steps after this one may share its transaction (see _merge)."""
-    return (
+def _merges(rt: Runtime, claim: runs.Claim, progress: _Progress, local: bool = False) -> bool:
+    """Whether the steps after this one may share its transaction (see _merge).
+
+    Not a retry: a claim committed apart (a redelivered or re-published tick) or a second
+    attempt commits on its own, so a step that kills its worker is counted in its own phase.
+    Not after settling the result of a call with an outside effect (a write, a wait): that
+    result commits with await_tools alone, so a crash in the steps after it cannot cost it
+    (the call would settle interrupted); a read's result may ride on with them."""
+    if not (
         rt.settings.merge_phases
         and rt.settings.inline_phases > 0
         and claim.attempts == 1
+        and not progress.durable_claim
         and not local
-    )
+    ):
+        return False
+    done = progress.settlement
+    if done is None:
+        return True
+    definition = rt.tools.get(done.call.name)
+    return definition is not None and definition.effect is Effect.READ
 
 
 def _merges_next(claim: runs.Claim, transition: Transition) -> bool:
@@ -664,6 +694,9 @@ def _merges_next(claim: runs.Claim, transition: Transition) -> bool:
         to is not None
         and transition.publish_next
         and transition.wake_at is None
+        # nothing to publish first: no invocations, no cancel of outside work (I1)
+        and not transition.queue_calls
+        and not any(s.outcome is Outcome.CANCELED for s in transition.settle)
         and to in MERGEABLE
         # (a dispatch's next batch is a tick of its own, its invocations published first)
         and to is not claim.phase
@@ -694,7 +727,7 @@ def _merge(
     on its own, so a step that kills its worker is counted in its own phase and poisons there,
     and repeats at most one model call (the counted repeat) on its way."""
     steps: list[_Step] = []
-    if not _merges(rt, claim, local is not None):
+    if not _merges(rt, claim, progress, local is not None):
         return steps, None
     while len(steps) < MAX_MERGED:
         to = transition.to
@@ -760,6 +793,8 @@ def _run_tick(
                 progress.carried.view,
                 progress.carried.started,
             )
+            if not _lease_still_ours(rt, claim, started):
+                return "lost_lease", None
         else:
             # The claim commits on its own (on a server database each statement in autocommit,
             # so without BEGIN and COMMIT round trips); from there until the commit no
@@ -832,7 +867,11 @@ def _run_tick(
             if settlement is not None:
                 transition.settle.append(settlement)
             local_id = _local_call_id(progress, view, transition)
-            claim_next = local_id is None and _merges(rt, claim) and _merges_next(claim, transition)
+            claim_next = (
+                local_id is None
+                and _merges(rt, claim, progress)
+                and _merges_next(claim, transition)
+            )
             if not _commit(rt, conn, claim, view, transition, started, claim_next=claim_next):
                 return "lost_lease", None
             local = _start_local(rt, conn, progress, view, transition)

@@ -127,3 +127,29 @@ def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
     for before, after in itertools.pairwise(history):
         assert after["from_phase"] == before["to_phase"], history
     assert history[-1]["to_phase"] == "done"
+
+
+def test_a_writes_result_commits_before_the_steps_after_it_and_survives_a_kill_there(
+    cluster: Cluster, script
+) -> None:
+    """A write's result is not carried on with advance_turn and the next model call's claim:
+    it commits with await_tools alone, so a kill in the transaction after it (advance_turn
+    with call_model's claim) costs the run nothing but that transaction (I10, I12)."""
+    task_id = f"m17w-{uuid.uuid4().hex[:12]}"
+    match = {"task_id": task_id, "phase": "call_model", "first": "advance_turn"}
+    cluster.set_faults({"tick.merged.end": {"action": "kill", "times": 1, "match": match}})
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": task_id}}]},
+            {"say": "written", "tool_calls": []},
+        ]
+    )
+    charlie.submit("kill after a write's settle", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tick.merged.end") == 1
+    (call,) = api.calls(task_id)
+    assert call.outcome == "ok", call  # not interrupted: its result was committed
+    assert len(_ledger(task_id, "write")) == 1
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 1]
+    assert_every_call_has_one_result(task_id)
