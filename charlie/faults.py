@@ -1,10 +1,11 @@
 """Named fault points, for tests and chaos runs: kill the worker or raise at an exact place.
 
 Off unless ``CHARLIE_FAULTS`` names a JSON file. Its keys are point names (``tick.after_commit``,
-``tool.after_started``, ``scheduler.finish`` ...), each with ``{"action": "kill" | "raise",
-"times": N, "match": {"phase": ..., "tool": ...}}``. ``times`` is shared by every process through
-a counter file beside it, under a file lock, so "kill the first worker that gets here, once" means
-exactly that across a pool of workers.
+``tool.after_started``, ``scheduler.finish`` ...), each with ``{"action": "kill" | "raise" |
+"pause", "times": N, "match": {"phase": ..., "tool": ...}}`` (``pause`` sleeps ``seconds``: a
+worker that stalls, say a broker slow to take a publish). ``times`` is shared by every process
+through a counter file beside it, under a file lock, so "kill the first worker that gets here,
+once" means exactly that across a pool of workers.
 
 ``kill`` sends SIGKILL to the worker's whole process group: a worker dying, not an exception.
 """
@@ -15,6 +16,7 @@ import fcntl
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ class InjectedFault(Exception):
     pass
 
 
-def _take(point: str, context: dict[str, Any]) -> str | None:
+def _take(point: str, context: dict[str, Any]) -> dict[str, Any] | None:
     assert _PATH is not None
     spec_path = Path(_PATH)
     try:
@@ -51,14 +53,19 @@ def _take(point: str, context: dict[str, Any]) -> str | None:
         f.write(json.dumps(counts))
         f.flush()
         os.fsync(f.fileno())
-    return str(spec.get("action", "raise"))
+    return dict(spec)
 
 
 def hit(point: str, **context: Any) -> None:
     if _PATH is None:
         return
-    action = _take(point, context)
+    spec = _take(point, context)
+    if spec is None:
+        return
+    action = spec.get("action", "raise")
     if action == "kill":
         os.killpg(os.getpgrp(), signal.SIGKILL)
-    elif action is not None:
+    elif action == "pause":
+        time.sleep(float(spec.get("seconds", 1.0)))
+    else:
         raise InjectedFault(f"fault injected at {point}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -152,4 +153,41 @@ def test_a_writes_result_commits_before_the_steps_after_it_and_survives_a_kill_t
     assert call.outcome == "ok", call  # not interrupted: its result was committed
     assert len(_ledger(task_id, "write")) == 1
     assert [c["turn"] for c in model_calls(ledger)] == [0, 1]
+    assert_every_call_has_one_result(task_id)
+
+
+STALL = 6.0
+
+
+def test_a_carried_model_claim_whose_lease_lapsed_meanwhile_calls_no_model(
+    cluster: Cluster, script
+) -> None:
+    """I5, I3: B commits the next call_model's claim; if what follows its COMMIT (publishes,
+    reports) stalls past the lease, the sweep hands the run to another worker, and this one
+    must not call the model under the lease it lost: one model call for that turn, not two."""
+    task_id = f"m17l-{uuid.uuid4().hex[:12]}"
+    match = {"task_id": task_id, "phase": "call_model", "first": "await_tools"}
+    # the cluster's lease is 2 s: a 6 s stall outlives it, and the sweep (every 0.5 s) hands
+    # the run on within about 3 s
+    pause = {"action": "pause", "seconds": STALL, "times": 1, "match": match}
+    cluster.set_faults({"tick.merged.after_commit": pause})
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("a stall after B", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tick.merged.after_commit") == 1
+    # The run went on elsewhere; the stalled worker wakes later: give it time to act.
+    (b,) = [h for h in api.history(task_id) if h["to_phase"] == "call_model" and h["version"] > 1]
+    time.sleep(max(0.0, b["at"].timestamp() + STALL + 3 - time.time()))
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert (turns.count(0), turns.count(1)) == (1, 1), turns
     assert_every_call_has_one_result(task_id)
