@@ -25,9 +25,9 @@ from sqlalchemy import Connection
 from charlie import scheduler
 from charlie.app import app
 from charlie.config import SWEEP_QUEUE, TICK_QUEUE
-from charlie.domain import JSON, Outcome, Phase, task_id_of, utcnow
-from charlie.executor.settle import settle_and_move
-from charlie.observe import CallEvent, SweepEvent, safely
+from charlie.domain import JSON, Outcome, Phase, utcnow
+from charlie.executor.settle import report_call, settle_and_move
+from charlie.observe import SweepEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
 from charlie.store import scans
@@ -302,30 +302,16 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
 
 def _report_call(rt: Runtime, row: Any, outcome: Outcome) -> None:
     """Tell telemetry of a call this sweep settled (the row as its scan read it)."""
-    if rt.observer.enabled:
-        safely(_call_settled, rt, row, outcome)
-
-
-def _call_settled(rt: Runtime, row: Any, outcome: Outcome) -> None:
-    started = getattr(row, "started_at", None)
-    event = CallEvent(
-        task_id=task_id_of(row.execution_id),
-        execution_id=row.execution_id,
-        turn=row.turn,
-        call_id=row.call_id,
-        tool=getattr(row, "name", None) or "?",
-        outcome=outcome.value,
+    report_call(
+        rt,
+        row.execution_id,
+        row.turn,
+        row.call_id,
+        getattr(row, "name", None) or "?",
+        outcome.value,
         by=f"sweep@{rt.worker}",
-        settled=time.time(),
-        started=started.timestamp() if started is not None else None,
-        effect=_effect_of(rt, getattr(row, "name", None)),
+        started=getattr(row, "started_at", None),
     )
-    rt.observer.call_settled(event)
-
-
-def _effect_of(rt: Runtime, tool: str | None) -> str | None:
-    definition = rt.tools.get(tool) if tool else None
-    return definition.effect.value if definition is not None else None
 
 
 def sweep_task_timeouts(rt: Runtime) -> int:

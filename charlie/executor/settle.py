@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection
@@ -178,8 +179,18 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
 
 def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
     call = done.call
-    if rt.observer.enabled:
-        safely(_report_result, rt, done, settled)
+    report_call(
+        rt,
+        call.execution_id,
+        call.turn,
+        call.call_id,
+        call.name,
+        done.outcome.value,
+        by=rt.worker,
+        started=call.started_at,
+        duration_ms=done.duration_ms,
+        late=not settled,
+    )
     log.info(
         "call settled" if settled else "late report",
         extra={
@@ -193,74 +204,81 @@ def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
     faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
 
 
-def report_settlements(
-    rt: Runtime, view: RunView, settlements: list[Settlement], by: str | None = None
+def report_call(
+    rt: Runtime,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    tool: str,
+    outcome: str,
+    *,
+    by: str,
+    started: datetime | None,
+    settled: datetime | None = None,
+    duration_ms: float | None = None,
+    late: bool = False,
 ) -> None:
-    """Tell telemetry of the calls a committed transition settled (deadlines, a stop's
-    cancels, a local call's result)."""
+    """Tell telemetry of one call's settlement (or late report), once it committed: every
+    settler (a worker, the local call, a sweep, a person's verdict seen by the worker) reports
+    through here. Telemetry never breaks the settle it reports."""
+    if not rt.observer.enabled:
+        return
+
+    def emit() -> None:
+        definition = rt.tools.get(tool)
+        rt.observer.call_settled(
+            CallEvent(
+                task_id=task_id_of(execution_id),
+                execution_id=execution_id,
+                turn=turn,
+                call_id=call_id,
+                tool=tool,
+                outcome=outcome,
+                by=by,
+                settled=settled.timestamp() if settled is not None else time.time(),
+                started=started.timestamp() if started is not None else None,
+                duration_ms=duration_ms,
+                late=late,
+                effect=definition.effect.value if definition is not None else None,
+            )
+        )
+
+    safely(emit)
+
+
+def report_settlements(rt: Runtime, view: RunView, settlements: list[Settlement]) -> None:
+    """The calls a committed transition settled (deadlines, a stop's cancels)."""
     calls_by_id = {c.call_id: c for c in view.calls}
-    now = time.time()
     for s in settlements:
         call = calls_by_id.get(s.call_id)
-        started = call.started_at.timestamp() if call and call.started_at else None
-        event = CallEvent(
-            task_id=view.task.id,
-            execution_id=view.execution_id,
-            turn=view.turn,
-            call_id=s.call_id,
-            tool=call.name if call else "?",
-            outcome=s.outcome.value,
-            by=by or rt.worker,
-            settled=now,
-            started=started,
+        report_call(
+            rt,
+            view.execution_id,
+            view.turn,
+            s.call_id,
+            call.name if call else "?",
+            s.outcome.value,
+            by=rt.worker,
+            started=call.started_at if call else None,
             duration_ms=s.duration_ms,
-            effect=_effect(rt, call.name) if call else None,
         )
-        safely(rt.observer.call_settled, event)
-
-
-def _effect(rt: Runtime, tool: str) -> str | None:
-    definition = rt.tools.get(tool)
-    return definition.effect.value if definition is not None else None
 
 
 def report_people_settled(rt: Runtime, view: RunView) -> None:
-    """Tell telemetry of the calls of a turn that people settled (a deny, a reply, a
-    reconcile): they settle in a producer's process, which reports nothing; the worker that
-    takes the turn's results in reports them, once."""
+    """The calls of a turn that people settled (a deny, a reply, a reconcile): they settle in a
+    producer's process, which reports nothing; the worker that takes the turn's results in
+    reports them, once."""
     for call in view.calls:
         if call.outcome is None or not (call.settled_by or "").startswith("operator:"):
             continue
-        settled = call.settled_at.timestamp() if call.settled_at else time.time()
-        event = CallEvent(
-            task_id=view.task.id,
-            execution_id=view.execution_id,
-            turn=view.turn,
-            call_id=call.call_id,
-            tool=call.name,
-            outcome=call.outcome.value,
+        report_call(
+            rt,
+            view.execution_id,
+            view.turn,
+            call.call_id,
+            call.name,
+            call.outcome.value,
             by=call.settled_by or "operator",
-            settled=settled,
-            started=(call.started_at or call.queued_at or call.settled_at or view.now).timestamp(),
-            effect=_effect(rt, call.name),
+            started=call.started_at or call.queued_at or call.settled_at or view.now,
+            settled=call.settled_at,
         )
-        safely(rt.observer.call_settled, event)
-
-
-def _report_result(rt: Runtime, done: CallResult, settled: bool) -> None:
-    call = done.call
-    event = CallEvent(
-        task_id=task_id_of(call.execution_id),
-        execution_id=call.execution_id,
-        turn=call.turn,
-        call_id=call.call_id,
-        tool=call.name,
-        outcome=done.outcome.value,
-        by=rt.worker,
-        settled=time.time(),
-        started=call.started_at.timestamp() if call.started_at else None,
-        duration_ms=done.duration_ms,
-        late=not settled,
-        effect=_effect(rt, call.name),
-    )
-    rt.observer.call_settled(event)
