@@ -251,3 +251,22 @@ def test_a_resumed_task_records_its_second_life_under_its_first(
     assert second[0].attributes["charlie.task.status"] == "succeeded"
     assert [s for s in otlp_receiver.of_task(task_id) if s.name == "charlie task"] == [first]
     assert {s.trace_id for s in otlp_receiver.of_task(task_id)} == {first.trace_id}
+
+
+def test_a_delegated_child_joins_its_parents_trace(
+    cluster: Cluster, script: Any, otlp_receiver: OtlpReceiver
+) -> None:
+    """The child is submitted inside the delegate call, whose trace context is the parent
+    task's: the child's own span is a child of the parent task's span, in the same trace."""
+    from tests.integration.test_delegation import parent_turns
+
+    child_model, _ = script([{"say": "compatible with 2.3"}])
+    model, _ = script(parent_turns(child_model))
+    parent = charlie.submit("traced delegation", model=model)
+    assert charlie.wait(parent, timeout=60).status is TaskStatus.SUCCEEDED
+    parent_span = _task_span(otlp_receiver, parent)
+    child_span = _task_span(otlp_receiver, f"{parent}.0.d1")
+    assert child_span.trace_id == parent_span.trace_id
+    assert child_span.parent_span_id == parent_span.span_id
+    stored = _stored_trace(f"{parent}.0.d1")
+    assert stored["parent"] == parent_span.span_id
