@@ -566,19 +566,32 @@ def deny(task_id: str, call_id: str, reason: str) -> None:
 @main.command(name="reconcile")
 @click.argument("task_id")
 @click.argument("call_id")
-@click.option("--done", "verdict", flag_value="done", help="It happened.")
-@click.option("--not-done", "verdict", flag_value="not_done", help="It did not: run it again.")
-@click.option("--unknown", "verdict", flag_value="unknown", help="Nobody can tell.")
+@click.option("--done", is_flag=True, help="It happened.")
+@click.option("--not-done", is_flag=True, help="It did not: run it again.")
+@click.option("--unknown", is_flag=True, help="Nobody can tell.")
 @click.option("--result", "result_json", default=None, help="With --done: its result, as JSON.")
 @click.option("--note", default=None, help="Why, for the record.")
 def reconcile_(
-    task_id: str, call_id: str, verdict: str | None, result_json: str | None, note: str | None
+    task_id: str,
+    call_id: str,
+    done: bool,
+    not_done: bool,
+    unknown: bool,
+    result_json: str | None,
+    note: str | None,
 ) -> None:
     """Decide an interrupted call held for an operator: --done, --not-done or --unknown."""
     from charlie import api
 
-    if verdict is None:
+    # One verdict: a shared flag would let the last of two silently win, and --not-done runs
+    # the write again (I23, I24).
+    given = [v for v, on in (("done", done), ("not_done", not_done), ("unknown", unknown)) if on]
+    if len(given) > 1:
+        flags = " and ".join("--" + v.replace("_", "-") for v in given)
+        _fail(f"{flags}: give one verdict: --done [--result JSON], --not-done or --unknown")
+    if not given:
         _fail("say what happened: --done [--result JSON], --not-done or --unknown")
+    verdict = given[0]
     if result_json is not None and verdict != "done":
         _fail("--result goes with --done only")
     result = None
@@ -587,7 +600,6 @@ def reconcile_(
             result = json.loads(result_json)
         except ValueError as exc:
             _fail(f"--result is not JSON: {exc}")
-    assert verdict is not None
     _said(_act(lambda: api.reconcile(task_id, call_id, verdict, result=result, note=note)))
 
 

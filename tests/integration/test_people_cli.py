@@ -11,7 +11,7 @@ import pytest
 
 import charlie
 from charlie.domain import TaskStatus
-from tests.conftest import wait_for
+from tests.conftest import model_calls, wait_for
 from tests.integration.test_production_path import charlie_cli
 from tests.support.cluster import Cluster
 from tests.support.tools import read_ledger
@@ -163,3 +163,90 @@ def test_actions_are_celery_tasks_by_name(cluster: Cluster, script) -> None:  # 
     done = [(a.action.value, a.actor) for a in charlie.actions(task_id)]
     assert sorted(done) == [("approve", "svc"), ("send", "svc")]
     assert [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "approved_write"]
+
+
+def test_reconcile_takes_one_verdict_and_fork_takes_a_model_from_the_command_line(
+    cluster: Cluster, script
+) -> None:  # type: ignore[no-untyped-def]
+    """Item 5 from a shell: `--done`, `--not-done` and `--unknown` are one verdict each (two
+    at once are refused before anything is written, never the last of them taken); a
+    `--not-done` repeats the write under the same call id, held again when it is interrupted
+    again, then `--unknown` settles it `interrupted`. Item 7: `charlie fork --model`."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "u", "name": "approved_uncertain_write", "arguments": {"key": "cu"}}
+                ]
+            },
+            {
+                "expect": {
+                    # (the note is on the call's result; the model sees it as interrupted)
+                    "tool_results": [{"call_id": "u", "outcome": "interrupted"}]
+                },
+                "say": "told it is unknown",
+                "tool_calls": [],
+            },
+        ]
+    )
+    other, other_ledger = script(
+        [
+            {"raise": "a fork never plays its source's turns", "tool_calls": []},
+            {"say": "forked from the cli", "tool_calls": []},
+        ]
+    )
+    env = {**cluster.settings_env, "CHARLIE_OPERATOR": "cli-cy"}
+    task_id = charlie.submit("cli verdicts", model=model, task_id=tid())
+
+    def runs() -> list[dict[str, object]]:
+        return [
+            e
+            for e in read_ledger()
+            if e.get("task") == task_id and e["event"] == "approved_uncertain_write"
+        ]
+
+    def held_for_reconcile() -> bool:
+        return any(w.kind == "reconcile" for w in charlie.get_task(task_id).waiting_for)
+
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    assert charlie_cli(env, "approve", task_id, "u").returncode == 0
+    wait_for(held_for_reconcile, timeout=60)
+    assert len(runs()) == 1
+
+    both = charlie_cli(env, "reconcile", task_id, "u", "--done", "--not-done")
+    assert both.returncode == 2 and "give one verdict" in both.stderr, both.stderr
+    result_too = charlie_cli(env, "reconcile", task_id, "u", "--not-done", "--result", "{}")
+    assert result_too.returncode == 2 and "--result goes with --done" in result_too.stderr
+    assert [a.action.value for a in charlie.actions(task_id)] == ["approve"]
+
+    again = charlie_cli(env, "reconcile", task_id, "u", "--not-done", "--note", "never landed")
+    assert again.returncode == 0, again.stderr
+    assert "reconcile not_done by cli-cy" in again.stdout, again.stdout
+    wait_for(lambda: len(runs()) == 2 and held_for_reconcile(), timeout=60)  # a new hold
+
+    unknown = charlie_cli(env, "reconcile", task_id, "u", "--unknown", "--note", "cannot tell here")
+    assert unknown.returncode == 0 and "reconcile unknown by cli-cy" in unknown.stdout
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    (call,) = charlie.calls(task_id)
+    assert call.outcome == "interrupted" and call.result["note"] == "cannot tell here"
+    assert len(runs()) == 2
+    verdicts = [
+        (a.action.value, (a.detail or {}).get("verdict"), a.actor) for a in charlie.actions(task_id)
+    ]
+    assert verdicts == [
+        ("approve", None, "cli-cy"),
+        ("reconcile", "not_done", "cli-cy"),
+        ("reconcile", "unknown", "cli-cy"),
+    ]
+
+    fork_id = tid()
+    forked = charlie_cli(
+        env, "fork", task_id, "--turn", "0", "--model", other, "--task-id", fork_id
+    )
+    assert forked.returncode == 0 and forked.stdout.strip() == fork_id, forked.stderr
+    info = charlie.wait(fork_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.model == other and info.result["answer"] == "forked from the cli"
+    assert [c["turn"] for c in model_calls(other_ledger)] == [1]
+    assert len(runs()) == 2  # the fork ran none of the source's calls (I26)
