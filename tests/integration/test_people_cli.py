@@ -250,3 +250,98 @@ def test_reconcile_takes_one_verdict_and_fork_takes_a_model_from_the_command_lin
     assert info.model == other and info.result["answer"] == "forked from the cli"
     assert [c["turn"] for c in model_calls(other_ledger)] == [1]
     assert len(runs()) == 2  # the fork ran none of the source's calls (I26)
+
+
+def test_every_action_is_a_celery_task_by_name(cluster: Cluster, script, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Item 8, the names the test above does not send: charlie.reply, charlie.deny,
+    charlie.reconcile, charlie.resume, charlie.fork and charlie.cancel, each sent by name to
+    the workers, each recorded as the operator it names (I27); a resume redelivered (the same
+    message id) resumes once; a fork's id is its message's id, as a submit's is."""
+    from charlie.app import app
+
+    fault = tmp_path / "model-down"
+    fault.write_text("")
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "q", "name": "ask_human", "arguments": {"question": "which key?"}},
+                    {"id": "d", "name": "ledger_write", "arguments": {"key": "never"}},
+                    {"id": "u", "name": "approved_uncertain_write", "arguments": {"key": "cel"}},
+                ]
+            },
+            {
+                "expect": {
+                    "tool_results": [
+                        {"call_id": "q", "outcome": "ok", "contains": "the blue one"},
+                        {"call_id": "d", "outcome": "denied", "contains": "not by celery"},
+                        {"call_id": "u", "outcome": "ok", "contains": "seen-by-celery"},
+                    ]
+                },
+                "raise": "model down",
+                "raise_while": str(fault),
+                "say": "all decided",
+                "tool_calls": [],
+            },
+        ]
+    )
+    slow, slow_ledger = script(
+        [{"say": "never", "tool_calls": []}, {"say": "slow", "sleep": 6, "tool_calls": []}]
+    )
+    task_id = charlie.submit("by name", model=model, task_id=tid(), approve=["ledger_write"])
+
+    def waits_for(call_id: str, kind: str) -> bool:
+        return any(
+            (w.call_id, w.kind) == (call_id, kind) for w in charlie.get_task(task_id).waiting_for
+        )
+
+    wait_for(lambda: waits_for("u", "approval") and waits_for("d", "approval"))
+    charlie.approve(task_id, "u", operator="ana")
+    wait_for(lambda: waits_for("u", "reconcile"), timeout=60)
+
+    who = {"operator": "svc"}
+    app.send_task("charlie.reply", args=[task_id, "q", "the blue one"], kwargs=who)
+    app.send_task("charlie.deny", args=[task_id, "d", "not by celery"], kwargs=who)
+    app.send_task(
+        "charlie.reconcile",
+        args=[task_id, "u", "done"],
+        kwargs={**who, "result": {"written": "seen-by-celery"}, "note": "checked"},
+    )
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.FAILED and "model down" in str(info.error)
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+    fault.unlink()
+    for _ in range(2):  # the same message twice: one resume
+        app.send_task("charlie.resume", args=[task_id], kwargs=who, task_id=f"resume-{task_id}")
+    wait_for(lambda: [a for a in charlie.actions(task_id) if a.action.value == "resume"])
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "all decided"
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 1, 1]
+    assert not [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "write"]
+
+    fork_id = f"fork-{task_id}"
+    app.send_task(
+        "charlie.fork",
+        args=[task_id],
+        kwargs={**who, "turn": 0, "model": slow, "message": "again, slowly"},
+        task_id=fork_id,
+    )
+    wait_for(lambda: [c for c in model_calls(slow_ledger) if c["task_id"] == fork_id])
+    app.send_task("charlie.cancel", args=[fork_id], kwargs={**who, "note": "enough"})
+    assert charlie.wait(fork_id, timeout=60).status is TaskStatus.CANCELED
+    assert [c["turn"] for c in model_calls(slow_ledger)] == [1]
+
+    done = [(a.action.value, a.actor, a.call_id) for a in charlie.actions(task_id)]
+    assert sorted(done) == sorted(
+        [
+            ("approve", "ana", "u"),
+            ("reply", "svc", "q"),
+            ("deny", "svc", "d"),
+            ("reconcile", "svc", "u"),
+            ("resume", "svc", None),
+            ("fork", "svc", None),
+        ]
+    )
+    (canceled,) = charlie.actions(fork_id)
+    assert (canceled.action.value, canceled.actor, canceled.note) == ("cancel", "svc", "enough")
