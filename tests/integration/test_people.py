@@ -418,3 +418,57 @@ def test_a_fork_repeats_nothing_and_leaves_its_source_unchanged(cluster: Cluster
     assert record.detail["fork"] == fork_id
     with pytest.raises(api.ForkRefused, match="not settled"):
         charlie.fork(source, turn=5)
+
+
+def test_a_fork_of_a_waiting_task_runs_another_model_and_the_source_waits_on(
+    cluster: Cluster, script
+) -> None:
+    """I26, whatever the source's state: forked (with another model) while the source waits
+    for an approval, the fork plays only its own turns on its own model; the source's transcript
+    and calls are as they were, its held call still unstarted, and it finishes on its own once
+    approved. The ledger, outside Charlie, shows each write once."""
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "a", "name": "ledger_write", "arguments": {"key": "fw0"}}]},
+            {"tool_calls": [{"id": "w", "name": "approved_write", "arguments": {"key": "fw1"}}]},
+            {"say": "source done", "tool_calls": []},
+        ]
+    )
+    other, other_ledger = script(
+        [
+            {"raise": "a fork never plays its source's turns", "tool_calls": []},
+            {
+                "expect": {
+                    "tool_results": [{"call_id": "a", "outcome": "ok", "contains": "fw0"}],
+                    "contains": ["a different approach"],
+                },
+                "say": "forked on another model",
+                "tool_calls": [],
+            },
+        ]
+    )
+    source = charlie.submit("fork me while I wait", model=model, task_id=tid())
+    wait_for(lambda: any(w.call_id == "w" for w in charlie.get_task(source).waiting_for))
+    before = (charlie.transcript(source), charlie.calls(source))
+
+    fork_id = charlie.fork(
+        source, turn=0, message="a different approach", model=other, task_id=tid()
+    )
+    info = charlie.wait(fork_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.model == other and info.result["answer"] == "forked on another model"
+    assert [c["turn"] for c in model_calls(other_ledger)] == [1]
+    assert charlie.calls(fork_id) == []  # nothing of the source can be dispatched from it
+    # the source is unchanged: still waiting, its held call never started
+    src = charlie.get_task(source)
+    assert src.status is TaskStatus.WAITING and src.model == model
+    assert (charlie.transcript(source), charlie.calls(source)) == before
+    (record,) = [a for a in charlie.actions(source) if a.action.value == "fork"]
+    assert record.detail["fork"] == fork_id and record.detail["model"] == other
+
+    charlie.approve(source, "w")
+    assert charlie.wait(source, timeout=60).status is TaskStatus.SUCCEEDED
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 1, 2]
+    assert [e["key"] for e in ledger_for(source, "write")] == ["fw0"]
+    assert len(ledger_for(source, "approved_write")) == 1
+    assert not ledger_for(fork_id, "write") and not ledger_for(fork_id, "approved_write")
