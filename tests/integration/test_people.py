@@ -472,3 +472,35 @@ def test_a_fork_of_a_waiting_task_runs_another_model_and_the_source_waits_on(
     assert [e["key"] for e in ledger_for(source, "write")] == ["fw0"]
     assert len(ledger_for(source, "approved_write")) == 1
     assert not ledger_for(fork_id, "write") and not ledger_for(fork_id, "approved_write")
+
+
+def test_a_task_failed_by_refused_writes_resumes_at_its_phase(cluster: Cluster, script) -> None:
+    """Item 6: the database refused every write of the first phase until the attempts ran out
+    (poison, the refusal as its last error); once it accepts them, a resume re-enters that phase
+    with a fresh attempt budget and the task finishes, its transcript whole."""
+    from charlie.domain import execution_id_for
+    from tests.integration.test_refused_writes import refuse_transcript_writes, run_sql
+
+    task_id = tid()
+    install, remove = refuse_transcript_writes(execution_id_for(task_id))
+    model, ledger = script([{"say": "written after the resume", "tool_calls": []}])
+    run_sql(install)
+    try:
+        charlie.submit("refused, then resumed", model=model, task_id=task_id)
+        info = charlie.wait(task_id, timeout=90)
+    finally:
+        run_sql(remove)
+    assert info.status is TaskStatus.FAILED
+    assert info.error["type"] == "PoisonMessage"
+    assert "refused by the test trigger" in info.error["last_error"]["message"]
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+
+    record = charlie.resume(task_id, note="the trigger is gone")
+    assert record.detail["from_status"] == "failed"
+    assert record.detail["phase"] == "load_context"
+    assert record.detail["ended_with"]["type"] == "PoisonMessage"
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "written after the resume"
+    assert [c["turn"] for c in model_calls(ledger)] == [0]
+    assert [i.seq for i in charlie.transcript(task_id)] == [0, 1, 2]

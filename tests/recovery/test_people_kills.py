@@ -253,3 +253,36 @@ def test_an_approved_call_held_after_a_kill_takes_its_own_verdict(cluster: Clust
     charlie.reconcile(task_id, "h", "done", result={"written": "ah"})
     assert charlie.wait(task_id, timeout=120).status is TaskStatus.SUCCEEDED
     assert len(ledger_for(task_id, "held_write")) == 1
+
+
+def test_a_poisoned_task_resumes_with_a_fresh_attempt_budget(cluster: Cluster, script) -> None:
+    """Item 6: a model turn whose worker died every time ended the task `failed` (poison, all
+    its attempts used); a resume re-enters that phase with its attempts counted from zero, so
+    the model is called at last, once, and the task finishes."""
+    from tests.conftest import model_calls
+
+    task_id = tid()
+    cluster.set_faults(
+        {
+            "tick.before_work": {
+                "action": "kill",
+                "times": 3,  # the cluster's CHARLIE_MAX_ATTEMPTS
+                "match": {"phase": "call_model", "task_id": task_id},
+            }
+        }
+    )
+    model, ledger = script([{"say": "answered after the resume", "tool_calls": []}])
+    charlie.submit("poisoned, then resumed", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=150)
+    assert info.status is TaskStatus.FAILED
+    assert info.error["type"] == "PoisonMessage" and info.error["phase"] == "call_model"
+    assert cluster.fault_count("tick.before_work") == 3
+    assert model_calls(ledger) == []
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+
+    record = charlie.resume(task_id, operator="ops")
+    assert (record.actor, record.detail["phase"]) == ("ops", "call_model")
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "answered after the resume"
+    assert [c["turn"] for c in model_calls(ledger)] == [0]
