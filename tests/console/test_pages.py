@@ -336,6 +336,11 @@ def test_send_and_cancel_from_the_page(
     assert "message from ui:tester" in text_of(browser, ".row.kind-message")
     wait_for(lambda: len(ledger_for(task_id, "sleep_then.start")) == 2, timeout=30)
     retry(lambda: badge(browser, "long") == "started", timeout=30)
+    # its dispatch state among the open calls: who started it, the lease, the deadline
+    (started,) = [c for c in charlie.calls(task_id) if c.call_id == "long"]
+    open_call = retry(lambda: text_of(browser, '.open-call[data-call="long"]'))
+    assert f"started by {started.started_by}, lease held by {started.lease_owner}" in open_call
+    assert "lease until 20" in open_call and f"deadline {started.deadline_at:%Y-%m-%d}" in open_call
     submit_form(browser, "cancel", {"note": "wrong task"}, "button.cancel")
     assert "cancel done" in flash(browser)
     info = charlie.get_task(task_id)
