@@ -207,7 +207,12 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     assert badge(browser, "err1") == "error"
     assert "the disk is full" in text_of(browser, 'details.call[data-call="err1"]')
     retry(lambda: "held: interrupted" in text_of(browser, '.open-call[data-call="hw"]'))
-    assert "evidence of the interruption" in text_of(browser, '.open-call[data-call="hw"]')
+    held = text_of(browser, '.open-call[data-call="hw"]')
+    assert "evidence of the interruption" in held
+    # in words, what the person is asked to decide and why
+    (hw,) = [c for c in charlie.calls(task_id) if c.call_id == "hw"]
+    assert f"started by {hw.started_by}, its worker stopped before a result was recorded" in held
+    assert "whether it took effect is unknown" in held
     assert "a reconcile verdict on hw" in text_of(browser, "#waiting-for")
     assert css_all(browser, "svg#timeline path.kill")  # the interrupted call, on its worker's lane
     lanes = [t.text for t in css_all(browser, "svg#timeline text.lane-label")]
