@@ -314,7 +314,15 @@ def open_calls(calls: list[api.CallRecord], now: datetime) -> list[OpenCall]:
         elif c.hold == "reply":
             state = "awaiting a reply: queued to no worker"
         elif c.hold == "reconcile":
-            state = "held: interrupted, waits for a verdict (done / not done / unknown)"
+            # what a person needs to decide, in words: the evidence below has the details
+            ev = info.get("evidence", info)
+            ev = ev if isinstance(ev, dict) else {}
+            by = ev.get("started_by") or c.started_by or "a worker"
+            state = (
+                f"held: started by {by}, {ev.get('reason') or 'its worker stopped'} before a "
+                "result was recorded; whether it took effect is unknown. Check, then give a "
+                "verdict: done / not done (run it again) / unknown (report it interrupted)"
+            )
         elif c.state == "started":
             if c.lease_owner:
                 left = (c.lease_until - now).total_seconds() if c.lease_until else None

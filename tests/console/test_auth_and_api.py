@@ -3,16 +3,23 @@ Bearer on /api, forged form posts refused; the JSON API's shapes and its action 
 
 from __future__ import annotations
 
+import os
 import re
+import select
+import signal
+import subprocess
+import sys
+import time
 import uuid
 
+import httpx
 import pytest
 
 import charlie
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
 from tests.console.conftest import OPERATOR, Console
-from tests.support.cluster import Cluster
+from tests.support.cluster import REPO, Cluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,6 +38,92 @@ def held_for_approval(script, key: str) -> str:  # type: ignore[no-untyped-def]
     task_id = charlie.submit("approve over http", model=model, task_id=tid())
     wait_for(lambda: charlie.get_task(task_id).waiting_for, timeout=30)
     return task_id
+
+
+def _started_console(
+    cluster: Cluster, *args: str, **env: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`charlie ui --port 0 ARGS` and the address it printed (its ``http://`` line)."""
+    environment = {**cluster.env, **env}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "charlie", "ui", "--port", "0", *args],
+        env=environment,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    printed = b""
+    deadline = time.monotonic() + 60
+    while b"http://" not in printed or not printed.endswith(b"\n"):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise AssertionError(f"charlie ui printed no address: {printed.decode()}")
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            printed += os.read(proc.stdout.fileno(), 4096)
+    (address,) = re.findall(r"^\s+(http://\S+)", printed.decode(), re.M)
+    return proc, address
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_without_a_token_one_is_generated_and_the_whole_address_printed(
+    cluster: Cluster,
+) -> None:
+    """As Jupyter does: no --token and no CHARLIE_UI_TOKEN, a new token in the printed URL;
+    that URL opens the page it names, and nothing else gets in."""
+    proc, address = _started_console(cluster, "--task", "some-task")
+    try:
+        match = re.fullmatch(r"(http://127\.0\.0\.1:\d+)/tasks/some-task\?token=(\S+)", address)
+        assert match, address
+        base, token = match.groups()
+        assert len(token) >= 32
+        with httpx.Client(base_url=base, follow_redirects=False, timeout=30) as http:
+            assert http.get("/").status_code == 401
+            first = http.get(address.removeprefix(base))
+            assert first.status_code == 303 and first.headers["location"] == "/tasks/some-task"
+            assert http.get("/").status_code == 200  # the session cookie
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(f"{base}/api/tasks", headers=bearer).status_code == 200
+    finally:
+        _stop(proc)
+    # a second console generates another token: the first one's sessions do not carry over
+    again, other = _started_console(cluster)
+    try:
+        assert token not in other
+    finally:
+        _stop(again)
+
+
+def test_the_token_from_charlie_ui_token_is_not_printed(cluster: Cluster) -> None:
+    token = f"from-the-environment-{uuid.uuid4().hex}"
+    proc, address = _started_console(cluster, CHARLIE_UI_TOKEN=token)
+    try:
+        assert token not in address and address.endswith("?token=<the")
+        base = address.split("/?")[0]
+        assert httpx.get(f"{base}/api/tasks").status_code == 401
+        ok = httpx.get(f"{base}/api/tasks", headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and "tasks" in ok.json()
+        wrong = {"Authorization": f"Bearer {token}x"}
+        assert httpx.get(f"{base}/api/tasks", headers=wrong).status_code == 401
+    finally:
+        _stop(proc)
+    short = subprocess.run(
+        [sys.executable, "-m", "charlie", "ui", "--port", "0"],
+        env={**cluster.env, "CHARLIE_UI_TOKEN": "too-short"},
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+    )
+    assert short.returncode != 0 and b"at least 16 characters" in short.stderr + short.stdout
 
 
 def test_nothing_is_served_without_the_token(console: Console, cluster: Cluster) -> None:

@@ -207,7 +207,12 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     assert badge(browser, "err1") == "error"
     assert "the disk is full" in text_of(browser, 'details.call[data-call="err1"]')
     retry(lambda: "held: interrupted" in text_of(browser, '.open-call[data-call="hw"]'))
-    assert "evidence of the interruption" in text_of(browser, '.open-call[data-call="hw"]')
+    held = text_of(browser, '.open-call[data-call="hw"]')
+    assert "evidence of the interruption" in held
+    # in words, what the person is asked to decide and why
+    (hw,) = [c for c in charlie.calls(task_id) if c.call_id == "hw"]
+    assert f"started by {hw.started_by}, its worker stopped before a result was recorded" in held
+    assert "whether it took effect is unknown" in held
     assert "a reconcile verdict on hw" in text_of(browser, "#waiting-for")
     assert css_all(browser, "svg#timeline path.kill")  # the interrupted call, on its worker's lane
     lanes = [t.text for t in css_all(browser, "svg#timeline text.lane-label")]
@@ -336,6 +341,11 @@ def test_send_and_cancel_from_the_page(
     assert "message from ui:tester" in text_of(browser, ".row.kind-message")
     wait_for(lambda: len(ledger_for(task_id, "sleep_then.start")) == 2, timeout=30)
     retry(lambda: badge(browser, "long") == "started", timeout=30)
+    # its dispatch state among the open calls: who started it, the lease, the deadline
+    (started,) = [c for c in charlie.calls(task_id) if c.call_id == "long"]
+    open_call = retry(lambda: text_of(browser, '.open-call[data-call="long"]'))
+    assert f"started by {started.started_by}, lease held by {started.lease_owner}" in open_call
+    assert "lease until 20" in open_call and f"deadline {started.deadline_at:%Y-%m-%d}" in open_call
     submit_form(browser, "cancel", {"note": "wrong task"}, "button.cancel")
     assert "cancel done" in flash(browser)
     info = charlie.get_task(task_id)
@@ -388,6 +398,72 @@ def test_resume_and_fork_from_the_page(
     retry(lambda: "copied from" in text_of(browser, "#transcript"), timeout=30)
     retry(lambda: "try it another way" in text_of(browser, ".row.kind-message"), timeout=30)
     assert len(ledger_for(task_id, "write")) == 1 and not ledger_for(fork_id, "write")
+
+
+def test_a_family_a_deadline_and_a_late_report(
+    console: Console, browser: Any, cluster: Cluster, script, tmp_path: Path
+) -> None:
+    """The header links a parent to its child and back; a parked wait settles `deadline
+    exceeded` at its deadline, and the late report of its outside work appears beside that
+    outcome, live, after the run has finished."""
+    done_file = tmp_path / "outside-work.done"
+    child_model, _ = script([{"say": "compatible", "sleep": 2}])
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {
+                        "id": "d1",
+                        "name": "delegate",
+                        "arguments": {"prompt": "check compatibility", "model": child_model},
+                    },
+                    {"id": "w", "name": "wait_for_file", "arguments": {"path": str(done_file)}},
+                ]
+            },
+            {
+                "tool_calls": [
+                    {
+                        "id": "w1",
+                        "name": "wait_for_task",
+                        "arguments": {"task_id": "{task_id}.0.d1"},
+                    }
+                ]
+            },
+            {"say": "The child says it is compatible.", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("a family", model=model, task_id=tid("family"))
+    child = f"{task_id}.0.d1"
+    open_task(browser, console, task_id)
+    browser.execute_script("window.__samePage = 'yes';")
+    retry(lambda: badge(browser, "w") == "deadline exceeded", timeout=30)
+    retry(lambda: "succeeded" in text_of(browser, "#status"), timeout=60)
+    assert badge(browser, "d1") == "ok" and badge(browser, "w1") == "ok"
+    assert text_of(browser, 'details.call[data-call="w"] .worker').strip() != "-"
+    children = retry(lambda: css_all(browser, ".facts .child a"))
+    assert [a.text for a in children] == [child]
+    assert "succeeded" in text_of(browser, ".facts .child .badge")
+    assert not css_all(browser, 'details.call[data-call="w"] .badge.late')
+
+    # the outside work ends after the deadline: its late report, beside the outcome, live
+    done_file.write_text("finished after the deadline")
+    late = retry(
+        lambda: text_of(browser, 'details.call[data-call="w"] .badge.late').strip(), timeout=40
+    )
+    assert late == "late report: ok, finished after the deadline"
+    assert badge(browser, "w") == "deadline exceeded"  # the first outcome stands (I12)
+    assert browser.execute_script("return window.__samePage") == "yes"
+    css(browser, 'details.call[data-call="w"] summary').click()
+    # the opened row loads the call's whole record: its late report and its deadline
+    full = 'details.call[data-call="w"] .full'
+    retry(lambda: "late reports" in text_of(browser, full))
+    assert "finished after the deadline" in text_of(browser, full)
+    assert "deadline" in text_of(browser, full)
+
+    css(browser, ".facts .child a").click()
+    retry(lambda: child in text_of(browser, ".task-id"))
+    parent = css(browser, ".facts dd a")
+    assert parent.text == task_id and parent.get_attribute("href").endswith(f"/tasks/{task_id}")
 
 
 PAYLOAD = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=1">'
