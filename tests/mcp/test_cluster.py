@@ -76,6 +76,24 @@ def kill_worker_of_call(cluster: Cluster, task_id: str, call_id: str) -> None:
     cluster.kill_pid_group(int(call.started_by.rsplit(":", 1)[1]))
 
 
+def wait_until_workers_listed(cluster: Cluster, server: str) -> None:
+    """Until every live worker's main process has listed ``server``'s tools (its pool
+    processes inherit them), as its log says."""
+
+    def log_of(worker: subprocess.Popen[bytes]) -> Path:
+        args = [str(a) for a in worker.args]  # type: ignore[union-attr]
+        return cluster.home / f"worker-{args[args.index('-n') + 1].split('@')[0]}.log"
+
+    def listed() -> bool:
+        logs = [log_of(w).read_text(errors="replace") for w in cluster.alive_workers()]
+        return bool(logs) and all(
+            f"MCP server {server} ready" in text or f"MCP server {server} is back" in text
+            for text in logs
+        )
+
+    wait_for(listed, timeout=60)
+
+
 def run_charlie(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "charlie", *args],
@@ -322,6 +340,11 @@ def test_a_stdio_server_that_cannot_start_is_a_clear_tool_error(
     cluster: Cluster, mcp_servers: McpServers, script
 ) -> None:
     key = uuid.uuid4().hex[:8]
+    write = "mcp__files__delete_record"
+    # this process and every worker list the server's tools while it is up (run alone, this
+    # test would otherwise find the tool unknown, the server refusing to start by then)
+    assert not api.unknown_tools([write], ())
+    wait_until_workers_listed(cluster, "files")
     mcp_servers.down_flag.touch()
     try:
         # the servers running now die; the next call starts one, which refuses to start
@@ -329,7 +352,6 @@ def test_a_stdio_server_that_cannot_start_is_a_clear_tool_error(
             if started["server"] == "files":
                 kill_mcp_server(int(started["pid"]))
         time.sleep(1.0)
-        write = "mcp__files__delete_record"
         model, _ = script(
             [
                 {"tool_calls": [{"id": "w", "name": write, "arguments": {"key": key}}]},
