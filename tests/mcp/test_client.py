@@ -155,6 +155,49 @@ def test_a_secret_a_server_echoes_never_reaches_the_result(remote: Remote, serve
     assert "the token is ***" in text
 
 
+def test_what_a_stdio_server_writes_to_stderr_reaches_the_log_scrubbed(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A stdio server's stderr is its client's (a worker's log): a server that logs its token
+    there shows ``***`` (issue 15 item 5), and the rest of what it writes is still shown."""
+    config = load(
+        None,
+        json.dumps(
+            {
+                "mcpServers": {
+                    "noisy": {
+                        "command": sys.executable,
+                        "args": [str(MCP_SERVER_SCRIPT)],
+                        "env": {"MCP_TEST_TOKEN": MCP_STDIO_TOKEN, "MCP_TEST_NAME": "noisy"},
+                    }
+                }
+            }
+        ),
+    )
+    tools = Servers(config, timeout=10.0, default_deadline=30.0)
+    connections = tools.connections
+    try:
+        server = config.server("noisy")
+        assert server is not None
+        registry = ToolRegistry()
+        listed = connections.list_tools("noisy")
+        register(registry, [d for t in listed if (d := definition(tools, server, t))])
+        env = ToolEnvironment(registry=registry, workspace=tmp_path / "ws")
+        assert env.run("mcp__noisy__leak").ok
+        seen: list[str] = []
+
+        def logged() -> bool:
+            seen.append(capfd.readouterr().err)
+            return "leak: the token is" in "".join(seen)
+
+        wait_for(logged)
+    finally:
+        connections.close()
+    err = "".join(seen) + capfd.readouterr().err
+    assert MCP_STDIO_TOKEN not in err
+    assert "leak: the token is ***" in err
+
+
 def test_a_stdio_server_that_dies_mid_call_interrupts_a_write_and_fails_a_read(
     remote: Remote,
 ) -> None:
