@@ -146,6 +146,24 @@ def test_a_read_a_write_and_a_tool_error(remote: Remote, server: str) -> None:
     assert failed.outcome is Outcome.ERROR and failed.result["server"] == server
 
 
+def test_one_stdio_server_per_process_and_one_pooled_http_session_serve_every_call(
+    remote: Remote,
+) -> None:
+    """Issue 15 item 5: the calls of one process reuse its stdio server (no process per call)
+    and its HTTP session, whose client keeps its connection for the next request (a session
+    made per call would show a new server process, or a new client port, each time)."""
+    keys = [f"reuse-{i}" for i in range(6)]
+    for key in keys:
+        assert remote.env.run("mcp__files__lookup", key=key).ok
+        assert remote.env.run("mcp__web__lookup", key=key).ok
+    looked = [e for e in entries(remote.ledger, "lookup") if e["key"] in keys]
+    stdio = [e for e in looked if e["server"] == "files"]
+    http = [e for e in looked if e["server"] == "web"]
+    assert len(stdio) == len(http) == len(keys)
+    assert len({e["pid"] for e in stdio}) == 1, stdio  # one server process for them all
+    assert len({e["peer_port"] for e in http}) < len(keys), http  # pooled connections
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_secret_a_server_echoes_never_reaches_the_result(remote: Remote, server: str) -> None:
     leaked = remote.env.run(f"mcp__{server}__leak")

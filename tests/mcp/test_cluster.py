@@ -141,6 +141,40 @@ def test_a_read_and_a_destructive_tool_through_real_workers(
     assert calls["r"].effect == "read" and calls["w"].effect == "write"
 
 
+def test_each_worker_process_starts_its_stdio_server_on_its_first_call_and_keeps_it(
+    cluster: Cluster, mcp_servers: McpServers, script
+) -> None:
+    """Issue 15 item 5: a stdio server is started by the pool process that calls it (not
+    inherited from the main process's listing) and serves that process's later calls: eight
+    calls over at most four pool processes, so some process makes two or more."""
+    keys = [uuid.uuid4().hex[:8] for _ in range(8)]
+    tool = "mcp__files__lookup"
+
+    def turn(part: list[str]) -> list[dict[str, Any]]:
+        return [{"id": k, "name": tool, "arguments": {"key": k}} for k in part]
+
+    model, _ = script(
+        [
+            {"tool_calls": turn(keys[:4])},
+            {"tool_calls": turn(keys[4:])},
+            {"say": "looked", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("look eight times", model=model, tools=[tool], task_id=tid())
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    servers_of: dict[int, set[int]] = {}
+    for call in charlie.calls(task_id):
+        assert call.outcome == "ok" and call.started_by is not None
+        worker = int(call.started_by.rsplit(":", 1)[1])
+        (looked,) = entries(mcp_servers, "lookup", call.call_id)
+        assert looked["ppid"] == worker, (looked, call.started_by)  # its own child
+        servers_of.setdefault(worker, set()).add(int(looked["pid"]))
+    assert sum(len(s) for s in servers_of.values()) == len(servers_of), servers_of  # one each
+    calls_of = [c.started_by for c in charlie.calls(task_id)]
+    assert max(calls_of.count(c) for c in calls_of) >= 2  # (so one was reused)
+
+
 def test_submit_checks_mcp_tool_names(cluster: Cluster, mcp_servers: McpServers, script) -> None:
     model, _ = script([{"say": "x", "tool_calls": []}])
     with pytest.raises(api.UnknownToolError, match="mcp__files__nope"):

@@ -53,7 +53,10 @@ def record(event: str, **fields: Any) -> None:
     path = os.environ.get("MCP_TEST_LEDGER")
     if not path:
         return
-    line = {"event": event, "server": NAME, "pid": os.getpid(), "t": time.time(), **fields}
+    line = {
+        "event": event, "server": NAME, "pid": os.getpid(), "ppid": os.getppid(),
+        "t": time.time(), **fields,
+    }  # fmt: skip
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
         f.flush()
@@ -239,14 +242,21 @@ class Tasks(Extension):
         self._done(task_id, f"job {key} {'approved' if approved else 'refused'}")
 
 
+def connection_of(ctx: Context) -> dict[str, Any]:
+    """Over HTTP, which connection (the client's port) a request came on: how a test sees
+    its client pool them."""
+    client = getattr(ctx.request_context.request, "client", None)
+    return {} if client is None else {"peer_port": client.port}
+
+
 tasks = Tasks()
 server = MCPServer(NAME, extensions=[tasks], log_level="WARNING")
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
-def lookup(key: str, hold: float = 0.0) -> str:
+def lookup(key: str, ctx: Context, hold: float = 0.0) -> str:
     """Look a key up in the test store."""
-    record("lookup", key=key)
+    record("lookup", key=key, **connection_of(ctx))
     time.sleep(hold)
     return f"{key}=v-{key}"
 
