@@ -31,11 +31,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TextIO, TypeVar
 
 import mcp_types
 from mcp import Client, StdioServerParameters
 from mcp.client import ClaimContext, ClientExtension, ResultClaim
+from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from pydantic import ConfigDict, TypeAdapter, ValidationError
@@ -166,6 +167,34 @@ def describe(exc: BaseException) -> str:
     return fallback or type(exc).__name__
 
 
+def _scrubbed_stderr(server: ServerConfig, stack: AsyncExitStack) -> TextIO:
+    """A stdio server's stderr: a pipe whose lines a thread writes on to this process's own
+    (fd 2, where the server's would have gone: a worker's log) with the configuration's
+    secrets blanked, so a server that logs its token does not put it in Charlie's logs (issue
+    15 item 5). The pipe's write end is the server's alone once the session ends (the reader
+    then sees the end of the pipe when the server exits)."""
+    read_fd, write_fd = os.pipe()  # (not inherited by any other child: O_CLOEXEC)
+    writer = os.fdopen(write_fd, "w")
+    stack.callback(writer.close)
+    scrub = McpConfig(servers=(server,)).scrub
+    threading.Thread(
+        target=_forward, args=(read_fd, scrub), name=f"charlie-mcp-stderr-{server.name}",
+        daemon=True,
+    ).start()  # fmt: skip
+    return writer
+
+
+def _forward(read_fd: int, scrub: Callable[[str], str]) -> None:
+    with os.fdopen(read_fd, "rb") as lines:
+        for line in lines:
+            data = scrub(line.decode(errors="replace")).encode()
+            try:
+                while data:
+                    data = data[os.write(2, data) :]
+            except OSError:
+                pass  # no stderr here: what the server says is dropped, as it would be
+
+
 async def _listing(client: Client) -> list[mcp_types.Tool]:
     tools: list[mcp_types.Tool] = []
     cursor: str | None = None
@@ -263,7 +292,8 @@ class _Link:
             params = StdioServerParameters(
                 command=s.command, args=list(s.args), env=dict(s.env) or None, cwd=s.cwd
             )
-            return Client(params, extensions=[TasksExtension()])
+            transport = stdio_client(params, errlog=_scrubbed_stderr(s, stack))
+            return Client(transport, extensions=[TasksExtension()])
         import httpx2
 
         http = httpx2.AsyncClient(

@@ -146,6 +146,24 @@ def test_a_read_a_write_and_a_tool_error(remote: Remote, server: str) -> None:
     assert failed.outcome is Outcome.ERROR and failed.result["server"] == server
 
 
+def test_one_stdio_server_per_process_and_one_pooled_http_session_serve_every_call(
+    remote: Remote,
+) -> None:
+    """Issue 15 item 5: the calls of one process reuse its stdio server (no process per call)
+    and its HTTP session, whose client keeps its connection for the next request (a session
+    made per call would show a new server process, or a new client port, each time)."""
+    keys = [f"reuse-{i}" for i in range(6)]
+    for key in keys:
+        assert remote.env.run("mcp__files__lookup", key=key).ok
+        assert remote.env.run("mcp__web__lookup", key=key).ok
+    looked = [e for e in entries(remote.ledger, "lookup") if e["key"] in keys]
+    stdio = [e for e in looked if e["server"] == "files"]
+    http = [e for e in looked if e["server"] == "web"]
+    assert len(stdio) == len(http) == len(keys)
+    assert len({e["pid"] for e in stdio}) == 1, stdio  # one server process for them all
+    assert len({e["peer_port"] for e in http}) < len(keys), http  # pooled connections
+
+
 @pytest.mark.parametrize("server", SERVERS)
 def test_a_secret_a_server_echoes_never_reaches_the_result(remote: Remote, server: str) -> None:
     leaked = remote.env.run(f"mcp__{server}__leak")
@@ -153,6 +171,49 @@ def test_a_secret_a_server_echoes_never_reaches_the_result(remote: Remote, serve
     text = json.dumps(leaked.result)
     assert MCP_STDIO_TOKEN not in text and MCP_HTTP_TOKEN not in text
     assert "the token is ***" in text
+
+
+def test_what_a_stdio_server_writes_to_stderr_reaches_the_log_scrubbed(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A stdio server's stderr is its client's (a worker's log): a server that logs its token
+    there shows ``***`` (issue 15 item 5), and the rest of what it writes is still shown."""
+    config = load(
+        None,
+        json.dumps(
+            {
+                "mcpServers": {
+                    "noisy": {
+                        "command": sys.executable,
+                        "args": [str(MCP_SERVER_SCRIPT)],
+                        "env": {"MCP_TEST_TOKEN": MCP_STDIO_TOKEN, "MCP_TEST_NAME": "noisy"},
+                    }
+                }
+            }
+        ),
+    )
+    tools = Servers(config, timeout=10.0, default_deadline=30.0)
+    connections = tools.connections
+    try:
+        server = config.server("noisy")
+        assert server is not None
+        registry = ToolRegistry()
+        listed = connections.list_tools("noisy")
+        register(registry, [d for t in listed if (d := definition(tools, server, t))])
+        env = ToolEnvironment(registry=registry, workspace=tmp_path / "ws")
+        assert env.run("mcp__noisy__leak").ok
+        seen: list[str] = []
+
+        def logged() -> bool:
+            seen.append(capfd.readouterr().err)
+            return "leak: the token is" in "".join(seen)
+
+        wait_for(logged)
+    finally:
+        connections.close()
+    err = "".join(seen) + capfd.readouterr().err
+    assert MCP_STDIO_TOKEN not in err
+    assert "leak: the token is ***" in err
 
 
 def test_a_stdio_server_that_dies_mid_call_interrupts_a_write_and_fails_a_read(

@@ -76,6 +76,24 @@ def kill_worker_of_call(cluster: Cluster, task_id: str, call_id: str) -> None:
     cluster.kill_pid_group(int(call.started_by.rsplit(":", 1)[1]))
 
 
+def wait_until_workers_listed(cluster: Cluster, server: str) -> None:
+    """Until every live worker's main process has listed ``server``'s tools (its pool
+    processes inherit them), as its log says."""
+
+    def log_of(worker: subprocess.Popen[bytes]) -> Path:
+        args = [str(a) for a in worker.args]  # type: ignore[union-attr]
+        return cluster.home / f"worker-{args[args.index('-n') + 1].split('@')[0]}.log"
+
+    def listed() -> bool:
+        logs = [log_of(w).read_text(errors="replace") for w in cluster.alive_workers()]
+        return bool(logs) and all(
+            f"MCP server {server} ready" in text or f"MCP server {server} is back" in text
+            for text in logs
+        )
+
+    wait_for(listed, timeout=60)
+
+
 def run_charlie(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "charlie", *args],
@@ -121,6 +139,40 @@ def test_a_read_and_a_destructive_tool_through_real_workers(
     assert len(entries(mcp_servers, "lookup", key)) == 1
     calls = {c.call_id: c for c in charlie.calls(task_id)}
     assert calls["r"].effect == "read" and calls["w"].effect == "write"
+
+
+def test_each_worker_process_starts_its_stdio_server_on_its_first_call_and_keeps_it(
+    cluster: Cluster, mcp_servers: McpServers, script
+) -> None:
+    """Issue 15 item 5: a stdio server is started by the pool process that calls it (not
+    inherited from the main process's listing) and serves that process's later calls: eight
+    calls over at most four pool processes, so some process makes two or more."""
+    keys = [uuid.uuid4().hex[:8] for _ in range(8)]
+    tool = "mcp__files__lookup"
+
+    def turn(part: list[str]) -> list[dict[str, Any]]:
+        return [{"id": k, "name": tool, "arguments": {"key": k}} for k in part]
+
+    model, _ = script(
+        [
+            {"tool_calls": turn(keys[:4])},
+            {"tool_calls": turn(keys[4:])},
+            {"say": "looked", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("look eight times", model=model, tools=[tool], task_id=tid())
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    servers_of: dict[int, set[int]] = {}
+    for call in charlie.calls(task_id):
+        assert call.outcome == "ok" and call.started_by is not None
+        worker = int(call.started_by.rsplit(":", 1)[1])
+        (looked,) = entries(mcp_servers, "lookup", call.call_id)
+        assert looked["ppid"] == worker, (looked, call.started_by)  # its own child
+        servers_of.setdefault(worker, set()).add(int(looked["pid"]))
+    assert sum(len(s) for s in servers_of.values()) == len(servers_of), servers_of  # one each
+    calls_of = [c.started_by for c in charlie.calls(task_id)]
+    assert max(calls_of.count(c) for c in calls_of) >= 2  # (so one was reused)
 
 
 def test_submit_checks_mcp_tool_names(cluster: Cluster, mcp_servers: McpServers, script) -> None:
@@ -322,6 +374,11 @@ def test_a_stdio_server_that_cannot_start_is_a_clear_tool_error(
     cluster: Cluster, mcp_servers: McpServers, script
 ) -> None:
     key = uuid.uuid4().hex[:8]
+    write = "mcp__files__delete_record"
+    # this process and every worker list the server's tools while it is up (run alone, this
+    # test would otherwise find the tool unknown, the server refusing to start by then)
+    assert not api.unknown_tools([write], ())
+    wait_until_workers_listed(cluster, "files")
     mcp_servers.down_flag.touch()
     try:
         # the servers running now die; the next call starts one, which refuses to start
@@ -329,7 +386,6 @@ def test_a_stdio_server_that_cannot_start_is_a_clear_tool_error(
             if started["server"] == "files":
                 kill_mcp_server(int(started["pid"]))
         time.sleep(1.0)
-        write = "mcp__files__delete_record"
         model, _ = script(
             [
                 {"tool_calls": [{"id": "w", "name": write, "arguments": {"key": key}}]},

@@ -7,11 +7,12 @@ from ``MCP_TEST_TOKEN`` (its config's ``env``); an HTTP server refuses any reque
 ``Authorization: Bearer $MCP_TEST_TOKEN`` (its config's ``headers``).
 
 Tools: ``lookup`` (read-only), ``delete_record`` (destructive; ``hold`` keeps it running after
-its ledger entry), ``fails`` (a tool error), ``leak`` (answers with the token, to show Charlie
-blanks it), ``confirm_delete`` (asks for input: ``input_required``), ``unhinted`` (no
-annotations), and, through the tasks extension (SEP-2663, served here since the SDK has no
-server side for it): ``slow_job`` (answered with a task, polled by ``tasks/get``) and
-``approve_job`` (a task that needs input, answered with ``tasks/update``).
+its ledger entry), ``fails`` (a tool error), ``leak`` (answers with the token, and over stdio
+writes it to stderr, to show Charlie blanks it), ``confirm_delete`` (asks for input:
+``input_required``), ``unhinted`` (no annotations), and, through the tasks extension
+(SEP-2663, served here since the SDK has no server side for it): ``slow_job`` (answered
+with a task, polled by ``tasks/get``) and ``approve_job`` (a task that needs input, answered
+with ``tasks/update``).
 
 Imports only the SDK and the standard library: a stdio server gets a bare environment.
 """
@@ -44,13 +45,18 @@ NAME = os.environ.get("MCP_TEST_NAME", "testsrv")
 TOKEN = os.environ.get("MCP_TEST_TOKEN", "")
 TASKS = "io.modelcontextprotocol/tasks"
 TASK_TOOLS = ("slow_job", "approve_job")
+#: served over stdio (not --http): what it writes to stderr goes to its client's log.
+STDIO = "--http" not in sys.argv
 
 
 def record(event: str, **fields: Any) -> None:
     path = os.environ.get("MCP_TEST_LEDGER")
     if not path:
         return
-    line = {"event": event, "server": NAME, "pid": os.getpid(), "t": time.time(), **fields}
+    line = {
+        "event": event, "server": NAME, "pid": os.getpid(), "ppid": os.getppid(),
+        "t": time.time(), **fields,
+    }  # fmt: skip
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
         f.flush()
@@ -236,14 +242,21 @@ class Tasks(Extension):
         self._done(task_id, f"job {key} {'approved' if approved else 'refused'}")
 
 
+def connection_of(ctx: Context) -> dict[str, Any]:
+    """Over HTTP, which connection (the client's port) a request came on: how a test sees
+    its client pool them."""
+    client = getattr(ctx.request_context.request, "client", None)
+    return {} if client is None else {"peer_port": client.port}
+
+
 tasks = Tasks()
 server = MCPServer(NAME, extensions=[tasks], log_level="WARNING")
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
-def lookup(key: str, hold: float = 0.0) -> str:
+def lookup(key: str, ctx: Context, hold: float = 0.0) -> str:
     """Look a key up in the test store."""
-    record("lookup", key=key)
+    record("lookup", key=key, **connection_of(ctx))
     time.sleep(hold)
     return f"{key}=v-{key}"
 
@@ -266,6 +279,9 @@ def fails(message: str) -> str:
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
 def leak() -> str:
     """Answer with the server's token (a server that leaks a secret)."""
+    if STDIO:
+        # and log it, as a careless server does: a stdio server's stderr is its client's
+        print(f"leak: the token is {TOKEN}", file=sys.stderr, flush=True)
     return f"the token is {TOKEN}"
 
 
