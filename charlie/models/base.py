@@ -125,12 +125,7 @@ def render_tool_result(outcome: Outcome, result: Any) -> str:
         return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
     detail = result if isinstance(result, dict) else {"detail": result}
     if outcome is Outcome.INTERRUPTED:
-        return (
-            "INTERRUPTED: this tool call was started (at "
-            f"{detail.get('started_at')} by {detail.get('started_by')}) but its worker stopped "
-            "before a result was recorded. Charlie cannot tell whether it took effect, and did "
-            "not run it again. Check the state before repeating it."
-        )
+        return _render_interrupted(detail)
     if outcome is Outcome.DEADLINE_EXCEEDED:
         return (
             f"DEADLINE EXCEEDED: no result within {detail.get('deadline_seconds')} s. The work "
@@ -144,3 +139,40 @@ def render_tool_result(outcome: Outcome, result: Any) -> str:
             "This call was not run."
         )
     return f"ERROR: {detail.get('error', detail)}"
+
+
+def _quoted(value: Any) -> str:
+    """Text the model must read as data, not as instructions (a tool's own message, a
+    person's note or name: attacker-controlled): one JSON string literal, quotes and newlines
+    escaped, as an ``ok`` result's JSON is."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _render_interrupted(detail: dict[str, Any]) -> str:
+    """What is known of an interrupted call, from whoever said it was: its worker stopped (the
+    evidence says where it started), its handler raised ``Interrupted`` (its message), or a
+    person looked at a held call and could not tell (``reconcile(..., "unknown")``)."""
+    started = "started_at" in detail  # the evidence of a worker that stopped (I10)
+    if started:
+        what = (
+            f"was started (at {detail.get('started_at')} by {detail.get('started_by')}) but "
+            "its worker stopped before a result was recorded."
+        )
+    elif "error" in detail:
+        what = f"was interrupted; the tool reported: {_quoted(detail['error'])}."
+    else:
+        what = "was interrupted before a result was recorded."
+    if detail.get("reconciled") == "unknown":
+        note = detail.get("note")
+        return (
+            f"INTERRUPTED: this tool call {what} It was held for a person: the operator "
+            f"{_quoted(detail.get('by') or 'unknown')} looked and could not tell whether it "
+            "took effect"
+            + (f"; their note: {_quoted(note)}." if note else " (no note).")
+            + " Charlie did not run it again. Check the state before repeating it."
+        )
+    return (
+        f"INTERRUPTED: this tool call {what} Charlie cannot tell whether it took effect, and "
+        "did not run it again. Check the state before repeating it."
+    )

@@ -29,7 +29,7 @@ class WorkspaceEscape(ToolError):
 class Interrupted(ToolError):
     """The tool cannot tell what became of work an earlier attempt of this call may have
     started (I10): the call settles ``interrupted`` with these details as its evidence, and the
-    model sees it like any interrupted call. Never a reason to start the work again."""
+    model is shown the message, quoted. Never a reason to start the work again."""
 
 
 class LeaseLost(ToolError):
