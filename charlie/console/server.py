@@ -308,21 +308,40 @@ def refusal(exc: Exception) -> tuple[int, str] | None:
     return None
 
 
+#: what each action did, in the sentence the page shows after it
+DID = {
+    "approve": "approved",
+    "deny": "denied",
+    "reply": "answered",
+    "reconcile": "reconciled",
+    "send": "sent",
+    "cancel": "canceled",
+    "resume": "resumed",
+    "fork": "forked",
+}
+
+
 def describe(record: Any) -> str:
-    """An action's result, as the page shows it after the action."""
-    text = str(record.describe())
-    if record.call_id:
-        text += f", call {record.call_id}"
+    """An action's result, as the page shows it after the action: one sentence saying who did
+    what to which call, and when (the record, I27)."""
+    action = record.action.value
     detail = record.detail or {}
-    if record.action.value == "fork" and detail.get("fork"):
-        text += f": new task {detail['fork']}"
-    elif record.action.value == "send":
-        text += f": message {detail.get('message_id')}, taken in at the next turn boundary"
-    elif record.action.value == "reconcile" and detail.get("repeat"):
-        text += ": dispatched again under the same call id"
+    what = f"call {record.call_id}" if record.call_id else "the task"
+    if action == "send":
+        what = f"message {detail.get('message_id')}"
+    text = f"{record.actor} {DID.get(action, action)} {what}"
+    if action == "reconcile" and detail.get("verdict"):
+        text += f" as {str(detail['verdict']).replace('_', ' ')}"
+    text += f" at {record.at.isoformat(timespec='seconds')}"
+    if action == "fork" and detail.get("fork"):
+        text += f" into new task {detail['fork']}"
+    elif action == "send":
+        text += "; it enters at the next turn boundary"
+    elif action == "reconcile" and detail.get("repeat"):
+        text += "; it is dispatched again under the same call id"
     elif detail.get("late"):
-        text += ": the question had already settled, recorded as a late report"
-    return text
+        text += "; the question had already settled, so it is recorded as a late report"
+    return text + "."
 
 
 # -- handlers -----------------------------------------------------------------------------------

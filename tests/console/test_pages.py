@@ -120,7 +120,21 @@ def submit_form(driver: Any, form: str, fields: dict[str, str], button: str = "b
 
 
 def flash(driver: Any) -> str:
-    return text_of(driver, "#result")
+    return " ".join(text_of(driver, "#result").split())
+
+
+def said(record: Any, did: str, rest: str = "") -> str:
+    """The one sentence a page shows after an action (issue 14): who did what, when."""
+    return f"{record.actor} {did} at {record.at.isoformat(timespec='seconds')}{rest}."
+
+
+def action_of(task_id: str, action: str, call_id: str | None = None) -> Any:
+    (record,) = [
+        a
+        for a in charlie.actions(task_id)
+        if a.action.value == action and (call_id is None or a.call_id == call_id)
+    ]
+    return record
 
 
 # -- a run with every kind of call ------------------------------------------------------------
@@ -227,7 +241,9 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
         {"note": "the row is in the ledger", "result": result},
         'button[value="done"]',
     )
-    assert "reconcile done" in flash(browser)
+    # one sentence, not "reconcile done: reconcile done by ..." (issue 14)
+    reconciled = action_of(task_id, "reconcile", "hw")
+    assert flash(browser) == said(reconciled, "reconciled call hw as done")
     call = {c.call_id: c for c in charlie.calls(task_id)}["hw"]
     assert call.outcome == "ok" and call.result == {"written": key, "checked": "by hand"}
 
@@ -236,15 +252,15 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     retry(lambda: css(browser, 'form[data-key="deny-ap2"]'), timeout=30)
     screenshot(browser, screenshots, "task-awaiting-approval")
     submit_form(browser, "approve-ap1", {"note": "looks right"}, "button.approve")
-    assert "approve done" in flash(browser)
+    assert flash(browser) == said(action_of(task_id, "approve"), "approved call ap1")
     submit_form(browser, "deny-ap2", {"reason": "not today"}, "button.deny")
-    assert "deny done" in flash(browser)
+    assert flash(browser) == said(action_of(task_id, "deny"), "denied call ap2")
 
     # the question arrives live; answer it
     retry(lambda: css(browser, 'form[data-key="reply-q"]'), timeout=60)
     assert "Which branch?" in text_of(browser, '.open-call[data-call="q"]')
     submit_form(browser, "reply-q", {"text": "main"}, "button.reply")
-    assert "reply done" in flash(browser)
+    assert flash(browser) == said(action_of(task_id, "reply"), "answered call q")
 
     info = charlie.wait(task_id, timeout=60)
     assert info.status is TaskStatus.SUCCEEDED, info.error
@@ -333,8 +349,12 @@ def test_send_and_cancel_from_the_page(
     wait_for(lambda: ledger_for(task_id, "sleep_then.start"), timeout=30)
     open_task(browser, console, task_id)
     submit_form(browser, "send", {"text": "please also check the logs"}, "button.send")
-    assert "send done" in flash(browser)
     (sent,) = [a for a in charlie.actions(task_id) if a.action.value == "send"]
+    assert flash(browser) == said(
+        sent,
+        f"sent message {sent.detail['message_id']}",
+        "; it enters at the next turn boundary",
+    )
     assert sent.actor == ACTOR
     # the message enters at the turn boundary: its row appears live
     retry(lambda: "also check the logs" in text_of(browser, ".row.kind-message"), timeout=30)
@@ -347,7 +367,7 @@ def test_send_and_cancel_from_the_page(
     assert f"started by {started.started_by}, lease held by {started.lease_owner}" in open_call
     assert "lease until 20" in open_call and f"deadline {started.deadline_at:%Y-%m-%d}" in open_call
     submit_form(browser, "cancel", {"note": "wrong task"}, "button.cancel")
-    assert "cancel done" in flash(browser)
+    assert flash(browser) == said(action_of(task_id, "cancel"), "canceled the task")
     info = charlie.get_task(task_id)
     assert info.status is TaskStatus.CANCELED
     (record,) = [a for a in charlie.actions(task_id) if a.action.value == "cancel"]
@@ -379,7 +399,7 @@ def test_resume_and_fork_from_the_page(
     assert "the model is down" in text_of(browser, ".error-box")
     fault.unlink()
     submit_form(browser, "resume", {"note": "the model is back"}, "button.resume")
-    assert "resume done" in flash(browser)
+    assert flash(browser) == said(action_of(task_id, "resume"), "resumed the task")
     assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
     (resumed,) = [a for a in charlie.actions(task_id) if a.action.value == "resume"]
     assert resumed.actor == ACTOR and resumed.detail["phase"] == "call_model"
@@ -387,10 +407,12 @@ def test_resume_and_fork_from_the_page(
 
     retry(lambda: css(browser, 'form[data-key="fork"]'))
     submit_form(browser, "fork", {"turn": "0", "message": "try it another way"}, "button.fork")
-    assert "fork done" in flash(browser)
     link = css(browser, "#result-link")
     fork_id = link.text.removeprefix("open ").strip()
     (forked,) = [a for a in charlie.actions(task_id) if a.action.value == "fork"]
+    assert flash(browser) == said(forked, "forked the task", f" into new task {fork_id}") + (
+        f" — open {fork_id}"
+    )
     assert forked.detail["fork"] == fork_id and forked.actor == ACTOR
     link.click()
     retry(lambda: fork_id in text_of(browser, ".task-id"))
