@@ -99,6 +99,46 @@ def call_state(call: api.CallRecord) -> tuple[str, str]:
     return "pending", "pending"
 
 
+#: how a person's verdict is recorded as a call's settler (charlie.people): ``operator:NAME``
+PERSON_PREFIX = "operator:"
+
+
+def decided_by(call: api.CallRecord) -> str | None:
+    """A person's verdict that settled a call, as a person reads it: what they did and their
+    name (``denied by ui:ana``, not the record's ``operator:ui:ana``); None when no person
+    settled it."""
+    by = call.settled_by or ""
+    if not by.startswith(PERSON_PREFIX):
+        return None
+    name = by[len(PERSON_PREFIX) :]
+    if call.outcome == "denied":
+        return f"denied by {name}"
+    if call.started_at is None:
+        return f"answered by {name}"
+    return f"reconciled by {name}"
+
+
+def held_for_verdict(call: api.CallRecord) -> tuple[float, float] | None:
+    """A call a person settled after it was held for a verdict: (ms it ran before it was held,
+    ms it was held), so its run time is not read as the time it waited for a person."""
+    info = call.hold_info if isinstance(call.hold_info, dict) else {}
+    try:
+        held_at = datetime.fromisoformat(str(info.get("held_at")))
+    except ValueError:
+        return None
+    if (
+        call.started_at is None
+        or call.settled_at is None
+        or not (call.settled_by or "").startswith(PERSON_PREFIX)
+        or not call.started_at <= held_at <= call.settled_at
+    ):
+        return None
+    ran = (held_at - call.started_at).total_seconds() * 1000
+    if call.duration_ms is not None:
+        ran = call.duration_ms
+    return ran, (call.settled_at - held_at).total_seconds() * 1000
+
+
 @dataclass(frozen=True)
 class CallView:
     """One tool call with its result and evidence."""
@@ -138,17 +178,26 @@ def call_view(
     wall = None
     if call.started_at is not None and call.settled_at is not None:
         wall = (call.settled_at - call.started_at).total_seconds() * 1000
+    held = held_for_verdict(call)
+    took = f"{span(wall)} from start to settle; handler {span(call.duration_ms)}"
+    duration = span(wall if wall is not None else call.duration_ms)
+    if held is not None:
+        took = f"{span(held[0])} from start until held; held {span(held[1])} for a verdict"
+        duration = f"{span(held[0])}, held {span(held[1])}"
+    # a person's verdict says so beside the worker that ran it (if one did)
+    person = decided_by(call)
+    worker = " · ".join(w for w in (call.started_by, person) if w) or call.settled_by or "-"
     evidence = (
         []
         if not full
         else [
             ("call", f"{call.call_id} (turn {call.turn}, #{call.index})"),
-            ("took", f"{span(wall)} from start to settle; handler {span(call.duration_ms)}"),
+            ("took", took),
             ("effect", call.effect + (", resumable" if call.resumable else "")),
             ("state", call.state + (f", held for {call.hold}" if call.hold else "")),
             ("queued", when(call.queued_at)),
             ("started", f"{when(call.started_at)} by {call.started_by or '-'}"),
-            ("settled", f"{when(call.settled_at)} by {call.settled_by or '-'}"),
+            ("settled", f"{when(call.settled_at)} {person or 'by ' + (call.settled_by or '-')}"),
             ("deadline", when(call.deadline_at)),
             ("attempts", str(call.attempts)),
         ]
@@ -169,8 +218,8 @@ def call_view(
         arguments=pretty(call.arguments) if full else "",
         badge=badge,
         badge_class=badge_class,
-        duration=span(wall if wall is not None else call.duration_ms),
-        worker=call.started_by or (call.settled_by or "-"),
+        duration=duration,
+        worker=worker,
         finish_order=call.finish_order,
         late=late,
         result_short=short(call.result, 120) if call.result is not None else "",
@@ -295,7 +344,8 @@ class OpenCall:
     needs: str | None
     question: str | None
     evidence: str | None
-    deadline: str
+    #: "deadline <when>", what stands in for one while it waits for a person, or None
+    deadline: str | None
     lines: list[str] = field(default_factory=list)
 
 
@@ -351,11 +401,21 @@ def open_calls(calls: list[api.CallRecord], now: datetime) -> list[OpenCall]:
                 needs=c.hold,
                 question=str(info.get("question")) if c.hold == "reply" else None,
                 evidence=evidence,
-                deadline=when(c.deadline_at),
+                deadline=_deadline(c),
                 lines=lines,
             )
         )
     return found
+
+
+def _deadline(call: api.CallRecord) -> str | None:
+    if call.deadline_at is not None:
+        return f"deadline {when(call.deadline_at)}"
+    if call.hold == "reconcile":
+        return "no deadline: waits for a verdict"
+    if call.hold == "approval":
+        return "no deadline yet: it counts from the approve"
+    return None
 
 
 def settled_turns(info: api.TaskInfo, entries: list[api.TranscriptEntry]) -> list[int]:

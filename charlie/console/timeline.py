@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from charlie import api
-from charlie.console.rows import OUTCOME_LABELS, clock, span
+from charlie.console.rows import OUTCOME_LABELS, clock, decided_by, span
 
 WIDTH = 1000
 LABEL = 150
@@ -176,7 +176,8 @@ def build(
             css = f"call outcome-{outcome}"
             title = (
                 f"{c.name} ({c.call_id}, turn {c.turn}): {label}; started {clock(c.started_at)} "
-                f"by {c.started_by}, settled {clock(c.settled_at)} by {c.settled_by or '-'}"
+                f"by {c.started_by}, settled {clock(c.settled_at)} "
+                + (decided_by(c) or f"by {c.settled_by or '-'}")
             )
             if held_at:
                 title += f"; interrupted and held for a verdict at {clock(held_at)}"

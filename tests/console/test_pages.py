@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,8 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     (hw,) = [c for c in charlie.calls(task_id) if c.call_id == "hw"]
     assert f"started by {hw.started_by}, its worker stopped before a result was recorded" in held
     assert "whether it took effect is unknown" in held
+    # held, it has no deadline: the line says what it waits for, not "deadline -"
+    assert "no deadline: waits for a verdict" in held and "deadline -" not in held
     assert "a reconcile verdict on hw" in text_of(browser, "#waiting-for")
     assert css_all(browser, "svg#timeline path.kill")  # the interrupted call, on its worker's lane
     lanes = [t.text for t in css_all(browser, "svg#timeline text.lane-label")]
@@ -246,10 +249,25 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     assert flash(browser) == said(reconciled, "reconciled call hw as done")
     call = {c.call_id: c for c in charlie.calls(task_id)}["hw"]
     assert call.outcome == "ok" and call.result == {"written": key, "checked": "by hand"}
+    # its row says who settled it, and its run time apart from the time it was held
+    ran = datetime.fromisoformat(call.hold_info["held_at"]) - call.started_at
+    waited = call.settled_at - datetime.fromisoformat(call.hold_info["held_at"])
+    assert waited.total_seconds() > 0.5  # it sat held while the page was read and the form sent
+    row = 'details.call[data-call="hw"] summary'
+    retry(lambda: "reconciled by" in text_of(browser, f"{row} .worker"), timeout=30)
+    assert (
+        text_of(browser, f"{row} .worker").strip() == f"{call.started_by} · reconciled by {ACTOR}"
+    )
+    dur = text_of(browser, f"{row} .dur").strip()
+    assert dur.startswith(f"{ran.total_seconds():.1f} s, held "), (dur, ran, waited)
+    assert dur != f"{(call.settled_at - call.started_at).total_seconds():.1f} s"
 
     # two approvals arrive live; approve one, deny the other
     retry(lambda: css(browser, 'form[data-key="approve-ap1"]'), timeout=60)
     retry(lambda: css(browser, 'form[data-key="deny-ap2"]'), timeout=30)
+    assert "no deadline yet: it counts from the approve" in text_of(
+        browser, '.open-call[data-call="ap1"]'
+    )
     screenshot(browser, screenshots, "task-awaiting-approval")
     submit_form(browser, "approve-ap1", {"note": "looks right"}, "button.approve")
     assert flash(browser) == said(action_of(task_id, "approve"), "approved call ap1")
@@ -282,6 +300,15 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     # the finished run, live: the final answer row and every outcome
     retry(lambda: "Done on main." in text_of(browser, ".row.kind-final"), timeout=30)
     assert badge(browser, "ap2") == "denied"
+    # a person's verdict is shown as theirs: no worker, and no "operator:" before "ui:"
+    retry(lambda: "answered by" in text_of(browser, 'details.call[data-call="q"] .worker'))
+    assert text_of(browser, 'details.call[data-call="ap2"] .worker').strip() == (
+        f"denied by {ACTOR}"
+    )
+    assert text_of(browser, 'details.call[data-call="q"] .worker').strip() == (
+        f"answered by {ACTOR}"
+    )
+    assert "operator:" not in text_of(browser, "#transcript")
     assert retry(lambda: text_of(browser, "#status").strip() == "succeeded")
     log = text_of(browser, ".actions-log")
     assert "reconcile done by ui:tester" in log and "deny by ui:tester" in log
