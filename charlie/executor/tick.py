@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from charlie import faults, pricing
 from charlie.domain import (
     CallState,
+    CallView,
     Effect,
     ItemKind,
     Outcome,
@@ -126,10 +127,21 @@ class StartCall:
 Follow = NextTick | NextCall | StartCall
 
 
-def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
+def _view(
+    conn: Connection,
+    claim: runs.Claim,
+    now: datetime,
+    known_calls: list[CallView] | None = None,
+) -> RunView:
+    """``known_calls``: the turn's calls as this transaction holds them (runs.calls_as_left),
+    read instead of loaded."""
     task = claim.task
     assert task is not None  # _claim returns no claim without its task
     wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
+    if "calls" in wanted and known_calls is None:
+        # Locked in tool phases: a settle racing this tick waits, then finds the call settled
+        # and becomes a late report, so the transcript and the record agree (I8, I12).
+        known_calls = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
     return RunView(
         execution_id=claim.execution_id,
         phase=claim.phase,
@@ -140,11 +152,7 @@ def _view(conn: Connection, claim: runs.Claim, now: datetime) -> RunView:
         task=task,
         now=now,
         items=runs.load_items(conn, claim.execution_id) if "items" in wanted else [],
-        # Locked in tool phases: a settle racing this tick waits, then finds the call settled
-        # and becomes a late report, so the transcript and the record agree (I8, I12).
-        calls=runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
-        if "calls" in wanted
-        else [],
+        calls=known_calls if "calls" in wanted and known_calls is not None else [],
         last_error=claim.last_error,
         # The mailbox is read only when the claim says it holds mail: no statement otherwise.
         messages=runs.load_messages(conn, claim.task_id)
@@ -218,9 +226,11 @@ def _commit(
     started: float,
     *,
     claim_next: bool = False,
-) -> bool:
+) -> _Committed | None:
     """Commit the tick's transition; ``claim_next``: and claim the step after it for this
-    worker in the same statement (a merged transaction's next step, see runs.claimed_next)."""
+    worker in the same statement (a merged transaction's next step, see runs.claimed_next),
+    reading on PostgreSQL what that claim would have read (runs.Fresh).
+    Returns the time it recorded, or None, writing nothing, when the lease was lost."""
     error = None
     if transition.to is Phase.REPORT_FAILURE and transition.state:
         error = transition.state.get("error")
@@ -234,10 +244,46 @@ def _commit(
         duration_ms=(time.perf_counter() - started) * 1000,
         error=error,
         next_lease_until=now + timedelta(seconds=rt.settings.lease_seconds) if claim_next else None,
+        fresh=claim_next and _reads_fresh(conn),
     )
-    if ok and transition.to is Phase.DONE and transition.state and "poison" in transition.state:
+    if not ok:
+        return None
+    if transition.to is Phase.DONE and transition.state and "poison" in transition.state:
         runs.fail_poisoned_task(conn, view.task.id, transition.state["poison"], utcnow())
-    return ok
+    return _Committed(now, ok if isinstance(ok, runs.Fresh) else None)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    at: datetime
+    #: what the move read for the next step's claim (PostgreSQL, claim_next)
+    fresh: runs.Fresh | None
+
+
+def _reads_fresh(conn: Connection) -> bool:
+    """Whether a move that claims its next step reads what that claim would have (the task's
+    status, the mailbox, a budget): on PostgreSQL, in the move's own statement. SQLite
+    serializes writers for the whole transaction, so there nothing changed since its claim."""
+    return conn.dialect.name == "postgresql"
+
+
+def _rides(
+    rt: Runtime, conn: Connection, progress: _Progress, claim: runs.Claim, transition: Transition
+) -> bool:
+    """Whether this transition's move also claims the step after it (issue 17): a fast step a
+    merged transaction runs whole (_merges_next) or, on PostgreSQL, call_model's claim that
+    ends the transaction (which needs the task's status, the mailbox and the budget as they are
+    now: the move reads them, runs.Fresh)."""
+    if _merges_next(claim, transition):
+        return True
+    return (
+        _reads_fresh(conn)
+        and transition.to is Phase.CALL_MODEL
+        and transition.publish_next
+        and transition.wake_at is None
+        and progress.inline
+        and not transition.queue_calls
+    )
 
 
 def _publish(
@@ -708,7 +754,9 @@ def _merge(
     conn: Connection,
     progress: _Progress,
     claim: runs.Claim,
+    view: RunView,
     transition: Transition,
+    committed: _Committed,
     local: ClaimedCall | None,
     *,
     claimed: bool = False,
@@ -743,13 +791,22 @@ def _merge(
         faults.hit("tick.merged.step", phase=to.value, task_id=claim.task_id)
         started = time.perf_counter()
         if claimed:
-            next_claim, now = runs.claimed_next(claim, transition), utcnow()
+            next_claim = runs.claimed_next(claim, transition, committed.fresh, conn)
+            now = utcnow()
         else:
             taken = _claim(rt, conn, claim.execution_id, to, claim.version + 1)
             if taken is None:
                 break
             next_claim, now = taken
-        view = _view(conn, next_claim, now)
+        # The turn's calls are this transaction's (inserted or locked by it): no read for them.
+        known = runs.calls_as_left(
+            claim,
+            view.calls if claim.phase in boundary.TOOL_PHASES else None,
+            transition,
+            now=committed.at,
+            owner=rt.worker,
+        )
+        view = _view(conn, next_claim, now, known)
         progress.merged += 1
         if to is Phase.CALL_MODEL:
             # The claim is the transaction's last write; the model is called after COMMIT.
@@ -764,11 +821,13 @@ def _merge(
         claimed = (
             local_id is None
             and len(steps) + 1 < MAX_MERGED
-            and _merges_next(next_claim, next_transition)
+            and _rides(rt, conn, progress, next_claim, next_transition)
         )
-        if not _commit(rt, conn, next_claim, view, next_transition, started, claim_next=claimed):
+        at = _commit(rt, conn, next_claim, view, next_transition, started, claim_next=claimed)
+        if at is None:
             # This transaction took the lease a moment ago and holds the row.
             raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
+        committed = at
         steps.append(_Step(next_claim, view, next_transition, local_id))
         if local_id is not None:
             break
@@ -825,12 +884,21 @@ def _run_tick(
             ):
                 mail = runs.load_messages(conn, view.task.id)
                 transition = reopen_final(replace(view, messages=mail), transition)
-            # (the next step claims the run itself: this claim's task view is as old as the
-            # model call, and a stop committed meanwhile must be seen at that boundary, I18)
-            if not _commit(rt, conn, claim, view, transition, started):
+            # This claim's task view is as old as the model call: a stop committed meanwhile
+            # must be seen at the next step's boundary (I18), so the next step claims the run
+            # itself, or (PostgreSQL) the move reads the task as it is now (runs.Fresh).
+            claim_next = (
+                _reads_fresh(conn)
+                and _merges(rt, claim, progress)
+                and _merges_next(claim, transition)
+            )
+            at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+            if at is None:
                 log.warning("lease lost during %s; discarding its result", phase.value)
                 return "lost_lease", None
-            merged, carried = _merge(rt, conn, progress, claim, transition, None)
+            merged, carried = _merge(
+                rt, conn, progress, claim, view, transition, at, None, claimed=claim_next
+            )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
     else:
         if progress.durable_claim:
@@ -857,6 +925,9 @@ def _run_tick(
                 inbox = calls.lock_run_inbox(conn, execution_id)
                 claim = replace(claim, inbox=max(claim.inbox, inbox))
             view = _view(conn, claim, now)
+            # the calls as read, before a local result is applied (the commit's SETTLE applies
+            # it in the table, and calls_as_left in what the next merged step sees)
+            loaded = view
             settlement = None
             if progress.settlement is not None:
                 view, settlement = _take_settlement(rt, conn, view, progress.settlement)
@@ -870,13 +941,14 @@ def _run_tick(
             claim_next = (
                 local_id is None
                 and _merges(rt, claim, progress)
-                and _merges_next(claim, transition)
+                and _rides(rt, conn, progress, claim, transition)
             )
-            if not _commit(rt, conn, claim, view, transition, started, claim_next=claim_next):
+            at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+            if at is None:
                 return "lost_lease", None
             local = _start_local(rt, conn, progress, view, transition)
             merged, carried = _merge(
-                rt, conn, progress, claim, transition, local, claimed=claim_next
+                rt, conn, progress, claim, loaded, transition, at, local, claimed=claim_next
             )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
         progress.claim_committed = True

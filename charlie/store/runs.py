@@ -11,7 +11,18 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, case, func, insert, or_, select, update
+from sqlalchemy import (
+    Connection,
+    bindparam,
+    case,
+    exists,
+    func,
+    insert,
+    or_,
+    select,
+    true,
+    update,
+)
 
 from charlie.domain import (
     JSON,
@@ -116,6 +127,9 @@ def _claim_statement(*extra: Any) -> Any:
         )
     )
 
+
+#: the task's columns that change while its run runs (a stop, a resume's timeout, a budget)
+_FRESH_TASK_COLUMNS = (_t.status, _t.timeout_at, _t.budget)
 
 _CLAIM = _claim_statement()
 # call_model's claim, the one boundary that checks a budget (issue 16): the budget rides along
@@ -405,13 +419,23 @@ def _move_statement(
     error: bool,
     mail: bool = False,
     claim_next: bool = False,
+    task: tuple[bool, bool, bool] | None = None,
+    fresh: bool = False,
 ) -> Any:
     """PostgreSQL: the compare-and-set and the transition's record in one statement (a
     data-modifying CTE), one round trip fewer per transition. Inserts no record, and so
-    reports no row, when the compare-and-set matched nothing."""
+    reports no row, when the compare-and-set matched nothing.
+
+    ``task``: the task's row is written in the same statement too (``_task_statement``'s
+    shape: usage, status, running), only if the compare-and-set matched, after it (the run's
+    row, then the task's: the order of every writer)."""
+    returned = [_e.id]
+    if fresh:
+        # (what the next step's claim would read: see claimed_next)
+        returned += [_e.inbox, _e.model_calls, *(_task_column(c) for c in _FRESH_TASK_COLUMNS)]
     moved = (
         _commit_statement(True, state, items, next_turn, usage, error, mail, claim_next)
-        .returning(_e.id)
+        .returning(*returned)
         .cte("moved")
     )
     tr = transitions.c
@@ -436,7 +460,16 @@ def _move_statement(
         bindparam("b_note", type_=tr.note.type),
     )
     # RETURNING, not rowcount: drivers do not agree on the rowcount of a statement with a CTE.
-    return insert(transitions).from_select(columns, values).returning(tr.id)
+    statement: Any = insert(transitions).from_select(columns, values).returning(tr.id)
+    if fresh:
+        recorded = statement.cte("recorded")
+        statement = select(
+            moved.c.inbox, moved.c.model_calls, *(moved.c[c.key] for c in _FRESH_TASK_COLUMNS)
+        ).select_from(moved.join(recorded, true()))
+    if task is not None:
+        written = _task_statement(*task).where(exists(select(moved.c.id))).cte("task_written")
+        statement = statement.add_cte(written)
+    return statement
 
 
 @functools.cache
@@ -497,11 +530,13 @@ def commit_transition(
     duration_ms: float,
     error: JSON | None = None,
     next_lease_until: datetime | None = None,
-) -> bool:
+    fresh: bool = False,
+) -> Fresh | bool:
     """Write a tick's whole outcome in the caller's transaction (I1).
 
     ``next_lease_until``: a move that also claims its next step for ``owner`` (see
-    :func:`claimed_next`), leased until then.
+    :func:`claimed_next`), leased until then. ``fresh`` (PostgreSQL, with it): the move also
+    reads what that step's claim statement would have read, returned as a :class:`Fresh`.
 
     Returns False, writing nothing, when the lease was lost meanwhile; the caller rolls back.
     """
@@ -537,7 +572,25 @@ def commit_transition(
         "b_next_until": next_lease_until,
     }
     combined = to is not None and conn.dialect.name == "postgresql"
+    status = transition.task_status
+    task_shape = (
+        (
+            bool(transition.usage),
+            status is not None,
+            status in (TaskStatus.RUNNING, TaskStatus.WAITING),
+        )
+        if status is not None or transition.usage
+        else None
+    )
+    task_params = {
+        "b_task": claim.task_id,
+        "b_input": (transition.usage or {}).get("input_tokens", 0),
+        "b_output": (transition.usage or {}).get("output_tokens", 0),
+        "b_reasoning": (transition.usage or {}).get("reasoning_tokens", 0),
+        "b_status": status.value if status is not None else None,
+    }
     if combined:
+        params.update(task_params if task_shape is not None else {})
         assert to is not None
         statement = _move_statement(
             transition.state is not None,
@@ -547,6 +600,8 @@ def commit_transition(
             error is not None,
             mail,
             claim_next,
+            task_shape,
+            fresh,
         )
         params.update(
             b_from=claim.phase.value,
@@ -557,8 +612,10 @@ def commit_transition(
             b_duration=duration_ms,
             b_note=transition.note,
         )
+    assert not fresh or (combined and claim_next)
     result = conn.execute(statement, params)
-    if (result.first() is None) if combined else (result.rowcount != 1):
+    row = result.first() if combined else None
+    if (row is None) if combined else (result.rowcount != 1):
         return False
 
     if transition.items:
@@ -625,24 +682,8 @@ def commit_transition(
             _FINISH_ORDER,
             [{**key, "b_call": cid, "b_order": n} for cid, n in transition.finish_order.items()],
         )
-    if transition.task_status is not None or transition.usage:
-        tokens = transition.usage or {}
-        status = transition.task_status
-        conn.execute(
-            _task_statement(
-                bool(transition.usage),
-                status is not None,
-                status in (TaskStatus.RUNNING, TaskStatus.WAITING),
-            ),
-            {
-                "b_task": claim.task_id,
-                "b_input": tokens.get("input_tokens", 0),
-                "b_output": tokens.get("output_tokens", 0),
-                "b_reasoning": tokens.get("reasoning_tokens", 0),
-                "b_status": status.value if status is not None else None,
-                "b_now": now,
-            },
-        )
+    if task_shape is not None and not combined:
+        conn.execute(_task_statement(*task_shape), {**task_params, "b_now": now})
     if to is not None and not combined:
         conn.execute(
             _INSERT_TRANSITION,
@@ -657,10 +698,34 @@ def commit_transition(
                 "b_note": transition.note,
             },
         )
+    if fresh:
+        assert row is not None
+        return Fresh(
+            row.inbox, row.model_calls, row.status, row.timeout_at, row.budget, claim.task_id
+        )
     return True
 
 
-def claimed_next(claim: Claim, transition: Transition) -> Claim:
+@dataclass(frozen=True)
+class Fresh:
+    """What a move that claims its next step (PostgreSQL) read of its run and task, as the
+    next step's claim statement would have: the run's mailbox count and model calls after the
+    move, and the task's mutable columns as the statement's snapshot has them."""
+
+    inbox: int
+    model_calls: int
+    status: str | None
+    timeout_at: datetime | None
+    budget: JSON | None
+    task_id: str
+
+
+def claimed_next(
+    claim: Claim,
+    transition: Transition,
+    fresh: Fresh | None = None,
+    conn: Connection | None = None,
+) -> Claim:
     """The claim of the step after ``claim``, taken by its move (``commit_transition`` with
     ``next_lease_until``), as the claim statement would have returned it: what that move wrote,
     read back from the transition instead of the row. The transaction holds the run's row
@@ -669,6 +734,18 @@ def claimed_next(claim: Claim, transition: Transition) -> Claim:
     seen at the next transaction's boundary, a model call's claim reads the task afresh."""
     assert transition.to is not None and claim.task is not None
     task = claim.task
+    inbox = claim.inbox - len(transition.take_messages)
+    if fresh is not None:
+        # Read by the move itself: a stop or a message committed since this transaction's
+        # claim (a model call ago, for call_model's move) is seen at the step's boundary (I18,
+        # I22), as its own claim would have seen it.
+        if fresh.status is None:
+            raise RuntimeError(f"run {claim.execution_id}: its task row is gone")
+        task = replace(task, status=TaskStatus(fresh.status), timeout_at=fresh.timeout_at)
+        inbox = fresh.inbox
+        if transition.to is Phase.CALL_MODEL and fresh.budget:
+            assert conn is not None
+            task = replace(task, budget=fresh.budget, usage=_usage(conn, fresh))
     status = transition.task_status
     if status is not None and task.status.value in ACTIVE:
         task = replace(task, status=status)
@@ -683,8 +760,80 @@ def claimed_next(claim: Claim, transition: Transition) -> Claim:
         1,
         None,
         task,
-        claim.inbox - len(transition.take_messages),
+        inbox,
     )
+
+
+def calls_as_left(
+    claim: Claim,
+    calls_before: list[CallView] | None,
+    transition: Transition,
+    *,
+    now: datetime,
+    owner: str,
+) -> list[CallView] | None:
+    """The turn's calls as ``commit_transition`` left them, read back from the transition
+    instead of the table (a merged transaction's next step, issue 17): the rows this
+    transaction inserted (nobody else sees them yet) or locked (``calls_before``, loaded FOR
+    UPDATE by this step's view), with its writes applied as its statements apply them.
+
+    ``None`` when they cannot be known without reading: the step did not hold the turn's calls,
+    or it moved to a new turn. ``calls_before`` is ``None`` for a phase that holds no calls; a
+    model call's turn is new (each turn's calls are inserted by its one model call), so it
+    starts from none."""
+    if transition.next_turn:
+        return None
+    if claim.phase is Phase.CALL_MODEL:
+        rows: list[CallView] = []
+    elif calls_before is None:
+        return None
+    else:
+        rows = list(calls_before)
+    for new in transition.calls:
+        settled = new.settled
+        rows.append(
+            CallView(
+                call_id=new.call_id,
+                turn=claim.turn,
+                index=new.index,
+                name=new.name,
+                arguments=new.arguments,
+                state=CallState.SETTLED if settled else CallState.PENDING,
+                outcome=settled[0] if settled else None,
+                result=settled[1] if settled else None,
+                queued_at=None,
+                started_at=None,
+                settled_at=now if settled else None,
+                deadline_at=None,
+                attempts=0,
+                hold=None if settled else new.hold,
+                hold_info=None if settled else new.hold_info,
+                settled_by="validation" if settled else None,
+            )
+        )
+    queued = dict(transition.queue_calls + transition.ask_calls)
+    settles = {s.call_id: s for s in transition.settle}
+    if not queued and not settles:
+        return sorted(rows, key=lambda c: c.index)
+    left = []
+    for call in rows:
+        deadline = queued.get(call.call_id)
+        if deadline is not None and call.queued_at is None:  # as _QUEUE_CALLS
+            call = replace(call, queued_at=now, deadline_at=deadline)
+        done = settles.get(call.call_id)
+        if done is not None and call.state is not CallState.SETTLED:  # as calls.SETTLE
+            call = replace(
+                call,
+                state=CallState.SETTLED,
+                outcome=done.outcome,
+                result=done.result,
+                settled_at=now,
+                settled_by=owner,
+                lease_owner=None,
+                hold=None,
+            )
+        left.append(call)
+    return sorted(left, key=lambda c: c.index)
 
 
 def _call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict[str, Any]]:
