@@ -1,0 +1,191 @@
+"""What a merged transaction's next step knows without reading it again (issue 17), checked
+against the table on the real database, with no workers.
+
+- ``runs.calls_as_left``: the turn's calls as a commit left them (its new calls, its queue and
+  settle writes) equal the calls the next step would have loaded.
+- ``runs.Fresh`` (PostgreSQL): a move that claims its next step reads the task as it is when
+  the move runs, so a cancel committed while the model was called (after the tick's claim)
+  is seen at the next step's boundary, as that step's own claim would have seen it (I18).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, update
+from sqlalchemy.engine import make_url
+
+from charlie import scheduler
+from charlie.domain import (
+    CallState,
+    Effect,
+    ItemKind,
+    NewCall,
+    NewItem,
+    Outcome,
+    Phase,
+    Settlement,
+    TaskStatus,
+    Transition,
+    utcnow,
+)
+from charlie.store import runs
+from charlie.store.engine import get_engine, upgrade, write
+from charlie.store.schema import executions, tasks
+from tests.conftest import BACKEND, BACKEND_PROBLEM
+
+OWNER = "merged-reads@test"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    """A database of its own: the shared cluster's beat would sweep these rows."""
+    if BACKEND_PROBLEM:
+        pytest.skip(BACKEND_PROBLEM)
+    if BACKEND.database_url and BACKEND.database_url.startswith("postgresql"):
+        from tests.support.cluster import recreate_postgres_database
+
+        url = make_url(BACKEND.database_url)
+        url = url.set(database=f"{url.database}_merged_reads").render_as_string(hide_password=False)
+        recreate_postgres_database(url)
+    else:
+        url = f"sqlite:///{tmp_path_factory.mktemp('merged') / 'charlie.db'}"
+    upgrade(url)
+    engine = get_engine(url)
+    yield engine
+    engine.dispose()
+
+
+def claim_at(engine: Engine, phase: Phase) -> runs.Claim:
+    """A submitted task's run, set at ``phase`` in turn 1, claimed by OWNER."""
+    submitted = scheduler.submit(
+        engine, prompt="merged", model="none", tools=None, task_id=None, timeout=None, metadata=None
+    )
+    with write(engine) as conn:
+        conn.execute(
+            update(executions)
+            .where(executions.c.id == submitted.execution_id)
+            .values(phase=phase.value, version=7, turn=1)
+        )
+        now = utcnow()
+        claim = runs.claim_execution(
+            conn, submitted.execution_id, phase, 7, OWNER, now, lease_seconds=30
+        )
+    assert claim is not None
+    return claim
+
+
+def new_call(call_id: str, index: int, settled: bool = False) -> NewCall:
+    return NewCall(
+        call_id=call_id,
+        index=index,
+        name="echo",
+        arguments={"value": call_id, "n": [1, 2]},
+        effect=Effect.READ,
+        resumable=False,
+        settled=(Outcome.ERROR, {"error": "unknown tool"}) if settled else None,
+    )
+
+
+def test_the_calls_a_move_leaves_are_the_calls_the_next_step_would_load(engine: Engine) -> None:
+    """call_model inserts the turn's calls (one born settled) and dispatch queues them; then
+    await_tools settles one: after each commit the derived calls equal a fresh load."""
+    claim = claim_at(engine, Phase.CALL_MODEL)
+    later = utcnow() + timedelta(seconds=60)
+    with write(engine) as conn:
+        modeled = Transition(
+            to=Phase.DISPATCH_TOOLS,
+            items=[NewItem(ItemKind.TOOL_CALL, {"name": "echo"}, call_id="c2")],
+            calls=[new_call("c2", 1), new_call("c1", 0), new_call("bad", 2, settled=True)],
+        )
+        now = utcnow()
+        assert runs.commit_transition(
+            conn, claim, modeled, owner=OWNER, now=now, duration_ms=1.0, next_lease_until=later
+        )
+        derived = runs.calls_as_left(claim, None, modeled, now=now, owner=OWNER)
+        loaded = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
+        assert derived == loaded
+        assert [c.call_id for c in loaded] == ["c1", "c2", "bad"]
+
+        dispatch = runs.claimed_next(claim, modeled)
+        queued = Transition(
+            to=Phase.AWAIT_TOOLS, queue_calls=[("c1", later), ("c2", later), ("bad", later)]
+        )
+        now = utcnow()
+        assert runs.commit_transition(
+            conn, dispatch, queued, owner=OWNER, now=now, duration_ms=1.0, next_lease_until=later
+        )
+        derived = runs.calls_as_left(dispatch, loaded, queued, now=now, owner=OWNER)
+        loaded = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
+        assert derived == loaded
+        assert all(c.queued_at == now and c.deadline_at == later for c in loaded)
+
+        awaiting = runs.claimed_next(dispatch, queued)
+        settled = Transition(
+            to=Phase.ADVANCE_TURN,
+            settle=[
+                Settlement("c1", Outcome.OK, {"answer": [1, "two"]}, 3.5),
+                # already settled at birth: the table's SETTLE leaves it, and so must the view
+                Settlement("bad", Outcome.OK, "overwritten?"),
+            ],
+        )
+        now = utcnow()
+        assert runs.commit_transition(
+            conn, awaiting, settled, owner=OWNER, now=now, duration_ms=1.0
+        )
+        derived = runs.calls_as_left(awaiting, loaded, settled, now=now, owner=OWNER)
+        loaded = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
+        assert derived == loaded
+        by_id = {c.call_id: c for c in loaded}
+        assert by_id["c1"].state is CallState.SETTLED and by_id["c1"].settled_by == OWNER
+        assert by_id["bad"].settled_by == "validation" and by_id["bad"].outcome is Outcome.ERROR
+        assert by_id["c2"].state is CallState.PENDING
+
+
+def test_a_new_turn_is_never_derived(engine: Engine) -> None:
+    claim = claim_at(engine, Phase.ADVANCE_TURN)
+    moved = Transition(to=Phase.CALL_MODEL, next_turn=True)
+    assert runs.calls_as_left(claim, [], moved, now=utcnow(), owner=OWNER) is None
+
+
+@pytest.mark.skipif(
+    not (BACKEND.database_url or "").startswith("postgresql"),
+    reason="PostgreSQL only: SQLite serializes writers, so no stop commits inside a transaction "
+    "and a move there claims no model call's step",
+)
+def test_a_move_that_claims_the_next_step_sees_a_cancel_committed_since_its_claim(
+    engine: Engine,
+) -> None:
+    """I18: call_model's claim read the task running; a cancel commits while the model is
+    called; the move that commits the model's output and claims dispatch reads the task as
+    canceled, so dispatch's boundary stops the run instead of queueing its calls."""
+    claim = claim_at(engine, Phase.CALL_MODEL)
+    assert claim.task is not None and claim.task.status is not TaskStatus.CANCELED
+    with write(engine) as other:
+        other.execute(
+            update(tasks)
+            .where(tasks.c.id == claim.task_id)
+            .values(status=TaskStatus.CANCELED.value)
+        )
+    with write(engine) as conn:
+        modeled = Transition(to=Phase.DISPATCH_TOOLS, calls=[new_call("c1", 0)])
+        now = utcnow()
+        fresh = runs.commit_transition(
+            conn,
+            claim,
+            modeled,
+            owner=OWNER,
+            now=now,
+            duration_ms=1.0,
+            next_lease_until=now + timedelta(seconds=30),
+            fresh=True,
+        )
+        assert isinstance(fresh, runs.Fresh)
+        dispatch = runs.claimed_next(claim, modeled, fresh, conn)
+    assert dispatch.task is not None
+    assert dispatch.task.status is TaskStatus.CANCELED
+    # without what the move read, the step would see the claim's stale view
+    stale = runs.claimed_next(claim, modeled)
+    assert stale.task is not None and stale.task.status is not TaskStatus.CANCELED
