@@ -35,6 +35,7 @@ from charlie.presence import Presence
 from charlie.scheduler import DbScheduler
 from charlie.store import scans
 from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
+from charlie.store.transcripts import TranscriptCache
 from charlie.tools.registry import REGISTRY, ToolRegistry
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class Runtime(Producer):
     #: telemetry (charlie.telemetry installs one per process from the environment): spans and
     #: metrics around ticks, model calls, tool calls and sweeps; by default nothing, at no cost.
     observer: Observer = NOOP
+    #: each recent run's committed transcript as this process saw it (store.transcripts)
+    transcripts: TranscriptCache = field(default_factory=TranscriptCache)
 
     def model_for(self, spec: str) -> Model:
         model = self._models.get(spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -22,6 +23,7 @@ from charlie.domain import (
     CallState,
     CallView,
     Effect,
+    Item,
     ItemKind,
     Outcome,
     Phase,
@@ -128,13 +130,15 @@ Follow = NextTick | NextCall | StartCall
 
 
 def _view(
+    rt: Runtime,
     conn: Connection,
     claim: runs.Claim,
     now: datetime,
     known_calls: list[CallView] | None = None,
+    wrote: Sequence[Wrote] = (),
 ) -> RunView:
     """``known_calls``: the turn's calls as this transaction holds them (runs.calls_as_left),
-    read instead of loaded."""
+    read instead of loaded. ``wrote``: the items this transaction wrote before this step."""
     task = claim.task
     assert task is not None  # _claim returns no claim without its task
     wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
@@ -151,7 +155,7 @@ def _view(
         attempts=claim.attempts,
         task=task,
         now=now,
-        items=runs.load_items(conn, claim.execution_id) if "items" in wanted else [],
+        items=_transcript(rt, conn, claim, wrote) if "items" in wanted else [],
         calls=known_calls if "calls" in wanted and known_calls is not None else [],
         last_error=claim.last_error,
         # The mailbox is read only when the claim says it holds mail: no statement otherwise.
@@ -159,6 +163,54 @@ def _view(
         if claim.inbox > 0 and "messages" in wanted
         else [],
     )
+
+
+#: a step committed in this transaction: its claim's next_seq and the items it wrote, as the
+#: table returns them (None: not predicted, see runs.written_items)
+Wrote = tuple[int, list[Item] | None]
+
+
+def _transcript(
+    rt: Runtime, conn: Connection, claim: runs.Claim, wrote: Sequence[Wrote]
+) -> list[Item]:
+    """The run's transcript for the model: the committed prefix this process remembers, the
+    items this transaction wrote, and a read of only what else has committed since; no read
+    at all when the claim's next_seq says there is nothing else (issue 17)."""
+    known = list(rt.transcripts.get(claim.execution_id))
+    if len(known) > claim.next_seq:
+        known = []  # (cannot happen: a remembered prefix has committed) read it all
+    cursor = len(known)
+    pending: list[Item] = []
+    for next_seq, items in wrote:
+        if items is None or next_seq != cursor + len(pending):
+            break
+        pending.extend(items)
+    else:
+        if cursor + len(pending) == claim.next_seq:
+            return [*known, *pending]
+    return runs.load_items(conn, claim.execution_id, known)
+
+
+def _remember_transcript(
+    rt: Runtime,
+    execution_id: str,
+    first: list[Item] | None,
+    wrote: Sequence[Wrote],
+    carried: Carried | None,
+) -> None:
+    """After the COMMIT of a transaction (never before: a rolled-back item must not be
+    remembered), what this process now knows of the run's committed transcript: a carried
+    call_model view's items, or the first step's view's items (or the remembered prefix) and
+    the items each step wrote after them."""
+    if carried is not None and carried.view.phase is Phase.CALL_MODEL:
+        rt.transcripts.put(execution_id, carried.view.items)
+        return
+    items = list(first) if first is not None else list(rt.transcripts.get(execution_id))
+    for next_seq, written in wrote:
+        if written is None or next_seq != len(items):
+            break
+        items.extend(written)
+    rt.transcripts.put(execution_id, items)
 
 
 def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
@@ -758,6 +810,7 @@ def _merge(
     transition: Transition,
     committed: _Committed,
     local: ClaimedCall | None,
+    wrote: list[Wrote],
     *,
     claimed: bool = False,
 ) -> tuple[list[_Step], Carried | None]:
@@ -806,7 +859,7 @@ def _merge(
             now=committed.at,
             owner=rt.worker,
         )
-        view = _view(conn, next_claim, now, known)
+        view = _view(rt, conn, next_claim, now, known, wrote)
         progress.merged += 1
         if to is Phase.CALL_MODEL:
             # The claim is the transaction's last write; the model is called after COMMIT.
@@ -828,6 +881,7 @@ def _merge(
             # This transaction took the lease a moment ago and holds the row.
             raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
         committed = at
+        wrote.append((next_claim.next_seq, runs.written_items(conn, next_claim, next_transition)))
         steps.append(_Step(next_claim, view, next_transition, local_id))
         if local_id is not None:
             break
@@ -864,7 +918,7 @@ def _run_tick(
                 if claimed is None:
                     return "stale", None
                 claim, now = claimed
-                view = _view(conn, claim, now)
+                view = _view(rt, conn, claim, now)
         progress.claim_committed = True
         transition = _decide_at_boundary(rt, view)
         if transition is None:
@@ -896,10 +950,14 @@ def _run_tick(
             if at is None:
                 log.warning("lease lost during %s; discarding its result", phase.value)
                 return "lost_lease", None
+            wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
             merged, carried = _merge(
-                rt, conn, progress, claim, view, transition, at, None, claimed=claim_next
+                rt, conn, progress, claim, view, transition, at, None, wrote, claimed=claim_next
             )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
+        _remember_transcript(
+            rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+        )
     else:
         if progress.durable_claim:
             # A redelivered message may be the one that killed the last worker: count this
@@ -924,7 +982,7 @@ def _run_tick(
                 # ...and its mailbox as it is now: a send may have committed since the claim.
                 inbox = calls.lock_run_inbox(conn, execution_id)
                 claim = replace(claim, inbox=max(claim.inbox, inbox))
-            view = _view(conn, claim, now)
+            view = _view(rt, conn, claim, now)
             # the calls as read, before a local result is applied (the commit's SETTLE applies
             # it in the table, and calls_as_left in what the next merged step sees)
             loaded = view
@@ -947,10 +1005,14 @@ def _run_tick(
             if at is None:
                 return "lost_lease", None
             local = _start_local(rt, conn, progress, view, transition)
+            wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
             merged, carried = _merge(
-                rt, conn, progress, claim, loaded, transition, at, local, claimed=claim_next
+                rt, conn, progress, claim, loaded, transition, at, local, wrote, claimed=claim_next
             )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
+        _remember_transcript(
+            rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+        )
         progress.claim_committed = True
         if progress.settlement is not None:
             progress.settled = settlement is not None

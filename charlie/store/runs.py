@@ -7,6 +7,7 @@ that matches no row means another worker or a newer message got there first.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -48,6 +49,7 @@ from charlie.store.schema import (
     transcript_items,
     transitions,
 )
+from charlie.store.transcripts import as_stored
 
 ACTIVE = (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value, TaskStatus.WAITING.value)
 
@@ -249,9 +251,30 @@ _LOAD_ITEMS = (
 )
 
 
-def load_items(conn: Connection, execution_id: str) -> list[Item]:
-    rows = conn.execute(_LOAD_ITEMS, {"b_execution": execution_id})
-    return [Item(r.seq, r.turn, ItemKind(r.kind), r.call_id, r.payload) for r in rows]
+_LOAD_ITEMS_FROM = _LOAD_ITEMS.where(_i.seq >= bindparam("b_from"))
+
+
+def load_items(conn: Connection, execution_id: str, known: Sequence[Item] = ()) -> list[Item]:
+    """The run's transcript. ``known``: a prefix of it already read (seq 0 ...): only the items
+    after it are read."""
+    if known:
+        rows = conn.execute(_LOAD_ITEMS_FROM, {"b_execution": execution_id, "b_from": len(known)})
+    else:
+        rows = conn.execute(_LOAD_ITEMS, {"b_execution": execution_id})
+    return [*known, *(Item(r.seq, r.turn, ItemKind(r.kind), r.call_id, r.payload) for r in rows)]
+
+
+def written_items(conn: Connection, claim: Claim, transition: Transition) -> list[Item] | None:
+    """The items ``commit_transition`` inserted for this transition, as the table returns them
+    (transcripts.as_stored), or None when that cannot be predicted."""
+    dialect = conn.dialect.name
+    items = []
+    for n, item in enumerate(transition.items):
+        ok, payload = as_stored(item.payload, dialect)
+        if not ok:
+            return None
+        items.append(Item(claim.next_seq + n, claim.turn, item.kind, item.call_id, payload))
+    return items
 
 
 _m = messages.c

@@ -10,6 +10,7 @@ against the table on the real database, with no workers.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -189,3 +190,43 @@ def test_a_move_that_claims_the_next_step_sees_a_cancel_committed_since_its_clai
     # without what the move read, the step would see the claim's stale view
     stale = runs.claimed_next(claim, modeled)
     assert stale.task is not None and stale.task.status is not TaskStatus.CANCELED
+
+
+def test_the_items_a_move_writes_are_known_as_the_table_returns_them(engine: Engine) -> None:
+    """What a worker remembers of its own writes (store.transcripts) is what a read returns,
+    key order included (a model's prompt must not change with a cache hit); a payload whose
+    stored form cannot be predicted is not remembered."""
+    claim = claim_at(engine, Phase.ADVANCE_TURN)
+    payloads = [
+        {"content": "x", "b": 1, "aa": {"zz": [1, {"bb": True, "a": None}], "é": "ü"}, "ab": [1]},
+        {"role": "user", "content": "<script>", "message_id": "m", "sent_by": "ü"},
+    ]
+    with write(engine) as conn:
+        moved = Transition(
+            to=Phase.CALL_MODEL,
+            items=[NewItem(ItemKind.TOOL_RESULT, p, call_id="c") for p in payloads],
+        )
+        assert runs.commit_transition(conn, claim, moved, owner=OWNER, now=utcnow(), duration_ms=1)
+        written = runs.written_items(conn, claim, moved)
+        loaded = runs.load_items(conn, claim.execution_id)
+    assert written is not None
+    assert [json.dumps(i.payload) for i in written] == [json.dumps(i.payload) for i in loaded]
+    assert written == loaded
+    # a prefix already known: only what follows it is read
+    with write(engine) as conn:
+        assert runs.load_items(conn, claim.execution_id, loaded[:1]) == loaded
+
+    claim = claim_at(engine, Phase.ADVANCE_TURN)
+    floats = Transition(
+        to=Phase.CALL_MODEL,
+        items=[NewItem(ItemKind.TOOL_RESULT, {"n": 1e16, "m": 0.5}, call_id="c")],
+    )
+    with write(engine) as conn:
+        assert runs.commit_transition(conn, claim, floats, owner=OWNER, now=utcnow(), duration_ms=1)
+        written = runs.written_items(conn, claim, floats)
+        loaded = runs.load_items(conn, claim.execution_id)
+    if engine.dialect.name == "sqlite":
+        assert written == loaded
+    else:
+        assert written is None  # jsonb gives 1e16 back as an integer
+        assert loaded[0].payload["n"] == 10**16

@@ -1,0 +1,85 @@
+"""Each run's committed transcript as this process last saw it (issue 17).
+
+A call_model tick needs the whole transcript, and reading it again every turn costs a round
+trip and a decode of every item so far. Transcript items are only ever appended, under the
+run's compare-and-set, and never changed, so a prefix this process saw committed stays true:
+a tick reads only the items after it (none when the claim's ``next_seq`` says there are none
+besides the ones its own transaction wrote).
+
+The cache holds only what has committed: a worker puts a transcript into it after the COMMIT
+of the transaction that read or wrote its last items, never before (a rolled-back write must
+not be remembered). Items this worker wrote are remembered as the database returns them
+(:func:`as_stored`), or not at all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from charlie.domain import Item
+
+#: runs remembered per process; a worker runs a few at once, so this is plenty
+RUNS = 128
+
+
+class TranscriptCache:
+    """A committed prefix of each recent run's transcript, least recently used dropped."""
+
+    def __init__(self, size: int = RUNS) -> None:
+        self._size = size
+        self._runs: OrderedDict[str, tuple[Item, ...]] = OrderedDict()
+
+    def get(self, execution_id: str) -> tuple[Item, ...]:
+        items = self._runs.get(execution_id)
+        if items is None:
+            return ()
+        self._runs.move_to_end(execution_id)
+        return items
+
+    def put(self, execution_id: str, items: Sequence[Item]) -> None:
+        """Remember ``items`` (seq 0, 1, ...: a whole committed prefix) if they are longer
+        than what is remembered; anything else is a caller's mistake, and forgets the run."""
+        if any(item.seq != n for n, item in enumerate(items)):
+            self._runs.pop(execution_id, None)
+            return
+        if len(items) >= len(self._runs.get(execution_id, ())):
+            self._runs[execution_id] = tuple(items)
+            self._runs.move_to_end(execution_id)
+        while len(self._runs) > self._size:
+            self._runs.popitem(last=False)
+
+
+def as_stored(payload: Any, dialect: str) -> tuple[bool, Any]:
+    """``payload`` as the database returns it after storing it as JSON: (True, it), or
+    (False, None) when that cannot be known without reading it back.
+
+    SQLite keeps the JSON text as written; PostgreSQL's jsonb orders each object's keys (the
+    shorter first, then bytewise) and may write a float back as an integer (``1e16``), so a
+    payload with a float in it is not predicted. Tuples come back as lists on both."""
+    if isinstance(payload, bool) or payload is None or isinstance(payload, str | int):
+        return True, payload
+    if isinstance(payload, float):
+        return (True, payload) if dialect == "sqlite" else (False, None)
+    if isinstance(payload, list | tuple):
+        out = []
+        for value in payload:
+            ok, stored = as_stored(value, dialect)
+            if not ok:
+                return False, None
+            out.append(stored)
+        return True, out
+    if isinstance(payload, dict):
+        pairs = []
+        for key, value in payload.items():
+            if not isinstance(key, str):
+                return False, None  # json.dumps turns it into a string; not worth following
+            ok, stored = as_stored(value, dialect)
+            if not ok:
+                return False, None
+            pairs.append((key, stored))
+        if dialect != "sqlite":
+            pairs.sort(key=lambda kv: (len(kv[0].encode()), kv[0].encode()))
+        return True, dict(pairs)
+    return False, None
