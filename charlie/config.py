@@ -96,8 +96,10 @@ class Settings:
     #: run up to this many following steps (the run's next phase, or a turn's only tool call)
     #: straight away in the same worker instead of publishing them: each is still claimed,
     #: committed and recorded on its own, and reported to Flower as a task of its own (I21).
-    #: 0 publishes every step. A chain also stops after 30 seconds.
-    inline_phases: int = 10
+    #: 0 publishes every step. A chain also stops after 30 seconds. 30 steps are 15 one-call
+    #: turns: each stop costs a publish and a claim of its own (issue 17), and with a real
+    #: model a chain meets the 30 s first.
+    inline_phases: int = 30
     #: with inline steps on, carry the effect-free phase transitions that follow a commit in
     #: that same transaction (each its own claim, transition row and version), up to the next
     #: step with an outside effect: a model call (its claim commits in it), a tool handler (its
@@ -274,7 +276,7 @@ def load_settings() -> Settings:
         max_attempts=_env_int("CHARLIE_MAX_ATTEMPTS", 5),
         sweep_backlog_limit=_env_int("CHARLIE_SWEEP_BACKLOG_LIMIT", 200),
         sweep_backlog_max_wait=_env_float("CHARLIE_SWEEP_BACKLOG_MAX_WAIT", 120.0),
-        inline_phases=_env_int("CHARLIE_INLINE_PHASES", 10),
+        inline_phases=_env_int("CHARLIE_INLINE_PHASES", 30),
         merge_phases=_env_int("CHARLIE_MERGE_PHASES", 1) > 0,
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
         human_deadline=_env_float("CHARLIE_HUMAN_DEADLINE", 86400.0),
