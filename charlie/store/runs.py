@@ -13,7 +13,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
     Connection,
+    Integer,
+    String,
     bindparam,
     case,
     exists,
@@ -444,6 +447,7 @@ def _move_statement(
     claim_next: bool = False,
     task: tuple[bool, bool, bool] | None = None,
     fresh: bool = False,
+    finish_order: bool = False,
 ) -> Any:
     """PostgreSQL: the compare-and-set and the transition's record in one statement (a
     data-modifying CTE), one round trip fewer per transition. Inserts no record, and so
@@ -451,7 +455,8 @@ def _move_statement(
 
     ``task``: the task's row is written in the same statement too (``_task_statement``'s
     shape: usage, status, running), only if the compare-and-set matched, after it (the run's
-    row, then the task's: the order of every writer)."""
+    row, then the task's: the order of every writer). ``finish_order``: and the turn's calls'
+    finishing order (their rows are this transaction's already: advance_turn holds them)."""
     returned = [_e.id]
     if fresh:
         # (what the next step's claim would read: see claimed_next)
@@ -492,6 +497,10 @@ def _move_statement(
     if task is not None:
         written = _task_statement(*task).where(exists(select(moved.c.id))).cte("task_written")
         statement = statement.add_cte(written)
+    if finish_order:
+        statement = statement.add_cte(
+            _FINISH_ORDER_ALL.where(exists(select(moved.c.id))).cte("ordered")
+        )
     return statement
 
 
@@ -531,6 +540,24 @@ _QUEUE_CALLS = (
     )
 )
 _FINISH_ORDER = update(tool_calls).where(calls.CALL_KEY).values(finish_order=bindparam("b_order"))
+# PostgreSQL, inside a move: every call's order in one statement, whatever the fan-out
+_ORDERS = (
+    func.unnest(
+        bindparam("b_order_calls", type_=ARRAY(String)),
+        bindparam("b_orders", type_=ARRAY(Integer)),
+    )
+    .table_valued("call_id", "n")
+    .render_derived(name="orders")
+)
+_FINISH_ORDER_ALL = (
+    update(tool_calls)
+    .where(
+        _c.execution_id == bindparam("b_id"),
+        _c.turn == bindparam("b_order_turn"),
+        _c.call_id == _ORDERS.c.call_id,
+    )
+    .values(finish_order=_ORDERS.c.n)
+)
 _INSERT_TRANSITION = insert(transitions).values(
     execution_id=bindparam("b_execution"),
     from_phase=bindparam("b_from"),
@@ -614,6 +641,12 @@ def commit_transition(
     }
     if combined:
         params.update(task_params if task_shape is not None else {})
+        if transition.finish_order:
+            params.update(
+                b_order_calls=list(transition.finish_order),
+                b_orders=list(transition.finish_order.values()),
+                b_order_turn=claim.turn,
+            )
         assert to is not None
         statement = _move_statement(
             transition.state is not None,
@@ -625,6 +658,7 @@ def commit_transition(
             claim_next,
             task_shape,
             fresh,
+            bool(transition.finish_order),
         )
         params.update(
             b_from=claim.phase.value,
@@ -700,7 +734,7 @@ def commit_transition(
                 for s in transition.settle
             ],
         )
-    if transition.finish_order:
+    if transition.finish_order and not combined:
         conn.execute(
             _FINISH_ORDER,
             [{**key, "b_call": cid, "b_order": n} for cid, n in transition.finish_order.items()],

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine, select, update
 from sqlalchemy.engine import make_url
 
 from charlie import scheduler
@@ -34,7 +35,7 @@ from charlie.domain import (
 )
 from charlie.store import runs
 from charlie.store.engine import get_engine, upgrade, write
-from charlie.store.schema import executions, tasks
+from charlie.store.schema import executions, tasks, tool_calls
 from tests.conftest import BACKEND, BACKEND_PROBLEM
 
 OWNER = "merged-reads@test"
@@ -230,3 +231,43 @@ def test_the_items_a_move_writes_are_known_as_the_table_returns_them(engine: Eng
     else:
         assert written is None  # jsonb gives 1e16 back as an integer
         assert loaded[0].payload["n"] == 10**16
+
+
+def test_the_finishing_order_rides_on_the_move(engine: Engine) -> None:
+    """advance_turn's finishing order is written with its move (one statement on PostgreSQL,
+    whatever the fan-out): each call gets its own number, and a move that matches nothing
+    writes none."""
+    claim = claim_at(engine, Phase.CALL_MODEL)
+    later = utcnow() + timedelta(seconds=60)
+    with write(engine) as conn:
+        modeled = Transition(
+            to=Phase.DISPATCH_TOOLS,
+            calls=[new_call("c1", 0), new_call("c2", 1), new_call("c3", 2), new_call("c4", 3)],
+        )
+        assert runs.commit_transition(
+            conn, claim, modeled, owner=OWNER, now=utcnow(), duration_ms=1, next_lease_until=later
+        )
+    advancing = replace(runs.claimed_next(claim, modeled), phase=Phase.ADVANCE_TURN)
+    order = {"c2": 1, "c3": 2, "c1": 3}
+    stale = Transition(to=Phase.CALL_MODEL, finish_order={"c4": 9}, next_turn=True)
+    with write(engine) as conn:
+        conn.execute(
+            update(executions)
+            .where(executions.c.id == claim.execution_id)
+            .values(phase=Phase.ADVANCE_TURN.value)
+        )
+        # another version: the compare-and-set matches nothing, and nothing is written
+        assert not runs.commit_transition(
+            conn, replace(advancing, version=99), stale, owner=OWNER, now=utcnow(), duration_ms=1
+        )
+        moved = Transition(to=Phase.CALL_MODEL, finish_order=order, next_turn=True)
+        assert runs.commit_transition(
+            conn, advancing, moved, owner=OWNER, now=utcnow(), duration_ms=1
+        )
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(tool_calls.c.call_id, tool_calls.c.finish_order).where(
+                tool_calls.c.execution_id == claim.execution_id
+            )
+        ).all()
+    assert dict(rows) == {**order, "c4": None}
