@@ -17,7 +17,6 @@ from datetime import timedelta
 
 import pytest
 from sqlalchemy import Engine, select, update
-from sqlalchemy.engine import make_url
 
 from charlie import scheduler
 from charlie.domain import (
@@ -34,9 +33,10 @@ from charlie.domain import (
     utcnow,
 )
 from charlie.store import runs
-from charlie.store.engine import get_engine, upgrade, write
+from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
-from tests.conftest import BACKEND, BACKEND_PROBLEM
+from tests.conftest import BACKEND
+from tests.support.databases import own_database
 
 OWNER = "merged-reads@test"
 
@@ -44,20 +44,8 @@ OWNER = "merged-reads@test"
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """A database of its own: the shared cluster's beat would sweep these rows."""
-    if BACKEND_PROBLEM:
-        pytest.skip(BACKEND_PROBLEM)
-    if BACKEND.database_url and BACKEND.database_url.startswith("postgresql"):
-        from tests.support.cluster import recreate_postgres_database
-
-        url = make_url(BACKEND.database_url)
-        url = url.set(database=f"{url.database}_merged_reads").render_as_string(hide_password=False)
-        recreate_postgres_database(url)
-    else:
-        url = f"sqlite:///{tmp_path_factory.mktemp('merged') / 'charlie.db'}"
-    upgrade(url)
-    engine = get_engine(url)
-    yield engine
-    engine.dispose()
+    with own_database(tmp_path_factory, "merged_reads") as engine:
+        yield engine
 
 
 def claim_at(engine: Engine, phase: Phase) -> runs.Claim:

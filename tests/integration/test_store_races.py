@@ -20,20 +20,18 @@ from typing import Any, cast
 
 import pytest
 from sqlalchemy import Engine, insert, select, update
-from sqlalchemy.engine import make_url
 
 from charlie import scheduler
 from charlie.config import settings
 from charlie.domain import CallState, Phase, TaskStatus, utcnow
 from charlie.runtime import Publisher, Runtime
 from charlie.store import calls
-from charlie.store.engine import get_engine, upgrade, write
+from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
 from charlie.sweeps import sweep_tool_calls
 from charlie.testing import RecordingPublisher
 from charlie.tools.registry import ToolRegistry
-from tests.conftest import BACKEND, BACKEND_PROBLEM
-from tests.support.cluster import recreate_postgres_database
+from tests.support.databases import own_database
 
 #: how long the thread must stay blocked to count as waiting for the held transaction.
 BLOCKED_FOR = 0.5
@@ -42,19 +40,9 @@ BLOCKED_FOR = 0.5
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     """A database of its own: the shared cluster's beat would sweep these rows."""
-    if BACKEND_PROBLEM:
-        pytest.skip(BACKEND_PROBLEM)
-    if BACKEND.database_url and BACKEND.database_url.startswith("postgresql"):
-        url = make_url(BACKEND.database_url)
-        url = url.set(database=f"{url.database}_claim_races").render_as_string(hide_password=False)
-        recreate_postgres_database(url)
-    else:
-        url = f"sqlite:///{tmp_path_factory.mktemp('races') / 'charlie.db'}"
-    upgrade(url)
-    engine = get_engine(url)
     # The schema is this module's alone: its sweeps must see only the rows these tests made.
-    yield engine
-    engine.dispose()
+    with own_database(tmp_path_factory, "claim_races") as engine:
+        yield engine
 
 
 def queued_call(engine: Engine, **overrides: Any) -> tuple[str, str]:
