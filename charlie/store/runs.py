@@ -459,8 +459,8 @@ def _move_statement(
     finishing order (their rows are this transaction's already: advance_turn holds them)."""
     returned = [_e.id]
     if fresh:
-        # (what the next step's claim would read: see claimed_next)
-        returned += [_e.inbox, _e.model_calls, *(_task_column(c) for c in _FRESH_TASK_COLUMNS)]
+        # (what the next step's claim would read: see claimed_next; the task's part below)
+        returned += [_e.inbox, _e.model_calls, _e.task_id]
     moved = (
         _commit_statement(True, state, items, next_turn, usage, error, mail, claim_next)
         .returning(*returned)
@@ -489,14 +489,32 @@ def _move_statement(
     )
     # RETURNING, not rowcount: drivers do not agree on the rowcount of a statement with a CTE.
     statement: Any = insert(transitions).from_select(columns, values).returning(tr.id)
-    if fresh:
-        recorded = statement.cte("recorded")
-        statement = select(
-            moved.c.inbox, moved.c.model_calls, *(moved.c[c.key] for c in _FRESH_TASK_COLUMNS)
-        ).select_from(moved.join(recorded, true()))
+    written = None
     if task is not None:
-        written = _task_statement(*task).where(exists(select(moved.c.id))).cte("task_written")
-        statement = statement.add_cte(written)
+        written = _task_statement(*task).where(exists(select(moved.c.id)))
+    if fresh:
+        # The task as it is once this transaction holds its row, not as the statement's
+        # snapshot had it: a cancel that commits while this statement waits for a lock must be
+        # seen (I18). Either the task's own write returns it (an UPDATE re-reads a row it
+        # waited for) or a locking read after the run's row does (the run, then the task: the
+        # order of every writer). Never both in one statement.
+        recorded = statement.cte("recorded")
+        if written is not None:
+            task_now: Any = written.returning(*_FRESH_TASK_COLUMNS).cte("task_written")
+            joined = moved.join(recorded, true()).join(task_now, true())
+        else:
+            task_now = (
+                select(*_FRESH_TASK_COLUMNS)
+                .where(_t.id == moved.c.task_id)
+                .with_for_update(read=True)
+                .lateral("task_now")
+            )
+            joined = moved.join(recorded, true()).outerjoin(task_now, true())
+        statement = select(
+            moved.c.inbox, moved.c.model_calls, *(task_now.c[c.key] for c in _FRESH_TASK_COLUMNS)
+        ).select_from(joined)
+    elif written is not None:
+        statement = statement.add_cte(written.cte("task_written"))
     if finish_order:
         statement = statement.add_cte(
             _FINISH_ORDER_ALL.where(exists(select(moved.c.id))).cte("ordered")

@@ -11,6 +11,7 @@ against the table on the real database, with no workers.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -259,3 +260,58 @@ def test_the_finishing_order_rides_on_the_move(engine: Engine) -> None:
             )
         ).all()
     assert dict(rows) == {**order, "c4": None}
+
+
+@pytest.mark.skipif(
+    not (BACKEND.database_url or "").startswith("postgresql"),
+    reason="PostgreSQL only: on SQLite a cancel cannot commit inside another writer's transaction",
+)
+@pytest.mark.parametrize("task_write", [True, False], ids=["with usage", "without a task write"])
+def test_a_cancel_that_commits_while_the_move_waits_is_seen(
+    engine: Engine, task_write: bool
+) -> None:
+    """I18: a cancel holds the task's row when the move starts, and commits while the move
+    waits for it; what the move returns for the next claim is the canceled task, not the
+    statement's snapshot (review of issue 17: the snapshot said running, and the model was
+    called for a canceled task)."""
+    claim = claim_at(engine, Phase.CALL_MODEL)
+    with engine.connect() as canceler:
+        trans = canceler.begin()
+        canceler.execute(
+            update(tasks)
+            .where(tasks.c.id == claim.task_id)
+            .values(status=TaskStatus.CANCELED.value)
+        )
+
+        def move() -> object:
+            with write(engine) as conn:
+                modeled = Transition(
+                    to=Phase.DISPATCH_TOOLS,
+                    calls=[new_call("c1", 0)],
+                    usage={"output_tokens": 3} if task_write else None,
+                )
+                now = utcnow()
+                fresh = runs.commit_transition(
+                    conn,
+                    claim,
+                    modeled,
+                    owner=OWNER,
+                    now=now,
+                    duration_ms=1.0,
+                    next_lease_until=now + timedelta(seconds=30),
+                    fresh=True,
+                )
+                assert isinstance(fresh, runs.Fresh)
+                return runs.claimed_next(claim, modeled, fresh, conn)
+
+        out: list[object] = []
+        thread = threading.Thread(target=lambda: out.append(move()), daemon=True)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "the move did not wait for the cancel's lock on the task"
+        trans.commit()
+    thread.join(10)
+    assert out, "the move did not finish"
+    dispatch = out[0]
+    assert isinstance(dispatch, runs.Claim) and dispatch.task is not None
+    assert dispatch.task.status is TaskStatus.CANCELED
