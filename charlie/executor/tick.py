@@ -858,6 +858,7 @@ def _merge(
             transition,
             now=committed.at,
             owner=rt.worker,
+            dialect=conn.dialect.name,
         )
         view = _view(rt, conn, next_claim, now, known, wrote)
         progress.merged += 1
@@ -1138,6 +1139,7 @@ def _after_commit(
         extra={**_ctx(view), "to": transition.to.value, "note": transition.note},
     )
     if transition.to is Phase.DONE:
+        rt.transcripts.forget(claim.execution_id)
         poke_waiters(rt, view.task.id)
         return "done"
     return "moved"

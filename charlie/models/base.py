@@ -93,7 +93,8 @@ class TransientModelError(Exception):
 class Model(Protocol):
     """One model endpoint. ``complete`` is called outside any transaction (I5) and may be
     repeated after a crash before its output was committed (I3), so it must not act on the
-    world itself."""
+    world itself. ``request.items`` are shared with the worker's transcript cache (the next
+    turn's request reuses them): read them, never change them."""
 
     spec: str
 

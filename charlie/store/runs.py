@@ -846,6 +846,7 @@ def calls_as_left(
     *,
     now: datetime,
     owner: str,
+    dialect: str,
 ) -> list[CallView] | None:
     """The turn's calls as ``commit_transition`` left them, read back from the transition
     instead of the table (a merged transaction's next step, issue 17): the rows this
@@ -853,9 +854,36 @@ def calls_as_left(
     UPDATE by this step's view), with its writes applied as its statements apply them.
 
     ``None`` when they cannot be known without reading: the step did not hold the turn's calls,
-    or it moved to a new turn. ``calls_before`` is ``None`` for a phase that holds no calls; a
-    model call's turn is new (each turn's calls are inserted by its one model call), so it
-    starts from none."""
+    or it moved to a new turn, or a value's stored form cannot be predicted (its JSON as the
+    table returns it, transcripts.as_stored: a result renders into the model's prompt, which
+    must not depend on whether it was read). ``calls_before`` is ``None`` for a phase that holds
+    no calls; a model call's turn is new (each turn's calls are inserted by its one model
+    call), so it starts from none."""
+
+    def stored(value: Any) -> Any:
+        ok, as_read = as_stored(value, dialect)
+        if not ok:
+            raise _Unpredictable
+        return as_read
+
+    try:
+        return _calls_as_left(claim, calls_before, transition, now, owner, stored)
+    except _Unpredictable:
+        return None
+
+
+class _Unpredictable(Exception):
+    pass
+
+
+def _calls_as_left(
+    claim: Claim,
+    calls_before: list[CallView] | None,
+    transition: Transition,
+    now: datetime,
+    owner: str,
+    stored: Any,
+) -> list[CallView] | None:
     if transition.next_turn:
         return None
     if claim.phase is Phase.CALL_MODEL:
@@ -872,17 +900,17 @@ def calls_as_left(
                 turn=claim.turn,
                 index=new.index,
                 name=new.name,
-                arguments=new.arguments,
+                arguments=stored(new.arguments),
                 state=CallState.SETTLED if settled else CallState.PENDING,
                 outcome=settled[0] if settled else None,
-                result=settled[1] if settled else None,
+                result=stored(settled[1]) if settled else None,
                 queued_at=None,
                 started_at=None,
                 settled_at=now if settled else None,
                 deadline_at=None,
                 attempts=0,
                 hold=None if settled else new.hold,
-                hold_info=None if settled else new.hold_info,
+                hold_info=None if settled else stored(new.hold_info),
                 settled_by="validation" if settled else None,
             )
         )
@@ -901,7 +929,7 @@ def calls_as_left(
                 call,
                 state=CallState.SETTLED,
                 outcome=done.outcome,
-                result=done.result,
+                result=stored(done.result),
                 settled_at=now,
                 settled_by=owner,
                 lease_owner=None,

@@ -14,41 +14,53 @@ not be remembered). Items this worker wrote are remembered as the database retur
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from charlie.domain import Item
 
-#: runs remembered per process; a worker runs a few at once, so this is plenty
-RUNS = 128
+#: runs remembered per process; a worker runs a few at once, so this is plenty (a long run's
+#: transcript can be megabytes, and a finished run is forgotten at once)
+RUNS = 32
 
 
 class TranscriptCache:
-    """A committed prefix of each recent run's transcript, least recently used dropped."""
+    """A committed prefix of each recent run's transcript, least recently used dropped. Safe
+    to share between the threads of a ``threads`` pool. Its items are shared with whoever
+    reads them (a model adapter among them): read-only, as every phase treats them."""
 
     def __init__(self, size: int = RUNS) -> None:
         self._size = size
         self._runs: OrderedDict[str, tuple[Item, ...]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, execution_id: str) -> tuple[Item, ...]:
-        items = self._runs.get(execution_id)
-        if items is None:
-            return ()
-        self._runs.move_to_end(execution_id)
-        return items
+        with self._lock:
+            items = self._runs.get(execution_id)
+            if items is None:
+                return ()
+            self._runs.move_to_end(execution_id)
+            return items
+
+    def forget(self, execution_id: str) -> None:
+        """The run finished: nothing will read its transcript here again."""
+        with self._lock:
+            self._runs.pop(execution_id, None)
 
     def put(self, execution_id: str, items: Sequence[Item]) -> None:
         """Remember ``items`` (seq 0, 1, ...: a whole committed prefix) if they are longer
         than what is remembered; anything else is a caller's mistake, and forgets the run."""
-        if any(item.seq != n for n, item in enumerate(items)):
-            self._runs.pop(execution_id, None)
-            return
-        if len(items) >= len(self._runs.get(execution_id, ())):
-            self._runs[execution_id] = tuple(items)
-            self._runs.move_to_end(execution_id)
-        while len(self._runs) > self._size:
-            self._runs.popitem(last=False)
+        with self._lock:
+            if any(item.seq != n for n, item in enumerate(items)):
+                self._runs.pop(execution_id, None)
+                return
+            if len(items) >= len(self._runs.get(execution_id, ())):
+                self._runs[execution_id] = tuple(items)
+                self._runs.move_to_end(execution_id)
+            while len(self._runs) > self._size:
+                self._runs.popitem(last=False)
 
 
 def as_stored(payload: Any, dialect: str) -> tuple[bool, Any]:

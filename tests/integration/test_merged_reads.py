@@ -95,7 +95,9 @@ def test_the_calls_a_move_leaves_are_the_calls_the_next_step_would_load(engine: 
         assert runs.commit_transition(
             conn, claim, modeled, owner=OWNER, now=now, duration_ms=1.0, next_lease_until=later
         )
-        derived = runs.calls_as_left(claim, None, modeled, now=now, owner=OWNER)
+        derived = runs.calls_as_left(
+            claim, None, modeled, now=now, owner=OWNER, dialect=conn.dialect.name
+        )
         loaded = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
         assert derived == loaded
         assert [c.call_id for c in loaded] == ["c1", "c2", "bad"]
@@ -108,7 +110,9 @@ def test_the_calls_a_move_leaves_are_the_calls_the_next_step_would_load(engine: 
         assert runs.commit_transition(
             conn, dispatch, queued, owner=OWNER, now=now, duration_ms=1.0, next_lease_until=later
         )
-        derived = runs.calls_as_left(dispatch, loaded, queued, now=now, owner=OWNER)
+        derived = runs.calls_as_left(
+            dispatch, loaded, queued, now=now, owner=OWNER, dialect=conn.dialect.name
+        )
         loaded = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
         assert derived == loaded
         assert all(c.queued_at == now and c.deadline_at == later for c in loaded)
@@ -117,7 +121,7 @@ def test_the_calls_a_move_leaves_are_the_calls_the_next_step_would_load(engine: 
         settled = Transition(
             to=Phase.ADVANCE_TURN,
             settle=[
-                Settlement("c1", Outcome.OK, {"answer": [1, "two"]}, 3.5),
+                Settlement("c1", Outcome.OK, {"answer": [1, "two"], "ab": {"zz": 1, "a": 2}}, 3.5),
                 # already settled at birth: the table's SETTLE leaves it, and so must the view
                 Settlement("bad", Outcome.OK, "overwritten?"),
             ],
@@ -126,9 +130,14 @@ def test_the_calls_a_move_leaves_are_the_calls_the_next_step_would_load(engine: 
         assert runs.commit_transition(
             conn, awaiting, settled, owner=OWNER, now=now, duration_ms=1.0
         )
-        derived = runs.calls_as_left(awaiting, loaded, settled, now=now, owner=OWNER)
+        derived = runs.calls_as_left(
+            awaiting, loaded, settled, now=now, owner=OWNER, dialect=conn.dialect.name
+        )
         loaded = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
         assert derived == loaded
+        # as text too (dict equality ignores key order; the model's prompt does not)
+        assert derived is not None
+        assert [json.dumps(c.result) for c in derived] == [json.dumps(c.result) for c in loaded]
         by_id = {c.call_id: c for c in loaded}
         assert by_id["c1"].state is CallState.SETTLED and by_id["c1"].settled_by == OWNER
         assert by_id["bad"].settled_by == "validation" and by_id["bad"].outcome is Outcome.ERROR
@@ -138,7 +147,7 @@ def test_the_calls_a_move_leaves_are_the_calls_the_next_step_would_load(engine: 
 def test_a_new_turn_is_never_derived(engine: Engine) -> None:
     claim = claim_at(engine, Phase.ADVANCE_TURN)
     moved = Transition(to=Phase.CALL_MODEL, next_turn=True)
-    assert runs.calls_as_left(claim, [], moved, now=utcnow(), owner=OWNER) is None
+    assert runs.calls_as_left(claim, [], moved, now=utcnow(), owner=OWNER, dialect="sqlite") is None
 
 
 @pytest.mark.skipif(
