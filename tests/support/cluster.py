@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -281,10 +282,35 @@ class Cluster:
         return "\n".join(out)
 
 
+#: ports free_port() handed out in this process (each test server gets its own)
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port for a server that starts listening later: free now, never handed out before in
+    this process, and below the kernel's ephemeral range, so that neither an outgoing
+    connection nor a server started with port 0 (``charlie ui --port 0``) can take it in the
+    meantime (one did: the MCP test server found its port taken by a console)."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _sandbox_problem() -> str | None:
@@ -406,6 +432,14 @@ class McpServers:
             if proc.poll() is not None:
                 raise RuntimeError(f"the MCP test server {name} exited: see mcp-{name}.log")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+                # (something else answering on the port is not this server: it exits on a
+                # taken port, so give it a moment to)
+                time.sleep(0.3)
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the MCP test server {name} exited (port {port} taken?): "
+                        f"see mcp-{name}.log"
+                    )
                 return proc
             time.sleep(0.1)
         proc.kill()
