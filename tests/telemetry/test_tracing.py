@@ -74,8 +74,19 @@ def test_one_trace_per_task_across_a_sigkill(
     )
     doomed = f":{writes[0]['pid']}"
     # What the doomed worker did before the write reaches the receiver (batches of 200 ms).
+    # (both model calls before the write: one worker now runs a whole chain of turns, and a
+    # kill before its second call's span is exported would lose that span with the worker)
     wait_for(
-        lambda: [s for s in otlp_receiver.of_task(task_id) if (s.worker or "").endswith(doomed)],
+        lambda: (
+            len(
+                [
+                    s
+                    for s in otlp_receiver.of_task(task_id)
+                    if s.name.startswith("chat ")  # only the doomed worker has called the model
+                ]
+            )
+            >= 2
+        ),
         timeout=20,
     )
     cluster.kill_pid_group(int(writes[0]["pid"]))
