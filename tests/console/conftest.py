@@ -88,6 +88,11 @@ def console(cluster_session: Cluster) -> Iterator[Console]:
             raise RuntimeError(f"charlie ui did not answer: {log.read_text()[-3000:]}")
         time.sleep(0.2)
     yield Console(base=base, token=TOKEN, proc=proc, log=log)
+    stop_console(proc)
+
+
+def stop_console(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a `charlie ui` process: SIGTERM, then its whole group if it lingers."""
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=10)

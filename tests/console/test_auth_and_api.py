@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 import charlie
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
-from tests.console.conftest import OPERATOR, Console
+from tests.console.conftest import OPERATOR, Console, stop_console
 from tests.support.cluster import REPO, Cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,15 +65,6 @@ def _started_console(
     return proc, address
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def test_without_a_token_one_is_generated_and_the_whole_address_printed(
     cluster: Cluster,
 ) -> None:
@@ -94,13 +84,13 @@ def test_without_a_token_one_is_generated_and_the_whole_address_printed(
         bearer = {"Authorization": f"Bearer {token}"}
         assert httpx.get(f"{base}/api/tasks", headers=bearer).status_code == 200
     finally:
-        _stop(proc)
+        stop_console(proc)
     # a second console generates another token: the first one's sessions do not carry over
     again, other = _started_console(cluster)
     try:
         assert token not in other
     finally:
-        _stop(again)
+        stop_console(again)
 
 
 def test_the_token_from_charlie_ui_token_is_not_printed(cluster: Cluster) -> None:
@@ -115,7 +105,7 @@ def test_the_token_from_charlie_ui_token_is_not_printed(cluster: Cluster) -> Non
         wrong = {"Authorization": f"Bearer {token}x"}
         assert httpx.get(f"{base}/api/tasks", headers=wrong).status_code == 401
     finally:
-        _stop(proc)
+        stop_console(proc)
     short = subprocess.run(
         [sys.executable, "-m", "charlie", "ui", "--port", "0"],
         env={**cluster.env, "CHARLIE_UI_TOKEN": "too-short"},
