@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -18,12 +17,8 @@ from typing import Literal
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from charlie import faults, pricing
+from charlie import faults
 from charlie.domain import (
-    CallState,
-    CallView,
-    Effect,
-    Item,
     ItemKind,
     Outcome,
     Phase,
@@ -36,7 +31,7 @@ from charlie.domain import (
 from charlie.executor import boundary
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
-from charlie.executor.phases import needs, run_phase
+from charlie.executor.phases import needs
 from charlie.executor.phases.mailbox import reopen_final
 from charlie.executor.settle import (
     CallResult,
@@ -46,6 +41,26 @@ from charlie.executor.settle import (
     report_people_settled,
     report_settlements,
     settle_result,
+)
+from charlie.executor.steps import (
+    MAX_MERGED,
+    Carried,
+    Follow,
+    NextCall,
+    NextTick,
+    Progress,
+    StartCall,
+    Step,
+    Wrote,
+    compute,
+    decide_at_boundary,
+    local_call_id,
+    log_context,
+    merges,
+    merges_next,
+    open_settlement,
+    remember_transcript,
+    view_of,
 )
 from charlie.observe import TickScope, safely
 from charlie.runtime import Runtime
@@ -64,173 +79,6 @@ TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done", "refused
 INLINE_SECONDS = 30.0
 
 
-#: Phases a merged transaction runs whole (claim, phase, commit): nothing outside the database
-#: happens between their claim and their commit. Of the slow phases only call_model's claim is
-#: taken in a merged transaction, and the transaction ends with it (issue 17).
-MERGEABLE = frozenset(
-    {Phase.LOAD_CONTEXT, Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN}
-)
-#: at most this many steps merged into one transaction
-MAX_MERGED = 4
-
-
-@dataclass(frozen=True)
-class Carried:
-    """A slow phase's claim, committed at the end of a merged transaction (its attempt counted,
-    its lease this worker's): its tick works from here without claiming again."""
-
-    claim: runs.Claim
-    view: RunView
-    started: float
-
-
-@dataclass(frozen=True)
-class NextTick:
-    """The run's next phase, to run in this worker."""
-
-    phase: Phase
-    version: int
-    #: its claim, already committed by this worker (a merged transaction's last step)
-    carried: Carried | None = None
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One phase transition committed in a merged transaction, for what follows the commit."""
-
-    claim: runs.Claim
-    view: RunView
-    transition: Transition
-    #: the turn's only call, queued in this transaction, to start and run here (StartCall)
-    local_id: str | None
-
-
-@dataclass(frozen=True)
-class NextCall:
-    """The turn's only tool call, marked started in the dispatch's own transaction, to run in
-    this worker (a "local activity"); then the await tick at ``await_version``."""
-
-    call: ClaimedCall
-    await_version: int
-
-
-@dataclass(frozen=True)
-class StartCall:
-    """The turn's only tool call, queued by a dispatch merged into another step's transaction:
-    this worker marks it started in a commit of its own (I9), then runs it as a NextCall. Its
-    start is not carried in that transaction, so a worker that dies after the commit leaves
-    the call pending, and the sweep starts it normally (I11), not an uncertain one (I10)."""
-
-    turn: int
-    call_id: str
-    await_version: int
-
-
-Follow = NextTick | NextCall | StartCall
-
-
-def _view(
-    rt: Runtime,
-    conn: Connection,
-    claim: runs.Claim,
-    now: datetime,
-    known_calls: list[CallView] | None = None,
-    wrote: Sequence[Wrote] = (),
-) -> RunView:
-    """``known_calls``: the turn's calls as this transaction holds them (runs.calls_as_left),
-    read instead of loaded. ``wrote``: the items this transaction wrote before this step."""
-    task = claim.task
-    assert task is not None  # _claim returns no claim without its task
-    wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
-    if "calls" in wanted and known_calls is None:
-        # Locked in tool phases: a settle racing this tick waits, then finds the call settled
-        # and becomes a late report, so the transcript and the record agree (I8, I12).
-        known_calls = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
-    return RunView(
-        execution_id=claim.execution_id,
-        phase=claim.phase,
-        version=claim.version,
-        turn=claim.turn,
-        state=claim.state,
-        attempts=claim.attempts,
-        task=task,
-        now=now,
-        items=_transcript(rt, conn, claim, wrote) if "items" in wanted else [],
-        calls=known_calls if "calls" in wanted and known_calls is not None else [],
-        last_error=claim.last_error,
-        # The mailbox is read only when the claim says it holds mail: no statement otherwise.
-        messages=runs.load_messages(conn, claim.task_id)
-        if claim.inbox > 0 and "messages" in wanted
-        else [],
-    )
-
-
-#: a step committed in this transaction: its claim's next_seq and the items it wrote, as the
-#: table returns them (None: not predicted, see runs.written_items)
-Wrote = tuple[int, list[Item] | None]
-
-
-def _transcript(
-    rt: Runtime, conn: Connection, claim: runs.Claim, wrote: Sequence[Wrote]
-) -> list[Item]:
-    """The run's transcript for the model: the committed prefix this process remembers, the
-    items this transaction wrote, and a read of only what else has committed since; no read
-    at all when the claim's next_seq says there is nothing else (issue 17)."""
-    known = list(rt.transcripts.get(claim.execution_id))
-    if len(known) > claim.next_seq:
-        known = []  # (cannot happen: a remembered prefix has committed) read it all
-    cursor = len(known)
-    pending: list[Item] = []
-    for next_seq, items in wrote:
-        if items is None or next_seq != cursor + len(pending):
-            break
-        pending.extend(items)
-    else:
-        if cursor + len(pending) == claim.next_seq:
-            return [*known, *pending]
-    return runs.load_items(conn, claim.execution_id, known)
-
-
-def _remember_transcript(
-    rt: Runtime,
-    execution_id: str,
-    first: list[Item] | None,
-    wrote: Sequence[Wrote],
-    carried: Carried | None,
-) -> None:
-    """After the COMMIT of a transaction (never before: a rolled-back item must not be
-    remembered), what this process now knows of the run's committed transcript: a carried
-    call_model view's items, or the first step's view's items (or the remembered prefix) and
-    the items each step wrote after them."""
-    if carried is not None and carried.view.phase is Phase.CALL_MODEL:
-        rt.transcripts.put(execution_id, carried.view.items)
-        return
-    items = list(first) if first is not None else list(rt.transcripts.get(execution_id))
-    for next_seq, written in wrote:
-        if written is None or next_seq != len(items):
-            break
-        items.extend(written)
-    rt.transcripts.put(execution_id, items)
-
-
-def _decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
-    """What the tick does instead of the phase, if anything."""
-    if view.attempts > rt.settings.max_attempts:
-        return boundary.poison(view, rt.settings.max_attempts)
-    reason = boundary.stop_reason(view)
-    if reason is not None:
-        return boundary.stop(view, reason)
-    if view.task.budget:  # only call_model's claim loads one (issue 16)
-        prices: pricing.PriceTable = {}
-        if "usd" in view.task.budget:  # only a cost limit needs the table
-            try:
-                prices = pricing.price_table(rt.settings.prices)
-            except pricing.PriceError as exc:
-                return boundary.fail(view, exc)
-        return boundary.over_budget(view, prices)
-    return None
-
-
 def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[object]:
     """Renew the run's lease while slow work runs (I5)."""
 
@@ -239,34 +87,6 @@ def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[object]
         return runs.renew_execution_lease(conn, claim.execution_id, claim.version, rt.worker, until)
 
     return rt.leases.held(renew, rt.settings.lease_seconds / 3, f"lease-{claim.execution_id}")
-
-
-def _compute(rt: Runtime, view: RunView) -> Transition:
-    try:
-        return run_phase(view, rt.deps)
-    except Exception as exc:
-        if view.phase is Phase.REPORT_FAILURE:
-            # Reporting a failure failed: come back later rather than fail the failure.
-            log.exception("report_failure raised", extra=_ctx(view))
-            retries = int(view.state.get("report_failure_retries", 0)) + 1
-            return Transition(
-                to=None,
-                state={**view.state, "report_failure_retries": retries},
-                wake_at=view.now + timedelta(seconds=min(60, 2**retries)),
-                publish_next=False,
-                note=f"report_failure raised {type(exc).__name__}",
-            )
-        log.exception("phase raised; moving to report_failure", extra=_ctx(view))
-        return boundary.fail(view, exc)
-
-
-def _ctx(view: RunView) -> dict[str, object]:
-    return {
-        "execution_id": view.execution_id,
-        "task_id": view.task.id,
-        "phase": view.phase.value,
-        "version": view.version,
-    }
 
 
 def _commit(
@@ -320,13 +140,13 @@ def _reads_fresh(conn: Connection) -> bool:
 
 
 def _rides(
-    rt: Runtime, conn: Connection, progress: _Progress, claim: runs.Claim, transition: Transition
+    rt: Runtime, conn: Connection, progress: Progress, claim: runs.Claim, transition: Transition
 ) -> bool:
     """Whether this transition's move also claims the step after it (issue 17): a fast step a
     merged transaction runs whole (_merges_next) or, on PostgreSQL, call_model's claim that
     ends the transaction (which needs the task's status, the mailbox and the budget as they are
     now: the move reads them, runs.Fresh)."""
-    if _merges_next(claim, transition):
+    if merges_next(claim, transition):
         return True
     return (
         _reads_fresh(conn)
@@ -428,7 +248,7 @@ def run_tick(
                     if inline
                     else nullcontext()
                 )
-                progress = _Progress(
+                progress = Progress(
                     inline=chain,
                     durable_claim=durable_claim,
                     carried=step.carried,
@@ -532,7 +352,7 @@ def _settle_local_call(
     model call's claim), or on its own if that tick cannot run here (an interrupted call held
     for an operator never completes the turn: on its own)."""
     if chain and not held_for_operator(done):
-        progress = _Progress(inline=chain, settlement=done, reports=reports)
+        progress = Progress(inline=chain, settlement=done, reports=reports)
         moved, follow = _guarded_tick(
             rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress
         )
@@ -556,10 +376,10 @@ def _guarded_tick(
     *,
     inline: bool = False,
     durable_claim: bool = False,
-    progress: _Progress | None = None,
+    progress: Progress | None = None,
 ) -> tuple[TickResult, Follow | None]:
     if progress is None:
-        progress = _Progress(inline=inline, durable_claim=durable_claim)
+        progress = Progress(inline=inline, durable_claim=durable_claim)
     progress.scope = scope = TickScope(execution_id, phase, version, rt.worker)
     with rt.observer.tick(scope):
         scope.result, follow = _observed_tick(rt, execution_id, phase, version, progress)
@@ -567,7 +387,7 @@ def _guarded_tick(
 
 
 def _observed_tick(
-    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
+    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: Progress
 ) -> tuple[TickResult, Follow | None]:
     try:
         try:
@@ -612,31 +432,8 @@ def _observed_tick(
         return "refused", None
 
 
-@dataclass
-class _Progress:
-    #: the claim's transaction committed (the slow path), so the attempt was already counted.
-    claim_committed: bool = False
-    #: the next phase may run in this worker instead of being published.
-    inline: bool = False
-    #: commit the claim (and its attempt count) before running even a fast phase.
-    durable_claim: bool = False
-    #: a call's result to settle in this tick's transaction (the turn's local call).
-    settlement: CallResult | None = None
-    #: set once that transaction committed: True if it settled the call, False if the call
-    #: had been settled already (a late report). None: not committed here.
-    settled: bool | None = None
-    #: what telemetry hears of this tick (charlie.observe)
-    scope: TickScope | None = None
-    #: this tick's claim, committed already at the end of a merged transaction
-    carried: Carried | None = None
-    #: where the Celery task events of steps merged into this tick's transaction go (I21)
-    reports: InlineReports | None = None
-    #: how many following steps this tick merged into its transaction
-    merged: int = 0
-
-
 def _follow(
-    progress: _Progress, claim: runs.Claim, transition: Transition, local: ClaimedCall | None
+    progress: Progress, claim: runs.Claim, transition: Transition, local: ClaimedCall | None
 ) -> Follow | None:
     """What this worker does next itself, if inline steps are allowed."""
     if not progress.inline:
@@ -649,53 +446,20 @@ def _follow(
     return None
 
 
-def _local_call_id(progress: _Progress, view: RunView, transition: Transition) -> str | None:
-    """A turn of one call has nothing to run in parallel: this worker runs it rather than hand
-    it to another through the broker. A fan-out is published, call by call."""
-    if (
-        progress.inline
-        and transition.to is Phase.AWAIT_TOOLS
-        and len(transition.queue_calls) == 1
-        and len(view.calls) == 1
-    ):
-        return transition.queue_calls[0][0]
-    return None
-
-
 def _take_settlement(
     rt: Runtime, conn: Connection, view: RunView, done: CallResult
 ) -> tuple[RunView, Settlement | None]:
-    """Apply a call's result to the view the phase sees, if the call is still open and still
-    held under the lease this worker started it with; a call settled meanwhile (a deadline, a
-    cancel), or taken over after this worker's lease lapsed, gets a late report instead (I12,
-    I13, issue 12 item 5). The turn's calls are locked in this transaction, so what is checked
-    here is what commits."""
-    call = done.call
-    open_call = next(
-        (
-            c
-            for c in view.calls
-            if c.call_id == call.call_id
-            and c.state is not CallState.SETTLED
-            and c.lease_owner == rt.worker
-            and c.attempts == call.attempts
-        ),
-        None,
-    )
-    if open_call is None:
+    """Apply a call's result to the view the phase sees (steps.open_settlement); a call settled
+    meanwhile (a deadline, a cancel), or taken over after this worker's lease lapsed, gets a
+    late report instead (I12, I13, issue 12 item 5). The turn's calls are locked in this
+    transaction, so what is checked here is what commits."""
+    view, settlement = open_settlement(rt, view, done)
+    if settlement is None:
+        call = done.call
         calls.record_late_report(
             conn, call.execution_id, call.turn, call.call_id, done.outcome.value, done.result
         )
-        return view, None
-    settled = replace(
-        open_call,
-        state=CallState.SETTLED,
-        outcome=done.outcome,
-        result=done.result,
-        settled_at=view.now,
-    )
-    view = replace(view, calls=[settled if c is open_call else c for c in view.calls])
-    return view, Settlement(call.call_id, done.outcome, done.result, done.duration_ms)
+    return view, settlement
 
 
 def _claim(
@@ -716,7 +480,7 @@ def _claim(
     return claim, now
 
 
-def _report_calls(rt: Runtime, progress: _Progress, view: RunView, transition: Transition) -> None:
+def _report_calls(rt: Runtime, progress: Progress, view: RunView, transition: Transition) -> None:
     if view.phase is Phase.ADVANCE_TURN and transition.next_turn:
         report_people_settled(rt, view)
     if transition.settle:
@@ -725,7 +489,7 @@ def _report_calls(rt: Runtime, progress: _Progress, view: RunView, transition: T
         report_settlements(rt, view, [s for s in transition.settle if s.call_id != local_result])
 
 
-def _observed(rt: Runtime, progress: _Progress, claim: runs.Claim, transition: Transition) -> None:
+def _observed(rt: Runtime, progress: Progress, claim: runs.Claim, transition: Transition) -> None:
     scope = progress.scope
     if scope is not None:
         scope.task_id = claim.task_id
@@ -744,10 +508,10 @@ def _observed(rt: Runtime, progress: _Progress, claim: runs.Claim, transition: T
 
 
 def _start_local(
-    rt: Runtime, conn: Connection, progress: _Progress, view: RunView, transition: Transition
+    rt: Runtime, conn: Connection, progress: Progress, view: RunView, transition: Transition
 ) -> ClaimedCall | None:
     """Mark the turn's only call started in the dispatch's transaction, to run here (I9)."""
-    local_id = _local_call_id(progress, view, transition)
+    local_id = local_call_id(progress, view, transition)
     if local_id is None:
         return None
     return calls.start_local_call(
@@ -761,50 +525,10 @@ def _start_local(
     )
 
 
-def _merges(rt: Runtime, claim: runs.Claim, progress: _Progress, local: bool = False) -> bool:
-    """Whether the steps after this one may share its transaction (see _merge).
-
-    Not a retry: a claim committed apart (a redelivered or re-published tick) or a second
-    attempt commits on its own, so a step that kills its worker is counted in its own phase.
-    Not after settling the result of a call with an outside effect (a write, a wait): that
-    result commits with await_tools alone, so a crash in the steps after it cannot cost it
-    (the call would settle interrupted); a read's result may ride on with them."""
-    if not (
-        rt.settings.merge_phases
-        and rt.settings.inline_phases > 0
-        and claim.attempts == 1
-        and not progress.durable_claim
-        and not local
-    ):
-        return False
-    done = progress.settlement
-    if done is None:
-        return True
-    definition = rt.tools.get(done.call.name)
-    return definition is not None and definition.effect is Effect.READ
-
-
-def _merges_next(claim: runs.Claim, transition: Transition) -> bool:
-    """Whether a merged transaction runs the step after this transition whole (claim, phase,
-    commit), so this transition's compare-and-set takes that step's claim too."""
-    to = transition.to
-    return (
-        to is not None
-        and transition.publish_next
-        and transition.wake_at is None
-        # nothing to publish first: no invocations, no cancel of outside work (I1)
-        and not transition.queue_calls
-        and not any(s.outcome is Outcome.CANCELED for s in transition.settle)
-        and to in MERGEABLE
-        # (a dispatch's next batch is a tick of its own, its invocations published first)
-        and to is not claim.phase
-    )
-
-
 def _merge(
     rt: Runtime,
     conn: Connection,
-    progress: _Progress,
+    progress: Progress,
     claim: runs.Claim,
     view: RunView,
     transition: Transition,
@@ -813,7 +537,7 @@ def _merge(
     wrote: list[Wrote],
     *,
     claimed: bool = False,
-) -> tuple[list[_Step], Carried | None]:
+) -> tuple[list[Step], Carried | None]:
     """After a transition's compare-and-set, before COMMIT: run in the same transaction the
     steps that follow it while nothing outside the database has to happen first (issue 17).
 
@@ -827,8 +551,8 @@ def _merge(
     (``claim.attempts == 1``): a step that runs again after a crash or a refused write commits
     on its own, so a step that kills its worker is counted in its own phase and poisons there,
     and repeats at most one model call (the counted repeat) on its way."""
-    steps: list[_Step] = []
-    if not _merges(rt, claim, progress, local is not None):
+    steps: list[Step] = []
+    if not merges(rt, claim, progress, local is not None):
         return steps, None
     while len(steps) < MAX_MERGED:
         to = transition.to
@@ -837,7 +561,7 @@ def _merge(
         elif to is Phase.CALL_MODEL and transition.publish_next and transition.wake_at is None:
             if not progress.inline:
                 break  # its tick is published: this worker will not call the model
-        elif not _merges_next(claim, transition):
+        elif not merges_next(claim, transition):
             break
         if to is None:
             break
@@ -860,18 +584,18 @@ def _merge(
             owner=rt.worker,
             dialect=conn.dialect.name,
         )
-        view = _view(rt, conn, next_claim, now, known, wrote)
+        view = view_of(rt, conn, next_claim, now, known, wrote)
         progress.merged += 1
         if to is Phase.CALL_MODEL:
             # The claim is the transaction's last write; the model is called after COMMIT.
             return steps, Carried(next_claim, view, started)
-        next_transition = _decide_at_boundary(rt, view)
+        next_transition = decide_at_boundary(rt, view)
         if next_transition is None:
-            next_transition = _compute(rt, view)
+            next_transition = compute(rt, view)
             faults.hit("tick.in_transaction", phase=to.value, task_id=view.task.id)
         # A local call is not started here but in a commit of its own once this one is done
         # (StartCall): a worker killed between the two leaves it pending, free to start (I11).
-        local_id = _local_call_id(progress, view, next_transition)
+        local_id = local_call_id(progress, view, next_transition)
         claimed = (
             local_id is None
             and len(steps) + 1 < MAX_MERGED
@@ -883,7 +607,7 @@ def _merge(
             raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
         committed = at
         wrote.append((next_claim.next_seq, runs.written_items(conn, next_claim, next_transition)))
-        steps.append(_Step(next_claim, view, next_transition, local_id))
+        steps.append(Step(next_claim, view, next_transition, local_id))
         if local_id is not None:
             break
         claim, transition = next_claim, next_transition
@@ -891,11 +615,11 @@ def _merge(
 
 
 def _run_tick(
-    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: _Progress
+    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: Progress
 ) -> tuple[TickResult, Follow | None]:
     started = time.perf_counter()
     local: ClaimedCall | None = None
-    merged: list[_Step] = []
+    merged: list[Step] = []
     carried: Carried | None = None
     progress.merged = 0
     if phase in SLOW_PHASES:
@@ -919,13 +643,13 @@ def _run_tick(
                 if claimed is None:
                     return "stale", None
                 claim, now = claimed
-                view = _view(rt, conn, claim, now)
+                view = view_of(rt, conn, claim, now)
         progress.claim_committed = True
-        transition = _decide_at_boundary(rt, view)
+        transition = decide_at_boundary(rt, view)
         if transition is None:
             faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
             with _heartbeat(rt, claim):
-                transition = _compute(rt, view)
+                transition = compute(rt, view)
             faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
         with write(rt.engine) as conn:
             # A final answer while mail waits is not final (I22): the messages sent while the
@@ -944,8 +668,8 @@ def _run_tick(
             # itself, or (PostgreSQL) the move reads the task as it is now (runs.Fresh).
             claim_next = (
                 _reads_fresh(conn)
-                and _merges(rt, claim, progress)
-                and _merges_next(claim, transition)
+                and merges(rt, claim, progress)
+                and merges_next(claim, transition)
             )
             at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
             if at is None:
@@ -956,7 +680,7 @@ def _run_tick(
                 rt, conn, progress, claim, view, transition, at, None, wrote, claimed=claim_next
             )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
-        _remember_transcript(
+        remember_transcript(
             rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
         )
     else:
@@ -983,23 +707,23 @@ def _run_tick(
                 # ...and its mailbox as it is now: a send may have committed since the claim.
                 inbox = calls.lock_run_inbox(conn, execution_id)
                 claim = replace(claim, inbox=max(claim.inbox, inbox))
-            view = _view(rt, conn, claim, now)
+            view = view_of(rt, conn, claim, now)
             # the calls as read, before a local result is applied (the commit's SETTLE applies
             # it in the table, and calls_as_left in what the next merged step sees)
             loaded = view
             settlement = None
             if progress.settlement is not None:
                 view, settlement = _take_settlement(rt, conn, view, progress.settlement)
-            transition = _decide_at_boundary(rt, view)
+            transition = decide_at_boundary(rt, view)
             if transition is None:
-                transition = _compute(rt, view)
+                transition = compute(rt, view)
                 faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
             if settlement is not None:
                 transition.settle.append(settlement)
-            local_id = _local_call_id(progress, view, transition)
+            local_id = local_call_id(progress, view, transition)
             claim_next = (
                 local_id is None
-                and _merges(rt, claim, progress)
+                and merges(rt, claim, progress)
                 and _rides(rt, conn, progress, claim, transition)
             )
             at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
@@ -1011,7 +735,7 @@ def _run_tick(
                 rt, conn, progress, claim, loaded, transition, at, local, wrote, claimed=claim_next
             )
             _merged_end(progress, claim, merged, carried, "tick.merged.end")
-        _remember_transcript(
+        remember_transcript(
             rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
         )
         progress.claim_committed = True
@@ -1041,7 +765,7 @@ def _run_tick(
 
 
 def _report_tick(
-    rt: Runtime, progress: _Progress, claim: runs.Claim, view: RunView, transition: Transition
+    rt: Runtime, progress: Progress, claim: runs.Claim, view: RunView, transition: Transition
 ) -> None:
     """Telemetry hears of a commit once what it allows is published (I1, I4)."""
     _observed(rt, progress, claim, transition)
@@ -1049,7 +773,7 @@ def _report_tick(
         safely(_report_calls, rt, progress, view, transition)
 
 
-def _merged_follow(progress: _Progress, step: _Step) -> Follow | None:
+def _merged_follow(progress: Progress, step: Step) -> Follow | None:
     if step.local_id is not None:
         return StartCall(step.claim.turn, step.local_id, step.claim.version + 1)
     return _follow(progress, step.claim, step.transition, None)
@@ -1062,9 +786,9 @@ def _carried_follow(carried: Carried | None) -> Follow | None:
 
 
 def _merged_end(
-    progress: _Progress,
+    progress: Progress,
     claim: runs.Claim,
-    merged: list[_Step],
+    merged: list[Step],
     carried: Carried | None,
     point: str,
 ) -> None:
@@ -1085,7 +809,7 @@ def _merged_end(
 
 
 def _report_merged(
-    rt: Runtime, progress: _Progress, step: _Step, follow: Follow | None, *, publish_next: bool
+    rt: Runtime, progress: Progress, step: Step, follow: Follow | None, *, publish_next: bool
 ) -> None:
     """After the commit, what a merged step's own tick would have said: telemetry's tick, the
     calls it settled, its Celery task event (I21), its publishes, its log line."""
@@ -1103,7 +827,7 @@ def _report_merged(
             follow=follow,
             publish_next=publish_next,
         )
-        _report_tick(rt, _Progress(scope=scope), claim, view, transition)
+        _report_tick(rt, Progress(scope=scope), claim, view, transition)
         if report is not None:
             report.result = scope.result
 
@@ -1136,7 +860,7 @@ def _after_commit(
         "transition %s -> %s",
         claim.phase.value,
         transition.to.value,
-        extra={**_ctx(view), "to": transition.to.value, "note": transition.note},
+        extra={**log_context(view), "to": transition.to.value, "note": transition.note},
     )
     if transition.to is Phase.DONE:
         rt.transcripts.forget(claim.execution_id)

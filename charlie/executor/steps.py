@@ -1,0 +1,399 @@
+"""A step's pieces, shared by the tick shell (tick.py) and its fused commits (fused.py).
+
+A step is one phase transition: its claim, the view its phase sees (read from the database,
+or known from what this worker's own transaction left), the boundary checks, the phase itself,
+and what this worker does after it. Nothing here commits; the callers do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Connection
+
+from charlie import pricing
+from charlie.domain import (
+    CallState,
+    CallView,
+    Effect,
+    Item,
+    Outcome,
+    Phase,
+    RunView,
+    Settlement,
+    Transition,
+)
+from charlie.executor import boundary
+from charlie.executor.phases import needs, run_phase
+from charlie.executor.settle import CallResult
+from charlie.observe import TickScope
+from charlie.runtime import Runtime
+from charlie.store import runs
+from charlie.store.calls import ClaimedCall
+
+if TYPE_CHECKING:
+    from charlie.executor.events import InlineReports
+
+log = logging.getLogger("charlie.tick")
+
+#: Phases a merged transaction runs whole (claim, phase, commit): nothing outside the database
+#: happens between their claim and their commit. Of the slow phases only call_model's claim is
+#: taken in a merged transaction, and the transaction ends with it (issue 17).
+MERGEABLE = frozenset(
+    {Phase.LOAD_CONTEXT, Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN}
+)
+#: at most this many steps merged into one transaction
+MAX_MERGED = 4
+
+
+@dataclass(frozen=True)
+class Carried:
+    """A slow phase's claim, committed at the end of a merged transaction (its attempt counted,
+    its lease this worker's): its tick works from here without claiming again."""
+
+    claim: runs.Claim
+    view: RunView
+    started: float
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """The run as this worker's last commit left it, for the commit after the turn's local call
+    (a fused settle, fused.settle_turn): the await_tools claim that commit takes, as the claim
+    statement would return it, and the turn's calls as they stand once the call started. What
+    it predicts is checked in the fused statement; whatever else happened meanwhile (a settle
+    by a sweep, a cancel, a message) fails the check, and the ordinary path reads the rows."""
+
+    claim: runs.Claim
+    calls: list[CallView]
+
+    def started(self, call: ClaimedCall, owner: str) -> Predicted:
+        """The calls once this worker's start of ``call`` committed (calls.claim_call)."""
+        return replace(
+            self,
+            calls=[
+                replace(
+                    c,
+                    state=CallState.STARTED,
+                    started_at=call.started_at,
+                    lease_owner=owner,
+                    attempts=call.attempts,
+                )
+                if c.call_id == call.call_id
+                else c
+                for c in self.calls
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class NextTick:
+    """The run's next phase, to run in this worker."""
+
+    phase: Phase
+    version: int
+    #: its claim, already committed by this worker (a merged transaction's last step)
+    carried: Carried | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One phase transition committed in a merged transaction, for what follows the commit."""
+
+    claim: runs.Claim
+    view: RunView
+    transition: Transition
+    #: the turn's only call, queued in this transaction, to start and run here (StartCall)
+    local_id: str | None
+    #: ...or already started in this transaction (a fused commit: a read's start), to run here
+    local_call: ClaimedCall | None = None
+    #: what the commit after the local call may assume (fused commits)
+    predicted: Predicted | None = None
+
+
+@dataclass(frozen=True)
+class NextCall:
+    """The turn's only tool call, marked started in the dispatch's own transaction, to run in
+    this worker (a "local activity"); then the await tick at ``await_version``."""
+
+    call: ClaimedCall
+    await_version: int
+    predicted: Predicted | None = None
+
+
+@dataclass(frozen=True)
+class StartCall:
+    """The turn's only tool call, queued by a dispatch merged into another step's transaction:
+    this worker marks it started in a commit of its own (I9), then runs it as a NextCall. Its
+    start is not carried in that transaction, so a worker that dies after the commit leaves
+    the call pending, and the sweep starts it normally (I11), not an uncertain one (I10)."""
+
+    turn: int
+    call_id: str
+    await_version: int
+    predicted: Predicted | None = None
+
+
+Follow = NextTick | NextCall | StartCall
+
+#: a step committed in this transaction: its claim's next_seq and the items it wrote, as the
+#: table returns them (None: not predicted, see runs.written_items)
+Wrote = tuple[int, list[Item] | None]
+
+
+@dataclass
+class Progress:
+    """What one tick knows of the chain it runs in, and tells it back."""
+
+    #: the claim's transaction committed (the slow path), so the attempt was already counted.
+    claim_committed: bool = False
+    #: the next phase may run in this worker instead of being published.
+    inline: bool = False
+    #: commit the claim (and its attempt count) before running even a fast phase.
+    durable_claim: bool = False
+    #: a call's result to settle in this tick's transaction (the turn's local call).
+    settlement: CallResult | None = None
+    #: set once that transaction committed: True if it settled the call, False if the call
+    #: had been settled already (a late report). None: not committed here.
+    settled: bool | None = None
+    #: what telemetry hears of this tick (charlie.observe)
+    scope: TickScope | None = None
+    #: this tick's claim, committed already at the end of a merged transaction
+    carried: Carried | None = None
+    #: where the Celery task events of steps merged into this tick's transaction go (I21)
+    reports: InlineReports | None = None
+    #: how many following steps this tick merged into its transaction
+    merged: int = 0
+    #: the run as this worker's last commit left it (fused commits, see Predicted)
+    predicted: Predicted | None = None
+
+
+class NeedsRead(Exception):
+    """A view needs a read that the caller, holding no connection, cannot make."""
+
+
+def view_of(
+    rt: Runtime,
+    conn: Connection | None,
+    claim: runs.Claim,
+    now: datetime,
+    known_calls: list[CallView] | None = None,
+    wrote: Sequence[Wrote] = (),
+) -> RunView:
+    """The view ``claim``'s phase sees. ``known_calls``: the turn's calls as this transaction
+    holds them (runs.calls_as_left), read instead of loaded. ``wrote``: the items this
+    transaction wrote before this step. Without ``conn``, raises NeedsRead when it would have
+    to read."""
+    task = claim.task
+    assert task is not None  # a claim comes with its task
+    wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
+    if "calls" in wanted and known_calls is None:
+        if conn is None:
+            raise NeedsRead("the turn's calls")
+        # Locked in tool phases: a settle racing this tick waits, then finds the call settled
+        # and becomes a late report, so the transcript and the record agree (I8, I12).
+        known_calls = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
+    messages = []
+    # The mailbox is read only when the claim says it holds mail: no statement otherwise.
+    if claim.inbox > 0 and "messages" in wanted:
+        if conn is None:
+            raise NeedsRead("the mailbox")
+        messages = runs.load_messages(conn, claim.task_id)
+    return RunView(
+        execution_id=claim.execution_id,
+        phase=claim.phase,
+        version=claim.version,
+        turn=claim.turn,
+        state=claim.state,
+        attempts=claim.attempts,
+        task=task,
+        now=now,
+        items=transcript_of(rt, conn, claim, wrote) if "items" in wanted else [],
+        calls=known_calls if "calls" in wanted and known_calls is not None else [],
+        last_error=claim.last_error,
+        messages=messages,
+    )
+
+
+def transcript_of(
+    rt: Runtime, conn: Connection | None, claim: runs.Claim, wrote: Sequence[Wrote]
+) -> list[Item]:
+    """The run's transcript for the model: the committed prefix this process remembers, the
+    items this transaction wrote, and a read of only what else has committed since; no read
+    at all when the claim's next_seq says there is nothing else (issue 17)."""
+    known = list(rt.transcripts.get(claim.execution_id))
+    if len(known) > claim.next_seq:
+        known = []  # (cannot happen: a remembered prefix has committed) read it all
+    cursor = len(known)
+    pending: list[Item] = []
+    for next_seq, items in wrote:
+        if items is None or next_seq != cursor + len(pending):
+            break
+        pending.extend(items)
+    else:
+        if cursor + len(pending) == claim.next_seq:
+            return [*known, *pending]
+    if conn is None:
+        raise NeedsRead("the transcript")
+    return runs.load_items(conn, claim.execution_id, known)
+
+
+def remember_transcript(
+    rt: Runtime,
+    execution_id: str,
+    first: list[Item] | None,
+    wrote: Sequence[Wrote],
+    carried: Carried | None,
+) -> None:
+    """After the COMMIT of a transaction (never before: a rolled-back item must not be
+    remembered), what this process now knows of the run's committed transcript: a carried
+    call_model view's items, or the first step's view's items (or the remembered prefix) and
+    the items each step wrote after them."""
+    if carried is not None and carried.view.phase is Phase.CALL_MODEL:
+        rt.transcripts.put(execution_id, carried.view.items)
+        return
+    items = list(first) if first is not None else list(rt.transcripts.get(execution_id))
+    for next_seq, written in wrote:
+        if written is None or next_seq != len(items):
+            break
+        items.extend(written)
+    rt.transcripts.put(execution_id, items)
+
+
+def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
+    """What the tick does instead of the phase, if anything."""
+    if view.attempts > rt.settings.max_attempts:
+        return boundary.poison(view, rt.settings.max_attempts)
+    reason = boundary.stop_reason(view)
+    if reason is not None:
+        return boundary.stop(view, reason)
+    if view.task.budget:  # only call_model's claim loads one (issue 16)
+        prices: pricing.PriceTable = {}
+        if "usd" in view.task.budget:  # only a cost limit needs the table
+            try:
+                prices = pricing.price_table(rt.settings.prices)
+            except pricing.PriceError as exc:
+                return boundary.fail(view, exc)
+        return boundary.over_budget(view, prices)
+    return None
+
+
+def compute(rt: Runtime, view: RunView) -> Transition:
+    try:
+        return run_phase(view, rt.deps)
+    except Exception as exc:
+        if view.phase is Phase.REPORT_FAILURE:
+            # Reporting a failure failed: come back later rather than fail the failure.
+            log.exception("report_failure raised", extra=log_context(view))
+            retries = int(view.state.get("report_failure_retries", 0)) + 1
+            return Transition(
+                to=None,
+                state={**view.state, "report_failure_retries": retries},
+                wake_at=view.now + timedelta(seconds=min(60, 2**retries)),
+                publish_next=False,
+                note=f"report_failure raised {type(exc).__name__}",
+            )
+        log.exception("phase raised; moving to report_failure", extra=log_context(view))
+        return boundary.fail(view, exc)
+
+
+def log_context(view: RunView) -> dict[str, object]:
+    return {
+        "execution_id": view.execution_id,
+        "task_id": view.task.id,
+        "phase": view.phase.value,
+        "version": view.version,
+    }
+
+
+def local_call_id(progress: Progress, view: RunView, transition: Transition) -> str | None:
+    """A turn of one call has nothing to run in parallel: this worker runs it rather than hand
+    it to another through the broker. A fan-out is published, call by call."""
+    if (
+        progress.inline
+        and transition.to is Phase.AWAIT_TOOLS
+        and len(transition.queue_calls) == 1
+        and len(view.calls) == 1
+    ):
+        return transition.queue_calls[0][0]
+    return None
+
+
+def open_settlement(
+    rt: Runtime, view: RunView, done: CallResult
+) -> tuple[RunView, Settlement | None]:
+    """Apply a call's result to the view the phase sees, if the call is still open and still
+    held under the lease this worker started it with (I12, I13, issue 12 item 5); else the
+    view unchanged and None: the result is a late report."""
+    call = done.call
+    open_call = next(
+        (
+            c
+            for c in view.calls
+            if c.call_id == call.call_id
+            and c.state is not CallState.SETTLED
+            and c.lease_owner == rt.worker
+            and c.attempts == call.attempts
+        ),
+        None,
+    )
+    if open_call is None:
+        return view, None
+    settled = replace(
+        open_call,
+        state=CallState.SETTLED,
+        outcome=done.outcome,
+        result=done.result,
+        settled_at=view.now,
+    )
+    view = replace(view, calls=[settled if c is open_call else c for c in view.calls])
+    return view, Settlement(call.call_id, done.outcome, done.result, done.duration_ms)
+
+
+def merges(rt: Runtime, claim: runs.Claim, progress: Progress, local: bool = False) -> bool:
+    """Whether the steps after this one may share its transaction (see tick._merge).
+
+    Not a retry: a claim committed apart (a redelivered or re-published tick) or a second
+    attempt commits on its own, so a step that kills its worker is counted in its own phase.
+    Not after settling the result of a call with an outside effect (a write, a wait): that
+    result commits with await_tools alone, so a crash in the steps after it cannot cost it
+    (the call would settle interrupted); a read's result may ride on with them."""
+    if not first_try(rt, claim, progress, local):
+        return False
+    done = progress.settlement
+    if done is None:
+        return True
+    definition = rt.tools.get(done.call.name)
+    return definition is not None and definition.effect is Effect.READ
+
+
+def first_try(rt: Runtime, claim: runs.Claim, progress: Progress, local: bool = False) -> bool:
+    """Merging is on and this is the step's first try (see merges)."""
+    return (
+        rt.settings.merge_phases
+        and rt.settings.inline_phases > 0
+        and claim.attempts == 1
+        and not progress.durable_claim
+        and not local
+    )
+
+
+def merges_next(claim: runs.Claim, transition: Transition) -> bool:
+    """Whether a merged transaction runs the step after this transition whole (claim, phase,
+    commit), so this transition's compare-and-set takes that step's claim too."""
+    to = transition.to
+    return (
+        to is not None
+        and transition.publish_next
+        and transition.wake_at is None
+        # nothing to publish first: no invocations, no cancel of outside work (I1)
+        and not transition.queue_calls
+        and not any(s.outcome is Outcome.CANCELED for s in transition.settle)
+        and to in MERGEABLE
+        # (a dispatch's next batch is a tick of its own, its invocations published first)
+        and to is not claim.phase
+    )
