@@ -105,6 +105,10 @@ class Settings:
     #: step with an outside effect: a model call (its claim commits in it), a tool handler (its
     #: start commits in it), a publish (after it). False: one commit per phase (issue 17).
     merge_phases: bool = True
+    #: on PostgreSQL, write a merged transaction's steps in one statement (a fused commit: one
+    #: round trip, the rows checked as predicted, else written step by step). False: one
+    #: statement per write, as on SQLite (issue 17).
+    fuse_commits: bool = True
     #: while more messages than this wait in the broker queue, the sweep does not re-publish
     #: runs that merely look stalled: in a backlog their ticks are queued, not lost.
     sweep_backlog_limit: int = 200
@@ -278,6 +282,7 @@ def load_settings() -> Settings:
         sweep_backlog_max_wait=_env_float("CHARLIE_SWEEP_BACKLOG_MAX_WAIT", 120.0),
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 30),
         merge_phases=_env_int("CHARLIE_MERGE_PHASES", 1) > 0,
+        fuse_commits=_env_int("CHARLIE_FUSE_COMMITS", 1) > 0,
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
         human_deadline=_env_float("CHARLIE_HUMAN_DEADLINE", 86400.0),
         operator=os.environ.get("CHARLIE_OPERATOR", "").strip() or None,

@@ -26,9 +26,9 @@ from charlie import faults
 from charlie.domain import Outcome, Phase, RunView, Settlement, task_id_of, utcnow
 from charlie.observe import CallEvent, safely
 from charlie.runtime import Runtime
-from charlie.store import calls
+from charlie.store import calls, fused
 from charlie.store.calls import ClaimedCall, Mode
-from charlie.store.engine import again_if_disconnected, write
+from charlie.store.engine import again_if_disconnected, write, write_one
 
 log = logging.getLogger("charlie.tool")
 
@@ -127,14 +127,43 @@ def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
             extra={"execution_id": done.call.execution_id, "call_id": done.call.call_id},
         )
         return ("held" if held else "late"), None
-    settled, await_version = again_if_disconnected(
-        lambda: settle_in_turn(rt, done.call.execution_id, done.call.turn, _first_wins(rt, done)),
-        "settle a tool call",
-    )
+    outcome = _settle_fused(rt, done)
+    if outcome is not None:
+        settled, await_version = outcome
+    else:
+        settled, await_version = again_if_disconnected(
+            lambda: settle_in_turn(
+                rt, done.call.execution_id, done.call.turn, _first_wins(rt, done)
+            ),
+            "settle a tool call",
+        )
     log_settled(rt, done, settled)
     if await_version is not None:
         return "settled", await_version
     return ("settled" if settled else "late"), None
+
+
+def _settle_fused(rt: Runtime, done: CallResult) -> tuple[bool, int | None] | None:
+    """On PostgreSQL, a holder's settle in one statement (store.fused.settle_held), returned as
+    settle_in_turn returns it; None when it settled nothing and the ordinary settle must run
+    (a late report, a retry that finds its own commit, a held call's late holder)."""
+    if not (rt.settings.fuse_commits and rt.engine.dialect.name == "postgresql"):
+        return None
+    call = done.call
+
+    def settle() -> fused.HeldSettle | None:
+        with write_one(rt.engine) as conn:
+            return fused.settle_held(
+                conn, call.execution_id, call.turn, call.call_id, done.outcome.value,
+                done.result, rt.worker, utcnow(), done.duration_ms, call.attempts,
+            )  # fmt: skip
+
+    held = again_if_disconnected(settle, "settle a tool call")
+    if held is None:
+        return None
+    if held.phase == Phase.AWAIT_TOOLS.value and held.still_open == 0:
+        return True, held.version
+    return True, None
 
 
 def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:

@@ -28,7 +28,7 @@ from charlie.domain import (
     task_id_of,
     utcnow,
 )
-from charlie.executor import boundary
+from charlie.executor import boundary, fused
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs
@@ -275,7 +275,12 @@ def run_tick(
                         if call is None:
                             done = "not_claimable"
                         else:
-                            step = NextCall(call, step.await_version)
+                            predicted = step.predicted
+                            step = NextCall(
+                                call,
+                                step.await_version,
+                                predicted.started(call, rt.worker) if predicted else None,
+                            )
                     if isinstance(step, NextCall):
                         done = execute_call(rt, step.call, "start")
                     report.result = done if isinstance(done, str) else "settled"
@@ -349,10 +354,13 @@ def _settle_local_call(
 ) -> tuple[str, Follow | None]:
     """Settle a local call's result in the await tick's own transaction (the settle, the turn's
     completion and the move on commit together, and, merged, the steps after it up to the next
-    model call's claim), or on its own if that tick cannot run here (an interrupted call held
-    for an operator never completes the turn: on its own)."""
-    if chain and not held_for_operator(done):
-        progress = Progress(inline=chain, settlement=done, reports=reports)
+    model call's claim, which is not taken when the chain must stop: ``chain`` False publishes
+    it), or on its own if that tick cannot run here (an interrupted call held for an operator
+    never completes the turn: on its own)."""
+    if not held_for_operator(done):
+        progress = Progress(
+            inline=chain, settlement=done, reports=reports, predicted=step.predicted
+        )
         moved, follow = _guarded_tick(
             rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress
         )
@@ -651,96 +659,120 @@ def _run_tick(
             with _heartbeat(rt, claim):
                 transition = compute(rt, view)
             faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
-        with write(rt.engine) as conn:
-            # A final answer while mail waits is not final (I22): the messages sent while the
-            # model wrote it go in now, and the model answers again; report_terminal itself
-            # never calls the model (I16). Sends lock the run's row too, so one committed after
-            # this lock finds the run finishing and is refused.
-            if (
-                phase is Phase.CALL_MODEL
-                and transition.to is Phase.REPORT_TERMINAL
-                and calls.lock_run_inbox(conn, execution_id) > 0
-            ):
-                mail = runs.load_messages(conn, view.task.id)
-                transition = reopen_final(replace(view, messages=mail), transition)
-            # This claim's task view is as old as the model call: a stop committed meanwhile
-            # must be seen at the next step's boundary (I18), so the next step claims the run
-            # itself, or (PostgreSQL) the move reads the task as it is now (runs.Fresh).
-            claim_next = (
-                _reads_fresh(conn)
-                and merges(rt, claim, progress)
-                and merges_next(claim, transition)
+        fused_commit = fused.model_turn(rt, progress, claim, view, transition, started)
+        if fused_commit is not None:
+            merged, carried = fused_commit.merged, fused_commit.carried
+            remember_transcript(rt, execution_id, view.items, fused_commit.wrote, carried)
+        else:
+            with write(rt.engine) as conn:
+                # A final answer while mail waits is not final (I22): the messages sent while the
+                # model wrote it go in now, and the model answers again; report_terminal itself
+                # never calls the model (I16). Sends lock the run's row too, so one committed after
+                # this lock finds the run finishing and is refused.
+                if (
+                    phase is Phase.CALL_MODEL
+                    and transition.to is Phase.REPORT_TERMINAL
+                    and calls.lock_run_inbox(conn, execution_id) > 0
+                ):
+                    mail = runs.load_messages(conn, view.task.id)
+                    transition = reopen_final(replace(view, messages=mail), transition)
+                # This claim's task view is as old as the model call: a stop committed meanwhile
+                # must be seen at the next step's boundary (I18), so the next step claims the run
+                # itself, or (PostgreSQL) the move reads the task as it is now (runs.Fresh).
+                claim_next = (
+                    _reads_fresh(conn)
+                    and merges(rt, claim, progress)
+                    and merges_next(claim, transition)
+                )
+                at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+                if at is None:
+                    log.warning("lease lost during %s; discarding its result", phase.value)
+                    return "lost_lease", None
+                wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
+                merged, carried = _merge(
+                    rt, conn, progress, claim, view, transition, at, None, wrote, claimed=claim_next
+                )
+                _merged_end(progress, claim, merged, carried, "tick.merged.end")
+            remember_transcript(
+                rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
             )
-            at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
-            if at is None:
-                log.warning("lease lost during %s; discarding its result", phase.value)
-                return "lost_lease", None
-            wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
-            merged, carried = _merge(
-                rt, conn, progress, claim, view, transition, at, None, wrote, claimed=claim_next
-            )
-            _merged_end(progress, claim, merged, carried, "tick.merged.end")
-        remember_transcript(
-            rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
-        )
     else:
-        if progress.durable_claim:
-            # A redelivered message may be the one that killed the last worker: count this
-            # attempt in a commit of its own before running the phase (poison messages).
-            with write_one(rt.engine) as conn:
-                claimed = _claim(rt, conn, execution_id, phase, version)
-            if claimed is None:
-                return "stale", None
+        fused_commit = (
+            fused.settle_turn(rt, progress, started)
+            if progress.predicted is not None
+            and progress.predicted.claim.phase is phase
+            and progress.predicted.claim.version == version
+            else None
+        )
+        if fused_commit is not None:
+            claim, view, transition = (
+                fused_commit.claim,
+                fused_commit.view,
+                fused_commit.transition,
+            )
+            merged, carried = fused_commit.merged, fused_commit.carried
+            remember_transcript(rt, execution_id, None, fused_commit.wrote, carried)
             progress.claim_committed = True
-        # A fast phase runs inside one transaction with its reads (the turn's calls locked)
-        # and its commit.
-        with write(rt.engine) as conn:
-            if not progress.durable_claim:
-                claimed = _claim(rt, conn, execution_id, phase, version)
+            progress.settled = True
+        else:
+            if progress.durable_claim:
+                # A redelivered message may be the one that killed the last worker: count this
+                # attempt in a commit of its own before running the phase (poison messages).
+                with write_one(rt.engine) as conn:
+                    claimed = _claim(rt, conn, execution_id, phase, version)
                 if claimed is None:
                     return "stale", None
-            assert claimed is not None
-            claim, now = claimed
-            if progress.durable_claim:
-                # The claim committed apart, so this transaction holds no lock on the run yet:
-                # take it before the calls, in the order settlers take them (no deadlock).
-                # ...and its mailbox as it is now: a send may have committed since the claim.
-                inbox = calls.lock_run_inbox(conn, execution_id)
-                claim = replace(claim, inbox=max(claim.inbox, inbox))
-            view = view_of(rt, conn, claim, now)
-            # the calls as read, before a local result is applied (the commit's SETTLE applies
-            # it in the table, and calls_as_left in what the next merged step sees)
-            loaded = view
-            settlement = None
+                progress.claim_committed = True
+            # A fast phase runs inside one transaction with its reads (the turn's calls locked)
+            # and its commit.
+            with write(rt.engine) as conn:
+                if not progress.durable_claim:
+                    claimed = _claim(rt, conn, execution_id, phase, version)
+                    if claimed is None:
+                        return "stale", None
+                assert claimed is not None
+                claim, now = claimed
+                if progress.durable_claim:
+                    # The claim committed apart, so this transaction holds no lock on the run yet:
+                    # take it before the calls, in the order settlers take them (no deadlock).
+                    # ...and its mailbox as it is now: a send may have committed since the claim.
+                    inbox = calls.lock_run_inbox(conn, execution_id)
+                    claim = replace(claim, inbox=max(claim.inbox, inbox))
+                view = view_of(rt, conn, claim, now)
+                # the calls as read, before a local result is applied (the commit's SETTLE applies
+                # it in the table, and calls_as_left in what the next merged step sees)
+                loaded = view
+                settlement = None
+                if progress.settlement is not None:
+                    view, settlement = _take_settlement(rt, conn, view, progress.settlement)
+                transition = decide_at_boundary(rt, view)
+                if transition is None:
+                    transition = compute(rt, view)
+                    faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
+                if settlement is not None:
+                    transition.settle.append(settlement)
+                local_id = local_call_id(progress, view, transition)
+                claim_next = (
+                    local_id is None
+                    and merges(rt, claim, progress)
+                    and _rides(rt, conn, progress, claim, transition)
+                )
+                at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+                if at is None:
+                    return "lost_lease", None
+                local = _start_local(rt, conn, progress, view, transition)
+                wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
+                merged, carried = _merge(
+                    rt, conn, progress, claim, loaded, transition, at, local, wrote,
+                    claimed=claim_next,
+                )  # fmt: skip
+                _merged_end(progress, claim, merged, carried, "tick.merged.end")
+            remember_transcript(
+                rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+            )
+            progress.claim_committed = True
             if progress.settlement is not None:
-                view, settlement = _take_settlement(rt, conn, view, progress.settlement)
-            transition = decide_at_boundary(rt, view)
-            if transition is None:
-                transition = compute(rt, view)
-                faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
-            if settlement is not None:
-                transition.settle.append(settlement)
-            local_id = local_call_id(progress, view, transition)
-            claim_next = (
-                local_id is None
-                and merges(rt, claim, progress)
-                and _rides(rt, conn, progress, claim, transition)
-            )
-            at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
-            if at is None:
-                return "lost_lease", None
-            local = _start_local(rt, conn, progress, view, transition)
-            wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
-            merged, carried = _merge(
-                rt, conn, progress, claim, loaded, transition, at, local, wrote, claimed=claim_next
-            )
-            _merged_end(progress, claim, merged, carried, "tick.merged.end")
-        remember_transcript(
-            rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
-        )
-        progress.claim_committed = True
-        if progress.settlement is not None:
-            progress.settled = settlement is not None
+                progress.settled = settlement is not None
     _merged_end(progress, claim, merged, carried, "tick.merged.after_commit")
     if merged or carried is not None:
         # What each merged step does after the commit, in order; the chain goes on from the last.
@@ -774,8 +806,10 @@ def _report_tick(
 
 
 def _merged_follow(progress: Progress, step: Step) -> Follow | None:
+    if step.local_call is not None:  # started in the commit (a fused commit, a read)
+        return NextCall(step.local_call, step.claim.version + 1, step.predicted)
     if step.local_id is not None:
-        return StartCall(step.claim.turn, step.local_id, step.claim.version + 1)
+        return StartCall(step.claim.turn, step.local_id, step.claim.version + 1, step.predicted)
     return _follow(progress, step.claim, step.transition, None)
 
 

@@ -23,6 +23,7 @@ from sqlalchemy import (
     true,
     update,
 )
+from sqlalchemy.exc import DBAPIError
 
 from charlie.domain import (
     ENDING_PHASES,
@@ -33,7 +34,7 @@ from charlie.domain import (
     task_id_of,
     utcnow,
 )
-from charlie.store.engine import write
+from charlie.store.engine import write, write_one
 from charlie.store.schema import executions, operator_actions, tasks, tool_calls
 
 ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
@@ -209,6 +210,26 @@ def _claim_holding_task(mode: Mode, implementations: Implementations = ()) -> An
     return select(claimed, held).select_from(claimed.outerjoin(held, true()))
 
 
+#: charlie_expect's SQLSTATE (migration 0009): the task stopped while its call was claimed
+TASK_STOPPED = "CH001"
+
+
+@functools.cache
+def _claim_alone_statement(mode: Mode, implementations: Implementations = ()) -> Any:
+    """PostgreSQL: _claim_holding_task as a statement of its own, run in autocommit (one round
+    trip, no BEGIN or COMMIT): a task found stopped once its row is held raises (charlie_expect),
+    which rolls the claim back as TaskStopped would (I18)."""
+    holding = _claim_holding_task(mode, implementations)
+    held = holding.selected_columns
+    now = bindparam("b_now", type_=_t.timeout_at.type)
+    live = and_(
+        held.task_status.in_(ACTIVE_STATUSES),
+        or_(held.task_timeout_at.is_(None), held.task_timeout_at > now),
+    )
+    stopped: Any = bindparam("b_stopped", "its task stopped while the call was being claimed")
+    return holding.add_columns(func.charlie_expect(live, stopped).label("live"))
+
+
 def _task_live(status: str | None, timeout_at: datetime | None, now: datetime) -> bool:
     if status is None or status not in ACTIVE_STATUSES:
         return False
@@ -301,6 +322,10 @@ def claim_call_alone(
 ) -> ClaimedCall | None:
     """claim_call in a transaction of its own, committed before the handler runs (I9); None
     also when the task stopped during the claim (I18)."""
+    if engine.dialect.name == "postgresql":
+        return _claim_alone_autocommit(
+            engine, execution_id, turn, call_id, mode, owner, lease_seconds, implementations
+        )
     try:
         with write(engine) as conn:
             now = utcnow()  # after BEGIN (SQLite's write lock), so the lease is not born expired
@@ -321,6 +346,45 @@ def claim_call_alone(
             extra={"task_id": stopped.task_id, "execution_id": execution_id, "call_id": call_id},
         )
         return None
+
+
+def _claim_alone_autocommit(
+    engine: Engine,
+    execution_id: str,
+    turn: int,
+    call_id: str,
+    mode: Mode,
+    owner: str,
+    lease_seconds: float,
+    implementations: Implementations,
+) -> ClaimedCall | None:
+    now = utcnow()
+    try:
+        with write_one(engine) as conn:
+            row = conn.execute(
+                _claim_alone_statement(mode, implementations),
+                {
+                    **key_params(execution_id, turn, call_id),
+                    "b_task": task_id_of(execution_id),
+                    "b_now": now,
+                    "b_owner": owner,
+                    "b_until": now + timedelta(seconds=lease_seconds),
+                },
+            ).first()
+    except DBAPIError as exc:
+        code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+        if code != TASK_STOPPED:
+            raise
+        log.info(
+            "call not started: its task stopped while it was being claimed",
+            extra={
+                "task_id": task_id_of(execution_id),
+                "execution_id": execution_id,
+                "call_id": call_id,
+            },
+        )
+        return None
+    return None if row is None else _as_call(execution_id, turn, call_id, row)
 
 
 def start_local_call(

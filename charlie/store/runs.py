@@ -192,11 +192,16 @@ def claim_execution(
     )
 
 
-def _usage(conn: Connection, row: Any) -> JSON:
+def _usage(conn: Connection | None, row: Any) -> JSON:
     """The durable usage a budget counts: the run's model calls (in the claim), and the task's
     tokens when the budget has a tokens or usd limit."""
     usage: JSON = {"model_calls": row.model_calls}
     if any(row.budget.get(k) is not None for k in ("tokens", "usd")):
+        known = getattr(row, "tokens", None)
+        if known is not None:
+            usage.update(input_tokens=known[0], output_tokens=known[1], reasoning_tokens=known[2])
+            return usage
+        assert conn is not None
         tokens = conn.execute(_LOAD_TOKENS, {"b_task": row.task_id}).one()
         usage.update(
             input_tokens=tokens.input_tokens,
@@ -267,10 +272,13 @@ def load_items(conn: Connection, execution_id: str, known: Sequence[Item] = ()) 
     return [*known, *(Item(r.seq, r.turn, ItemKind(r.kind), r.call_id, r.payload) for r in rows)]
 
 
-def written_items(conn: Connection, claim: Claim, transition: Transition) -> list[Item] | None:
+def written_items(
+    conn: Connection | str, claim: Claim, transition: Transition
+) -> list[Item] | None:
     """The items ``commit_transition`` inserted for this transition, as the table returns them
-    (transcripts.as_stored), or None when that cannot be predicted."""
-    dialect = conn.dialect.name
+    (transcripts.as_stored), or None when that cannot be predicted. ``conn``: the connection
+    that wrote them, or its dialect's name."""
+    dialect = conn if isinstance(conn, str) else conn.dialect.name
     items = []
     for n, item in enumerate(transition.items):
         ok, payload = as_stored(item.payload, dialect)
@@ -724,7 +732,7 @@ def commit_transition(
                 f"run {claim.execution_id}: a message was taken in by another boundary"
             )
     if transition.calls:
-        conn.execute(_INSERT_CALLS, _call_rows(claim, transition, now))
+        conn.execute(_INSERT_CALLS, call_rows(claim, transition, now))
     key = {"b_execution": claim.execution_id, "b_turn": claim.turn}
     # One executemany per kind of change, whatever the fan-out: no statement per call.
     queued = transition.queue_calls + transition.ask_calls
@@ -793,6 +801,9 @@ class Fresh:
     timeout_at: datetime | None
     budget: JSON | None
     task_id: str
+    #: the task's tokens (input, output, reasoning), when the statement read them too (a fused
+    #: commit): a budget that counts tokens needs no statement more
+    tokens: tuple[int, int, int] | None = None
 
 
 def claimed_next(
@@ -819,7 +830,6 @@ def claimed_next(
         task = replace(task, status=TaskStatus(fresh.status), timeout_at=fresh.timeout_at)
         inbox = fresh.inbox
         if transition.to is Phase.CALL_MODEL and fresh.budget:
-            assert conn is not None
             task = replace(task, budget=fresh.budget, usage=_usage(conn, fresh))
     status = transition.task_status
     if status is not None and task.status.value in ACTIVE:
@@ -939,7 +949,8 @@ def _calls_as_left(
     return sorted(left, key=lambda c: c.index)
 
 
-def _call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict[str, Any]]:
+def call_rows(claim: Claim, transition: Transition, now: datetime) -> list[dict[str, Any]]:
+    """The tool_calls rows of a model's new calls, as inserted (before any queue or start)."""
     rows = []
     for call in transition.calls:
         settled = call.settled

@@ -1,10 +1,12 @@
 """Recovery: a worker SIGKILLed inside a merged transaction, and just after it (issue 17).
 
-With inline steps on, a turn of one call commits in three transactions: A (call_model's result
-with the dispatch that queues the call), the call's start (I9), and B (the call's settle with
-await_tools, advance_turn and the next call_model's claim). Each phase keeps its transition
-row. A kill inside A or B rolls the whole transaction back; a kill just after it leaves what
-it committed. Either way the run recovers exactly: no transition lost or duplicated (versions
+With inline steps on, a turn of one call commits in at most three transactions: A (call_model's
+result with the dispatch that queues the call), the call's start (I9), and B (the call's settle
+with await_tools, advance_turn and the next call_model's claim). On PostgreSQL each of A and B
+is one statement (a fused commit, charlie/store/fused.py), and a read's start rides in A: a
+read turn commits twice. Each phase keeps its transition row. A kill inside A or B rolls the
+whole transaction back (fused: nothing was sent yet); a kill just after it leaves what it
+committed. Either way the run recovers exactly: no transition lost or duplicated (versions
 consecutive, each transition starting where the last ended, I1, I2), no model call repeated
 beyond the one counted repeat (I3), no tool handler run twice (I10), and every call with its
 one result (I8).
@@ -23,9 +25,9 @@ import pytest
 import charlie
 from charlie import api
 from charlie.domain import TaskStatus
-from tests.conftest import model_calls
+from tests.conftest import BACKEND, model_calls
 from tests.integration.test_loop import assert_every_call_has_one_result
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, fused_commits
 from tests.support.tools import read_ledger
 
 pytestmark = [
@@ -37,11 +39,15 @@ pytestmark = [
     ),
 ]
 
+#: the mode under test: "fused" (PostgreSQL: a merged transaction is one statement, a read's
+#: start rides in A) or "stepwise" (SQLite, or CHARLIE_TEST_FUSE_COMMITS=0)
+MODE = "fused" if fused_commits(BACKEND) else "stepwise"
+
 
 @dataclass(frozen=True)
 class Case:
     point: str
-    #: the phase the fault point names (see tick._merge and tick._merged_end)
+    #: the phase the fault point names (see tick._merge and tick._merged_end, executor/fused.py)
     phase: str | None
     #: the phase the merged transaction began with (tick.merged.end / after_commit)
     first: str | None
@@ -53,6 +59,10 @@ class Case:
     model_turns: tuple[int, int]
     #: the run's counted repeats (attempts of call_model beyond the first)
     repeats: int
+    #: the turn's one call: a read (sleep_then) or a write (ledger_write)
+    tool: str = "sleep_then"
+    #: only in this mode (None: both)
+    mode: str | None = None
 
 
 CASES = [
@@ -63,12 +73,22 @@ CASES = [
     # rolls back; call_model's claim had committed, so the model is called again (the counted
     # repeat) and its result commits on its own this time; the call then starts normally.
     Case("tick.merged.step", "dispatch_tools", None, "ok", 1, (2, 1), 1),
+    Case("tick.merged.step", "dispatch_tools", None, "ok", 1, (2, 1), 1, "ledger_write"),
     # Inside A at its end (the dispatch written, the call queued), before COMMIT: the same.
     Case("tick.merged.end", "await_tools", "call_model", "ok", 1, (2, 1), 1),
-    # Just after A's COMMIT: the call is queued, never started; the sweep starts it (I11).
-    Case("tick.merged.after_commit", "await_tools", "call_model", "ok", 1, (1, 1), 0),
-    # After A's COMMIT, before the call's own start commits: the same.
-    Case("tick.merged.before_start", None, None, "ok", 1, (1, 1), 0),
+    # Just after A's COMMIT. Stepwise: the call is queued, never started; the sweep starts it
+    # (I11). Fused, a read: A started it (I9), for this worker, which died before the handler
+    # ran: the sweep settles it interrupted and never runs it (I10). A write: as stepwise.
+    Case("tick.merged.after_commit", "await_tools", "call_model", "ok", 1, (1, 1), 0,
+         mode="stepwise"),
+    Case("tick.merged.after_commit", "await_tools", "call_model", "interrupted", 0, (1, 1), 0,
+         mode="fused"),
+    Case("tick.merged.after_commit", "await_tools", "call_model", "ok", 1, (1, 1), 0,
+         "ledger_write"),
+    # After A's COMMIT, before the call's own start commits: the call is pending, the sweep
+    # starts it (I11). (Fused, a read has no start of its own.)
+    Case("tick.merged.before_start", None, None, "ok", 1, (1, 1), 0, mode="stepwise"),
+    Case("tick.merged.before_start", None, None, "ok", 1, (1, 1), 0, "ledger_write"),
     # Inside B, after the settle and await_tools' compare-and-set, before advance_turn's
     # claim: B rolls back, the handler's result with it; the call is started and its lease
     # lapses, so the sweep settles it interrupted and never runs it again (I10).
@@ -79,14 +99,30 @@ CASES = [
     # whose lease lapses; the sweep re-publishes it and the model is called once for turn 1
     # (the claim that died counts as an attempt, so as a repeat, though no call was lost).
     Case("tick.merged.after_commit", "call_model", "await_tools", "ok", 1, (1, 1), 1),
-]
+    # Fused, a write's result rides in B too (its settle and the steps after it are one
+    # statement): a kill before that statement is a kill before its settle; after it, kept.
+    Case("tick.merged.end", "call_model", "await_tools", "interrupted", 1, (1, 1), 0,
+         "ledger_write", "fused"),
+    Case("tick.merged.after_commit", "call_model", "await_tools", "ok", 1, (1, 1), 1,
+         "ledger_write", "fused"),
+]  # fmt: skip
 
 
 def _ledger(task_id: str, event: str) -> list[dict[str, object]]:
     return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.point}-{c.phase}")
+def _case_id(case: Case) -> str:
+    return f"{case.point}-{case.phase}-{case.tool}" + (f"-{case.mode}" if case.mode else "")
+
+
+def _runs(case: Case) -> list[object]:
+    if case.mode not in (None, MODE):
+        return [pytest.mark.skip(reason=f"a {case.mode} commit's case; this cluster's are {MODE}")]
+    return []
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(c), marks=_runs(c)) for c in CASES])
 def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
     cluster: Cluster, script, case: Case
 ) -> None:
@@ -97,13 +133,14 @@ def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
     if case.first is not None:
         match["first"] = case.first
     cluster.set_faults({case.point: {"action": "kill", "times": 1, "match": match}})
+    if case.tool == "sleep_then":
+        arguments: dict[str, object] = {"seconds": 0, "value": "v"}
+        events = ("sleep_then.start", "sleep_then.end")
+    else:
+        arguments, events = {"key": task_id}, ("write",)
     model, ledger = script(
         [
-            {
-                "tool_calls": [
-                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
-                ]
-            },
+            {"tool_calls": [{"id": "a", "name": case.tool, "arguments": arguments}]},
             {"say": "done", "tool_calls": []},
         ]
     )
@@ -114,8 +151,8 @@ def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
 
     (call,) = api.calls(task_id)
     assert call.outcome == case.outcome, call
-    assert len(_ledger(task_id, "sleep_then.start")) == case.ran  # never run twice (I10)
-    assert len(_ledger(task_id, "sleep_then.end")) == case.ran
+    for event in events:
+        assert len(_ledger(task_id, event)) == case.ran  # never run twice (I10)
     turns = [c["turn"] for c in model_calls(ledger)]
     assert (turns.count(0), turns.count(1)) == case.model_turns, turns
     assert info.model_repeats == case.repeats
@@ -130,12 +167,18 @@ def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
     assert history[-1]["to_phase"] == "done"
 
 
+@pytest.mark.skipif(
+    MODE == "fused",
+    reason="fused, a write's settle and the steps after it are "
+    "one statement (the fused cases above)",
+)
 def test_a_writes_result_commits_before_the_steps_after_it_and_survives_a_kill_there(
     cluster: Cluster, script
 ) -> None:
-    """A write's result is not carried on with advance_turn and the next model call's claim:
-    it commits with await_tools alone, so a kill in the transaction after it (advance_turn
-    with call_model's claim) costs the run nothing but that transaction (I10, I12)."""
+    """Stepwise, a write's result is not carried on with advance_turn and the next model
+    call's claim: it commits with await_tools alone, so a kill in the transaction after it
+    (advance_turn with call_model's claim) costs the run nothing but that transaction (I10,
+    I12)."""
     task_id = f"m17w-{uuid.uuid4().hex[:12]}"
     match = {"task_id": task_id, "phase": "call_model", "first": "advance_turn"}
     cluster.set_faults({"tick.merged.end": {"action": "kill", "times": 1, "match": match}})

@@ -461,6 +461,17 @@ def kill_mcp_server(pid: int) -> bool:
     return False
 
 
+def fused_commits(backend: Backend) -> bool:
+    """Whether the cluster writes a merged transaction's steps in one statement (PostgreSQL,
+    inline steps on, CHARLIE_FUSE_COMMITS not 0; issue 17): its kill points and its costs
+    differ from the statement-by-statement path's."""
+    return (
+        bool(backend.database_url and backend.database_url.startswith("postgresql"))
+        and os.environ.get("CHARLIE_TEST_FUSE_COMMITS", "1") != "0"
+        and os.environ.get("CHARLIE_TEST_INLINE_PHASES", "30") != "0"
+    )
+
+
 def cluster_env(
     home: Path,
     backend: Backend,
@@ -492,6 +503,10 @@ def cluster_env(
     # CHARLIE_TEST_INLINE_PHASES=0 python -m pytest
     if os.environ.get("CHARLIE_TEST_INLINE_PHASES"):
         env["CHARLIE_INLINE_PHASES"] = os.environ["CHARLIE_TEST_INLINE_PHASES"]
+    # ...and PostgreSQL's merged transactions written statement by statement instead of fused:
+    # CHARLIE_TEST_FUSE_COMMITS=0 python -m pytest
+    if os.environ.get("CHARLIE_TEST_FUSE_COMMITS"):
+        env["CHARLIE_FUSE_COMMITS"] = os.environ["CHARLIE_TEST_FUSE_COMMITS"]
     if model_port is not None:
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY

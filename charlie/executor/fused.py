@@ -1,0 +1,430 @@
+"""Fused commits (issue 17): a turn's merged transactions, each written in one statement.
+
+A one-call turn on PostgreSQL commits twice:
+
+- **A**, after the model call: call_model's result, the dispatch that queues its calls and, for
+  a call this worker runs itself whose tool reads, that call's start (I9: committed before
+  its handler runs). A write's or a wait's start commits on its own after A, so a worker that
+  dies in between leaves it pending, free to start (I11), never an uncertain write.
+- **B**, after the handler: the call's settle, await_tools, advance_turn and the next
+  call_model's claim (committed before the model is called, I3, I5).
+
+This module computes each step of such a transaction from what the worker knows, exactly as
+the tick shell would after reading it (the same claim values, views, boundaries and phases:
+steps.py), and hands their net effect to store.fused, which writes it in one statement if the
+rows are as predicted (see there). Every step keeps its own claim, ``transitions`` row and
+version (I1, I2, I21), and the named fault points fire where they fire in a merged transaction
+(``tick.merged.step``, ``tick.in_transaction``, ``tick.merged.end`` before the statement,
+``tick.merged.after_commit`` after it), so a kill at any of them recovers as it does there:
+before the statement nothing was written. ``None`` from either function means not fused:
+nothing was written, and the tick shell commits the steps the ordinary way.
+
+B carries a write's result on into advance_turn and the next claim, where the ordinary path
+commits it with await_tools alone: here the steps after the settle are computed before the one
+statement, so a crash between the handler's end and the commit costs what it costs before a
+settle of its own, no more.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from charlie import faults
+from charlie.domain import (
+    JSON,
+    CallState,
+    Effect,
+    Phase,
+    RunView,
+    TaskStatus,
+    Transition,
+    utcnow,
+)
+from charlie.executor.steps import (
+    Carried,
+    NeedsRead,
+    Predicted,
+    Progress,
+    Step,
+    Wrote,
+    compute,
+    decide_at_boundary,
+    first_try,
+    local_call_id,
+    merges,
+    merges_next,
+    open_settlement,
+    view_of,
+)
+from charlie.runtime import Runtime
+from charlie.store import fused as store
+from charlie.store import runs
+from charlie.store.calls import ClaimedCall
+from charlie.store.engine import read, write_one
+
+DIALECT = "postgresql"
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A fused commit that went through: its first step, as the tick shell reports it, and the
+    steps merged after it."""
+
+    claim: runs.Claim
+    view: RunView
+    transition: Transition
+    merged: list[Step]
+    carried: Carried | None
+    wrote: list[Wrote]
+
+
+def enabled(rt: Runtime) -> bool:
+    settings = rt.settings
+    return (
+        settings.fuse_commits
+        and settings.merge_phases
+        and settings.inline_phases > 0
+        and rt.engine.dialect.name == DIALECT
+    )
+
+
+def _task_write(*transitions: Transition) -> store.TaskWrite | None:
+    """The task's row as the steps' own writes would leave it (runs._task_statement, applied
+    in order): their usage summed, the last status set, started_at if any of them runs."""
+    usage = [t.usage for t in transitions if t.usage]
+    statuses = [t.task_status for t in transitions if t.task_status is not None]
+    if not usage and not statuses:
+        return None
+    return store.TaskWrite(
+        input_tokens=sum(int(u.get("input_tokens", 0) or 0) for u in usage),
+        output_tokens=sum(int(u.get("output_tokens", 0) or 0) for u in usage),
+        reasoning_tokens=sum(int(u.get("reasoning_tokens", 0) or 0) for u in usage),
+        status=statuses[-1].value if statuses else None,
+        running=any(s in (TaskStatus.RUNNING, TaskStatus.WAITING) for s in statuses),
+    )
+
+
+def _items(claim: runs.Claim, transition: Transition) -> list[tuple[int, str, str | None, object]]:
+    return [
+        (claim.next_seq + n, item.kind.value, item.call_id, item.payload)
+        for n, item in enumerate(transition.items)
+    ]
+
+
+def _elapsed_ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+def _state_after(*transitions: Transition) -> JSON | None:
+    states = [t.state for t in transitions if t.state is not None]
+    return states[-1] if states else None
+
+
+def model_turn(
+    rt: Runtime,
+    progress: Progress,
+    claim: runs.Claim,
+    view: RunView,
+    transition: Transition,
+    started: float,
+) -> Fused | None:
+    """A: call_model's result (``transition``, under ``claim``, carried by this worker) with
+    the dispatch of its calls and, for the local call of a read, its start."""
+    if not (
+        enabled(rt)
+        and claim.phase is Phase.CALL_MODEL
+        and transition.to is Phase.DISPATCH_TOOLS
+        and merges(rt, claim, progress)
+        and merges_next(claim, transition)
+    ):
+        return None
+    owner = rt.worker
+    first_at = utcnow()
+    first_ms = _elapsed_ms(started)
+    faults.hit("tick.merged.step", phase=Phase.DISPATCH_TOOLS.value, task_id=claim.task_id)
+    started2 = time.perf_counter()
+    claim2 = runs.claimed_next(claim, transition)
+    known = runs.calls_as_left(claim, None, transition, now=first_at, owner=owner, dialect=DIALECT)
+    if known is None:
+        return None
+    now = utcnow()
+    view2 = view_of(rt, None, claim2, now, known)
+    if decide_at_boundary(rt, view2) is not None:
+        return None  # a stop, a poison: the ordinary path says what happens
+    dispatched = compute(rt, view2)
+    faults.hit("tick.in_transaction", phase=Phase.DISPATCH_TOOLS.value, task_id=claim.task_id)
+    if not (
+        dispatched.to is Phase.AWAIT_TOOLS
+        and not dispatched.publish_next
+        and dispatched.wake_at is None
+        and not (dispatched.items or dispatched.calls or dispatched.settle)
+        and not (dispatched.take_messages or dispatched.finish_order or dispatched.next_turn)
+    ):
+        return None
+    local_id = local_call_id(progress, view2, dispatched)
+    definition = rt.tools.get(next((c.name for c in known if c.call_id == local_id), ""))
+    start_here = local_id is not None and definition is not None
+    start_here = start_here and definition is not None and definition.effect is Effect.READ
+    implementation = dict(rt.tools.implementations()).get(definition.name) if definition else None
+    lease_until = now + timedelta(seconds=rt.settings.lease_seconds)
+    queued = dict(dispatched.queue_calls + dispatched.ask_calls)
+    rows = []
+    for row in runs.call_rows(claim, transition, first_at):
+        deadline = queued.get(row["call_id"])
+        if deadline is not None:  # as runs._QUEUE_CALLS
+            row.update(queued_at=now, dispatch_version=claim2.version, deadline_at=deadline)
+        if start_here and row["call_id"] == local_id:  # as calls.claim_call, mode start
+            row.update(
+                state=CallState.STARTED.value,
+                started_at=now,
+                started_by=owner,
+                lease_owner=owner,
+                lease_until=lease_until,
+                attempts=1,
+                implementation=implementation,
+            )
+        rows.append(row)
+    task = claim.task
+    assert task is not None
+    commit = store.FusedCommit(
+        run=store.RunBefore(claim.execution_id, claim.task_id, claim.phase, claim.version, owner),
+        after=store.RunAfter(
+            phase=Phase.AWAIT_TOOLS,
+            steps=2,
+            turns=0,
+            items=len(transition.items),
+            state=_state_after(transition, dispatched),
+            model_calls=transition.model_calls,
+            model_repeats=transition.model_repeats,
+            lease_until=None,
+        ),
+        owner=owner,
+        now=now,
+        records=[
+            store.Record(
+                claim.phase,
+                Phase.DISPATCH_TOOLS,
+                claim.version + 1,
+                first_at,
+                first_ms,
+                transition.note,
+            ),
+            store.Record(
+                Phase.DISPATCH_TOOLS,
+                Phase.AWAIT_TOOLS,
+                claim2.version + 1,
+                now,
+                _elapsed_ms(started2),
+                dispatched.note,
+            ),
+        ],
+        turn=claim.turn,
+        task_status=task.status.value,
+        task_timeout_at=task.timeout_at,
+        task_write=_task_write(transition, dispatched),
+        items=_items(claim, transition),
+        calls=rows,
+    )
+    faults.hit(
+        "tick.merged.end",
+        phase=Phase.AWAIT_TOOLS.value,
+        task_id=claim.task_id,
+        first=claim.phase.value,
+        steps=1,
+    )
+    with write_one(rt.engine) as conn:
+        fresh = store.commit_fused(conn, commit)
+    if fresh is None:
+        return None
+    # What the turn's next commit (B, after the local call) may assume.
+    left = runs.calls_as_left(
+        claim2, view2.calls, dispatched, now=now, owner=owner, dialect=DIALECT
+    )
+    local_call = None
+    predicted = None
+    if local_id is not None and left is not None:
+        predicted = Predicted(runs.claimed_next(claim2, dispatched), left)
+        if start_here:
+            (call,) = [c for c in left if c.call_id == local_id]
+            local_call = ClaimedCall(
+                execution_id=claim.execution_id,
+                turn=claim.turn,
+                call_id=local_id,
+                name=call.name,
+                arguments=call.arguments,
+                resumable=bool(next(r["resumable"] for r in rows if r["call_id"] == local_id)),
+                started_at=now,
+                started_by=owner,
+                handle=None,
+                attempts=1,
+                deadline_at=call.deadline_at,
+                task_metadata=task.metadata,
+                implementation=implementation,
+                on_interrupt=next(r["on_interrupt"] for r in rows if r["call_id"] == local_id),
+            )
+            predicted = predicted.started(local_call, owner)
+    step = Step(claim2, view2, dispatched, local_id, local_call, predicted)
+    wrote: list[Wrote] = [
+        (claim.next_seq, runs.written_items(DIALECT, claim, transition)),
+        (claim2.next_seq, []),
+    ]
+    progress.merged = 1
+    return Fused(claim, view, transition, [step], None, wrote)
+
+
+def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None:
+    """B: the local call's result (``progress.settlement``) settled in the await tick that
+    ``progress.predicted`` foresees, with advance_turn and, inline, the next call_model's
+    claim."""
+    predicted, done = progress.predicted, progress.settlement
+    if predicted is None or done is None or not enabled(rt):
+        return None
+    claim = predicted.claim
+    if not (
+        claim.phase is Phase.AWAIT_TOOLS
+        and claim.inbox == 0  # mail: advance_turn reads the mailbox (the ordinary way)
+        and first_try(rt, claim, progress)
+    ):
+        return None
+    owner = rt.worker
+    task = claim.task
+    assert task is not None
+    now = utcnow()
+    try:
+        loaded = view_of(rt, None, claim, now, predicted.calls)
+    except NeedsRead:
+        return None
+    view, settlement = open_settlement(rt, loaded, done)
+    if settlement is None or decide_at_boundary(rt, view) is not None:
+        return None
+    awaited = compute(rt, view)
+    faults.hit("tick.in_transaction", phase=Phase.AWAIT_TOOLS.value, task_id=claim.task_id)
+    awaited.settle.append(settlement)
+    if not (
+        awaited.to is Phase.ADVANCE_TURN
+        and len(awaited.settle) == 1
+        and awaited.wake_at is None
+        and not (awaited.items or awaited.calls or awaited.queue_calls or awaited.ask_calls)
+        and not (awaited.take_messages or awaited.finish_order or awaited.next_turn)
+    ):
+        return None
+    first_ms = _elapsed_ms(started)
+    faults.hit("tick.merged.step", phase=Phase.ADVANCE_TURN.value, task_id=claim.task_id)
+    started2 = time.perf_counter()
+    claim2 = runs.claimed_next(claim, awaited)
+    known = runs.calls_as_left(claim, loaded.calls, awaited, now=now, owner=owner, dialect=DIALECT)
+    if known is None:
+        return None
+    now2 = utcnow()
+    try:
+        view2 = view_of(rt, None, claim2, now2, known)
+    except NeedsRead:
+        return None
+    if decide_at_boundary(rt, view2) is not None:
+        return None
+    advanced = compute(rt, view2)
+    faults.hit("tick.in_transaction", phase=Phase.ADVANCE_TURN.value, task_id=claim.task_id)
+    if not (
+        advanced.to is Phase.CALL_MODEL
+        and advanced.publish_next
+        and advanced.wake_at is None
+        and not (advanced.calls or advanced.queue_calls or advanced.ask_calls)
+        and not (advanced.settle or advanced.take_messages)
+    ):
+        return None
+    claims_model = progress.inline  # else call_model's tick is published after the commit
+    if claims_model:
+        faults.hit("tick.merged.step", phase=Phase.CALL_MODEL.value, task_id=claim.task_id)
+    record_ms = _elapsed_ms(started2)
+    commit = store.FusedCommit(
+        run=store.RunBefore(
+            claim.execution_id,
+            claim.task_id,
+            claim.phase,
+            claim.version,
+            None,
+            attempts=claim.attempts - 1,  # the row's, before this commit's claim counts one
+            inbox=claim.inbox,
+            turn=claim.turn,
+            next_seq=claim.next_seq,
+            state=claim.state,
+        ),
+        after=store.RunAfter(
+            phase=Phase.CALL_MODEL,
+            steps=2,
+            turns=1 if advanced.next_turn else 0,
+            items=len(advanced.items),
+            state=_state_after(awaited, advanced),
+            model_calls=0,
+            model_repeats=0,
+            lease_until=now2 + timedelta(seconds=rt.settings.lease_seconds)
+            if claims_model
+            else None,
+        ),
+        owner=owner,
+        now=now2,
+        records=[
+            store.Record(
+                claim.phase, Phase.ADVANCE_TURN, claim.version + 1, now, first_ms, awaited.note
+            ),
+            store.Record(
+                Phase.ADVANCE_TURN,
+                Phase.CALL_MODEL,
+                claim2.version + 1,
+                now2,
+                record_ms,
+                advanced.note,
+            ),
+        ],
+        turn=claim.turn,
+        task_status=task.status.value,
+        task_timeout_at=task.timeout_at,
+        task_write=_task_write(awaited, advanced),
+        items=_items(claim2, advanced),
+        settles=[
+            store.Settle(
+                settlement.call_id,
+                settlement.outcome.value,
+                settlement.result,
+                settlement.duration_ms,
+                advanced.finish_order.get(settlement.call_id),
+                done.call.attempts,
+            )
+        ],
+        turn_calls=len(predicted.calls),
+    )
+    faults.hit(
+        "tick.merged.end",
+        phase=Phase.CALL_MODEL.value,
+        task_id=claim.task_id,
+        first=claim.phase.value,
+        steps=1 + claims_model,
+    )
+    with write_one(rt.engine) as conn:
+        fresh = store.commit_fused(conn, commit)
+    if fresh is None:
+        return None
+    progress.merged = 1 + claims_model
+    wrote: list[Wrote] = [
+        (claim.next_seq, []),
+        (claim2.next_seq, runs.written_items(DIALECT, claim2, advanced)),
+    ]
+    carried = None
+    if claims_model:
+        started3 = time.perf_counter()
+        claim3 = runs.claimed_next(claim2, advanced, fresh)
+        carried = Carried(claim3, _model_view(rt, claim3, wrote), started3)
+    return Fused(claim, view, awaited, [Step(claim2, view2, advanced, None)], carried, wrote)
+
+
+def _model_view(rt: Runtime, claim: runs.Claim, wrote: list[Wrote]) -> RunView:
+    """The carried call_model claim's view: its transcript from what this process knows, or,
+    when that is not all of it, read (after the commit: the transcript as committed, I6)."""
+    now = utcnow()
+    try:
+        return view_of(rt, None, claim, now, None, wrote)
+    except NeedsRead:
+        with read(rt.engine) as conn:
+            return view_of(rt, conn, claim, now, None, wrote)
