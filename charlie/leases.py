@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -97,6 +98,13 @@ class LeaseKeeper:
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        #: when the keeper wakes next by itself (-inf: it is awake and looks again before it
+        #: sleeps). A new lease due later needs no notify: waking the keeper for nothing costs
+        #: a thread switch on every model and tool call, most of which end before it is due.
+        self._wakes_at = -math.inf
+        #: how long an idle keeper sleeps: the shortest renewal interval it has seen, so a new
+        #: lease (due an interval from now) is never due before the keeper's next look
+        self._idle_wait = math.inf
 
     @contextmanager
     def held(
@@ -107,9 +115,12 @@ class LeaseKeeper:
         key = next(self._ids)
         held = Held(self, renew, lease_seconds)
         with self._changed:
-            self._leases[key] = _Lease(renew, interval, time.monotonic() + interval, name, held)
+            due = time.monotonic() + interval
+            self._leases[key] = _Lease(renew, interval, due, name, held)
+            self._idle_wait = min(self._idle_wait, interval)
             self._ensure_thread()
-            self._changed.notify()
+            if due < self._wakes_at:
+                self._changed.notify()
         try:
             yield held
         finally:
@@ -130,7 +141,10 @@ class LeaseKeeper:
                 due = [(k, lease) for k, lease in self._leases.items() if lease.due <= now]
                 if not due:
                     wake = min((lease.due for lease in self._leases.values()), default=None)
-                    self._changed.wait(None if wake is None else wake - now)
+                    wait = self._idle_wait if wake is None else wake - now
+                    self._wakes_at = now + wait
+                    self._changed.wait(None if math.isinf(wait) else wait)
+                    self._wakes_at = -math.inf
                     continue
                 for _key, lease in due:
                     lease.due = now + lease.interval

@@ -71,6 +71,9 @@ from charlie.store.engine import again_if_disconnected, write, write_one
 log = logging.getLogger("charlie.tick")
 
 SLOW_PHASES = frozenset({Phase.CALL_MODEL, Phase.REPORT_TERMINAL, Phase.REPORT_FAILURE})
+#: Slow phases whose claim a merged transaction takes as its last write, for this worker to
+#: work from right after the COMMIT: the model call, and the report of the final answer.
+CARRIED = frozenset({Phase.CALL_MODEL, Phase.REPORT_TERMINAL})
 
 TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done", "refused"]
 
@@ -143,14 +146,14 @@ def _rides(
     rt: Runtime, conn: Connection, progress: Progress, claim: runs.Claim, transition: Transition
 ) -> bool:
     """Whether this transition's move also claims the step after it (issue 17): a fast step a
-    merged transaction runs whole (_merges_next) or, on PostgreSQL, call_model's claim that
-    ends the transaction (which needs the task's status, the mailbox and the budget as they are
-    now: the move reads them, runs.Fresh)."""
+    merged transaction runs whole (_merges_next) or, on PostgreSQL, a carried slow phase's
+    claim that ends the transaction (call_model's, report_terminal's: they need the task's
+    status, the mailbox and the budget as they are now, which the move reads, runs.Fresh)."""
     if merges_next(claim, transition):
         return True
     return (
         _reads_fresh(conn)
-        and transition.to is Phase.CALL_MODEL
+        and transition.to in CARRIED
         and transition.publish_next
         and transition.wake_at is None
         and progress.inline
@@ -287,8 +290,11 @@ def run_tick(
                 if isinstance(done, str):
                     return done
                 assert isinstance(step, NextCall)
-                # The handler may have run long: the chain's time limit counts it.
-                chain = budget > 0 and time.monotonic() < deadline
+                # The handler may have run long: the chain's time limit counts it. The chain
+                # stops before the next model call's claim, not after it: a budget that only
+                # lasts for that step would run it without its local call (published, the turn
+                # split between workers); stopping here publishes the next call_model tick.
+                chain = budget > 1 and time.monotonic() < deadline
                 await_args = (execution_id, step.await_version)
                 with (
                     reports.task("charlie.phase.await_tools", await_args) as report,
@@ -566,7 +572,7 @@ def _merge(
         to = transition.to
         if claimed:
             pass  # the move claimed it (_merges_next)
-        elif to is Phase.CALL_MODEL and transition.publish_next and transition.wake_at is None:
+        elif to in CARRIED and transition.publish_next and transition.wake_at is None:
             if not progress.inline:
                 break  # its tick is published: this worker will not call the model
         elif not merges_next(claim, transition):
@@ -594,8 +600,9 @@ def _merge(
         )
         view = view_of(rt, conn, next_claim, now, known, wrote)
         progress.merged += 1
-        if to is Phase.CALL_MODEL:
-            # The claim is the transaction's last write; the model is called after COMMIT.
+        if to in CARRIED:
+            # The claim is the transaction's last write; its slow work (the model call, the
+            # report) runs after COMMIT, with no transaction open (I5).
             return steps, Carried(next_claim, view, started)
         next_transition = decide_at_boundary(rt, view)
         if next_transition is None:
@@ -682,7 +689,7 @@ def _run_tick(
                 claim_next = (
                     _reads_fresh(conn)
                     and merges(rt, claim, progress)
-                    and merges_next(claim, transition)
+                    and _rides(rt, conn, progress, claim, transition)
                 )
                 at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
                 if at is None:
