@@ -73,6 +73,9 @@ class ServerProcess:
 
     def __init__(self, root: Path, log: Path, *args: str) -> None:
         env = {**os.environ, "CHARLIE_DEVBOX_TOKEN": TOKEN, "CHARLIE_DEVBOX_ROOT": str(root)}
+        # Without bubblewrap the suite runs commands unsandboxed, as its header says; a devbox
+        # would otherwise refuse to start at all (the sandbox's own tests skip instead).
+        env["CHARLIE_SANDBOX"] = TEST_SANDBOX
         self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "charlie.devbox", "serve", "--port", "0", *args],
