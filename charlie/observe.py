@@ -136,6 +136,12 @@ class Observer:
     def sweep(self, event: SweepEvent) -> None:
         pass
 
+    def fused_commit(self, commit: str, applied: bool) -> None:
+        """A fused commit was sent (issue 17): ``commit`` names which (``model_turn``: a model
+        call's result with its dispatch; ``settle_turn``: a local call's settle with the next
+        claim; ``settle_held``: a published call's settle), ``applied`` False when its rows
+        were not as predicted and the steps were written one by one instead."""
+
     def gauges(self, read: Callable[[], dict[str, Any]]) -> None:
         """A sweep offers the fleet's gauges; ``read`` queries the database, so an observer
         that serves no metrics never calls it."""

@@ -8,6 +8,7 @@ and difference them, even across a worker that was SIGKILLed.
 
 Counted: statements that go through a cursor (SQLite's ``BEGIN IMMEDIATE`` included); not
 counted: the driver's implicit BEGIN and COMMIT, and the ping of a connection that sat idle.
+Only worker processes count (not ``charlie beat``, whose sweeps are no part of the loop).
 Commits (issue 17): every write transaction's COMMIT (an SQLAlchemy ``commit`` event on a
 connection not opened read-only) and every write statement run in autocommit (its own
 transaction on the server, as a slow phase's claim is on PostgreSQL).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import threading
 from typing import Any
 
@@ -127,7 +129,12 @@ def _after_fork_in_child() -> None:
     _start_flusher()
 
 
-if STATS_DIR:
+# Workers only: `charlie beat` imports the tool modules too, and its sweeps (every second,
+# idle runs or not) are not the loop's statements; counted, they were spread over the turns
+# of whatever run the window held.
+_IN_WORKER = "worker" in sys.argv[1:3]
+
+if STATS_DIR and _IN_WORKER:
     os.makedirs(STATS_DIR, exist_ok=True)
     task_prerun.connect(_on_prerun, weak=False)
     task_postrun.connect(_on_postrun, weak=False)

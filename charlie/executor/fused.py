@@ -58,6 +58,7 @@ from charlie.executor.steps import (
     open_settlement,
     view_of,
 )
+from charlie.observe import safely
 from charlie.runtime import Runtime
 from charlie.store import fused as store
 from charlie.store import runs
@@ -236,6 +237,7 @@ def model_turn(
     )
     with write_one(rt.engine) as conn:
         fresh = store.commit_fused(conn, commit)
+    _observed(rt, "model_turn", fresh is not None)
     if fresh is None:
         return None
     # What the turn's next commit (B, after the local call) may assume.
@@ -391,6 +393,7 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
                 settlement.duration_ms,
                 advanced.finish_order.get(settlement.call_id),
                 done.call.attempts,
+                now,  # await_tools settles it (runs.calls_as_left's settled_at)
             )
         ],
         turn_calls=len(predicted.calls),
@@ -404,6 +407,7 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
     )
     with write_one(rt.engine) as conn:
         fresh = store.commit_fused(conn, commit)
+    _observed(rt, "settle_turn", fresh is not None)
     if fresh is None:
         return None
     progress.merged = 1 + claims_model
@@ -417,6 +421,11 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         claim3 = runs.claimed_next(claim2, advanced, fresh)
         carried = Carried(claim3, _model_view(rt, claim3, wrote), started3)
     return Fused(claim, view, awaited, [Step(claim2, view2, advanced, None)], carried, wrote)
+
+
+def _observed(rt: Runtime, commit: str, applied: bool) -> None:
+    if rt.observer.enabled:
+        safely(rt.observer.fused_commit, commit, applied)
 
 
 def _model_view(rt: Runtime, claim: runs.Claim, wrote: list[Wrote]) -> RunView:

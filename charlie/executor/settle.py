@@ -159,6 +159,8 @@ def _settle_fused(rt: Runtime, done: CallResult) -> tuple[bool, int | None] | No
             )  # fmt: skip
 
     held = again_if_disconnected(settle, "settle a tool call")
+    if rt.observer.enabled:
+        safely(rt.observer.fused_commit, "settle_held", held is not None)
     if held is None:
         return None
     if held.phase == Phase.AWAIT_TOOLS.value and held.still_open == 0:

@@ -112,6 +112,8 @@ class Settle:
     duration_ms: float | None
     finish_order: int | None
     token: int
+    #: when the step that settles it ran (its settled_at)
+    at: datetime
 
 
 @dataclass(frozen=True)
@@ -231,11 +233,11 @@ def _statement(
         ctes.append(
             """settled AS (
         UPDATE tool_calls c SET state = 'settled', outcome = x.outcome, result = x.result -> 'v',
-            settled_at = %(now)s, settled_by = %(owner)s, lease_owner = NULL,
+            settled_at = x.at, settled_by = %(owner)s, lease_owner = NULL,
             lease_until = NULL, duration_ms = x.duration_ms, hold = NULL,
             finish_order = x.finish_order
         FROM run, jsonb_to_recordset(%(settles)s::jsonb) AS x(call_id text, outcome text,
-            result jsonb, duration_ms float8, finish_order int, token int)
+            result jsonb, duration_ms float8, finish_order int, token int, at timestamptz)
         WHERE c.execution_id = run.id AND c.turn = %(turn)s AND c.call_id = x.call_id
             AND c.state = 'started' AND c.lease_owner = %(owner)s AND c.attempts = x.token
             AND c.hold IS NULL
@@ -381,6 +383,7 @@ def _params(fused: FusedCommit) -> dict[str, Any]:
                     "duration_ms": s.duration_ms,
                     "finish_order": s.finish_order,
                     "token": s.token,
+                    "at": s.at.isoformat(),
                 }
                 for s in fused.settles
             ]
@@ -421,20 +424,34 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
         fused.turn_calls is not None,
         fused.task_write is not None,
     )
+    context = {
+        "execution_id": fused.run.execution_id,
+        "phase": fused.run.phase.value,
+        "version": fused.run.version,
+    }
     try:
         row = conn.exec_driver_sql(sql, params).first()
     except DBAPIError as exc:
         code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
         if code == ASSUMPTION_FAILED:
-            log.debug("fused commit not applied: %s", exc.orig)
+            # Something happened meanwhile (a cancel, a settle by a sweep, ...): the ordinary
+            # path reads what.
+            log.info(
+                "fused commit not applied (its calls or task changed); writing the steps one "
+                "by one",
+                extra=context,
+            )
         else:
             log.warning(
-                "fused commit failed; writing the steps one by one",
-                extra={"execution_id": fused.run.execution_id},
-                exc_info=True,
+                "fused commit failed; writing the steps one by one", extra=context, exc_info=True
             )
         return None
     if row is None:
+        log.info(
+            "fused commit not applied (the run's row is not as predicted); writing the steps "
+            "one by one",
+            extra=context,
+        )
         return None
     return Fresh(
         row.inbox,

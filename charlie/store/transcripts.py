@@ -14,6 +14,7 @@ not be remembered). Items this worker wrote are remembered as the database retur
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -68,12 +69,18 @@ def as_stored(payload: Any, dialect: str) -> tuple[bool, Any]:
     (False, None) when that cannot be known without reading it back.
 
     SQLite keeps the JSON text as written; PostgreSQL's jsonb orders each object's keys (the
-    shorter first, then bytewise) and may write a float back as an integer (``1e16``), so a
-    payload with a float in it is not predicted. Tuples come back as lists on both."""
+    shorter first, then bytewise) and keeps a number as its decimal digits: a float written
+    without an exponent comes back as itself, one with an exponent in a form of its own
+    (``1e16`` as the integer 10000000000000000, ``1e-07`` as ``0.0000001``), and ``-0.0`` as
+    ``0.0``, so those are not predicted. Tuples come back as lists on both."""
     if isinstance(payload, bool) or payload is None or isinstance(payload, str | int):
         return True, payload
     if isinstance(payload, float):
-        return (True, payload) if dialect == "sqlite" else (False, None)
+        if dialect == "sqlite":
+            return True, payload
+        negative_zero = payload == 0 and math.copysign(1.0, payload) < 0
+        plain = math.isfinite(payload) and "e" not in repr(payload) and not negative_zero
+        return (True, payload) if plain else (False, None)
     if isinstance(payload, list | tuple):
         out = []
         for value in payload:

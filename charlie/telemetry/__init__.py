@@ -91,6 +91,10 @@ class Observers(Observer):
         for observer in self.observers:
             safely(observer.sweep, event)
 
+    def fused_commit(self, commit: str, applied: bool) -> None:
+        for observer in self.observers:
+            safely(observer.fused_commit, commit, applied)
+
     def gauges(self, read: Callable[[], dict[str, Any]]) -> None:
         for observer in self.observers:
             safely(observer.gauges, read)

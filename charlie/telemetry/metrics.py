@@ -315,6 +315,13 @@ class MetricsObserver(Observer):
             buckets=CALL_BUCKETS,
             registry=registry,
         )
+        self.fused_commits = counter(
+            "charlie_fused_commits",
+            "Fused commits sent (a merged transaction's steps in one statement, PostgreSQL), by "
+            "commit and result (applied, or fell_back: the rows were not as predicted and the "
+            "steps were written one by one)",
+            ("commit", "result"),
+        )
         self.sweep_actions = counter(
             "charlie_sweep_actions", "What the recovery sweeps did, by sweep and action",
             ("sweep", "action"),
@@ -384,6 +391,9 @@ class MetricsObserver(Observer):
             self.late_reports.labels(tool, event.outcome).inc()
         elif event.duration_ms is not None:
             self.tool_seconds.labels(tool).observe(max(0.0, event.duration_ms / 1000))
+
+    def fused_commit(self, commit: str, applied: bool) -> None:
+        self.fused_commits.labels(commit, "applied" if applied else "fell_back").inc()
 
     def sweep(self, event: SweepEvent) -> None:
         self.sweep_actions.labels(event.sweep, event.action).inc(event.count)
