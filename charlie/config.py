@@ -109,6 +109,11 @@ class Settings:
     #: round trip, the rows checked as predicted, else written step by step). False: one
     #: statement per write, as on SQLite (issue 17).
     fuse_commits: bool = True
+    #: a turn of at most this many calls, each of a ``threadsafe`` tool, runs them in the
+    #: worker that dispatched them, at once (a thread each), where each would otherwise go
+    #: through the broker to a worker of its own: K calls in K + 2 commits at most (issue 17).
+    #: 1: only a turn's single call runs there (any tool).
+    local_calls: int = 8
     #: while more messages than this wait in the broker queue, the sweep does not re-publish
     #: runs that merely look stalled: in a backlog their ticks are queued, not lost.
     sweep_backlog_limit: int = 200
@@ -283,6 +288,7 @@ def load_settings() -> Settings:
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 30),
         merge_phases=_env_int("CHARLIE_MERGE_PHASES", 1) > 0,
         fuse_commits=_env_int("CHARLIE_FUSE_COMMITS", 1) > 0,
+        local_calls=max(1, _env_int("CHARLIE_LOCAL_CALLS", 8)),
         tool_deadline=_env_float("CHARLIE_TOOL_DEADLINE", 300.0),
         human_deadline=_env_float("CHARLIE_HUMAN_DEADLINE", 86400.0),
         operator=os.environ.get("CHARLIE_OPERATOR", "").strip() or None,

@@ -45,6 +45,13 @@ class InlineReports:
 
     rt: Runtime
     pending: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: the Celery task that runs these steps, taken when it makes this (the thread that runs
+    #: a step of it may be another: a turn's local calls run at once, a thread each)
+    parent: Any = None
+
+    def __post_init__(self) -> None:
+        if self.parent is None and current_task:
+            self.parent = current_task.request
 
     @contextmanager
     def task(self, name: str, args: tuple[object, ...]) -> Iterator[Report]:
@@ -55,7 +62,7 @@ class InlineReports:
         ``task-received`` and a ``task-started`` would carry ride on the ``task-succeeded`` or
         ``task-failed`` event, whose fields Celery's event state merges into the task."""
         report = Report()
-        parent = current_task.request if current_task else None
+        parent = self.parent
         if not self.rt.settings.task_events or parent is None or parent.id is None:
             yield report
             return

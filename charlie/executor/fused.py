@@ -19,10 +19,9 @@ version (I1, I2, I21), and the named fault points fire where they fire in a merg
 before the statement nothing was written. ``None`` from either function means not fused:
 nothing was written, and the tick shell commits the steps the ordinary way.
 
-B carries a write's result on into advance_turn and the next claim, where the ordinary path
-commits it with await_tools alone: here the steps after the settle are computed before the one
-statement, so a crash between the handler's end and the commit costs what it costs before a
-settle of its own, no more.
+B carries any call's result on into advance_turn and the next claim (steps.merges): the steps
+after the settle are computed before the one statement, so a crash between the handler's end
+and the commit costs what it costs before a settle of its own, no more.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from charlie.domain import (
     JSON,
     CallState,
     Effect,
+    OnInterrupt,
     Phase,
     RunView,
     TaskStatus,
@@ -52,7 +52,7 @@ from charlie.executor.steps import (
     compute,
     decide_at_boundary,
     first_try,
-    local_call_id,
+    local_call_ids,
     merges,
     merges_next,
     open_settlement,
@@ -164,11 +164,18 @@ def model_turn(
         and not (dispatched.take_messages or dispatched.finish_order or dispatched.next_turn)
     ):
         return None
-    local_id = local_call_id(progress, view2, dispatched)
-    definition = rt.tools.get(next((c.name for c in known if c.call_id == local_id), ""))
-    start_here = local_id is not None and definition is not None
-    start_here = start_here and definition is not None and definition.effect is Effect.READ
-    implementation = dict(rt.tools.implementations()).get(definition.name) if definition else None
+    local_ids = local_call_ids(rt, progress, view2, dispatched)
+    names = {c.call_id: c.name for c in known}
+    definitions = [rt.tools.get(names[call_id]) for call_id in local_ids]
+    # Reads start here, in A: a crash right after it leaves them started, for the sweep to
+    # settle interrupted (I10). A write's or a wait's start commits on its own after A, so
+    # the same crash leaves it pending, free to start (I11); and so does a read held for an
+    # operator when interrupted, which must not wait for a verdict on a call that never ran.
+    start_here = bool(local_ids) and all(
+        d is not None and d.effect is Effect.READ and d.on_interrupt is OnInterrupt.REPORT
+        for d in definitions
+    )
+    implementations = dict(rt.tools.implementations())
     lease_until = now + timedelta(seconds=rt.settings.lease_seconds)
     queued = dict(dispatched.queue_calls + dispatched.ask_calls)
     rows = []
@@ -176,7 +183,7 @@ def model_turn(
         deadline = queued.get(row["call_id"])
         if deadline is not None:  # as runs._QUEUE_CALLS
             row.update(queued_at=now, dispatch_version=claim2.version, deadline_at=deadline)
-        if start_here and row["call_id"] == local_id:  # as calls.claim_call, mode start
+        if start_here and row["call_id"] in local_ids:  # as calls.claim_call, mode start
             row.update(
                 state=CallState.STARTED.value,
                 started_at=now,
@@ -184,7 +191,7 @@ def model_turn(
                 lease_owner=owner,
                 lease_until=lease_until,
                 attempts=1,
-                implementation=implementation,
+                implementation=implementations.get(row["name"]),
             )
         rows.append(row)
     task = claim.task
@@ -244,30 +251,35 @@ def model_turn(
     left = runs.calls_as_left(
         claim2, view2.calls, dispatched, now=now, owner=owner, dialect=DIALECT
     )
-    local_call = None
+    run_here: tuple[ClaimedCall, ...] = ()
     predicted = None
-    if local_id is not None and left is not None:
+    if local_ids and left is not None:
         predicted = Predicted(runs.claimed_next(claim2, dispatched), left)
-        if start_here:
-            (call,) = [c for c in left if c.call_id == local_id]
-            local_call = ClaimedCall(
+    if start_here:
+        by_id = {r["call_id"]: r for r in rows}
+        views = {c.call_id: c for c in (left or known)}
+        run_here = tuple(
+            ClaimedCall(
                 execution_id=claim.execution_id,
                 turn=claim.turn,
-                call_id=local_id,
-                name=call.name,
-                arguments=call.arguments,
-                resumable=bool(next(r["resumable"] for r in rows if r["call_id"] == local_id)),
+                call_id=call_id,
+                name=views[call_id].name,
+                arguments=views[call_id].arguments,
+                resumable=bool(by_id[call_id]["resumable"]),
                 started_at=now,
                 started_by=owner,
                 handle=None,
                 attempts=1,
-                deadline_at=call.deadline_at,
+                deadline_at=by_id[call_id]["deadline_at"],
                 task_metadata=task.metadata,
-                implementation=implementation,
-                on_interrupt=next(r["on_interrupt"] for r in rows if r["call_id"] == local_id),
+                implementation=by_id[call_id]["implementation"],
+                on_interrupt=by_id[call_id]["on_interrupt"],
             )
-            predicted = predicted.started(local_call, owner)
-    step = Step(claim2, view2, dispatched, local_id, local_call, predicted)
+            for call_id in local_ids
+        )
+        if predicted is not None:
+            predicted = predicted.started(run_here, owner)
+    step = Step(claim2, view2, dispatched, () if start_here else local_ids, run_here, predicted)
     wrote: list[Wrote] = [
         (claim.next_seq, runs.written_items(DIALECT, claim, transition)),
         (claim2.next_seq, []),
@@ -396,6 +408,7 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
                 now,  # await_tools settles it (runs.calls_as_left's settled_at)
             )
         ],
+        orders=[(c, n) for c, n in advanced.finish_order.items() if c != settlement.call_id],
         turn_calls=len(predicted.calls),
     )
     faults.hit(
@@ -420,7 +433,7 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         started3 = time.perf_counter()
         claim3 = runs.claimed_next(claim2, advanced, fresh)
         carried = Carried(claim3, _model_view(rt, claim3, wrote), started3)
-    return Fused(claim, view, awaited, [Step(claim2, view2, advanced, None)], carried, wrote)
+    return Fused(claim, view, awaited, [Step(claim2, view2, advanced)], carried, wrote)
 
 
 def _observed(rt: Runtime, commit: str, applied: bool) -> None:

@@ -106,6 +106,7 @@ def run_call(
             rt.worker,
             rt.settings.lease_seconds,
             implementations=rt.tools.implementations(),
+            fused=rt.settings.fuse_commits,
         )
 
     call = again_if_disconnected(claim, "claim a tool call")

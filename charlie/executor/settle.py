@@ -116,21 +116,44 @@ def _hold(rt: Runtime, done: CallResult) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Settled:
+    """A handler's result, settled in a transaction of its own (settle_one)."""
+
+    #: "settled", "late" (the call had an outcome already, I12) or "held" (an interrupted call
+    #: held for an operator)
+    result: str
+    #: the run's await tick, when this settle completed the turn of a run in await_tools (I7)
+    await_version: int | None = None
+    #: when it was settled, if in one statement (store.fused.settle_held): the commit after it
+    #: may then know the call's row without reading it
+    fused_at: datetime | None = None
+
+
 def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
     """Settle a handler's result in a transaction of its own: ``("settled", await_version)``
     when it completed the turn, ``("settled" | "late", None)`` otherwise; ``("held", None)``
     for an interrupted call held for an operator."""
+    settled = settle_one(rt, done)
+    return settled.result, settled.await_version
+
+
+def settle_one(rt: Runtime, done: CallResult) -> Settled:
+    """settle_result, saying also whether it was settled in one statement, and when."""
     if held_for_operator(done):
         held = again_if_disconnected(lambda: _hold(rt, done), "hold an interrupted call")
         log.warning(
             "call held for an operator's verdict" if held else "late report",
             extra={"execution_id": done.call.execution_id, "call_id": done.call.call_id},
         )
-        return ("held" if held else "late"), None
-    outcome = _settle_fused(rt, done)
+        return Settled("held" if held else "late")
+    at = utcnow()
+    outcome = _settle_fused(rt, done, at)
     if outcome is not None:
         settled, await_version = outcome
+        fused_at: datetime | None = at
     else:
+        fused_at = None
         settled, await_version = again_if_disconnected(
             lambda: settle_in_turn(
                 rt, done.call.execution_id, done.call.turn, _first_wins(rt, done)
@@ -139,11 +162,11 @@ def settle_result(rt: Runtime, done: CallResult) -> tuple[str, int | None]:
         )
     log_settled(rt, done, settled)
     if await_version is not None:
-        return "settled", await_version
-    return ("settled" if settled else "late"), None
+        return Settled("settled", await_version, fused_at)
+    return Settled("settled" if settled else "late", None, fused_at)
 
 
-def _settle_fused(rt: Runtime, done: CallResult) -> tuple[bool, int | None] | None:
+def _settle_fused(rt: Runtime, done: CallResult, at: datetime) -> tuple[bool, int | None] | None:
     """On PostgreSQL, a holder's settle in one statement (store.fused.settle_held), returned as
     settle_in_turn returns it; None when it settled nothing and the ordinary settle must run
     (a late report, a retry that finds its own commit, a held call's late holder)."""
@@ -155,7 +178,7 @@ def _settle_fused(rt: Runtime, done: CallResult) -> tuple[bool, int | None] | No
         with write_one(rt.engine) as conn:
             return fused.settle_held(
                 conn, call.execution_id, call.turn, call.call_id, done.outcome.value,
-                done.result, rt.worker, utcnow(), done.duration_ms, call.attempts,
+                done.result, rt.worker, at, done.duration_ms, call.attempts,
             )  # fmt: skip
 
     held = again_if_disconnected(settle, "settle a tool call")

@@ -19,7 +19,6 @@ from charlie import pricing
 from charlie.domain import (
     CallState,
     CallView,
-    Effect,
     Item,
     Outcome,
     Phase,
@@ -34,6 +33,7 @@ from charlie.observe import TickScope
 from charlie.runtime import Runtime
 from charlie.store import runs
 from charlie.store.calls import ClaimedCall
+from charlie.store.transcripts import as_stored
 
 if TYPE_CHECKING:
     from charlie.executor.events import InlineReports
@@ -71,19 +71,48 @@ class Predicted:
     claim: runs.Claim
     calls: list[CallView]
 
-    def started(self, call: ClaimedCall, owner: str) -> Predicted:
-        """The calls once this worker's start of ``call`` committed (calls.claim_call)."""
+    def started(self, started: Sequence[ClaimedCall], owner: str) -> Predicted:
+        """The calls once this worker's start of each of ``started`` committed
+        (calls.claim_call)."""
+        by_id = {c.call_id: c for c in started}
         return replace(
             self,
             calls=[
                 replace(
                     c,
                     state=CallState.STARTED,
-                    started_at=call.started_at,
+                    started_at=by_id[c.call_id].started_at,
                     lease_owner=owner,
-                    attempts=call.attempts,
+                    attempts=by_id[c.call_id].attempts,
                 )
-                if c.call_id == call.call_id
+                if c.call_id in by_id
+                else c
+                for c in self.calls
+            ],
+        )
+
+    def settled(self, done: CallResult, owner: str, at: datetime) -> Predicted | None:
+        """The calls once this worker's settle of ``done`` committed, at ``at`` (store.fused.
+        settle_held, as calls.SETTLE writes it); None when its result's stored form cannot be
+        predicted (transcripts.as_stored)."""
+        ok, result = as_stored(done.result, "postgresql")
+        if not ok:
+            return None
+        call_id = done.call.call_id
+        return replace(
+            self,
+            calls=[
+                replace(
+                    c,
+                    state=CallState.SETTLED,
+                    outcome=done.outcome,
+                    result=result,
+                    settled_at=at,
+                    settled_by=owner,
+                    lease_owner=None,
+                    hold=None,
+                )
+                if c.call_id == call_id
                 else c
                 for c in self.calls
             ],
@@ -107,38 +136,40 @@ class Step:
     claim: runs.Claim
     view: RunView
     transition: Transition
-    #: the turn's only call, queued in this transaction, to start and run here (StartCall)
-    local_id: str | None
-    #: ...or already started in this transaction (a fused commit: a read's start), to run here
-    local_call: ClaimedCall | None = None
-    #: what the commit after the local call may assume (fused commits)
+    #: the turn's calls this worker runs itself (local_call_ids), queued in this transaction:
+    #: to start in a commit of their own and run here (StartCalls)
+    local_ids: tuple[str, ...] = ()
+    #: ...or already started in this transaction (a fused commit: reads), to run here
+    local_calls: tuple[ClaimedCall, ...] = ()
+    #: what the commit after the local calls may assume (fused commits)
     predicted: Predicted | None = None
 
 
 @dataclass(frozen=True)
-class NextCall:
-    """The turn's only tool call, marked started in the dispatch's own transaction, to run in
-    this worker (a "local activity"); then the await tick at ``await_version``."""
+class NextCalls:
+    """The turn's calls, marked started, to run in this worker (a "local activity": one, or
+    several at once, a thread each); then the await tick at ``await_version``."""
 
-    call: ClaimedCall
+    calls: tuple[ClaimedCall, ...]
     await_version: int
     predicted: Predicted | None = None
 
 
 @dataclass(frozen=True)
-class StartCall:
-    """The turn's only tool call, queued by a dispatch merged into another step's transaction:
-    this worker marks it started in a commit of its own (I9), then runs it as a NextCall. Its
-    start is not carried in that transaction, so a worker that dies after the commit leaves
-    the call pending, and the sweep starts it normally (I11), not an uncertain one (I10)."""
+class StartCalls:
+    """The turn's calls this worker runs itself, queued by a dispatch merged into another
+    step's transaction: this worker marks them started in a commit of their own (I9), then
+    runs them as NextCalls. Their start is not carried in that transaction, so a worker that
+    dies after the commit leaves them pending, and the sweep starts them normally (I11), not
+    uncertain ones (I10)."""
 
     turn: int
-    call_id: str
+    call_ids: tuple[str, ...]
     await_version: int
     predicted: Predicted | None = None
 
 
-Follow = NextTick | NextCall | StartCall
+Follow = NextTick | NextCalls | StartCalls
 
 #: a step committed in this transaction: its claim's next_seq and the items it wrote, as the
 #: table returns them (None: not predicted, see runs.written_items)
@@ -310,17 +341,31 @@ def log_context(view: RunView) -> dict[str, object]:
     }
 
 
-def local_call_id(progress: Progress, view: RunView, transition: Transition) -> str | None:
-    """A turn of one call has nothing to run in parallel: this worker runs it rather than hand
-    it to another through the broker. A fan-out is published, call by call."""
-    if (
-        progress.inline
-        and transition.to is Phase.AWAIT_TOOLS
-        and len(transition.queue_calls) == 1
-        and len(view.calls) == 1
+def local_call_ids(
+    rt: Runtime, progress: Progress, view: RunView, transition: Transition
+) -> tuple[str, ...]:
+    """The calls this worker runs itself rather than hand each to another through the broker:
+    a dispatch that queued every open call of the turn, one of any tool, or up to
+    CHARLIE_LOCAL_CALLS of ``threadsafe`` tools (run at once, a thread each). A larger
+    fan-out, one with calls waiting for a person, or one a tool of which is not threadsafe is
+    published, call by call (I14: each dispatch still queues at most a batch)."""
+    queued = [call_id for call_id, _deadline in transition.queue_calls]
+    if not (progress.inline and transition.to is Phase.AWAIT_TOOLS and queued):
+        return ()
+    if transition.ask_calls or any(
+        c.state is not CallState.SETTLED and c.call_id not in queued for c in view.calls
     ):
-        return transition.queue_calls[0][0]
-    return None
+        return ()
+    if len(queued) == 1:
+        return tuple(queued)
+    if len(queued) > rt.settings.local_calls:
+        return ()
+    names = {c.call_id: c.name for c in view.calls}
+    for call_id in queued:
+        definition = rt.tools.get(names.get(call_id, ""))
+        if definition is None or not definition.threadsafe:
+            return ()
+    return tuple(queued)
 
 
 def open_settlement(
@@ -359,16 +404,12 @@ def merges(rt: Runtime, claim: runs.Claim, progress: Progress, local: bool = Fal
 
     Not a retry: a claim committed apart (a redelivered or re-published tick) or a second
     attempt commits on its own, so a step that kills its worker is counted in its own phase.
-    Not after settling the result of a call with an outside effect (a write, a wait): that
-    result commits with await_tools alone, so a crash in the steps after it cannot cost it
-    (the call would settle interrupted); a read's result may ride on with them."""
-    if not first_try(rt, claim, progress, local):
-        return False
-    done = progress.settlement
-    if done is None:
-        return True
-    definition = rt.tools.get(done.call.name)
-    return definition is not None and definition.effect is Effect.READ
+    A call's result rides on with the steps after its settle whatever its effect: they are
+    computed in the same transaction within milliseconds (in one statement on PostgreSQL,
+    before it is sent), so a crash that costs the result there is a crash between the handler's
+    end and the commit, which a settle of its own cannot close either (the call then settles
+    interrupted, or is reconciled, I10; it is never run again)."""
+    return first_try(rt, claim, progress, local)
 
 
 def first_try(rt: Runtime, claim: runs.Claim, progress: Progress, local: bool = False) -> bool:

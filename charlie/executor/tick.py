@@ -7,8 +7,11 @@ lease, and commit in a second one that succeeds only if the lease is still their
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -40,21 +43,22 @@ from charlie.executor.settle import (
     move_turn,
     report_people_settled,
     report_settlements,
+    settle_one,
     settle_result,
 )
 from charlie.executor.steps import (
     MAX_MERGED,
     Carried,
     Follow,
-    NextCall,
+    NextCalls,
     NextTick,
     Progress,
-    StartCall,
+    StartCalls,
     Step,
     Wrote,
     compute,
     decide_at_boundary,
-    local_call_id,
+    local_call_ids,
     log_context,
     merges,
     merges_next,
@@ -168,12 +172,12 @@ def _publish(
     transition: Transition,
     *,
     publish_next: bool = True,
-    local_call: str | None = None,
+    local_calls: tuple[str, ...] = (),
 ) -> None:
     faults.hit("tick.after_commit", phase=claim.phase.value, task_id=view.task.id)
     messages: list[tuple[str, tuple[object, ...]]] = []
     for call_id, _deadline in transition.queue_calls:
-        if call_id != local_call:
+        if call_id not in local_calls:
             messages.append(
                 ("charlie.tool.invoke", (claim.execution_id, claim.turn, call_id, "start"))
             )
@@ -264,46 +268,17 @@ def run_tick(
                     if report is not None:
                         report.result = result
             else:
-                if isinstance(step, StartCall):
-                    args = (execution_id, step.turn, step.call_id, "start")
-                else:
-                    args = (execution_id, step.call.turn, step.call.call_id, "start")
-                with (
-                    reports.task("charlie.tool.invoke", args) as report,
-                    rt.observer.invocation(*args[:3]),
-                ):
-                    done: CallResult | str
-                    if isinstance(step, StartCall):
-                        call = _start_call(rt, execution_id, step)
-                        if call is None:
-                            done = "not_claimable"
-                        else:
-                            predicted = step.predicted
-                            step = NextCall(
-                                call,
-                                step.await_version,
-                                predicted.started(call, rt.worker) if predicted else None,
-                            )
-                    if isinstance(step, NextCall):
-                        done = execute_call(rt, step.call, "start")
-                    report.result = done if isinstance(done, str) else "settled"
-                if isinstance(done, str):
-                    return done
-                assert isinstance(step, NextCall)
-                # The handler may have run long: the chain's time limit counts it. The chain
-                # stops before the next model call's claim, not after it: a budget that only
-                # lasts for that step would run it without its local call (published, the turn
-                # split between workers); stopping here publishes the next call_model tick.
-                chain = budget > 1 and time.monotonic() < deadline
-                await_args = (execution_id, step.await_version)
-                with (
-                    reports.task("charlie.phase.await_tools", await_args) as report,
-                    rt.observer.invocation(*args[:3]),  # its settle's log lines too
-                ):
-                    result, follow = _settle_local_call(
-                        rt, execution_id, step, done, chain=chain, reports=reports
-                    )
-                    report.result = result
+                # The chain stops before the next model call's claim, not after it: a budget
+                # that only lasts for that step would run it without its local calls (published,
+                # the turn split between workers); stopping here publishes the next call_model
+                # tick. The handlers may have run long: the chain's time limit counts them.
+                result, follow = _run_local(
+                    rt,
+                    execution_id,
+                    step,
+                    reports,
+                    _chain_check(budget, deadline),
+                )
             if follow is None:
                 return result
             step = follow
@@ -330,29 +305,131 @@ def _lease_still_ours(rt: Runtime, claim: runs.Claim, claimed: float) -> bool:
     return renewed
 
 
-def _start_call(rt: Runtime, execution_id: str, step: StartCall) -> ClaimedCall | None:
-    """Mark a local call started, committed before its handler runs (I9); None: it is not
-    startable any more (its task stopped, I18; a deadline passed), nothing to run."""
-    faults.hit("tick.merged.before_start", call_id=step.call_id, task_id=task_id_of(execution_id))
+def _chain_check(budget: int, deadline: float) -> Callable[[], bool]:
+    """Whether, once the local calls are done, the chain may go on to the next model call."""
+    return lambda: budget > 1 and time.monotonic() < deadline
+
+
+def _start_calls(rt: Runtime, execution_id: str, step: StartCalls) -> tuple[ClaimedCall, ...]:
+    """Mark the local calls started, in one commit before their handlers run (I9): those still
+    startable (its task stopped, I18, or a deadline passed: none of them, nothing to run)."""
+    faults.hit(
+        "tick.merged.before_start", call_id=step.call_ids[0], task_id=task_id_of(execution_id)
+    )
     return again_if_disconnected(
-        lambda: calls.claim_call_alone(
+        lambda: calls.claim_calls_alone(
             rt.engine,
             execution_id,
             step.turn,
-            step.call_id,
-            "start",
+            step.call_ids,
             rt.worker,
             rt.settings.lease_seconds,
             implementations=rt.tools.implementations(),
+            fused=rt.settings.fuse_commits,
         ),
-        "start a local tool call",
+        "start the local tool calls",
     )
+
+
+def _run_local(
+    rt: Runtime,
+    execution_id: str,
+    step: NextCalls | StartCalls,
+    reports: InlineReports,
+    chain_next: Callable[[], bool],
+) -> tuple[str, Follow | None]:
+    """Run the turn's local calls here (one, or several at once, a thread each), settle each as
+    it ends in a commit of its own (I7, I12: first result wins, each independently), and the
+    last in the await tick's transaction, which carries the turn on (see _settle_local_call):
+    a turn of K calls in at most K + 2 commits (issue 17). ``chain_next``: whether the chain
+    may go on to the next model call after them."""
+    if isinstance(step, StartCalls):
+        started = _start_calls(rt, execution_id, step)
+        if not started:
+            return "not_claimable", None
+        predicted = step.predicted
+        if predicted is not None:
+            # (a call that did not start makes the turn's next commit read the rows)
+            whole = len(started) == len(step.call_ids)
+            predicted = predicted.started(started, rt.worker) if whole else None
+        step = NextCalls(started, step.await_version, predicted)
+    predicted = step.predicted
+    left = len(step.calls)
+    result = "settled"
+    turn_done: int | None = None
+    for call, done in _run_batch(rt, execution_id, step.calls, reports):
+        left -= 1
+        if isinstance(done, str):
+            # parked, asking, lost its lease: not settled here, so the turn is not done here
+            predicted, result = None, done
+            continue
+        if left > 0 or turn_done is not None:
+            with rt.observer.invocation(execution_id, call.turn, call.call_id):
+                settled = settle_one(rt, done)
+            if settled.await_version is not None:
+                # the others were settled meanwhile (a deadline, a stop): this was the last
+                turn_done = settled.await_version
+            if predicted is not None:
+                at = settled.fused_at
+                predicted = predicted.settled(done, rt.worker, at) if at else None
+            continue
+        with (
+            reports.task("charlie.phase.await_tools", (execution_id, step.await_version)) as report,
+            rt.observer.invocation(execution_id, call.turn, call.call_id),  # its log lines too
+        ):
+            result, follow = _settle_local_call(
+                rt,
+                execution_id,
+                replace(step, predicted=predicted),
+                done,
+                chain=chain_next(),
+                reports=reports,
+            )
+            report.result = result
+        return result, follow
+    if turn_done is not None:
+        if chain_next():
+            return "settled", NextTick(Phase.AWAIT_TOOLS, turn_done)
+        move_turn(rt, execution_id, turn_done)
+    return result, None
+
+
+def _run_batch(
+    rt: Runtime, execution_id: str, calls: tuple[ClaimedCall, ...], reports: InlineReports
+) -> Iterator[tuple[ClaimedCall, CallResult | str]]:
+    """Each call's handler run (I9: each started already), as each ends: one here, several at
+    once, each in a thread of its own (their tools are threadsafe, steps.local_call_ids)."""
+    if len(calls) == 1:
+        yield calls[0], _execute_local(rt, execution_id, calls[0], reports)
+        return
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="charlie-call") as pool:
+        running = {}
+        for call in calls:
+            # each in a copy of this context: a thread starts with none (the trace's)
+            context = contextvars.copy_context()
+            future = pool.submit(context.run, _execute_local, rt, execution_id, call, reports)
+            running[future] = call
+        for future in as_completed(running):
+            yield running[future], future.result()
+
+
+def _execute_local(
+    rt: Runtime, execution_id: str, call: ClaimedCall, reports: InlineReports
+) -> CallResult | str:
+    args = (execution_id, call.turn, call.call_id, "start")
+    with (
+        reports.task("charlie.tool.invoke", args) as report,
+        rt.observer.invocation(execution_id, call.turn, call.call_id),
+    ):
+        done = execute_call(rt, call, "start")
+        report.result = done if isinstance(done, str) else "settled"
+    return done
 
 
 def _settle_local_call(
     rt: Runtime,
     execution_id: str,
-    step: NextCall,
+    step: NextCalls,
     done: CallResult,
     *,
     chain: bool,
@@ -447,7 +524,10 @@ def _observed_tick(
 
 
 def _follow(
-    progress: Progress, claim: runs.Claim, transition: Transition, local: ClaimedCall | None
+    progress: Progress,
+    claim: runs.Claim,
+    transition: Transition,
+    local: tuple[ClaimedCall, ...],
 ) -> Follow | None:
     """What this worker does next itself, if inline steps are allowed."""
     if not progress.inline:
@@ -455,8 +535,8 @@ def _follow(
     to = transition.to
     if to is not None and to is not Phase.DONE and transition.publish_next:
         return NextTick(to, claim.version + 1)
-    if local is not None:
-        return NextCall(local, claim.version + 1)
+    if local:
+        return NextCalls(local, claim.version + 1)
     return None
 
 
@@ -523,20 +603,23 @@ def _observed(rt: Runtime, progress: Progress, claim: runs.Claim, transition: Tr
 
 def _start_local(
     rt: Runtime, conn: Connection, progress: Progress, view: RunView, transition: Transition
-) -> ClaimedCall | None:
-    """Mark the turn's only call started in the dispatch's transaction, to run here (I9)."""
-    local_id = local_call_id(progress, view, transition)
-    if local_id is None:
-        return None
-    return calls.start_local_call(
-        conn,
-        view.execution_id,
-        view.turn,
-        local_id,
-        rt.worker,
-        rt.settings.lease_seconds,
-        implementations=rt.tools.implementations(),
-    )
+) -> tuple[ClaimedCall, ...]:
+    """Mark the turn's calls this worker runs itself started in the dispatch's transaction, to
+    run here (I9): those still startable (a task stopped since the claim starts none, I18)."""
+    started = []
+    for local_id in local_call_ids(rt, progress, view, transition):
+        call = calls.start_local_call(
+            conn,
+            view.execution_id,
+            view.turn,
+            local_id,
+            rt.worker,
+            rt.settings.lease_seconds,
+            implementations=rt.tools.implementations(),
+        )
+        if call is not None:
+            started.append(call)
+    return tuple(started)
 
 
 def _merge(
@@ -547,7 +630,7 @@ def _merge(
     view: RunView,
     transition: Transition,
     committed: _Committed,
-    local: ClaimedCall | None,
+    local: tuple[ClaimedCall, ...],
     wrote: list[Wrote],
     *,
     claimed: bool = False,
@@ -566,7 +649,7 @@ def _merge(
     on its own, so a step that kills its worker is counted in its own phase and poisons there,
     and repeats at most one model call (the counted repeat) on its way."""
     steps: list[Step] = []
-    if not merges(rt, claim, progress, local is not None):
+    if not merges(rt, claim, progress, bool(local)):
         return steps, None
     while len(steps) < MAX_MERGED:
         to = transition.to
@@ -608,11 +691,12 @@ def _merge(
         if next_transition is None:
             next_transition = compute(rt, view)
             faults.hit("tick.in_transaction", phase=to.value, task_id=view.task.id)
-        # A local call is not started here but in a commit of its own once this one is done
-        # (StartCall): a worker killed between the two leaves it pending, free to start (I11).
-        local_id = local_call_id(progress, view, next_transition)
+        # Local calls are not started here but in a commit of their own once this one is done
+        # (StartCalls): a worker killed between the two leaves them pending, free to start
+        # (I11).
+        local_ids = local_call_ids(rt, progress, view, next_transition)
         claimed = (
-            local_id is None
+            not local_ids
             and len(steps) + 1 < MAX_MERGED
             and _rides(rt, conn, progress, next_claim, next_transition)
         )
@@ -622,8 +706,8 @@ def _merge(
             raise RuntimeError(f"run {claim.execution_id}: a merged step lost its own lease")
         committed = at
         wrote.append((next_claim.next_seq, runs.written_items(conn, next_claim, next_transition)))
-        steps.append(Step(next_claim, view, next_transition, local_id))
-        if local_id is not None:
+        steps.append(Step(next_claim, view, next_transition, local_ids))
+        if local_ids:
             break
         claim, transition = next_claim, next_transition
     return steps, None
@@ -633,7 +717,7 @@ def _run_tick(
     rt: Runtime, execution_id: str, phase: Phase, version: int, progress: Progress
 ) -> tuple[TickResult, Follow | None]:
     started = time.perf_counter()
-    local: ClaimedCall | None = None
+    local: tuple[ClaimedCall, ...] = ()
     merged: list[Step] = []
     carried: Carried | None = None
     progress.merged = 0
@@ -697,7 +781,7 @@ def _run_tick(
                     return "lost_lease", None
                 wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
                 merged, carried = _merge(
-                    rt, conn, progress, claim, view, transition, at, None, wrote, claimed=claim_next
+                    rt, conn, progress, claim, view, transition, at, (), wrote, claimed=claim_next
                 )
                 _merged_end(progress, claim, merged, carried, "tick.merged.end")
             remember_transcript(
@@ -758,9 +842,9 @@ def _run_tick(
                     faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
                 if settlement is not None:
                     transition.settle.append(settlement)
-                local_id = local_call_id(progress, view, transition)
+                local_ids = local_call_ids(rt, progress, view, transition)
                 claim_next = (
-                    local_id is None
+                    not local_ids
                     and merges(rt, claim, progress)
                     and _rides(rt, conn, progress, claim, transition)
                 )
@@ -783,7 +867,7 @@ def _run_tick(
     _merged_end(progress, claim, merged, carried, "tick.merged.after_commit")
     if merged or carried is not None:
         # What each merged step does after the commit, in order; the chain goes on from the last.
-        _after_commit(rt, claim, view, transition, None, publish_next=False)
+        _after_commit(rt, claim, view, transition, (), publish_next=False)
         _report_tick(rt, progress, claim, view, transition)
         for step in merged[:-1]:
             _report_merged(rt, progress, step, None, publish_next=False)
@@ -797,8 +881,9 @@ def _run_tick(
             follow = _carried_follow(carried)
         return "moved", follow
     follow = _follow(progress, claim, transition, local)
-    local_id = local.call_id if local is not None else None
-    result = _after_commit(rt, claim, view, transition, local_id, follow=follow)
+    result = _after_commit(
+        rt, claim, view, transition, tuple(c.call_id for c in local), follow=follow
+    )
     _report_tick(rt, progress, claim, view, transition)
     return result, follow
 
@@ -813,11 +898,11 @@ def _report_tick(
 
 
 def _merged_follow(progress: Progress, step: Step) -> Follow | None:
-    if step.local_call is not None:  # started in the commit (a fused commit, a read)
-        return NextCall(step.local_call, step.claim.version + 1, step.predicted)
-    if step.local_id is not None:
-        return StartCall(step.claim.turn, step.local_id, step.claim.version + 1, step.predicted)
-    return _follow(progress, step.claim, step.transition, None)
+    if step.local_calls:  # started in the commit (a fused commit, reads)
+        return NextCalls(step.local_calls, step.claim.version + 1, step.predicted)
+    if step.local_ids:
+        return StartCalls(step.claim.turn, step.local_ids, step.claim.version + 1, step.predicted)
+    return _follow(progress, step.claim, step.transition, ())
 
 
 def _carried_follow(carried: Carried | None) -> Follow | None:
@@ -864,7 +949,7 @@ def _report_merged(
             claim,
             view,
             transition,
-            step.local_id,
+            step.local_ids + tuple(c.call_id for c in step.local_calls),
             follow=follow,
             publish_next=publish_next,
         )
@@ -878,7 +963,7 @@ def _after_commit(
     claim: runs.Claim,
     view: RunView,
     transition: Transition,
-    local_call: str | None,
+    local_calls: tuple[str, ...],
     *,
     follow: Follow | None = None,
     publish_next: bool | None = None,
@@ -890,7 +975,7 @@ def _after_commit(
         view,
         transition,
         publish_next=not isinstance(follow, NextTick) if publish_next is None else publish_next,
-        local_call=local_call,
+        local_calls=local_calls,
     )
     if transition.to is None:
         # Waiting (open tool calls, a stored wake-up): whoever settles the last call locks the

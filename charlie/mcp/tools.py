@@ -182,6 +182,9 @@ def definition(servers: Servers, server: ServerConfig, tool: mcp_types.Tool) -> 
         parks=True,
         source=f"mcp:{server.name}",
         cancel=cancel,
+        # one session per server and process, which takes concurrent requests (its event loop
+        # runs in a thread of its own, connections.py)
+        threadsafe=True,
     )
 
 

@@ -139,8 +139,16 @@ def _implementation_of_name(implementations: Implementations) -> Any:
     return case(dict(implementations), value=_c.name, else_=null())
 
 
+#: Several calls of one turn, by (execution, turn) and a list of call ids (b_calls).
+CALLS_KEY = and_(
+    _c.execution_id == bindparam("b_execution"),
+    _c.turn == bindparam("b_turn"),
+    _c.call_id.in_(bindparam("b_calls", expanding=True)),
+)
+
+
 @functools.cache
-def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
+def _claim_statement(mode: Mode, implementations: Implementations = (), many: bool = False) -> Any:
     """The claim of one call, built once per mode and tool set. ``start`` records which
     implementation this worker starts the call with, in the statement that marks it started;
     ``resume``/``reconcile`` take over only a call started with an implementation this worker
@@ -160,7 +168,7 @@ def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
         ),
     )
     # A call held for a person is started by no one until a verdict releases it (I23).
-    stmt = update(tool_calls).where(CALL_KEY, live, _c.hold.is_(None))
+    stmt = update(tool_calls).where(CALLS_KEY if many else CALL_KEY, live, _c.hold.is_(None))
     if mode == "start":
         # A call already past its deadline is not started: it will settle deadline_exceeded
         # as never started (I13), rather than run, late, and leave an uncertain outcome.
@@ -190,16 +198,18 @@ def _claim_statement(mode: Mode, implementations: Implementations = ()) -> Any:
         lease_owner=bindparam("b_owner"),
         lease_until=bindparam("b_until", type_=_c.lease_until.type),
         attempts=_c.attempts + 1,
-    ).returning(*_call_columns())
+    ).returning(*_call_columns(), *((_c.call_id,) if many else ()))
 
 
 @functools.cache
-def _claim_holding_task(mode: Mode, implementations: Implementations = ()) -> Any:
+def _claim_holding_task(
+    mode: Mode, implementations: Implementations = (), many: bool = False
+) -> Any:
     """PostgreSQL: the claim and the task's share lock (hold_live_task) in one statement, in
     the same order: the call's row is updated (locked) first, then, for the row claimed, the
     task's row is share-locked and read as it is now (a locking read sees the latest commit,
     not the statement's snapshot). One round trip fewer per call start (issue 17)."""
-    claimed = _claim_statement(mode, implementations).cte("claimed")
+    claimed = _claim_statement(mode, implementations, many).cte("claimed")
     held = (
         select(_t.status.label("task_status"), _t.timeout_at.label("task_timeout_at"))
         # (correlated with the claimed row, so it runs for that row, after the update)
@@ -215,11 +225,13 @@ TASK_STOPPED = "CH001"
 
 
 @functools.cache
-def _claim_alone_statement(mode: Mode, implementations: Implementations = ()) -> Any:
+def _claim_alone_statement(
+    mode: Mode, implementations: Implementations = (), many: bool = False
+) -> Any:
     """PostgreSQL: _claim_holding_task as a statement of its own, run in autocommit (one round
     trip, no BEGIN or COMMIT): a task found stopped once its row is held raises (charlie_expect),
     which rolls the claim back as TaskStopped would (I18)."""
-    holding = _claim_holding_task(mode, implementations)
+    holding = _claim_holding_task(mode, implementations, many)
     held = holding.selected_columns
     now = bindparam("b_now", type_=_t.timeout_at.type)
     live = and_(
@@ -319,10 +331,12 @@ def claim_call_alone(
     lease_seconds: float,
     *,
     implementations: Implementations = (),
+    fused: bool = True,
 ) -> ClaimedCall | None:
     """claim_call in a transaction of its own, committed before the handler runs (I9); None
-    also when the task stopped during the claim (I18)."""
-    if engine.dialect.name == "postgresql":
+    also when the task stopped during the claim (I18). ``fused``: on PostgreSQL, as one
+    autocommit statement (CHARLIE_FUSE_COMMITS)."""
+    if fused and engine.dialect.name == "postgresql":
         return _claim_alone_autocommit(
             engine, execution_id, turn, call_id, mode, owner, lease_seconds, implementations
         )
@@ -385,6 +399,70 @@ def _claim_alone_autocommit(
         )
         return None
     return None if row is None else _as_call(execution_id, turn, call_id, row)
+
+
+def claim_calls_alone(
+    engine: Engine,
+    execution_id: str,
+    turn: int,
+    call_ids: tuple[str, ...],
+    owner: str,
+    lease_seconds: float,
+    *,
+    implementations: Implementations = (),
+    fused: bool = True,
+) -> tuple[ClaimedCall, ...]:
+    """Start several calls of one turn (mode ``start``) in one transaction of its own,
+    committed before their handlers run (I9), each under the same rules as claim_call_alone;
+    the ones not startable are left out, and a task that stopped meanwhile starts none (I18).
+    On PostgreSQL one autocommit statement for them all."""
+    if len(call_ids) == 1:
+        one = claim_call_alone(
+            engine, execution_id, turn, call_ids[0], "start", owner, lease_seconds,
+            implementations=implementations, fused=fused,
+        )  # fmt: skip
+        return () if one is None else (one,)
+    now = utcnow()
+    params = {
+        "b_execution": execution_id,
+        "b_turn": turn,
+        "b_calls": list(call_ids),
+        "b_task": task_id_of(execution_id),
+        "b_now": now,
+        "b_owner": owner,
+        "b_until": now + timedelta(seconds=lease_seconds),
+    }
+    if engine.dialect.name != "postgresql":
+        # SQLite serializes writers in BEGIN IMMEDIATE: the claims and the liveness check agree
+        with write(engine) as conn:
+            rows = conn.execute(_claim_statement("start", implementations, many=True), params).all()
+    elif not fused:
+        try:
+            with write(engine) as conn:
+                rows = conn.execute(
+                    _claim_holding_task("start", implementations, many=True), params
+                ).all()
+                if any(not _task_live(r.task_status, r.task_timeout_at, now) for r in rows):
+                    raise TaskStopped(task_id_of(execution_id))
+        except TaskStopped:
+            return ()
+    else:
+        try:
+            with write_one(engine) as conn:
+                rows = conn.execute(
+                    _claim_alone_statement("start", implementations, many=True), params
+                ).all()
+        except DBAPIError as exc:
+            code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+            if code != TASK_STOPPED:
+                raise
+            log.info(
+                "calls not started: their task stopped while they were being claimed",
+                extra={"task_id": task_id_of(execution_id), "execution_id": execution_id},
+            )
+            return ()
+    by_id = {row.call_id: _as_call(execution_id, turn, row.call_id, row) for row in rows}
+    return tuple(by_id[c] for c in call_ids if c in by_id)
 
 
 def start_local_call(

@@ -147,6 +147,9 @@ class FusedCommit:
     #: new tool_calls rows, whole (their queue and start applied)
     calls: list[dict[str, Any]] = field(default_factory=list)
     settles: list[Settle] = field(default_factory=list)
+    #: the finishing order of the turn's calls settled before this commit (call id, order):
+    #: they must be settled (I7: the results written are theirs)
+    orders: list[tuple[str, int]] = field(default_factory=list)
     #: the number of calls the turn must have (None: not checked)
     turn_calls: int | None = None
 
@@ -164,6 +167,7 @@ def _statement(
     settles: bool,
     turn_calls: bool,
     task_write: bool,
+    orders: bool = False,
 ) -> str:
     """The fused statement for one shape, built once. Every later CTE reads ``run``, so it
     writes nothing unless the run's compare-and-set matched, and runs after it (the run's row
@@ -188,15 +192,6 @@ def _statement(
         WHERE id = %(id)s AND phase = %(from)s AND version = %(version)s
             {claim}
         RETURNING id, task_id, inbox, model_calls
-    )""",
-        """recorded AS (
-        INSERT INTO transitions
-            (execution_id, from_phase, to_phase, version, at, worker, duration_ms, note)
-        SELECT run.id, x.from_phase, x.to_phase, x.version, x.at, %(owner)s, x.duration_ms,
-            x.note
-        FROM run, jsonb_to_recordset(%(records)s::jsonb) AS x(n int, from_phase text,
-            to_phase text, version int, at timestamptz, duration_ms float8, note text)
-        ORDER BY x.n
     )""",
     ]
     if items:
@@ -246,6 +241,17 @@ def _statement(
         )
         # the task after the calls: an aggregate over the settle makes it run first
         after = "run, (SELECT count(*) AS n FROM settled) AS settled_first"
+    if orders:
+        ctes.append(
+            """ordered AS (
+        UPDATE tool_calls c SET finish_order = x.n
+        FROM run, jsonb_to_recordset(%(orders)s::jsonb) AS x(call_id text, n int)
+        WHERE c.execution_id = run.id AND c.turn = %(turn)s AND c.call_id = x.call_id
+            AND c.state = 'settled'
+        RETURNING c.call_id
+    )"""
+        )
+        after += ", (SELECT count(*) AS n FROM ordered) AS ordered_first"
     active = ", ".join(f"'{s}'" for s in ACTIVE)
     returned = (
         "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens"
@@ -282,6 +288,8 @@ def _statement(
     checks = [task_ok]
     if settles:
         checks.append("(SELECT count(*) FROM settled) = %(n_settles)s")
+    if orders:
+        checks.append("(SELECT count(*) FROM ordered) = %(n_orders)s")
     if turn_calls:
         checks.append(
             "(SELECT count(*) FROM tool_calls WHERE execution_id = %(id)s AND turn = %(turn)s)"
@@ -290,6 +298,23 @@ def _statement(
     ctes.append(
         f"""checked AS (
         SELECT charlie_expect({" AND ".join(checks)}, %(what)s) AS ok FROM run
+    )"""
+    )
+    # The check must run whatever plan the statement gets: a SELECT in a WITH runs only when
+    # something reads it, and the data-modifying ones always run to completion. This INSERT
+    # reads it for the run's row (the transitions are never none), so a failed assumption
+    # raises before anything is committed; the final SELECT alone would not be enough (a
+    # plan that reads an empty task_now first never reaches it, a review found).
+    ctes.append(
+        """recorded AS (
+        INSERT INTO transitions
+            (execution_id, from_phase, to_phase, version, at, worker, duration_ms, note)
+        SELECT run.id, x.from_phase, x.to_phase, x.version, x.at, %(owner)s, x.duration_ms,
+            x.note
+        FROM run, checked, jsonb_to_recordset(%(records)s::jsonb) AS x(n int, from_phase text,
+            to_phase text, version int, at timestamptz, duration_ms float8, note text)
+        WHERE checked.ok
+        ORDER BY x.n
     )"""
     )
     return (
@@ -389,6 +414,9 @@ def _params(fused: FusedCommit) -> dict[str, Any]:
             ]
         )
         params["n_settles"] = len(fused.settles)
+    if fused.orders:
+        params["orders"] = json.dumps([{"call_id": c, "n": n} for c, n in fused.orders])
+        params["n_orders"] = len(fused.orders)
     if fused.turn_calls is not None:
         params["turn_calls"] = fused.turn_calls
     if fused.task_write is not None:
@@ -423,6 +451,7 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
         bool(fused.settles),
         fused.turn_calls is not None,
         fused.task_write is not None,
+        bool(fused.orders),
     )
     context = {
         "execution_id": fused.run.execution_id,

@@ -26,7 +26,7 @@ MAX_READ_BYTES = 200_000
 OUTPUT_TAIL_BYTES = 20_000
 
 
-@tool(effect="read", deadline=60)
+@tool(effect="read", deadline=60, threadsafe=True)
 def read_file(path: str, ctx: ToolContext) -> str:
     """Read a text file in the workspace."""
     target = ctx.resolve(path)
@@ -40,7 +40,7 @@ def read_file(path: str, ctx: ToolContext) -> str:
     return data.decode(errors="replace")
 
 
-@tool(effect="write", deadline=60)
+@tool(effect="write", deadline=60, threadsafe=True)
 def write_file(path: str, content: str, ctx: ToolContext) -> JSON:
     """Write a text file in the workspace, replacing it if it exists."""
     target = ctx.resolve(path)
@@ -61,7 +61,7 @@ def write_file(path: str, content: str, ctx: ToolContext) -> JSON:
     return {"path": path, "bytes": len(data)}
 
 
-@tool(effect="read", deadline=60)
+@tool(effect="read", deadline=60, threadsafe=True)
 def list_files(ctx: ToolContext, path: str = ".") -> list[str]:
     """List files under a directory of the workspace (recursively, hidden entries skipped)."""
     root = ctx.resolve(path)
@@ -108,7 +108,7 @@ def _charlie_state(s: Settings) -> tuple[Path, ...]:
     return tuple(hidden)
 
 
-@tool(effect="write", deadline=900)
+@tool(effect="write", deadline=900, threadsafe=True)
 def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
     """Run a shell command in the workspace and wait for it (up to ``timeout`` seconds).
 

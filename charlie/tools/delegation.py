@@ -104,7 +104,7 @@ def _finish_delegation(
         return Reconciled(Outcome.ERROR, exc.as_result())
 
 
-@tool(effect="write", deadline=60, reconcile=_finish_delegation)
+@tool(effect="write", deadline=60, reconcile=_finish_delegation, threadsafe=True)
 def delegate(
     prompt: str, ctx: ToolContext, model: str | None = None, tools: list[str] | None = None
 ) -> JSON:
@@ -141,7 +141,7 @@ def delegate(
     return {"task_id": submitted.task_id, "created": submitted.created}
 
 
-@tool(effect="wait", resumable=True, deadline=3600)
+@tool(effect="wait", resumable=True, deadline=3600, threadsafe=True)
 def wait_for_task(task_id: str, ctx: ToolContext) -> JSON | Pending:
     """Wait for a task this task delegated (a child started with delegate) to finish and
     return its result."""

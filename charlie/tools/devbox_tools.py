@@ -689,14 +689,23 @@ def _finished(status: CommandStatus, ctx: ToolContext, polls: int, rebuilt: str 
 def install(registry: ToolRegistry = REGISTRY, s: Settings | None = None) -> None:
     """Put the devbox's tools in ``registry`` in place of the local ones of the same names."""
     s = s or load_settings()
+    # Every call is its own request to the devbox, which serves requests concurrently.
     for definition in (
-        build_tool(read_file, effect="read", deadline=60),
-        build_tool(list_files, effect="read", deadline=120),
-        build_tool(write_file, effect="write", deadline=60),
-        build_tool(apply_patch, effect="write", deadline=120),
-        build_tool(git_diff, effect="read", deadline=120),
-        build_tool(git_commit, effect="write", deadline=120, reconcile=_commit_landed),
-        build_tool(run_command, effect="wait", resumable=True, deadline=s.devbox_command_deadline),
+        build_tool(read_file, effect="read", deadline=60, threadsafe=True),
+        build_tool(list_files, effect="read", deadline=120, threadsafe=True),
+        build_tool(write_file, effect="write", deadline=60, threadsafe=True),
+        build_tool(apply_patch, effect="write", deadline=120, threadsafe=True),
+        build_tool(git_diff, effect="read", deadline=120, threadsafe=True),
+        build_tool(
+            git_commit, effect="write", deadline=120, reconcile=_commit_landed, threadsafe=True
+        ),
+        build_tool(
+            run_command,
+            effect="wait",
+            resumable=True,
+            deadline=s.devbox_command_deadline,
+            threadsafe=True,
+        ),
     ):
         registry.replace(definition)
 

@@ -8,7 +8,8 @@ row and version (I1, I2, I21), the same transcript (I6, I7, I8), the same call r
 outcomes, results, finishing order, who started them), the same task. Each run here has a
 cluster of its own (its own database and Redis database), one with CHARLIE_FUSE_COMMITS=0, and
 its script covers the shapes a turn takes: a read run by the worker that dispatched it (its
-start in A), a write (its start apart), a fan-out (published calls), calls born settled
+start in A), a write (its start apart), two calls run at once by that worker (threadsafe
+tools), a fan-out published to the workers (a tool that is not threadsafe), calls born settled
 (invalid arguments, an unknown tool), a float whose stored form jsonb changes (``1e-07``:
 not predicted, so written step by step), and a final answer.
 """
@@ -54,6 +55,12 @@ SCRIPT = [
         "tool_calls": [
             {"id": "f1", "name": "sleep_then", "arguments": {"seconds": 0, "value": "b"}},
             {"id": "f2", "name": "sleep_then", "arguments": {"seconds": 1, "value": "c"}},
+        ],
+    },
+    {
+        "tool_calls": [
+            {"id": "p1", "name": "sleep_then", "arguments": {"seconds": 1, "value": "d"}},
+            {"id": "p2", "name": "fail_politely", "arguments": {"reason": "published"}},
         ],
     },
     {
@@ -155,7 +162,7 @@ def _run_once(
         script = home / "script.json"
         script.write_text(json.dumps(SCRIPT))
         task_id = f"fused-{name}"
-        tools = ["sleep_then", "ledger_write", "echo_number"]
+        tools = ["sleep_then", "ledger_write", "echo_number", "fail_politely"]
         done = subprocess.run(
             [*run, "submit", "fused commits", "--model", f"scripted:{script}", "--task-id",
              task_id, *(a for t in tools for a in ("--tool", t)), "--wait", "--timeout", "120"],
@@ -183,13 +190,14 @@ def _run_once(
 def test_a_fused_run_and_a_stepwise_run_leave_the_same_rows(tmp_path: Path) -> None:
     fused, fused_commits = _run_once(tmp_path, "on", 11, fuse=True)
     stepwise, stepwise_commits = _run_once(tmp_path, "off", 13, fuse=False)
-    # The fused run did fuse: the first three turns' A, the read's and the write's B, the
-    # fan-out's two settles; the turn of calls born settled and the turn of 1e-07 (jsonb
-    # stores it as 0.0000001: not predicted) went step by step, unsent.
+    # The fused run did fuse: the first four turns' A; the read's, the write's and the local
+    # pair's B (f2 ends last); f1's settle, and the published pair's two; the turn of calls
+    # born settled and the turn of 1e-07 (jsonb stores it as 0.0000001: not predicted) went
+    # step by step, unsent.
     assert fused_commits == {
-        "model_turn:applied": 3,
-        "settle_turn:applied": 2,
-        "settle_held:applied": 2,
+        "model_turn:applied": 4,
+        "settle_turn:applied": 3,
+        "settle_held:applied": 3,
     }, fused_commits
     assert stepwise_commits == {}
     assert fused["task"] == stepwise["task"]
@@ -202,6 +210,8 @@ def test_a_fused_run_and_a_stepwise_run_leave_the_same_rows(tmp_path: Path) -> N
     assert fused["run"] == stepwise["run"]
     outcomes = {c[1]: c[8] for c in fused["calls"]}
     assert outcomes == {
-        "r": "ok", "w": "ok", "f1": "ok", "f2": "ok", "bad": "error", "ghost": "error",
-        "num": "ok",
+        "r": "ok", "w": "ok", "f1": "ok", "f2": "ok", "p1": "ok", "p2": "error", "bad": "error",
+        "ghost": "error", "num": "ok",
     }  # fmt: skip
+    # the pair ran at once in the worker that dispatched it, the published pair each where a
+    # worker took it (started_by is left out of the rows compared: workers are named per run)

@@ -1,15 +1,15 @@
 """Recovery: a worker SIGKILLed inside a merged transaction, and just after it (issue 17).
 
 With inline steps on, a turn of one call commits in at most three transactions: A (call_model's
-result with the dispatch that queues the call), the call's start (I9), and B (the call's settle
-with await_tools, advance_turn and the next call_model's claim). On PostgreSQL each of A and B
-is one statement (a fused commit, charlie/store/fused.py), and a read's start rides in A: a
-read turn commits twice. Each phase keeps its transition row. A kill inside A or B rolls the
-whole transaction back (fused: nothing was sent yet); a kill just after it leaves what it
-committed. Either way the run recovers exactly: no transition lost or duplicated (versions
-consecutive, each transition starting where the last ended, I1, I2), no model call repeated
-beyond the one counted repeat (I3), no tool handler run twice (I10), and every call with its
-one result (I8).
+result with the dispatch that queues the call), the call's start (I9), and B (the call's settle,
+whatever the tool's effect, with await_tools, advance_turn and the next call_model's claim). On
+PostgreSQL each of A and B is one statement (a fused commit, charlie/store/fused.py), and a
+read's start rides in A: a read turn commits twice. Each phase keeps its transition row. A
+kill inside A or B rolls the whole transaction back (fused: nothing was sent yet); a kill just
+after it leaves what it committed. Either way the run recovers exactly: no transition lost or
+duplicated (versions consecutive, each transition starting where the last ended, I1, I2), no
+model call repeated beyond the one counted repeat (I3), no tool handler run twice (I10), and
+every call with its one result (I8).
 """
 
 from __future__ import annotations
@@ -108,6 +108,17 @@ CASES = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm(cluster_session: Cluster, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One task through the cluster first: on a cold one the first tick may wait for a worker
+    past the stall period and come back re-published (durable, so not merged), and the run's
+    first merged transaction, whose kill points the first cases match, would not happen."""
+    path = tmp_path_factory.mktemp("warm") / "script.json"
+    path.write_text('[{"say": "warm"}]')
+    task_id = charlie.submit("warm", model=f"scripted:{path}")
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+
+
 def _ledger(task_id: str, event: str) -> list[dict[str, object]]:
     return [e for e in read_ledger() if e.get("task") == task_id and e.get("event") == event]
 
@@ -165,38 +176,6 @@ def test_a_kill_in_or_after_a_merged_transaction_recovers_exactly(
     for before, after in itertools.pairwise(history):
         assert after["from_phase"] == before["to_phase"], history
     assert history[-1]["to_phase"] == "done"
-
-
-@pytest.mark.skipif(
-    MODE == "fused",
-    reason="fused, a write's settle and the steps after it are "
-    "one statement (the fused cases above)",
-)
-def test_a_writes_result_commits_before_the_steps_after_it_and_survives_a_kill_there(
-    cluster: Cluster, script
-) -> None:
-    """Stepwise, a write's result is not carried on with advance_turn and the next model
-    call's claim: it commits with await_tools alone, so a kill in the transaction after it
-    (advance_turn with call_model's claim) costs the run nothing but that transaction (I10,
-    I12)."""
-    task_id = f"m17w-{uuid.uuid4().hex[:12]}"
-    match = {"task_id": task_id, "phase": "call_model", "first": "advance_turn"}
-    cluster.set_faults({"tick.merged.end": {"action": "kill", "times": 1, "match": match}})
-    model, ledger = script(
-        [
-            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": task_id}}]},
-            {"say": "written", "tool_calls": []},
-        ]
-    )
-    charlie.submit("kill after a write's settle", model=model, task_id=task_id)
-    info = charlie.wait(task_id, timeout=120)
-    assert info.status is TaskStatus.SUCCEEDED, info.error
-    assert cluster.fault_count("tick.merged.end") == 1
-    (call,) = api.calls(task_id)
-    assert call.outcome == "ok", call  # not interrupted: its result was committed
-    assert len(_ledger(task_id, "write")) == 1
-    assert [c["turn"] for c in model_calls(ledger)] == [0, 1]
-    assert_every_call_has_one_result(task_id)
 
 
 STALL = 6.0

@@ -34,7 +34,7 @@ def read_ledger() -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@tool(effect="read", deadline=60)
+@tool(effect="read", deadline=60, threadsafe=True)
 def sleep_then(seconds: float, value: str, ctx: ToolContext) -> str:
     """Sleep, then return ``value`` (a read that takes a while)."""
     record("sleep_then.start", task=ctx.task_id, call=ctx.call_id, value=value)
@@ -73,7 +73,7 @@ def boom(message: str) -> str:
     raise RuntimeError(message)
 
 
-@tool(effect="write", deadline=60)
+@tool(effect="write", deadline=60, threadsafe=True)
 def ledger_write(key: str, ctx: ToolContext, hold: float = 0.0) -> dict[str, object]:
     """A write whose every real execution is recorded; ``hold`` keeps it running afterwards."""
     record("write", task=ctx.task_id, call=ctx.call_id, key=key)
@@ -176,7 +176,7 @@ def uncertain_write(key: str, ctx: ToolContext) -> dict[str, object]:
     )
 
 
-@tool(effect="read")
+@tool(effect="read", threadsafe=True)
 def echo_number(value: float) -> dict[str, float]:
     """Return ``value`` and its half: a result with a float in it, whose stored form PostgreSQL's
     jsonb may change (so a worker cannot predict it and reads it back, issue 17)."""
