@@ -303,7 +303,8 @@ def tools(as_json: bool) -> None:
     """List every tool a worker with this environment offers: the built-ins, the user tools of
     CHARLIE_TOOL_MODULES and the tools of the MCP servers of CHARLIE_MCP_CONFIG /
     CHARLIE_MCP_SERVERS (listed now), with each one's effect, approval, resumability, what an
-    interruption does and where it comes from."""
+    interruption does, whether its calls may run at once in one worker, and where it comes
+    from."""
     from charlie.runtime import import_tool_modules
     from charlie.tools.registry import REGISTRY
 
@@ -332,6 +333,7 @@ def tools(as_json: bool) -> None:
             "resumable": "yes" if d.resumable else "once parked" if d.parks else "no",
             "on_interrupt": d.on_interrupt.value,
             "deadline": d.deadline,
+            "threadsafe": d.threadsafe,
             "source": d.source or "user",
             "implementation": d.implementation,
         }
@@ -343,12 +345,13 @@ def tools(as_json: bool) -> None:
     width = max((len(str(r["name"])) for r in rows), default=4)
     click.echo(
         f"{'NAME':<{width}}  {'EFFECT':<6}  {'APPROVAL':<8}  {'RESUMABLE':<11}  "
-        f"{'INTERRUPT':<9}  SOURCE"
+        f"{'INTERRUPT':<9}  {'AT ONCE':<7}  SOURCE"
     )
     for r in rows:
         click.echo(
             f"{r['name']:<{width}}  {r['effect']:<6}  {'yes' if r['approval'] else 'no':<8}  "
-            f"{r['resumable']:<11}  {r['on_interrupt']:<9}  {r['source']}"
+            f"{r['resumable']:<11}  {r['on_interrupt']:<9}  "
+            f"{'yes' if r['threadsafe'] else 'no':<7}  {r['source']}"
         )
     for server in servers:
         state = f"{server['tools']} tools" if not server["problem"] else server["problem"]

@@ -8,7 +8,8 @@ and difference them, even across a worker that was SIGKILLed.
 
 Counted: statements that go through a cursor (SQLite's ``BEGIN IMMEDIATE`` included); not
 counted: the driver's implicit BEGIN and COMMIT, and the ping of a connection that sat idle.
-Only worker processes count (not ``charlie beat``, whose sweeps are no part of the loop).
+Only worker processes count (not ``charlie beat``, whose sweeps are no part of the loop), and
+not a worker's presence heartbeat (``heartbeats``, every 10 s) either.
 Commits (issue 17): every write transaction's COMMIT (an SQLAlchemy ``commit`` event on a
 connection not opened read-only) and every write statement run in autocommit (its own
 transaction on the server, as a slow phase's claim is on PostgreSQL).
@@ -30,7 +31,7 @@ from sqlalchemy.engine import Engine
 from charlie.tools import tool
 
 
-@tool(effect="read", deadline=60)
+@tool(effect="read", deadline=60, threadsafe=True)
 def bench_echo(value: str = "") -> str:
     """Return ``value`` at once: the benchmark's instant tool."""
     return value
@@ -101,13 +102,23 @@ def _on_postrun(**_: Any) -> None:
 
 def _on_statement(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
     autocommit = conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    if "heartbeats" in statement[:80]:
+        # the worker's presence (every 10 s, whatever it runs): no part of the loop
+        if not autocommit:
+            conn.info["bench_presence"] = True
+        return
     writes = autocommit and not statement.lstrip()[:6].upper().startswith("SELECT")
     _counter.statement(1 if writes else 0)
 
 
 def _on_commit(conn: Any) -> None:
-    if not conn.get_execution_options().get("readonly"):
+    presence = conn.info.pop("bench_presence", False)
+    if not presence and not conn.get_execution_options().get("readonly"):
         _counter.commit()
+
+
+def _on_rollback(conn: Any) -> None:
+    conn.info.pop("bench_presence", None)
 
 
 def _flush_forever(counter: _Counter) -> None:
@@ -140,5 +151,6 @@ if STATS_DIR and _IN_WORKER:
     task_postrun.connect(_on_postrun, weak=False)
     event.listen(Engine, "before_cursor_execute", _on_statement)
     event.listen(Engine, "commit", _on_commit)
+    event.listen(Engine, "rollback", _on_rollback)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     _start_flusher()

@@ -820,6 +820,31 @@ class Cell:
             self.results.info["fanout.last_delta"] = delta
             took = self.results.values["fanout.s"][-1]
             progress(f"fan-out of {n}: {took:.2f}s, {statements / n:.1f} statements per call")
+        self.local_fanout()
+
+    def local_fanout(self) -> None:
+        """A turn of K = 8 calls (the dispatch batch) of the threadsafe instant tool, which the
+        worker that dispatched them runs at once (issue 17): response to the next model call,
+        and a steady such turn's commits (a run of 3 turns less one of 1, over 2)."""
+        k = 8
+        calls = [{"id": f"c{i}", "name": TOOL, "arguments": {"value": str(i)}} for i in range(k)]
+        for _ in range(self.sizes.trials):
+            commits, seconds = {}, []
+            for turns in (1, 3):
+                model = self.script(f"local-{k}-{turns}", [{"tool_calls": calls}] * turns + [
+                    {"say": "done"}])  # fmt: skip
+                prefix = self.new_prefix("local")
+                before = self.settled_stats()
+                self.submit(model, prefix, 1)
+                self.wait_done(prefix, 1, timeout=120)
+                commits[turns] = self.loop_commits(self.stats_delta(before, self.settled_stats()))
+                seconds += turn_overheads(self.transitions(prefix))
+            self.results.add("fanout_local.ms", statistics.median(seconds) * 1000)
+            self.results.add("fanout_local.commits", (commits[3] - commits[1]) / 2)
+            progress(
+                f"local fan-out of {k}: {statistics.median(seconds) * 1000:.1f} ms, "
+                f"{(commits[3] - commits[1]) / 2:.1f} commits per turn"
+            )
 
     # ---- 4. recovery
 
@@ -1696,6 +1721,12 @@ ROWS: list[Row | str] = [
     Row("Model response → next model call (s)", "fanout.s", 2, "≤ 3 s"),
     Row("SQL statements per tool call (whole turn)", "fanout.statements_per_call", 1, "bounded"),
     Row("SQL statements per tool invocation task", "fanout.invoke_statements_per_call", 1),
+    Row(
+        "A turn of 8 threadsafe calls, run at once by its worker: response → next model call (ms)",
+        "fanout_local.ms",
+        1,
+    ),
+    Row("... its commits (a steady turn)", "fanout_local.commits", 1, "≤ K + 2 = 10"),
     "**Recovery** (SIGKILL of the worker during model calls; default lease and sweeps)",
     Row("Kill → run moving again, p50 (s)", "recovery.s", 1, "", "p50"),
     Row("Kill → run moving again, p95 (s)", "recovery.s", 1, "≤ 10 s", "p95"),

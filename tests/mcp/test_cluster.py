@@ -420,6 +420,11 @@ def test_charlie_tools_lists_every_tool_with_its_recovery_and_source(
     assert tools["read_file"]["source"] == "built-in"
     assert tools["ledger_write"]["source"] == "user"
     assert tools["wait_for_task"]["resumable"] == "yes"
+    # whose calls a turn may run at once in one worker (issue 17): built-ins, MCP tools, and
+    # user tools that say so
+    assert tools["read_file"]["threadsafe"] is True
+    assert tools["ledger_write"]["threadsafe"] is True
+    assert tools["fail_politely"]["threadsafe"] is False
     assert tools["mcp__files__lookup"] == {
         **tools["mcp__files__lookup"],
         "effect": "read",
@@ -427,6 +432,7 @@ def test_charlie_tools_lists_every_tool_with_its_recovery_and_source(
         "resumable": "once parked",
         "source": "mcp:files",
         "implementation": "mcp:files:lookup",
+        "threadsafe": True,
     }
     assert tools["mcp__files__unhinted"]["effect"] == "read"  # the operator's override
     assert tools["mcp__web__unhinted"]["effect"] == "write"  # no hint: a write

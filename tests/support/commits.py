@@ -5,8 +5,9 @@ pool process counts from its first task) and ``CHARLIE_TEST_COMMITS_DIR`` set: e
 keeps its count in ``<dir>/<pid>`` (rewritten a few times a second). Counted as
 scripts/_bench_support.py counts them: every COMMIT of a write transaction (SQLAlchemy's
 ``commit`` event on a connection not opened read-only) and every write statement run in
-autocommit (its own transaction on the server: a fused commit, a claim). Not counted: the
-worker's presence heartbeat, which is no part of any run.
+autocommit (its own transaction on the server: a fused commit, a claim). Not counted: a
+transaction that wrote nothing, and the worker's presence heartbeat, which is no part of any
+run.
 """
 
 from __future__ import annotations
@@ -35,18 +36,30 @@ class _Count:
 _count = _Count()
 
 
+def _presence(statement: str) -> bool:
+    return "heartbeats" in statement[:80]
+
+
 def _on_statement(conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
-        return
     head = statement.lstrip()[:6].upper()
-    if head.startswith("SELECT") or "heartbeats" in statement[:80]:
+    if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+        # (a transaction that only beats, as the presence does on SQLite, is not counted)
+        if not head.startswith("BEGIN") and not _presence(statement):
+            conn.info["charlie_counted"] = True
+        return
+    if head.startswith("SELECT") or _presence(statement):
         return
     _count.add()
 
 
 def _on_commit(conn: Any) -> None:
-    if not conn.get_execution_options().get("readonly"):
+    counted = conn.info.pop("charlie_counted", False)
+    if counted and not conn.get_execution_options().get("readonly"):
         _count.add()
+
+
+def _on_rollback(conn: Any) -> None:
+    conn.info.pop("charlie_counted", None)
 
 
 def _flush_forever() -> None:
@@ -84,5 +97,6 @@ if DIR:
     os.makedirs(DIR, exist_ok=True)
     event.listen(Engine, "before_cursor_execute", _on_statement)
     event.listen(Engine, "commit", _on_commit)
+    event.listen(Engine, "rollback", _on_rollback)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     _start()
