@@ -34,7 +34,7 @@ from charlie.domain import (
     task_id_of,
     utcnow,
 )
-from charlie.store.engine import write, write_one
+from charlie.store.engine import sqlstate, write, write_one
 from charlie.store.schema import executions, operator_actions, tasks, tool_calls
 
 ENDING_PHASE_VALUES = tuple(p.value for p in ENDING_PHASES)
@@ -373,32 +373,35 @@ def _claim_alone_autocommit(
     implementations: Implementations,
 ) -> ClaimedCall | None:
     now = utcnow()
+    params = {
+        **key_params(execution_id, turn, call_id),
+        "b_task": task_id_of(execution_id),
+        "b_now": now,
+        "b_owner": owner,
+        "b_until": now + timedelta(seconds=lease_seconds),
+    }
+    rows = _claimed_in_autocommit(engine, _claim_alone_statement(mode, implementations), params)
+    return _as_call(execution_id, turn, call_id, rows[0]) if rows else None
+
+
+def _claimed_in_autocommit(engine: Engine, statement: Any, params: dict[str, Any]) -> list[Any]:
+    """The rows a claim statement of _claim_alone_statement's claimed; none when its task
+    stopped while they were being claimed (charlie_expect raised: nothing was written, I18)."""
     try:
         with write_one(engine) as conn:
-            row = conn.execute(
-                _claim_alone_statement(mode, implementations),
-                {
-                    **key_params(execution_id, turn, call_id),
-                    "b_task": task_id_of(execution_id),
-                    "b_now": now,
-                    "b_owner": owner,
-                    "b_until": now + timedelta(seconds=lease_seconds),
-                },
-            ).first()
+            return list(conn.execute(statement, params).all())
     except DBAPIError as exc:
-        code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
-        if code != TASK_STOPPED:
+        if sqlstate(exc) != TASK_STOPPED:
             raise
         log.info(
             "call not started: its task stopped while it was being claimed",
             extra={
-                "task_id": task_id_of(execution_id),
-                "execution_id": execution_id,
-                "call_id": call_id,
+                "task_id": params["b_task"],
+                "execution_id": params["b_execution"],
+                "call_id": params.get("b_call", ",".join(params.get("b_calls", ()))),
             },
         )
-        return None
-    return None if row is None else _as_call(execution_id, turn, call_id, row)
+        return []
 
 
 def claim_calls_alone(
@@ -447,20 +450,8 @@ def claim_calls_alone(
         except TaskStopped:
             return ()
     else:
-        try:
-            with write_one(engine) as conn:
-                rows = conn.execute(
-                    _claim_alone_statement("start", implementations, many=True), params
-                ).all()
-        except DBAPIError as exc:
-            code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
-            if code != TASK_STOPPED:
-                raise
-            log.info(
-                "calls not started: their task stopped while they were being claimed",
-                extra={"task_id": task_id_of(execution_id), "execution_id": execution_id},
-            )
-            return ()
+        statement = _claim_alone_statement("start", implementations, many=True)
+        rows = _claimed_in_autocommit(engine, statement, params)
     by_id = {row.call_id: _as_call(execution_id, turn, row.call_id, row) for row in rows}
     return tuple(by_id[c] for c in call_ids if c in by_id)
 

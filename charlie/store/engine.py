@@ -132,6 +132,14 @@ def again_if_disconnected(work: Callable[[], T], what: str) -> T:
         return work()
 
 
+def sqlstate(error: exc.DBAPIError) -> str | None:
+    """The SQLSTATE of a database error, from psycopg 3 (``sqlstate``) or psycopg2
+    (``pgcode``); None from a driver that has neither (SQLite)."""
+    orig = error.orig
+    code = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    return str(code) if code else None
+
+
 def retried_if_disconnected(fn: Callable[P, T]) -> Callable[P, T]:
     """Decorate a function whose whole work may run again after a lost connection (see
     :func:`again_if_disconnected`): the public API's reads and idempotent writes."""
@@ -257,6 +265,7 @@ __all__ = [
     "get_engine",
     "read",
     "retried_if_disconnected",
+    "sqlstate",
     "upgrade",
     "write",
     "write_one",

@@ -42,6 +42,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from charlie.domain import JSON, Phase
+from charlie.store.engine import sqlstate
 from charlie.store.runs import ACTIVE, Fresh
 
 log = logging.getLogger(__name__)
@@ -461,8 +462,7 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
     try:
         row = conn.exec_driver_sql(sql, params).first()
     except DBAPIError as exc:
-        code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
-        if code == ASSUMPTION_FAILED:
+        if sqlstate(exc) == ASSUMPTION_FAILED:
             # Something happened meanwhile (a cancel, a settle by a sweep, ...): the ordinary
             # path reads what.
             log.info(
