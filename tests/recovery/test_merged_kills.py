@@ -74,6 +74,12 @@ CASES = [
     # repeat) and its result commits on its own this time; the call then starts normally.
     Case("tick.merged.step", "dispatch_tools", None, "ok", 1, (2, 1), 1),
     Case("tick.merged.step", "dispatch_tools", None, "ok", 1, (2, 1), 1, "ledger_write"),
+    # Inside A before anything of it is written (the model's output computed, call_model's
+    # own step about to be written), and inside A's dispatch step once its phase has run:
+    # the same as above.
+    Case("tick.before_commit", "call_model", None, "ok", 1, (2, 1), 1),
+    Case("tick.in_transaction", "dispatch_tools", None, "ok", 1, (2, 1), 1),
+    Case("tick.in_transaction", "dispatch_tools", None, "ok", 1, (2, 1), 1, "ledger_write"),
     # Inside A at its end (the dispatch written, the call queued), before COMMIT: the same.
     Case("tick.merged.end", "await_tools", "call_model", "ok", 1, (2, 1), 1),
     # Just after A's COMMIT. Stepwise: the call is queued, never started; the sweep starts it
@@ -93,6 +99,10 @@ CASES = [
     # claim: B rolls back, the handler's result with it; the call is started and its lease
     # lapses, so the sweep settles it interrupted and never runs it again (I10).
     Case("tick.merged.step", "advance_turn", None, "interrupted", 1, (1, 1), 0),
+    # Inside B once await_tools' phase has run (the result taken, the settle not yet written),
+    # and once advance_turn's has (the results ordered into the transcript): the same.
+    Case("tick.in_transaction", "await_tools", None, "interrupted", 1, (1, 1), 0),
+    Case("tick.in_transaction", "advance_turn", None, "interrupted", 1, (1, 1), 0),
     # Inside B at its end (the next call_model claimed), before COMMIT: the same.
     Case("tick.merged.end", "call_model", "await_tools", "interrupted", 1, (1, 1), 0),
     # Just after B's COMMIT: the result is in; call_model was claimed by the dead worker,
