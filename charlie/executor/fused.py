@@ -144,7 +144,12 @@ def model_turn(
     owner = rt.worker
     first_at = utcnow()
     first_ms = _elapsed_ms(started)
-    faults.hit("tick.merged.step", phase=Phase.DISPATCH_TOOLS.value, task_id=claim.task_id)
+    faults.hit(
+        "tick.merged.step",
+        phase=Phase.DISPATCH_TOOLS.value,
+        task_id=claim.task_id,
+        first=claim.phase.value,
+    )
     started2 = time.perf_counter()
     claim2 = runs.claimed_next(claim, transition)
     known = runs.calls_as_left(claim, None, transition, now=first_at, owner=owner, dialect=DIALECT)
@@ -325,7 +330,12 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
     ):
         return None
     first_ms = _elapsed_ms(started)
-    faults.hit("tick.merged.step", phase=Phase.ADVANCE_TURN.value, task_id=claim.task_id)
+    faults.hit(
+        "tick.merged.step",
+        phase=Phase.ADVANCE_TURN.value,
+        task_id=claim.task_id,
+        first=claim.phase.value,
+    )
     started2 = time.perf_counter()
     claim2 = runs.claimed_next(claim, awaited)
     known = runs.calls_as_left(claim, loaded.calls, awaited, now=now, owner=owner, dialect=DIALECT)
@@ -350,7 +360,12 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         return None
     claims_model = progress.inline  # else call_model's tick is published after the commit
     if claims_model:
-        faults.hit("tick.merged.step", phase=Phase.CALL_MODEL.value, task_id=claim.task_id)
+        faults.hit(
+            "tick.merged.step",
+            phase=Phase.CALL_MODEL.value,
+            task_id=claim.task_id,
+            first=claim.phase.value,
+        )
     record_ms = _elapsed_ms(started2)
     commit = store.FusedCommit(
         run=store.RunBefore(

@@ -651,6 +651,7 @@ def _merge(
     steps: list[Step] = []
     if not merges(rt, claim, progress, bool(local)):
         return steps, None
+    first = claim.phase.value  # the fault points name the transaction by its first step
     while len(steps) < MAX_MERGED:
         to = transition.to
         if claimed:
@@ -662,7 +663,7 @@ def _merge(
             break
         if to is None:
             break
-        faults.hit("tick.merged.step", phase=to.value, task_id=claim.task_id)
+        faults.hit("tick.merged.step", phase=to.value, task_id=claim.task_id, first=first)
         started = time.perf_counter()
         if claimed:
             next_claim = runs.claimed_next(claim, transition, committed.fresh, conn)

@@ -67,6 +67,7 @@ class Case:
 
 CASES = [
     # The run's first transaction (load_context with call_model's claim), inside and after.
+    Case("tick.merged.step", "call_model", "load_context", "ok", 1, (1, 1), 0),
     Case("tick.merged.end", "call_model", "load_context", "ok", 1, (1, 1), 0),
     Case("tick.merged.after_commit", "call_model", "load_context", "ok", 1, (1, 1), 1),
     # Inside A, after call_model's compare-and-set, before the dispatch's claim: all of A
@@ -103,6 +104,8 @@ CASES = [
     # and once advance_turn's has (the results ordered into the transcript): the same.
     Case("tick.in_transaction", "await_tools", None, "interrupted", 1, (1, 1), 0),
     Case("tick.in_transaction", "advance_turn", None, "interrupted", 1, (1, 1), 0),
+    # Inside B before the next call_model's claim is written: the same.
+    Case("tick.merged.step", "call_model", "await_tools", "interrupted", 1, (1, 1), 0),
     # Inside B at its end (the next call_model claimed), before COMMIT: the same.
     Case("tick.merged.end", "call_model", "await_tools", "interrupted", 1, (1, 1), 0),
     # Just after B's COMMIT: the result is in; call_model was claimed by the dead worker,
