@@ -380,11 +380,18 @@ def _claim_alone_autocommit(
         "b_owner": owner,
         "b_until": now + timedelta(seconds=lease_seconds),
     }
-    rows = _claimed_in_autocommit(engine, _claim_alone_statement(mode, implementations), params)
+    statement = _claim_alone_statement(mode, implementations)
+    rows = _claimed_in_autocommit(engine, statement, params, execution_id, (call_id,))
     return _as_call(execution_id, turn, call_id, rows[0]) if rows else None
 
 
-def _claimed_in_autocommit(engine: Engine, statement: Any, params: dict[str, Any]) -> list[Any]:
+def _claimed_in_autocommit(
+    engine: Engine,
+    statement: Any,
+    params: dict[str, Any],
+    execution_id: str,
+    call_ids: tuple[str, ...],
+) -> list[Any]:
     """The rows a claim statement of _claim_alone_statement's claimed; none when its task
     stopped while they were being claimed (charlie_expect raised: nothing was written, I18)."""
     try:
@@ -396,9 +403,9 @@ def _claimed_in_autocommit(engine: Engine, statement: Any, params: dict[str, Any
         log.info(
             "call not started: its task stopped while it was being claimed",
             extra={
-                "task_id": params["b_task"],
-                "execution_id": params["b_execution"],
-                "call_id": params.get("b_call", ",".join(params.get("b_calls", ()))),
+                "task_id": task_id_of(execution_id),
+                "execution_id": execution_id,
+                "call_id": ",".join(call_ids),
             },
         )
         return []
@@ -451,7 +458,7 @@ def claim_calls_alone(
             return ()
     else:
         statement = _claim_alone_statement("start", implementations, many=True)
-        rows = _claimed_in_autocommit(engine, statement, params)
+        rows = _claimed_in_autocommit(engine, statement, params, execution_id, call_ids)
     by_id = {row.call_id: _as_call(execution_id, turn, row.call_id, row) for row in rows}
     return tuple(by_id[c] for c in call_ids if c in by_id)
 

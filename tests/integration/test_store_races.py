@@ -215,6 +215,32 @@ def test_no_call_starts_once_its_task_is_past_its_timeout(engine: Engine) -> Non
     assert call_row(engine, execution_id).state == CallState.PENDING.value
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "stepwise"])
+def test_a_turns_calls_claimed_together_during_a_cancel_start_none(
+    engine: Engine, fused: bool
+) -> None:
+    """I18, I9: the calls of a turn run at once are started in one claim; one that waited for
+    a cancel being written starts none of them, and every one stays pending."""
+    task_id, execution_id = queued_call(engine)
+    add_call(engine, execution_id, "c2")
+    with engine.connect() as canceller:
+        canceller.begin()
+        canceller.execute(
+            update(tasks).where(tasks.c.id == task_id).values(status=TaskStatus.CANCELED.value)
+        )
+        thread, started = waiting(
+            lambda: calls.claim_calls_alone(
+                engine, execution_id, 0, ("c1", "c2"), "w-test", 5.0, fused=fused
+            ),
+            "the claim did not wait for the cancel",
+        )
+        canceller.commit()
+    thread.join(10)
+    assert started == [()]
+    for call_id in ("c1", "c2"):
+        assert call_row(engine, execution_id, call_id).state == CallState.PENDING.value
+
+
 def test_a_child_submitted_during_its_parents_cancel_is_refused(engine: Engine) -> None:
     """I18, delegation: the child's submit holds the parent's row, so it waits for the cancel
     being written and then refuses, rather than start a child the cancel never saw."""
