@@ -32,6 +32,7 @@ from tests.support.cluster import (
     recreate_postgres_database,
 )
 from tests.support.fake_openai import FakeOpenAI
+from tests.support.needs import in_ci, need
 
 BACKEND, BACKEND_PROBLEM = detect_backend()
 _HOME = Path(tempfile.mkdtemp(prefix="charlie-test-"))
@@ -64,6 +65,13 @@ def _wants_mcp(config: pytest.Config) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     global _MCP_ON, _OTLP
+    if in_ci() and SANDBOX_PROBLEM:
+        # Every command in the suite would run unsandboxed and the sandbox's own tests would
+        # skip: in CI that is a broken install, not a pass.
+        raise pytest.UsageError(
+            f"no sandbox here ({SANDBOX_PROBLEM}); CI=true requires bubblewrap (apt-get install "
+            "bubblewrap): a missing part is a failure, not a skip"
+        )
     if _wants_mcp(config):
         _MCP_ON = True
         _ENV.update(cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, mcp=_MCP))
@@ -110,8 +118,7 @@ def backend() -> Backend:
 
 @pytest.fixture(scope="session")
 def cluster_session() -> Iterator[Cluster]:
-    if BACKEND_PROBLEM:
-        pytest.skip(BACKEND_PROBLEM)
+    need(BACKEND_PROBLEM, "no cluster for this test")
     if BACKEND.database_url and BACKEND.database_url.startswith("postgresql"):
         recreate_postgres_database(BACKEND.database_url)
     if BACKEND.broker_url and BACKEND.broker_url.startswith("redis"):

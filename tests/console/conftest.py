@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from tests.support.cluster import REPO, Cluster, free_port
+from tests.support.needs import need
 
 TOKEN = "console-test-token-0123456789abcdef"
 OPERATOR = "tester"
@@ -115,9 +116,7 @@ def _browser_problem() -> str | None:
 @pytest.fixture(scope="session")
 def browser(console: Console) -> Iterator[Any]:
     """Headless Chromium, logged in to the console (its session cookie set)."""
-    problem = _browser_problem()
-    if problem:
-        pytest.skip(f"no browser for the console's tests: {problem}")
+    need(_browser_problem(), "no browser for the console's tests")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
