@@ -123,7 +123,7 @@ def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     # Metrics (issue 16): the sweeps run here, so the fleet's gauges and the sweeps' counts are
-    # served from here, on CHARLIE_BEAT_METRICS_PORT (else CHARLIE_METRICS_PORT).
+    # served from here, on CHARLIE_BEAT_METRICS_PORT (else CHARLIE_METRICS_PORT + 1).
     try:
         server = telemetry.serve_metrics("beat")
     except telemetry.MetricsError as exc:

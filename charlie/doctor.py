@@ -309,10 +309,20 @@ class _Doctor:
                 )
             else:
                 self.add("traces", "ok", f"OTLP/HTTP to {endpoint} answers")
-        metrics_port = env.get("CHARLIE_METRICS_PORT", "").strip()
-        if metrics_port:
+        from charlie.telemetry import metrics
+
+        try:
+            worker_port = metrics.port_of(env)
+            beat_port = metrics.beat_port_of(env)
+        except metrics.MetricsError as exc:
+            self.add("metrics", "FAIL", str(exc), "fix the port setting")
+            return
+        if worker_port is not None or beat_port is not None:
+            workers = f":{worker_port}/metrics" if worker_port is not None else "(off)"
             self.add(
-                "metrics", "ok", f"workers serve Prometheus metrics on :{metrics_port}/metrics"
+                "metrics",
+                "ok",
+                f"Prometheus metrics: workers on {workers}, the beat on :{beat_port}/metrics",
             )
         else:
             self.add("metrics", "skip", "off (no CHARLIE_METRICS_PORT)")

@@ -200,16 +200,15 @@ def wanted(environ: dict[str, str] | None = None) -> bool:
 def serve_metrics(role: str, environ: dict[str, str] | None = None) -> Server | None:
     """Serve /metrics from this process for itself and the processes it forks from now on
     (a worker's main process, before its pool starts; the beat), when the environment asks:
-    ``CHARLIE_METRICS_PORT``, and for the beat ``CHARLIE_BEAT_METRICS_PORT`` first. None when
-    it does not: nothing is imported. Raises MetricsError (a port taken, a bad value)."""
+    ``CHARLIE_METRICS_PORT`` (a worker), ``CHARLIE_BEAT_METRICS_PORT`` else
+    ``CHARLIE_METRICS_PORT`` + 1 (the beat). None when it does not: nothing is imported.
+    Raises MetricsError (a port taken, a bad value)."""
     import os
 
     from charlie.telemetry import metrics
 
     env = dict(os.environ if environ is None else environ)
-    port = metrics.port_of(env, metrics.BEAT_PORT) if role == "beat" else None
-    if port is None:
-        port = metrics.port_of(env)
+    port = metrics.beat_port_of(env) if role == "beat" else metrics.port_of(env)
     if port is None:
         return None
     return metrics.serve(port, env, role)

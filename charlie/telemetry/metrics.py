@@ -16,8 +16,8 @@ multiprocess mode:
 
 The port is taken or the process stops: a second worker on one machine with the same port
 exits at once with an error naming it (give each its own, or run each in its own network
-namespace). The beat serves on ``CHARLIE_BEAT_METRICS_PORT``, else on ``CHARLIE_METRICS_PORT``
-(a beat alone in its container).
+namespace). The beat serves on ``CHARLIE_BEAT_METRICS_PORT``, else on ``CHARLIE_METRICS_PORT`` + 1
+(so a worker and a beat on one machine both serve with one setting).
 
 Label values are bounded: tools by name only when the process has them registered (a model
 may ask for any name: those count as ``unregistered``), models by their spec, sanitised and
@@ -113,6 +113,24 @@ def port_of(env: Mapping[str, str], name: str = PORT) -> int | None:
     if not 0 < port < 65536:
         raise MetricsError(f"{name}={raw!r} is not a TCP port")
     return port
+
+
+def beat_port_of(env: Mapping[str, str]) -> int | None:
+    """The beat's port: ``CHARLIE_BEAT_METRICS_PORT``, else the workers' port + 1.
+
+    A worker and a beat on one machine given only ``CHARLIE_METRICS_PORT`` must both serve:
+    the beat taking the workers' port would stop the worker that starts after it."""
+    port = port_of(env, BEAT_PORT)
+    if port is not None:
+        return port
+    workers = port_of(env)
+    if workers is None:
+        return None
+    if workers == 65535:
+        raise MetricsError(
+            f"{PORT}=65535 leaves no port for the beat (it serves on {PORT} + 1): set {BEAT_PORT}"
+        )
+    return workers + 1
 
 
 # -- serving -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from charlie.telemetry.metrics import (
     tool_label,
 )
 from tests.conftest import wait_for
-from tests.support.cluster import REPO, Cluster
+from tests.support.cluster import REPO, Cluster, free_port
 from tests.support.metrics import by, scrape, scrape_all, total, wait_serving
 
 pytestmark = pytest.mark.timeout(180)
@@ -200,6 +200,57 @@ def test_a_taken_port_stops_the_worker_with_a_clear_error(tmp_path: Path) -> Non
     assert done.returncode != 0
     assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr
     assert "CHARLIE_METRICS_PORT" in done.stderr
+
+
+def _two_free_ports() -> int:
+    """A port P from the suite's allocator with P + 1 free too (the beat's default)."""
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_a_worker_and_a_beat_on_one_machine_with_one_port_setting_both_serve(
+    tmp_path: Path,
+) -> None:
+    """Only CHARLIE_METRICS_PORT set: the beat serves on it + 1, the worker on it, and neither
+    exits (the beat used to take the workers' port, and the worker then stopped)."""
+    port = _two_free_ports()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLIE_")}
+    env.update(CHARLIE_HOME=str(tmp_path), CHARLIE_METRICS_PORT=str(port), PYTHONPATH=str(REPO))
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for args, serving in ((["beat"], port + 1), (["worker", "--pool", "solo"], port)):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "charlie", *args],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            started.append(proc)
+            wait_serving([serving], timeout=60)
+        assert [p.poll() for p in started] == [None, None]
+        beat = {s.name for s in scrape(port + 1)}
+        worker = {s.name for s in scrape(port)}
+        # each port is its own process's: the beat serves the fleet's gauges, the worker not
+        assert any(name.startswith("charlie_") for name in beat)
+        assert beat != worker
+    finally:
+        for proc in started:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in started:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 # -- through real workers ------------------------------------------------------------------
