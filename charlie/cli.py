@@ -631,7 +631,12 @@ def resume(
 
 @main.command()
 @click.argument("task_id")
-@click.option("--turn", type=int, required=True, help="Copy the history through this turn.")
+@click.option(
+    "--turn",
+    type=int,
+    required=True,
+    help="Copy the history through this turn (turns count from 0, as `charlie show` prints them).",
+)
 @click.option("--message", default=None, help="User input for the fork's first model call.")
 @click.option("--model", default=None, help="Another model for the fork.")
 @click.option("--task-id", "new_id", default=None, help="The fork's id (default: generated).")

@@ -66,7 +66,8 @@ def load_script(path: Path) -> tuple[list[dict[str, Any]], Path | None]:
             f"scripted model file {path}: expected a non-empty list of turns "
             '(or {"turns": [...]}), got ' + type(doc).__name__
         )
-    for number, turn in enumerate(doc, 1):
+    # Turns count from 0, as the run's record, `charlie show`, the console and `fork --turn`.
+    for number, turn in enumerate(doc):
         if not isinstance(turn, dict):
             raise ScriptError(f"scripted model file {path}: turn {number} is not an object")
         calls = turn.get("tool_calls", [])
@@ -192,15 +193,14 @@ class ScriptedModel:
         if request.turn >= len(self.turns):
             raise ModelError(
                 f"scripted model {self.path} has {len(self.turns)} turns; "
-                f"turn {request.turn + 1} was asked for"
+                f"turn {request.turn} (counting from 0) was asked for"
             )
         turn = self.turns[request.turn]
         if turn.get("expect") is not None:
             problem = check_expectation(_substitute(turn["expect"], request.task_id), request.items)
             if problem:
                 raise ModelError(
-                    f"scripted model {self.path}: turn {request.turn + 1} input mismatch: "
-                    f"{problem}",
+                    f"scripted model {self.path}: turn {request.turn} input mismatch: {problem}",
                     evidence={"expect": turn["expect"]},
                 )
         if turn.get("sleep"):

@@ -99,7 +99,9 @@ def test_an_input_mismatch_fails_the_run_saying_what_was_expected(
     assert info.error["phase"] == "call_model"
     assert info.error["type"] == "ModelError"
     message = info.error["message"]
-    assert "turn 2 input mismatch" in message
+    # turns count from 0 everywhere (the record, show, the console, fork --turn): the second
+    # model call is turn 1
+    assert "turn 1 input mismatch" in message
     assert "[fast; mid; slow]" in message  # what was expected
     assert "slow ok 'A-slow'; mid ok 'B-mid'; fast ok 'C-fast'" in message  # what was shown
     assert len(model_calls(ledger)) == 2  # a ModelError is not retried
@@ -143,5 +145,5 @@ def test_a_malformed_expect_is_refused_when_the_script_loads(
 ) -> None:
     path = tmp_path / "script.json"
     path.write_text(json.dumps([{"say": "x", "expect": expect}]))
-    with pytest.raises(ScriptError, match="turn 1"):
+    with pytest.raises(ScriptError, match="turn 0"):
         load_script(path)
