@@ -394,15 +394,80 @@ def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_befor
     assert publisher.ticks == [(execution_id, Phase.AWAIT_TOOLS, 3)]
 
 
-@pytest.mark.parametrize("hold", ["approval", "reply", "reconcile"])
-def test_no_claim_starts_a_call_held_for_a_person(engine: Engine, hold: str) -> None:
-    """I23: a stray or redelivered invoke never starts a held call, in any mode: only a
-    verdict releases it (the claim's `hold IS NULL`)."""
-    _, execution_id = queued_call(engine, hold=hold, deadline_at=utcnow() + timedelta(hours=1))
-    for mode in ("start", "resume", "reconcile"):
-        assert calls.claim_call_alone(engine, execution_id, 0, "c1", mode, "w-test", 5.0) is None
-    row = call_row(engine, execution_id)
-    assert row.state == CallState.PENDING.value and row.started_at is None
+#: Held calls as the code leaves them, each with the claim mode that would take it were it not
+#: held: a write waiting for approval (queued, never started); a parked question
+#: (calls.park_for_answer: started, resumable, no owner, no lease); an interrupted call held for
+#: a verdict (calls.hold_for_reconcile: started, no owner, no lease), resumable or not, and one
+#: whose lapsed lease was left on it (a holder that stopped before the hold cleared it).
+HELD_SHAPES: dict[str, tuple[dict[str, Any], str | None]] = {
+    "approval": ({"hold": "approval"}, "start"),
+    "parked question": (
+        {"hold": "reply", "state": CallState.STARTED.value, "started_at": utcnow(),
+         "started_by": "w-gone", "resumable": True, "lease_owner": None, "lease_until": None},
+        "resume",
+    ),
+    "interrupted, resumable": (
+        {"hold": "reconcile", "state": CallState.STARTED.value, "started_at": utcnow(),
+         "started_by": "w-gone", "resumable": True, "lease_owner": None, "lease_until": None},
+        "resume",
+    ),
+    "interrupted, lapsed lease": (
+        {"hold": "reconcile", "state": CallState.STARTED.value, "started_at": utcnow(),
+         "started_by": "w-gone", "lease_owner": "w-gone",
+         "lease_until": utcnow() - timedelta(minutes=1)},
+        "reconcile",
+    ),
+}  # fmt: skip
+
+MODES: tuple[calls.Mode, ...] = ("start", "resume", "reconcile")
+
+
+def _claim_every_way(engine: Engine, execution_id: str, mode: calls.Mode) -> list[object]:
+    """The call claimed by every path a worker takes: alone (one statement on PostgreSQL, and
+    step by step), inside a tick's transaction holding the task, and with its turn's calls."""
+    got: list[object] = []
+    for fused in (True, False):
+        got.append(calls.claim_call_alone(
+            engine, execution_id, 0, "c1", mode, "w-test", 5.0, fused=fused
+        ))  # fmt: skip
+    with write(engine) as conn:
+        got.append(calls.claim_call(
+            conn, execution_id, 0, "c1", mode, "w-test", utcnow(), 5.0, task_held=True
+        ))  # fmt: skip
+        conn.rollback()
+    if mode == "start":
+        for fused in (True, False):
+            got += calls.claim_calls_alone(
+                engine, execution_id, 0, ("c1", "c2"), "w-test", 5.0, fused=fused
+            )
+    return [c for c in got if c is not None and getattr(c, "call_id", "c1") == "c1"]
+
+
+@pytest.mark.parametrize("shape", list(HELD_SHAPES))
+def test_no_claim_starts_a_call_held_for_a_person(engine: Engine, shape: str) -> None:
+    """I23: a stray or redelivered invoke never starts or takes over a held call, in any mode
+    and by any claim path: only a verdict releases it (the claim's `hold IS NULL`). The same
+    row without its hold is claimed (so the row is claimable but for its hold)."""
+    overrides, claimed_by = HELD_SHAPES[shape]
+    deadline = {"deadline_at": utcnow() + timedelta(hours=1)}
+    _, execution_id = queued_call(engine, **deadline, **overrides)
+    add_call(engine, execution_id, "c2", hold="approval", **deadline)
+    before = call_row(engine, execution_id)
+    for mode in MODES:
+        assert _claim_every_way(engine, execution_id, mode) == [], f"{shape}: {mode} claimed it"
+    after = call_row(engine, execution_id)
+    assert (after.state, after.started_at, after.started_by, after.lease_owner, after.attempts) == (
+        before.state, before.started_at, before.started_by, before.lease_owner, before.attempts
+    )  # fmt: skip
+    # the control: released, the same row is taken by the mode that takes its kind
+    with write(engine) as conn:
+        conn.execute(
+            update(tool_calls)
+            .where(tool_calls.c.execution_id == execution_id, tool_calls.c.call_id == "c1")
+            .values(hold=None)
+        )
+    assert claimed_by is not None
+    assert calls.claim_call_alone(engine, execution_id, 0, "c1", claimed_by, "w-test", 5.0)
 
 
 def test_a_call_past_its_deadline_is_not_started(engine: Engine) -> None:
