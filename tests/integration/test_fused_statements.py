@@ -11,6 +11,7 @@ first version doing that).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -259,3 +260,57 @@ def test_a_turn_with_a_call_not_predicted_writes_nothing(engine: Engine, plan: s
     before = _written(engine, claim)
     assert _commit(engine, _settle_turn(claim, turn_calls=2), plan == "turned") is None
     assert _written(engine, claim) == before
+
+
+def _call_state(engine: Engine, claim: runs.Claim) -> tuple[object, ...]:
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(tool_calls.c.state, tool_calls.c.outcome, tool_calls.c.settled_by).where(
+                tool_calls.c.execution_id == claim.execution_id
+            )
+        ).one()
+    return tuple(row)
+
+
+def test_a_task_canceled_before_the_turns_last_settle_writes_nothing(
+    engine: Engine, plan: str
+) -> None:
+    """I18: B (the last call's settle carrying await_tools, advance_turn and the next model
+    call's claim) for a task canceled while the call ran lands nothing: no result item, no
+    advance, no claim of call_model; the ordinary path then settles the call and stops the run
+    at its boundary."""
+    claim = _run_at(engine, Phase.AWAIT_TOOLS, leased=False)
+    _started_call(engine, claim)
+    scheduler.cancel(engine, claim.task_id)
+    before = _written(engine, claim)
+    assert _commit(engine, _settle_turn(claim), plan == "turned") is None
+    assert _written(engine, claim) == before
+    assert _call_state(engine, claim) == ("started", None, None)
+
+
+def test_a_cancel_that_commits_while_the_turns_last_settle_waits_is_seen(engine: Engine) -> None:
+    """I18, the share-lock path: a cancel holds the task's row when B starts; B waits on its
+    share lock of the task and, once the cancel commits, reads the task canceled and writes
+    nothing (the statement's snapshot said running)."""
+    claim = _run_at(engine, Phase.AWAIT_TOOLS, leased=False)
+    _started_call(engine, claim)
+    before = _written(engine, claim)
+    out: list[object] = []
+    with engine.connect() as canceler:
+        trans = canceler.begin()
+        canceler.execute(
+            update(tasks)
+            .where(tasks.c.id == claim.task_id)
+            .values(status=TaskStatus.CANCELED.value)
+        )
+        thread = threading.Thread(
+            target=lambda: out.append(_commit(engine, _settle_turn(claim), False)), daemon=True
+        )
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "B did not wait for the cancel's lock on the task"
+        trans.commit()
+    thread.join(10)
+    assert out == [None]
+    assert _written(engine, claim) == before
+    assert _call_state(engine, claim) == ("started", None, None)
