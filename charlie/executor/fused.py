@@ -160,7 +160,12 @@ def model_turn(
     if decide_at_boundary(rt, view2) is not None:
         return None  # a stop, a poison: the ordinary path says what happens
     dispatched = compute(rt, view2)
-    faults.hit("tick.in_transaction", phase=Phase.DISPATCH_TOOLS.value, task_id=claim.task_id)
+    faults.hit(
+        "tick.in_transaction",
+        phase=Phase.DISPATCH_TOOLS.value,
+        task_id=claim.task_id,
+        messages=len(dispatched.take_messages),
+    )
     if not (
         dispatched.to is Phase.AWAIT_TOOLS
         and not dispatched.publish_next
@@ -319,7 +324,12 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
     if settlement is None or decide_at_boundary(rt, view) is not None:
         return None
     awaited = compute(rt, view)
-    faults.hit("tick.in_transaction", phase=Phase.AWAIT_TOOLS.value, task_id=claim.task_id)
+    faults.hit(
+        "tick.in_transaction",
+        phase=Phase.AWAIT_TOOLS.value,
+        task_id=claim.task_id,
+        messages=len(awaited.take_messages),
+    )
     awaited.settle.append(settlement)
     if not (
         awaited.to is Phase.ADVANCE_TURN
@@ -349,7 +359,12 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
     if decide_at_boundary(rt, view2) is not None:
         return None
     advanced = compute(rt, view2)
-    faults.hit("tick.in_transaction", phase=Phase.ADVANCE_TURN.value, task_id=claim.task_id)
+    faults.hit(
+        "tick.in_transaction",
+        phase=Phase.ADVANCE_TURN.value,
+        task_id=claim.task_id,
+        messages=len(advanced.take_messages),
+    )
     if not (
         advanced.to is Phase.CALL_MODEL
         and advanced.publish_next

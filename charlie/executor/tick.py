@@ -174,7 +174,12 @@ def _publish(
     publish_next: bool = True,
     local_calls: tuple[str, ...] = (),
 ) -> None:
-    faults.hit("tick.after_commit", phase=claim.phase.value, task_id=view.task.id)
+    faults.hit(
+        "tick.after_commit",
+        phase=claim.phase.value,
+        task_id=view.task.id,
+        messages=len(transition.take_messages),
+    )
     messages: list[tuple[str, tuple[object, ...]]] = []
     for call_id, _deadline in transition.queue_calls:
         if call_id not in local_calls:
@@ -691,7 +696,12 @@ def _merge(
         next_transition = decide_at_boundary(rt, view)
         if next_transition is None:
             next_transition = compute(rt, view)
-            faults.hit("tick.in_transaction", phase=to.value, task_id=view.task.id)
+            faults.hit(
+                "tick.in_transaction",
+                phase=to.value,
+                task_id=view.task.id,
+                messages=len(next_transition.take_messages),
+            )
         # Local calls are not started here but in a commit of their own once this one is done
         # (StartCalls): a worker killed between the two leaves them pending, free to start
         # (I11).
@@ -840,7 +850,12 @@ def _run_tick(
                 transition = decide_at_boundary(rt, view)
                 if transition is None:
                     transition = compute(rt, view)
-                    faults.hit("tick.in_transaction", phase=phase.value, task_id=view.task.id)
+                    faults.hit(
+                        "tick.in_transaction",
+                        phase=phase.value,
+                        task_id=view.task.id,
+                        messages=len(transition.take_messages),
+                    )
                 if settlement is not None:
                     transition.settle.append(settlement)
                 local_ids = local_call_ids(rt, progress, view, transition)
