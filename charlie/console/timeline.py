@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from charlie import api
-from charlie.console.rows import OUTCOME_LABELS, clock, decided_by, span
+from charlie.console.rows import OUTCOME_LABELS, PERSON_PREFIX, clock, decided_by, span
 
 WIDTH = 1000
 LABEL = 150
@@ -110,13 +110,19 @@ def build(
         return LABEL + (at - start).total_seconds() * scale
 
     workers: list[str] = []
+    # A transition a person made (a resume: its worker is recorded as ``operator:NAME``) is
+    # drawn in the people lane, not in a lane of its own named like a worker.
+    by_person = False
     for t in history:
-        if t.get("worker") and t["worker"] not in workers:
-            workers.append(str(t["worker"]))
+        worker = str(t.get("worker") or "")
+        if worker.startswith(PERSON_PREFIX):
+            by_person = True
+        elif worker and worker not in workers:
+            workers.append(worker)
     for c in calls:
         if c.started_by and c.started_by not in workers:
             workers.append(c.started_by)
-    people_needed = bool(actions) or any(c.hold or c.hold_info for c in calls)
+    people_needed = by_person or bool(actions) or any(c.hold or c.hold_info for c in calls)
     names = ["run", *workers] + (["people"] if people_needed else [])
     lane_y = {name: TOP + n * LANE for n, name in enumerate(names)}
     tl = Timeline(width=WIDTH, height=TOP + len(names) * LANE + 6)
@@ -136,14 +142,17 @@ def build(
             began = at - timedelta(milliseconds=float(t["duration_ms"]))
         _run_mark(tl, x, lane_y["run"], phase, since, max(since, began), "waiting in")
         phase, since = str(t["to_phase"]), at
-        # the tick itself, in its worker's lane
+        # the tick itself, in its worker's lane (a person's, in the people lane)
         worker = str(t.get("worker") or "")
-        if worker in lane_y:
+        lane = worker
+        if worker.startswith(PERSON_PREFIX):
+            lane, worker = "people", worker[len(PERSON_PREFIX) :]
+        if lane in lane_y:
             w = max(x(at) - x(began), MIN_WIDTH)
             tl.marks.append(
                 Mark(
                     x(began),
-                    lane_y[worker] + 3,
+                    lane_y[lane] + 3,
                     w,
                     LANE - 8,
                     f"phase phase-{t['from_phase']}",

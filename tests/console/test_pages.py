@@ -432,6 +432,12 @@ def test_resume_and_fork_from_the_page(
     (resumed,) = [a for a in charlie.actions(task_id) if a.action.value == "resume"]
     assert resumed.actor == ACTOR and resumed.detail["phase"] == "call_model"
     retry(lambda: "recovered" in text_of(browser, ".row.kind-final"), timeout=30)
+    # the resume's transition is the person's, in the people lane: no lane named like a worker
+    # called operator:ui:NAME
+    open_task(browser, console, task_id)
+    lanes = [t.text for t in css_all(browser, "svg#timeline text.lane-label")]
+    assert "people" in lanes, lanes
+    assert not [name for name in lanes if name.startswith("operator")], lanes
 
     retry(lambda: css(browser, 'form[data-key="fork"]'))
     submit_form(browser, "fork", {"turn": "0", "message": "try it another way"}, "button.fork")
