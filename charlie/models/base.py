@@ -135,9 +135,10 @@ def render_tool_result(outcome: Outcome, result: Any) -> str:
     if outcome is Outcome.CANCELED:
         return "CANCELED: the task was canceled before this call finished."
     if outcome is Outcome.DENIED:
+        # the person's name and reason are quoted as data, as an interrupted call's note is
         return (
-            f"DENIED by {detail.get('denied_by', 'a person')}: {detail.get('reason', '')}. "
-            "This call was not run."
+            f"DENIED by {_quoted(detail.get('denied_by') or 'a person')}: "
+            f"{_quoted(detail.get('reason') or '')}. This call was not run."
         )
     return f"ERROR: {detail.get('error', detail)}"
 
