@@ -161,6 +161,43 @@ class CallView:
     evidence: list[tuple[str, str]]
 
 
+def interrupted_in_words(call: api.CallRecord) -> str | None:
+    """What happened to an interrupted call, in a sentence (its evidence is the opened row's
+    result): who started it and when, when it was found lost, and that whether it took effect
+    is unknown (I10); or the handler's own word, or the person who looked and could not tell.
+    None for any other outcome."""
+    if call.outcome != "interrupted":
+        return None
+    detail = call.result if isinstance(call.result, dict) else {}
+    if detail.get("reconciled") == "unknown":
+        note = detail.get("note")
+        return (
+            f"{detail.get('by') or 'an operator'} looked and could not tell whether it took "
+            "effect" + (f" (“{short(note, 80)}”)" if note else "") + "; it was not run again"
+        )
+    if "started_at" in detail or call.started_at is not None:
+        by = detail.get("started_by") or call.started_by or "a worker"
+        started = _parse_time(detail.get("started_at")) or call.started_at
+        why = str(detail.get("reason") or "its worker stopped")
+        return (
+            f"started by {by} at {clock(started)}; {why} before a result was recorded "
+            f"(found lost at {clock(call.settled_at)}): Charlie cannot tell whether it took "
+            "effect"
+        )
+    if detail.get("error"):
+        return f"interrupted, the tool said: {short(detail['error'], 100)}"
+    return "interrupted before a result was recorded"
+
+
+def _parse_time(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
 def call_view(
     call: api.CallRecord, raw_arguments: str | None = None, *, full: bool = True
 ) -> CallView:
@@ -222,7 +259,8 @@ def call_view(
         worker=worker,
         finish_order=call.finish_order,
         late=late,
-        result_short=short(call.result, 120) if call.result is not None else "",
+        result_short=interrupted_in_words(call)
+        or (short(call.result, 120) if call.result is not None else ""),
         result=pretty(call.result) if full else "",
         settled=call.state == "settled",
         evidence=evidence,

@@ -218,6 +218,12 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
 
     # the page followed all of it live: the rows and the held call are there without a reload
     retry(lambda: badge(browser, "slow") == "interrupted", timeout=30)
+    # in a sentence, not its evidence's JSON (which is one click away, in the opened row)
+    lost = 'details.call[data-call="slow"] .result-short'
+    retry(lambda: "cannot tell whether it took effect" in text_of(browser, lost), timeout=30)
+    (slow,) = [c for c in charlie.calls(task_id) if c.call_id == "slow"]
+    assert f"started by {slow.started_by} at " in text_of(browser, lost)
+    assert "{" not in text_of(browser, lost)
     assert badge(browser, "ok1") == "ok"
     assert badge(browser, "err1") == "error"
     assert "the disk is full" in text_of(browser, 'details.call[data-call="err1"]')
