@@ -276,6 +276,14 @@ def test_chromium_opening_an_off_site_login_address_stays_on_the_console(
 
 
 def test_a_request_for_a_host_the_console_was_not_told_of_is_refused(cluster: Cluster) -> None:
+    """By default the listening address, localhost, 127.0.0.1 and [::1] with the port; more
+    with --allowed-host and CHARLIE_UI_ALLOWED_HOSTS (NAME: any port). Refused: the page, a
+    login (no cookie set), the API with the bearer token, a post."""
+    with started(cluster) as ui, ui.client() as http:
+        bearer = {"Authorization": f"Bearer {ui.token}"}
+        refused = http.get("/api/tasks", headers={**bearer, "Host": f"evil.example:{ui.port}"})
+        assert refused.status_code == 403 and "tasks" not in refused.text
+        assert http.get("/api/tasks", headers={**bearer, "Host": f"localhost:{ui.port}"}).is_success
     with started(
         cluster, "--allowed-host", "console.example", CHARLIE_UI_ALLOWED_HOSTS="other.example:9999"
     ) as ui:
