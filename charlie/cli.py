@@ -788,12 +788,19 @@ def ui(
             click.echo(f"    {base}?token=<the token of CHARLIE_UI_TOKEN / --token-file>")
         answered = guard.AllowedHosts.build(host, bound, config.allowed_hosts)
         click.echo(f"answers to Host: {answered.describe()}")
+        local = host in ("127.0.0.1", "::1", "localhost")
+        if not local and not config.allowed_hosts:
+            click.echo(
+                "note: a request for any other Host is refused (DNS rebinding); allow the name "
+                "other machines use with --allowed-host or CHARLIE_UI_ALLOWED_HOSTS",
+                err=True,
+            )
         if behind_tls_proxy:
             click.echo(
                 "behind a TLS proxy: every cookie is Secure; open the console at the proxy's "
                 "https address (its host name allowed with --allowed-host)"
             )
-        elif host not in ("127.0.0.1", "::1", "localhost"):
+        elif not local:
             click.echo(
                 "warning: serving plain HTTP beyond this machine; put TLS in front of it "
                 "(and say so with --behind-tls-proxy), the token travels with every request",
