@@ -660,7 +660,31 @@ def fork(
     "--token",
     envvar="CHARLIE_UI_TOKEN",
     default=None,
-    help="The token every request needs (or CHARLIE_UI_TOKEN); none: one is generated.",
+    help="The token every request needs: better CHARLIE_UI_TOKEN or --token-file, as every "
+    "user of this machine sees a command line (ps); none of them: one is generated.",
+)
+@click.option(
+    "--token-file",
+    envvar="CHARLIE_UI_TOKEN_FILE",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Read the token from this file's first line (or CHARLIE_UI_TOKEN_FILE); keep it 0600.",
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Also answer requests for this Host, NAME:PORT or NAME on any port (repeatable; or "
+    "CHARLIE_UI_ALLOWED_HOSTS, comma-separated). Always: the listening address, localhost, "
+    "127.0.0.1 and [::1] with the port.",
+)
+@click.option(
+    "--behind-tls-proxy",
+    envvar="CHARLIE_UI_BEHIND_TLS_PROXY",
+    is_flag=True,
+    default=False,
+    help="Browsers reach the console over HTTPS through a proxy (or "
+    "CHARLIE_UI_BEHIND_TLS_PROXY=1): every cookie is Secure.",
 )
 @click.option(
     "--operator",
@@ -669,44 +693,122 @@ def fork(
     "(default: CHARLIE_OPERATOR, else the OS user).",
 )
 @click.option("--task", "task_id", default=None, help="Print the address of this task's page.")
-def ui(host: str, port: int, token: str | None, operator: str | None, task_id: str | None) -> None:
+@click.option(
+    "--log-level",
+    envvar="CHARLIE_UI_LOG_LEVEL",
+    default="WARNING",
+    show_default=True,
+    help="Log level, or CHARLIE_UI_LOG_LEVEL (INFO logs every request; the token and the "
+    "sessions never are).",
+)
+@click.pass_context
+def ui(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    token: str | None,
+    token_file: Path | None,
+    allowed_hosts: tuple[str, ...],
+    behind_tls_proxy: bool,
+    operator: str | None,
+    task_id: str | None,
+    log_level: str,
+) -> None:
     """Serve the run console: the tasks, each run's transcript, timeline and open calls, and
     the actions people take on them. Every request needs the token."""
-    from charlie.console.auth import check_token, new_token
+    from click.core import ParameterSource
+
+    from charlie import logs
+    from charlie.console import guard, scrub
+    from charlie.console.auth import check_token, new_token, read_token_file, write_token_file
     from charlie.console.server import ConsoleConfig, serve
     from charlie.people import actor_name
     from charlie.runtime import get_producer
 
-    generated = token is None
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        _fail(f"unknown log level {log_level!r}")
+    if token is not None and token_file is not None:
+        _fail("the token is given twice (--token / CHARLIE_UI_TOKEN and --token-file): give one")
+    if token is not None and ctx.get_parameter_source("token") is ParameterSource.COMMANDLINE:
+        click.echo(
+            "warning: --token is visible to every user of this machine (ps, /proc/*/cmdline); "
+            "pass it in CHARLIE_UI_TOKEN or --token-file instead",
+            err=True,
+        )
+    generated = token is None and token_file is None
     try:
+        if token_file is not None:
+            token, loose = read_token_file(token_file)
+            if loose:
+                click.echo(f"warning: {loose}", err=True)
         token = new_token() if token is None else check_token(token)
     except ValueError as exc:
         _fail(str(exc))
     assert token is not None
+    extra_hosts = guard.parse_hosts(
+        [*allowed_hosts, os.environ.get("CHARLIE_UI_ALLOWED_HOSTS", "")]
+    )
+    try:
+        guard.AllowedHosts.build(host, 1, extra_hosts)
+    except ValueError as exc:
+        _fail(f"--allowed-host / CHARLIE_UI_ALLOWED_HOSTS: {exc}")
+    # Log lines never carry the token or a session (charlie.console.scrub): the handlers log
+    # requests redacted, and every record of this process passes the scrubber.
+    logging.basicConfig(level=level, format="[%(asctime)s: %(levelname)s/console] %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logs.install(logging.getLogger(), json_lines=settings().log_format == "json")
+    scrub.install(scrub.Scrubber([token]))
     try:
         producer = get_producer()
         name = actor_name(operator, producer)
     except Exception as exc:  # the database cannot be reached or is not migrated
         _fail(f"cannot open the database: {exc}")
     operator_name = name if name.startswith("ui:") else f"ui:{name}"
-    config = ConsoleConfig(token=token, operator=operator_name[:200])
+    config = ConsoleConfig(
+        token=token,
+        operator=operator_name[:200],
+        behind_tls_proxy=behind_tls_proxy,
+        allowed_hosts=tuple(extra_hosts),
+    )
     path = f"/tasks/{task_id}" if task_id else "/"
-    shown = host
-    if ":" in shown:
-        shown = f"[{shown}]"
+    shown = guard.address_name(host)
 
     def announce(bound: int) -> None:
         base = f"http://{shown}:{bound}{path}"
         click.echo(f"Charlie console on {host}:{bound}, acting as {config.operator}")
         click.echo(f"database {settings().database_url.split('://')[0]}; open:")
-        if generated:
+        if generated and sys.stdout.isatty():
+            # The operator's own terminal, as Jupyter does: a generated token has no other way
+            # to the person who started the console. Never a log record.
             click.echo(f"    {base}?token={token}")
+        elif generated:
+            # stdout is a pipe or a file: a service's journal or a container's log, which
+            # others read and keep. The token goes to a file only this user can read.
+            kept = settings().home / f"ui-token-{bound}"
+            write_token_file(kept, token)
+            click.echo(f"    {base}?token=<the token in {kept}>")
+            click.echo(f"(a generated token; not printed, as stdout is not a terminal: see {kept})")
         else:
-            click.echo(f"    {base}?token=<the token of --token / CHARLIE_UI_TOKEN>")
-        if host not in ("127.0.0.1", "::1", "localhost"):
+            click.echo(f"    {base}?token=<the token of CHARLIE_UI_TOKEN / --token-file>")
+        answered = guard.AllowedHosts.build(host, bound, config.allowed_hosts)
+        click.echo(f"answers to Host: {answered.describe()}")
+        local = host in ("127.0.0.1", "::1", "localhost")
+        if not local and not config.allowed_hosts:
             click.echo(
-                "warning: serving plain HTTP beyond this machine; put TLS in front of it, "
-                "the token travels with every request",
+                "note: a request for any other Host is refused (DNS rebinding); allow the name "
+                "other machines use with --allowed-host or CHARLIE_UI_ALLOWED_HOSTS",
+                err=True,
+            )
+        if behind_tls_proxy:
+            click.echo(
+                "behind a TLS proxy: every cookie is Secure; open the console at the proxy's "
+                "https address (its host name allowed with --allowed-host)"
+            )
+        elif not local:
+            click.echo(
+                "warning: serving plain HTTP beyond this machine; put TLS in front of it "
+                "(and say so with --behind-tls-proxy), the token travels with every request",
                 err=True,
             )
         sys.stdout.flush()

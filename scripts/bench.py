@@ -1321,8 +1321,8 @@ class Cell:
         self.results.info["console.items"] = shown
         token = uuid.uuid4().hex + uuid.uuid4().hex
         port = free_port()
-        argv = [sys.executable, "-m", "charlie", "ui", "--port", str(port), "--token", token]
-        self.procs.spawn("console", argv)
+        argv = [sys.executable, "-m", "charlie", "ui", "--port", str(port)]
+        self.procs.spawn("console", argv, {"CHARLIE_UI_TOKEN": token})
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:

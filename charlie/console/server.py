@@ -6,12 +6,16 @@ Routes (every one needs the token; see :mod:`charlie.console.auth`):
   ``GET /live/tasks``: its table alone, which the page polls.
 - ``GET /tasks/<id>``: the run; ``GET /live/tasks/<id>``: its regions alone, fetched when
   ``GET /api/tasks/<id>/revision`` changes; ``POST /tasks/<id>/<action>``: a form's action
-  (protected by Tornado's XSRF cookie), shown on the page it redirects back to.
+  (protected by an XSRF token bound to the session), shown on the page it redirects back to.
 - ``/api/...``: the Python API's records as JSON (``dataclasses.asdict``, times in ISO 8601);
   ``POST /api/tasks/<id>/<action>`` takes a JSON body and returns the ActionRecord.
 
 The API's calls block (SQLAlchemy), so each request runs them on a small thread pool; the
 event loop only renders and writes.
+
+Before any of that: a request for a ``Host`` the console does not answer to is refused
+(:mod:`charlie.console.guard`), every redirect goes to one of the console's own paths, and
+no log line carries the token or a session (:mod:`charlie.console.scrub`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import secrets
 import signal
 import uuid
@@ -32,12 +37,13 @@ from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 import tornado.httpserver
+import tornado.httputil
 import tornado.netutil
 import tornado.web
 from tornado.escape import url_escape
 
 from charlie import api, views
-from charlie.console import auth, rows, timeline
+from charlie.console import auth, guard, rows, scrub, timeline
 from charlie.domain import TaskStatus
 
 TaskNotFound = api.TaskNotFound
@@ -73,6 +79,10 @@ class ConsoleConfig:
     token: str
     #: who the console's actions are recorded as (I27)
     operator: str
+    #: served to browsers over HTTPS by a proxy in front: every cookie is Secure
+    behind_tls_proxy: bool = False
+    #: ``Host`` names answered besides the listening address and localhost's (``NAME[:PORT]``)
+    allowed_hosts: tuple[str, ...] = ()
 
 
 def to_jsonable(value: Any) -> Any:
@@ -346,9 +356,56 @@ def describe(record: Any) -> str:
 
 # -- handlers -----------------------------------------------------------------------------------
 
+access_log = logging.getLogger("tornado.access")
+app_log = logging.getLogger("tornado.application")
+gen_log = logging.getLogger("tornado.general")
 
-class Base(tornado.web.RequestHandler):
+
+class Redacted(tornado.web.RequestHandler):
+    """Tornado's log lines about a request, without the token (:mod:`charlie.console.scrub`):
+    its summary redacted, and an uncaught exception logged without the request's repr (whose
+    URI is the raw one)."""
+
+    def _request_summary(self) -> str:
+        config: ConsoleConfig = self.settings["console"]
+        return scrub.request_summary(self.request, config.token)
+
+    def log_exception(self, typ: Any, value: BaseException | None, tb: Any) -> None:
+        if isinstance(value, tornado.web.HTTPError):
+            message = value.get_message()
+            if message:
+                gen_log.warning("%d %s: %s", value.status_code, self._request_summary(), message)
+            return
+        app_log.error("Uncaught exception %s", self._request_summary(), exc_info=value)
+
+
+def log_request(handler: tornado.web.RequestHandler) -> None:
+    """The access log's line (Tornado's, with the request's summary redacted)."""
+    status = handler.get_status()
+    level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
+    if not access_log.isEnabledFor(level):
+        return
+    config: ConsoleConfig = handler.settings["console"]
+    summary = scrub.request_summary(handler.request, config.token)
+    access_log.log(level, "%d %s %.2fms", status, summary, 1000.0 * handler.request.request_time())
+
+
+def cookie_options(
+    config: ConsoleConfig, request: tornado.httputil.HTTPServerRequest
+) -> dict[str, Any]:
+    """What every cookie of the console is: HttpOnly, on every path, Secure when the browser
+    reaches the console over HTTPS (directly, or through a TLS proxy it was told of)."""
+    return {
+        "httponly": True,
+        "path": "/",
+        "secure": config.behind_tls_proxy or request.protocol == "https",
+    }
+
+
+class Base(Redacted):
     api_handler = False
+    #: the session this request started (a login), before its cookie comes back
+    _new_session: str | None = None
 
     @property
     def config(self) -> ConsoleConfig:
@@ -364,17 +421,45 @@ class Base(tornado.web.RequestHandler):
             auth.bearer(self.request.headers.get("Authorization")), self.config.token
         )
 
-    def _session_ok(self) -> bool:
+    def _session(self) -> str | None:
+        if self._new_session is not None:
+            return self._new_session
         value = self.get_signed_cookie(auth.SESSION_COOKIE, max_age_days=auth.SESSION_DAYS)
-        return value == auth.SESSION_VALUE.encode()
+        return auth.session_of(value)
+
+    def _session_ok(self) -> bool:
+        return self._session() is not None
+
+    @property
+    def xsrf_token(self) -> bytes:
+        """The forms' token: this session's (see :mod:`charlie.console.auth`), no cookie of
+        its own. Without a session (a page read with the bearer token) it matches nothing."""
+        session = self._session() or auth.new_session()
+        return auth.xsrf_token(self.settings["xsrf_key"], session).encode()
 
     def check_xsrf_cookie(self) -> None:
         # A request with the bearer token cannot come from another site's page (a browser
         # sends no Authorization header cross-site without CORS, which the console never
-        # allows); everything else is checked.
+        # allows); everything else must carry the form token of its own session.
         if self.api_handler and self._bearer_ok():
             return
-        super().check_xsrf_cookie()
+        given = (
+            self.get_argument("_xsrf", None)
+            or self.request.headers.get("X-Xsrftoken")
+            or self.request.headers.get("X-Csrftoken")
+        )
+        if not given:
+            raise tornado.web.HTTPError(403, "'_xsrf' argument missing from POST")
+        if not auth.xsrf_matches(given, self.settings["xsrf_key"], self._session()):
+            raise tornado.web.HTTPError(403, "the form's XSRF token is not this session's")
+
+    def redirect(self, url: str, permanent: bool = False, status: int | None = None) -> None:
+        # every redirect stays on the console (guard.local_path): a target a browser would
+        # read as another site is a bug here, never sent
+        target = guard.local_path(url)
+        if target is None:
+            raise ValueError(f"refusing to redirect off the console: {url!r}")
+        super().redirect(target, permanent=permanent, status=status)
 
     def prepare(self) -> None:
         given = self.get_query_argument("token", None)
@@ -382,25 +467,29 @@ class Base(tornado.web.RequestHandler):
             if not auth.token_matches(given, self.config.token):
                 self.refuse("that token is not this console's")
                 return
+            # a login starts a new session (a new id, so new form tokens)
+            self._new_session = auth.new_session()
             self.set_signed_cookie(
                 auth.SESSION_COOKIE,
-                auth.SESSION_VALUE,
+                auth.session_value(self._new_session),
                 expires_days=auth.SESSION_DAYS,
-                httponly=True,
+                # Lax, not Strict: a link to a run from a chat or a ticket opens it logged in;
+                # what changes anything is a POST, which Lax does not send cross-site and the
+                # session's form token guards besides
                 samesite="Lax",
-                secure=self.request.protocol == "https",
+                **cookie_options(self.config, self.request),
             )
             if self.request.method in ("GET", "HEAD"):
-                # the token leaves the address bar (and the history) at once
+                # the token leaves the address bar (and the history) at once, to the same
+                # page when its path is one a browser keeps on this site (guard.local_path)
                 rest = [
                     (k, v.decode())
                     for k, vs in self.request.query_arguments.items()
                     if k != "token"
                     for v in vs
                 ]
-                self.redirect(
-                    self.request.path + (f"?{urlencode(rest)}" if rest else ""), status=303
-                )
+                path = guard.local_path(self.request.path) or "/"
+                self.redirect(path + (f"?{urlencode(rest)}" if rest else ""), status=303)
             return
         if self._bearer_ok() or self._session_ok():
             return
@@ -447,7 +536,7 @@ def api_short(value: Any, limit: int = 100) -> str:
     return short(value, limit)
 
 
-class AuthStatic(tornado.web.StaticFileHandler):
+class AuthStatic(Redacted, tornado.web.StaticFileHandler):
     """The script and the style, to the token's holder only (nothing is served without it)."""
 
     def set_default_headers(self) -> None:
@@ -459,7 +548,7 @@ class AuthStatic(tornado.web.StaticFileHandler):
         config: ConsoleConfig = self.settings["console"]
         cookie = self.get_signed_cookie(auth.SESSION_COOKIE, max_age_days=auth.SESSION_DAYS)
         bearer = auth.bearer(self.request.headers.get("Authorization"))
-        if cookie != auth.SESSION_VALUE.encode() and not auth.token_matches(bearer, config.token):
+        if auth.session_of(cookie) is None and not auth.token_matches(bearer, config.token):
             self.set_status(401)
             self.finish("this console needs its token")
 
@@ -499,6 +588,10 @@ class TasksFragment(TasksPage):
     template = "fragment_tasks.html"
 
 
+#: the cookie that carries an action's result to the page it redirects to
+FLASH_COOKIE = "charlie_flash"
+
+
 class TaskPage(Base):
     template = "task.html"
 
@@ -510,9 +603,11 @@ class TaskPage(Base):
             raise tornado.web.HTTPError(404, reason=f"no task {task_id}") from None
         flash = None
         if self.template == "task.html":
-            raw = self.get_signed_cookie("charlie_flash", max_age_days=1)
+            raw = self.get_signed_cookie(FLASH_COOKIE, max_age_days=1)
             if raw:
-                self.clear_cookie("charlie_flash")
+                self.clear_cookie(
+                    FLASH_COOKIE, samesite="Strict", **cookie_options(self.config, self.request)
+                )
                 try:
                     flash = json.loads(raw)
                 except ValueError:
@@ -562,7 +657,13 @@ class TaskForm(Base):
             if refused is None:
                 raise
             flash = {"ok": False, "text": refused[1], "action": action}
-        self.set_signed_cookie("charlie_flash", json.dumps(flash), expires_days=None, httponly=True)
+        self.set_signed_cookie(
+            FLASH_COOKIE,
+            json.dumps(flash),
+            expires_days=None,
+            samesite="Strict",
+            **cookie_options(self.config, self.request),
+        )
         self.redirect(f"/tasks/{url_escape(task_id, plus=False)}#result", status=303)
 
 
@@ -644,10 +745,46 @@ class NotFound(Base):
             raise tornado.web.HTTPError(404, reason="no such page")
 
 
-def make_app(config: ConsoleConfig, *, threads: int = 8) -> tornado.web.Application:
+class WrongHost(Redacted):
+    """A request for a ``Host`` the console does not answer to (a DNS rebinding page's):
+    refused before anything else, a form check or a login included."""
+
+    def set_default_headers(self) -> None:
+        for name, value in SECURITY_HEADERS.items():
+            self.set_header(name, value)
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+
+    def check_xsrf_cookie(self) -> None:
+        pass  # refused in prepare whatever it carries
+
+    def prepare(self) -> None:
+        self.set_status(403)
+        host = (self.request.host or "")[:100]
+        self.finish(
+            f"this console does not answer to the host {host!r}; its operator can allow it "
+            "with --allowed-host or CHARLIE_UI_ALLOWED_HOSTS\n"
+        )
+
+
+class ConsoleApp(tornado.web.Application):
+    """The console's application: a request whose ``Host`` is not allowed goes to WrongHost,
+    whatever its path."""
+
+    def find_handler(
+        self, request: tornado.httputil.HTTPServerRequest, **kwargs: Any
+    ) -> tornado.web._HandlerDelegate:
+        hosts: guard.AllowedHosts = self.settings["allowed_hosts"]
+        if not hosts.allows(request.headers.get("Host")):
+            return self.get_handler_delegate(request, WrongHost)
+        return super().find_handler(request, **kwargs)
+
+
+def make_app(
+    config: ConsoleConfig, hosts: guard.AllowedHosts, *, threads: int = 8
+) -> tornado.web.Application:
     actions = "(" + "|".join(ACTIONS) + ")"
     reads = "(transcript|calls|history|actions|revision|children)"
-    return tornado.web.Application(
+    return ConsoleApp(
         [
             (r"/", TasksPage),
             (r"/live/tasks", TasksFragment),
@@ -665,8 +802,13 @@ def make_app(config: ConsoleConfig, *, threads: int = 8) -> tornado.web.Applicat
         static_handler_class=AuthStatic,
         default_handler_class=NotFound,
         cookie_secret=auth.cookie_secret(config.token),
+        # every post is checked (Base.check_xsrf_cookie: the session's own form token, no
+        # cookie of its own), and a browser's post from another origin is refused besides
         xsrf_cookies=True,
-        xsrf_cookie_kwargs={"httponly": True, "samesite": "Strict"},
+        xsrf_key=auth.xsrf_key(config.token),
+        cross_origin_protection=True,
+        allowed_hosts=hosts,
+        log_function=log_request,
         autoescape="xhtml_escape",
         # the templates' own line breaks and indents, not the data's (a <pre> keeps its text)
         template_whitespace="oneline",
@@ -683,14 +825,16 @@ def serve(
     *,
     announce: Callable[[int], None],
 ) -> None:
-    """Serve until SIGTERM or SIGINT. ``announce`` is told the port (``0`` picks a free one)."""
+    """Serve until SIGTERM or SIGINT. ``announce`` is told the port (``0`` picks a free one).
+    The allowed hosts are built with the port bound (guard.AllowedHosts)."""
 
     async def main() -> None:
-        app = make_app(config)
         sockets = tornado.netutil.bind_sockets(port, address=host)
+        bound = int(sockets[0].getsockname()[1])
+        app = make_app(config, guard.AllowedHosts.build(host, bound, config.allowed_hosts))
         server = tornado.httpserver.HTTPServer(app, xheaders=False)
         server.add_sockets(sockets)
-        announce(int(sockets[0].getsockname()[1]))
+        announce(bound)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -64,13 +64,11 @@ class Console:
 def console(cluster_session: Cluster) -> Iterator[Console]:
     port = free_port()
     log = cluster_session.home / "console.log"
-    env = cluster_session.env
+    # the token in the environment, not on a command line every user of the machine sees
+    env = {**cluster_session.env, "CHARLIE_UI_TOKEN": TOKEN}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "charlie", "ui", "--port", str(port), "--token", TOKEN,
-                "--operator", OPERATOR,
-            ],
+            [sys.executable, "-m", "charlie", "ui", "--port", str(port), "--operator", OPERATOR],
             env=env,
             cwd=REPO,
             stdout=out,
