@@ -59,7 +59,7 @@ from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 from charlie.devbox.commands import CommandRunner, StartRequest
 from charlie.devbox.confinement import workspace_policy
-from charlie.devbox.credentials import Unauthorized, scope_of
+from charlie.devbox.credentials import Unauthorized, check_token, scope_of
 from charlie.devbox.errors import ApiError
 from charlie.devbox.paths import check_workspace_id, resolve_inside
 from charlie.devbox.policy import (
@@ -629,8 +629,7 @@ class DevboxServer:
         limits: Limits | None = None,
         repos: RepoPolicy | None = None,
     ) -> None:
-        if not token:
-            raise ValueError("the devbox needs a token")
+        check_token(token, "the devbox's token")  # a WeakToken (ValueError) names the minimum
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_file = _lock_root(self.root)
