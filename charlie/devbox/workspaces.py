@@ -396,11 +396,24 @@ def _spec(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_spec(path: Path) -> dict[str, Any] | None:
+    """The spec the workspace was made from, or None. Neither ``.git`` nor the file is followed
+    through a symlink: a command can plant one pointing at another workspace's spec (its
+    repository URL may carry credentials), which a conflict's message would then show. Only a
+    regular file is read (a FIFO there would block the devbox)."""
     try:
-        data: dict[str, Any] = json.loads((path / ".git" / _SPEC_FILE).read_text())
+        git_dir = os.open(path / ".git", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(_SPEC_FILE, flags, dir_fd=git_dir)
+        finally:
+            os.close(git_dir)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = json.loads(f.read(64 * 1024))
     except (OSError, ValueError):
         return None
-    return data
+    return data if isinstance(data, dict) else None
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
