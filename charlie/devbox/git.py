@@ -205,6 +205,10 @@ def _run(
     check: bool = True,
     status_on_error: int = 500,
 ) -> subprocess.CompletedProcess[str]:
+    if confine is not None:
+        # the sandbox binds the workspace at its real path: name it (and git's dir) that way
+        cwd = Path(os.path.realpath(cwd))
+        repo = cwd if repo is not None else None
     cmd = ["git", "--no-pager", *_CONFIG, *args]
     env = git_env(cwd, repo, confined=confine is not None)
     if confine is not None:
