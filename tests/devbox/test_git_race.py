@@ -126,3 +126,42 @@ def test_a_command_racing_the_devbox_git_runs_nothing_outside_the_sandbox(
     seen = ran.read_text() if ran.exists() else ""
     assert seen.count("ran") >= 3, (attempt, outcomes, seen)
     assert TOKEN not in seen
+
+
+def _processes_with(needle: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_confined_git_past_its_timeout_ends_with_everything_it_started(tmp_path: Path) -> None:
+    # a program git runs (a filter the race let through) that hangs and leaves a child behind:
+    # the timeout kills git's group, and the pid namespace takes the rest
+    from charlie.devbox import git
+    from charlie.devbox.confinement import git_policy
+    from charlie.devbox.errors import ApiError
+    from charlie.devbox.policy import Limits
+
+    ws = tmp_path / "root" / "workspaces" / "ws"
+    ws.mkdir(parents=True)
+    git.run_git(["init", "-q"], ws, timeout=30, confine=None)
+    needle = f"{time.monotonic_ns() % 10**6}.5"  # sleep takes a fraction; this names it
+    (ws / ".gitattributes").write_text("* filter=x\n")
+    (ws / "a.txt").write_text("a\n")
+    with open(ws / ".git" / "config", "a") as config:
+        config.write(
+            f'[filter "x"]\n\tclean = "sh -c \'setsid sleep {needle} & sleep {needle}\'"\n'
+        )
+    policy = git_policy(tmp_path / "root", Limits(), ws)
+    assert policy is not None
+    with pytest.raises(ApiError) as info:
+        # the private runner: the public one would refuse this config before running git
+        git._run(["add", "-A"], ws, ws, timeout=2, confine=policy)
+    assert info.value.status == 504
+    _wait_for(lambda: not _processes_with(f"sleep {needle}"), 10)
