@@ -329,6 +329,7 @@ class _Doctor:
 
     def devbox(self) -> None:
         from charlie.devbox.client import DevboxClient, DevboxError, DevboxUnavailable
+        from charlie.devbox.credentials import MIN_TOKEN_LENGTH, WeakToken, check_token
 
         url, token = self.s.devbox_url, self.s.devbox_token
         if not url:
@@ -340,6 +341,17 @@ class _Doctor:
                 "FAIL",
                 f"{url} is configured without a token",
                 "set CHARLIE_DEVBOX_TOKEN to the token `charlie devbox serve` was given",
+            )
+            return
+        try:
+            check_token(token)
+        except WeakToken as exc:
+            self.add(
+                "devbox",
+                "FAIL",
+                str(exc),
+                f"give the devbox and the workers one token of at least {MIN_TOKEN_LENGTH} "
+                "characters in CHARLIE_DEVBOX_TOKEN",
             )
             return
         try:

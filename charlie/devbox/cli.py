@@ -11,6 +11,7 @@ from types import FrameType
 
 import click
 
+from charlie.devbox.credentials import WeakToken, check_token
 from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits, RepoPolicy
 from charlie.devbox.server import DevboxServer
 from charlie.sandbox import SandboxUnavailable, check_mode
@@ -87,8 +88,11 @@ def serve(
     verbose: bool,
 ) -> None:
     """Serve the devbox HTTP API until SIGTERM or Ctrl-C."""
-    if not token:
-        raise click.UsageError("refusing to start without a token: set CHARLIE_DEVBOX_TOKEN")
+    try:
+        check_token(token, "CHARLIE_DEVBOX_TOKEN or --token")
+    except WeakToken as exc:
+        raise click.UsageError(f"refusing to start: {exc}") from None
+    assert token is not None
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -17,6 +17,28 @@ import hmac
 PREFIX = "cw1"
 _CONTEXT = b"charlie devbox workspace credential v1"
 
+#: The shortest operator token the devbox or a worker accepts: it is the key of every workspace's
+#: credential, so a short one can be guessed offline from any credential seen (32 characters of
+#: ``secrets.token_urlsafe`` are 192 bits).
+MIN_TOKEN_LENGTH = 32
+
+
+class WeakToken(ValueError):
+    """The devbox token is missing or shorter than ``MIN_TOKEN_LENGTH``."""
+
+
+def check_token(token: str | None, source: str = "CHARLIE_DEVBOX_TOKEN") -> str:
+    """``token`` if it is long enough; WeakToken naming the minimum (never the token) if not."""
+    if not token:
+        raise WeakToken(f"no devbox token: set {source} (at least {MIN_TOKEN_LENGTH} characters)")
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise WeakToken(
+            f"the devbox token ({source}) is {len(token)} characters; it must be at least "
+            f"{MIN_TOKEN_LENGTH}. Make one with: "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return token
+
 
 def _key(token: str) -> bytes:
     return hmac.new(token.encode(), _CONTEXT, hashlib.sha256).digest()

@@ -19,21 +19,34 @@ so (issue 12 item 10):
    honour one, the repository's config (its includes followed) is read, and any such key makes
    the operation fail with 409 naming the key and how to remove it.
 
-What is left: a command running at the same moment can rewrite the config between the check in
-(3) and git reading it. Closing that needs git's directory out of the commands' reach (the
-sandbox of item 8); (1) and (2) do not depend on timing.
+4. **Confinement.** A command running at the same moment can still change what git reads
+   between the check in (3) and git's read: point ``.git/commondir`` at a config of its own,
+   rename ``.git`` and put a copy in its place, replace ``.git`` with a gitfile, plant
+   ``info/attributes``, includes or ``config.worktree``. So on a workspace (where commands run)
+   git itself runs in the commands' own bubblewrap confinement (``confine``: the devbox root and
+   Charlie's state hidden, the network off, its own pid namespace, a minimal environment):
+   whatever program a raced config names runs with a command's rights and no more, out of
+   reach of the devbox token and of other workspaces. (1)-(3) stay, so a git outside a sandbox
+   (``--no-sandbox``, where commands have the devbox's rights anyway) still runs nothing that
+   is configured before the operation starts. Git before a workspace exists (clone, init, the
+   first checkout, in the devbox's scratch directory that no command can see) runs unconfined:
+   it needs the network and the operator's ssh credentials, and the repository's config is
+   git's own fresh one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 from charlie.devbox.errors import ApiError
 from charlie.devbox.policy import is_secret_name
+from charlie.sandbox import SandboxPolicy, wrap
 
 IDEMPOTENCY_TRAILER = "Charlie-Idempotency-Key"
 #: the tree of an empty commit; diffing against it works while HEAD is unborn.
@@ -101,14 +114,24 @@ _NO_CHECK = frozenset({"rev-parse", "symbolic-ref", "log", "init", "clone", "con
 _DROPPED_ENV = frozenset({"EDITOR", "VISUAL", "PAGER", "SSH_ASKPASS", "XDG_CONFIG_HOME"})
 
 
-def git_env(cwd: Path, repo: Path | None = None) -> dict[str, str]:
+def git_env(cwd: Path, repo: Path | None = None, *, confined: bool = False) -> dict[str, str]:
     """The environment for devbox git: no secrets, no ``GIT_*`` but these, no config files but
-    the repository's; with ``repo``, git's directory and work tree pinned to it."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not is_secret_name(k) and not k.startswith("GIT_") and k not in _DROPPED_ENV
-    }
+    the repository's; with ``repo``, git's directory and work tree pinned to it. ``confined``
+    git (on a workspace) gets only ``PATH``, ``LANG`` and ``HOME`` (the workspace) of the
+    devbox's environment, as a command does: whatever a raced config makes it run sees nothing
+    of the operator's."""
+    if confined:
+        env = {
+            "PATH": os.environ.get("PATH") or "/usr/local/bin:/usr/bin:/bin",
+            "LANG": os.environ.get("LANG") or "C.UTF-8",
+            "HOME": str(repo or cwd),
+        }
+    else:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not is_secret_name(k) and not k.startswith("GIT_") and k not in _DROPPED_ENV
+        }
     env.update(
         GIT_TERMINAL_PROMPT="0",
         GIT_CONFIG_NOSYSTEM="1",
@@ -135,23 +158,27 @@ def run_git(
     cwd: Path,
     *,
     timeout: float,
+    confine: SandboxPolicy | None,
     input_text: str | None = None,
     check: bool = True,
     status_on_error: int = 500,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``git args`` in ``cwd``; on failure raise ApiError carrying git's own message.
 
-    In a repository (``cwd/.git`` exists) the repository's config is checked first, unless the
-    subcommand cannot honour the refused keys; see the module docstring.
+    ``confine``: the sandbox git runs in, which every caller names: a workspace's commands'
+    confinement for git on a workspace, None only for git no command can reach (see the module
+    docstring). In a repository (``cwd/.git`` exists) the repository's config is checked first,
+    unless the subcommand cannot honour the refused keys.
     """
     repo = _repository(cwd)
     if repo is not None and args[0] not in _NO_CHECK:
-        check_repo_config(repo, timeout)
+        check_repo_config(repo, timeout, confine=confine)
     return _run(
         args,
         cwd,
         repo,
         timeout=timeout,
+        confine=confine,
         input_text=input_text,
         check=check,
         status_on_error=status_on_error,
@@ -173,34 +200,61 @@ def _run(
     repo: Path | None,
     *,
     timeout: float,
+    confine: SandboxPolicy | None,
     input_text: str | None = None,
     check: bool = True,
     status_on_error: int = 500,
 ) -> subprocess.CompletedProcess[str]:
+    if confine is not None:
+        # the sandbox binds the workspace at its real path: name it (and git's dir) that way
+        cwd = Path(os.path.realpath(cwd))
+        repo = cwd if repo is not None else None
     cmd = ["git", "--no-pager", *_CONFIG, *args]
+    env = git_env(cwd, repo, confined=confine is not None)
+    if confine is not None:
+        cmd = wrap(cmd, confine, cwd)
     try:
-        done = subprocess.run(
+        # its own process group, so a timeout ends git and whatever it started (a filter, ssh)
+        proc = subprocess.Popen(
             cmd,
             cwd=cwd,
-            env=git_env(cwd, repo),
-            input=input_text,
-            capture_output=True,
+            env=env,
+            stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             errors="replace",
-            timeout=timeout,
-            check=False,
+            start_new_session=True,
+            close_fds=True,
         )
-    except subprocess.TimeoutExpired:
-        raise ApiError(504, f"git {args[0]} took longer than {timeout:g}s") from None
     except FileNotFoundError:
-        raise ApiError(500, "git is not installed on the devbox") from None
+        what = "bubblewrap" if confine is not None else "git"
+        raise ApiError(500, f"{what} is not installed on the devbox") from None
+    try:
+        stdout, stderr = proc.communicate(input_text, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise ApiError(504, f"git {args[0]} took longer than {timeout:g}s") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if check and done.returncode != 0:
         detail = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
         raise ApiError(status_on_error, f"git {args[0]} failed: {detail}")
     return done
 
 
-def check_repo_config(repo: Path, timeout: float) -> None:
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL git's process group (in a sandbox, its pid namespace dies with its first
+    process, taking along anything that left the group) and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.communicate(timeout=5)
+
+
+def check_repo_config(repo: Path, timeout: float, *, confine: SandboxPolicy | None) -> None:
     """409 if the repository's config (includes followed) sets a key git would run a program
     from and no override can neutralize; reading config runs nothing."""
     done = _run(
@@ -208,6 +262,7 @@ def check_repo_config(repo: Path, timeout: float) -> None:
         repo,
         repo,
         timeout=timeout,
+        confine=confine,
         check=False,
     )
     if done.returncode != 0:
@@ -231,25 +286,35 @@ def check_repo_config(repo: Path, timeout: float) -> None:
         )
 
 
-def head(cwd: Path, timeout: float) -> str | None:
+def head(cwd: Path, timeout: float, *, confine: SandboxPolicy | None) -> str | None:
     """HEAD's commit, or None while the branch is unborn (a fresh clone of an empty repo)."""
-    done = run_git(["rev-parse", "--verify", "-q", "HEAD"], cwd, timeout=timeout, check=False)
+    done = run_git(
+        ["rev-parse", "--verify", "-q", "HEAD"], cwd, timeout=timeout, confine=confine, check=False
+    )
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
-def current_branch(cwd: Path, timeout: float) -> str | None:
+def current_branch(cwd: Path, timeout: float, *, confine: SandboxPolicy | None) -> str | None:
     """The checked-out branch, or None on a detached HEAD."""
-    done = run_git(["symbolic-ref", "-q", "--short", "HEAD"], cwd, timeout=timeout, check=False)
+    done = run_git(
+        ["symbolic-ref", "-q", "--short", "HEAD"],
+        cwd,
+        timeout=timeout,
+        confine=confine,
+        check=False,
+    )
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
-def find_commit(cwd: Path, key: str, timeout: float) -> str | None:
+def find_commit(
+    cwd: Path, key: str, timeout: float, *, confine: SandboxPolicy | None
+) -> str | None:
     """The newest commit in HEAD's history whose idempotency trailer is exactly ``key``.
 
     ``--grep`` narrows the walk cheaply; the trailer is then compared exactly, so a key that is a
     prefix of another never matches it.
     """
-    if head(cwd, timeout) is None:
+    if head(cwd, timeout, confine=confine) is None:
         return None
     done = run_git(
         [
@@ -262,6 +327,7 @@ def find_commit(cwd: Path, key: str, timeout: float) -> str | None:
         ],
         cwd,
         timeout=timeout,
+        confine=confine,
     )
     for record in done.stdout.split("\x00"):
         lines = record.strip("\n").split("\n")

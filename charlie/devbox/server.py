@@ -58,7 +58,8 @@ from typing import IO, Any
 from urllib.parse import parse_qs, parse_qsl, unquote, urlsplit
 
 from charlie.devbox.commands import CommandRunner, StartRequest
-from charlie.devbox.credentials import Unauthorized, scope_of
+from charlie.devbox.confinement import workspace_policy
+from charlie.devbox.credentials import Unauthorized, check_token, scope_of
 from charlie.devbox.errors import ApiError
 from charlie.devbox.paths import check_workspace_id, resolve_inside
 from charlie.devbox.policy import (
@@ -165,11 +166,13 @@ class Devbox:
             check_mode(self.limits.sandbox)
         except SandboxUnavailable as exc:
             raise ApiError(403, str(exc)) from None
-        return SandboxPolicy(
-            workspace=workspace,
-            hidden=(self.root, *self.limits.hidden),
+        return workspace_policy(
+            self.root,
+            self.limits,
+            workspace,
             network=bool(network),
-            # the devbox's own git reads it: a command must not plant programs in it
+            # A first line only: with the config read-only, planting a driver for the devbox's
+            # git takes a race; what makes that race harmless is that git runs confined too.
             frozen=(workspace / ".git" / "config",),
         )
 
@@ -626,8 +629,7 @@ class DevboxServer:
         limits: Limits | None = None,
         repos: RepoPolicy | None = None,
     ) -> None:
-        if not token:
-            raise ValueError("the devbox needs a token")
+        check_token(token, "the devbox's token")  # a WeakToken (ValueError) names the minimum
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_file = _lock_root(self.root)

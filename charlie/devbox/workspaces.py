@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from charlie.devbox import git
+from charlie.devbox.confinement import git_policy
 from charlie.devbox.errors import ApiError
 from charlie.devbox.paths import (
     check_workspace_id,
@@ -29,6 +30,7 @@ from charlie.devbox.paths import (
     tree_bytes,
 )
 from charlie.devbox.policy import Limits, RepoPolicy, is_url
+from charlie.sandbox import SandboxPolicy
 
 _SPEC_FILE = "charlie-workspace.json"
 
@@ -49,6 +51,11 @@ class Workspaces:
         """One lock per workspace: creation, writes, patches and commits do not interleave."""
         with self._locks_guard:
             return self._locks.setdefault(workspace_id, threading.Lock())
+
+    def confine(self, workspace: Path) -> SandboxPolicy | None:
+        """Where the devbox's git on ``workspace`` runs: in its commands' confinement, since a
+        command can change what that git reads at any moment (see ``git``)."""
+        return git_policy(self.root, self.limits, workspace)
 
     def path(self, workspace_id: str) -> Path:
         """The existing workspace's directory, or 404."""
@@ -108,13 +115,17 @@ class Workspaces:
 
     def describe(self, workspace_id: str) -> dict[str, Any]:
         path = self.path(workspace_id)
-        t = self.limits.git_timeout
+        t, confine = self.limits.git_timeout, self.confine(path)
         return {
             "workspace_id": workspace_id,
             "path": str(path),
-            "head": git.head(path, t),
-            "branch": git.current_branch(path, t),
+            "head": git.head(path, t, confine=confine),
+            "branch": git.current_branch(path, t, confine=confine),
         }
+
+    # Building happens in the scratch directory, which no command can see, on a repository git
+    # has just made: its git runs unconfined (``confine=None``), with the network and the
+    # operator's credentials a clone needs.
 
     def _build(self, dest: Path, spec: dict[str, Any]) -> None:
         t = self.limits.git_timeout
@@ -122,14 +133,21 @@ class Workspaces:
             self._build_copy(dest, spec)
         elif spec["repo"] is None:
             dest.mkdir()
-            git.run_git(["init", "-q", "-b", spec["branch"] or "main"], dest, timeout=t)
+            init = ["init", "-q", "-b", spec["branch"] or "main"]
+            git.run_git(init, dest, timeout=t, confine=None)
             # an initial commit gives HEAD a value, so diff and commit behave as on a clone
-            git.run_git(["commit", "-q", "--allow-empty", "-m", "Empty workspace"], dest, timeout=t)
+            git.run_git(
+                ["commit", "-q", "--allow-empty", "-m", "Empty workspace"],
+                dest,
+                timeout=t,
+                confine=None,
+            )
         else:
             git.run_git(
                 ["clone", "-q", "--", spec["repo"], str(dest)],
                 self.scratch,
                 timeout=t,
+                confine=None,
                 status_on_error=422,
             )
         self._checkout(dest, spec)
@@ -140,10 +158,13 @@ class Workspaces:
             raise ApiError(422, f"copy_from {str(source)!r} is not a directory on the devbox")
         t = self.limits.git_timeout
         shutil.copytree(source, dest, symlinks=True, ignore=shutil.ignore_patterns(".git"))
-        git.run_git(["init", "-q", "-b", spec["branch"] or "main"], dest, timeout=t)
-        git.run_git(["add", "-A"], dest, timeout=t)
+        git.run_git(["init", "-q", "-b", spec["branch"] or "main"], dest, timeout=t, confine=None)
+        git.run_git(["add", "-A"], dest, timeout=t, confine=None)
         git.run_git(
-            ["commit", "-q", "--allow-empty", "-m", f"Copy of {source.name}"], dest, timeout=t
+            ["commit", "-q", "--allow-empty", "-m", f"Copy of {source.name}"],
+            dest,
+            timeout=t,
+            confine=None,
         )
 
     def _checkout(self, dest: Path, spec: dict[str, Any]) -> None:
@@ -156,23 +177,30 @@ class Workspaces:
                 ["rev-parse", "--verify", "-q", f"{base}^{{commit}}"],
                 dest,
                 timeout=t,
+                confine=None,
                 status_on_error=422,
             )
         if branch is None and base is None:
             return
         if branch is None:
             assert base is not None
-            git.run_git(["checkout", "-q", "--detach", base], dest, timeout=t, status_on_error=422)
+            git.run_git(
+                ["checkout", "-q", "--detach", base],
+                dest,
+                timeout=t,
+                confine=None,
+                status_on_error=422,
+            )
             return
         start = base
         if start is None:
             remote = f"refs/remotes/origin/{branch}"
             has_remote = git.run_git(
-                ["rev-parse", "--verify", "-q", remote], dest, timeout=t, check=False
+                ["rev-parse", "--verify", "-q", remote], dest, timeout=t, confine=None, check=False
             )
             start = remote if has_remote.returncode == 0 else None
         args = ["checkout", "-q", "-B", branch] + ([start] if start else [])
-        git.run_git(args, dest, timeout=t, status_on_error=422)
+        git.run_git(args, dest, timeout=t, confine=None, status_on_error=422)
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -237,13 +265,18 @@ class Workspaces:
 
     def apply_patch(self, workspace_id: str, diff: str) -> dict[str, Any]:
         workspace = self.path(workspace_id)
-        t = self.limits.git_timeout
+        t, confine = self.limits.git_timeout, self.confine(workspace)
         if not diff.strip():
             raise ApiError(400, "the patch is empty")
         with self.lock(workspace_id):
             self._check_room(workspace, workspace_id, len(diff.encode("utf-8")))
             numstat = git.run_git(
-                ["apply", "--numstat", "-"], workspace, timeout=t, input_text=diff, check=False
+                ["apply", "--numstat", "-"],
+                workspace,
+                timeout=t,
+                confine=confine,
+                input_text=diff,
+                check=False,
             )
             if numstat.returncode != 0:
                 raise ApiError(422, f"patch is not a valid diff: {numstat.stderr.strip()}")
@@ -251,6 +284,7 @@ class Workspaces:
                 ["apply", "--whitespace=nowarn", "-"],
                 workspace,
                 timeout=t,
+                confine=confine,
                 input_text=diff,
                 check=False,
             )
@@ -261,13 +295,19 @@ class Workspaces:
 
     def diff(self, workspace_id: str) -> dict[str, Any]:
         workspace = self.path(workspace_id)
-        t = self.limits.git_timeout
-        base = "HEAD" if git.head(workspace, t) else git.EMPTY_TREE
+        t, confine = self.limits.git_timeout, self.confine(workspace)
+        base = "HEAD" if git.head(workspace, t, confine=confine) else git.EMPTY_TREE
         done = git.run_git(
-            ["diff", "--no-ext-diff", "--no-textconv", "--no-color", base], workspace, timeout=t
+            ["diff", "--no-ext-diff", "--no-textconv", "--no-color", base],
+            workspace,
+            timeout=t,
+            confine=confine,
         )
         untracked = git.run_git(
-            ["ls-files", "--others", "--exclude-standard", "-z"], workspace, timeout=t
+            ["ls-files", "--others", "--exclude-standard", "-z"],
+            workspace,
+            timeout=t,
+            confine=confine,
         )
         text, truncated = done.stdout, False
         limit = self.limits.output_bytes
@@ -285,9 +325,9 @@ class Workspaces:
         not change, which keeps "did my commit happen?" a yes/no question for reconcile.
         """
         workspace = self.path(workspace_id)
-        t = self.limits.git_timeout
+        t, confine = self.limits.git_timeout, self.confine(workspace)
         with self.lock(workspace_id):
-            existing = git.find_commit(workspace, key, t)
+            existing = git.find_commit(workspace, key, t, confine=confine)
             if existing is not None:
                 return {"commit": existing, "created": False}
             if self._seal(workspace_id, key).exists():
@@ -297,14 +337,15 @@ class Workspaces:
                     "sealed it, so this late attempt must not commit (the call settled as not "
                     "committed); commit again as a new call",
                 )
-            git.run_git(["add", "-A"], workspace, timeout=t)
+            git.run_git(["add", "-A"], workspace, timeout=t, confine=confine)
             git.run_git(
                 ["commit", "-q", "--no-verify", "--allow-empty", "-F", "-"],
                 workspace,
                 timeout=t,
+                confine=confine,
                 input_text=git.commit_message(message, key),
             )
-            sha = git.head(workspace, t)
+            sha = git.head(workspace, t, confine=confine)
         return {"commit": sha, "created": True}
 
     def find_commit(self, workspace_id: str, key: str, *, seal: bool = False) -> dict[str, Any]:
@@ -314,7 +355,9 @@ class Workspaces:
         paused holder's late commit with it is refused, so the answer stays true (I10)."""
         workspace = self.path(workspace_id)
         with self.lock(workspace_id):
-            found = git.find_commit(workspace, key, self.limits.git_timeout)
+            found = git.find_commit(
+                workspace, key, self.limits.git_timeout, confine=self.confine(workspace)
+            )
             if found is None and seal:
                 path = self._seal(workspace_id, key)
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,11 +396,24 @@ def _spec(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_spec(path: Path) -> dict[str, Any] | None:
+    """The spec the workspace was made from, or None. Neither ``.git`` nor the file is followed
+    through a symlink: a command can plant one pointing at another workspace's spec (its
+    repository URL may carry credentials), which a conflict's message would then show. Only a
+    regular file is read (a FIFO there would block the devbox)."""
     try:
-        data: dict[str, Any] = json.loads((path / ".git" / _SPEC_FILE).read_text())
+        git_dir = os.open(path / ".git", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+            fd = os.open(_SPEC_FILE, flags, dir_fd=git_dir)
+        finally:
+            os.close(git_dir)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            data = json.loads(f.read(64 * 1024))
     except (OSError, ValueError):
         return None
-    return data
+    return data if isinstance(data, dict) else None
 
 
 def _write_atomic(target: Path, data: bytes) -> None:

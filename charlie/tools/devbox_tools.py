@@ -65,6 +65,7 @@ from charlie.devbox.client import (
     FileEntry,
     Workspace,
 )
+from charlie.devbox.credentials import WeakToken, check_token
 from charlie.domain import JSON, Outcome
 from charlie.sandbox import network_allowed
 from charlie.tools.context import (
@@ -125,6 +126,10 @@ def current_config() -> DevboxConfig:
         raise ToolError("no devbox is configured for this worker (CHARLIE_DEVBOX_URL is unset)")
     if not config.token:
         raise ToolError("CHARLIE_DEVBOX_URL is set but CHARLIE_DEVBOX_TOKEN is not")
+    try:
+        check_token(config.token)
+    except WeakToken as exc:
+        raise ToolError(f"the devbox is misconfigured on this worker: {exc}") from None
     return config
 
 

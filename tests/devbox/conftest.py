@@ -19,7 +19,8 @@ from charlie.devbox import CommandPolicy, DevboxClient, DevboxServer, Limits, Re
 from charlie.devbox.commands import proc_start_ticks
 from tests.support.cluster import TEST_SANDBOX
 
-TOKEN = "test-devbox-token-123"
+#: at least MIN_TOKEN_LENGTH (32) characters, as the devbox requires
+TOKEN = "test-devbox-token-0123456789abcdef"
 
 ServerFactory = Callable[..., DevboxServer]
 

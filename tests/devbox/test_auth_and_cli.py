@@ -1,4 +1,5 @@
-"""The token guards every route; the client's errors never leak it; the CLI insists on one."""
+"""The token guards every route; the client's errors never leak it; the CLI insists on one, of
+at least 32 characters, and so do the devbox and the workers."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from charlie.config import load_settings
 from charlie.devbox import DevboxClient, DevboxError, DevboxServer, DevboxUnavailable
 from charlie.devbox.cli import devbox
+from charlie.devbox.credentials import MIN_TOKEN_LENGTH
+from charlie.tools import devbox_tools
+from charlie.tools.context import ToolError
 
 from .conftest import TOKEN
 
@@ -73,3 +78,36 @@ def test_cli_refuses_without_token(tmp_path: Path) -> None:
     )
     assert result.exit_code != 0
     assert "token" in result.output
+
+
+_SHORT = "s3cret-but-short-0123456789abcd"  # 31 characters
+
+
+def test_devbox_refuses_a_token_under_32_characters(tmp_path: Path) -> None:
+    assert MIN_TOKEN_LENGTH == 32 and len(_SHORT) == 31 and len(TOKEN) >= 32
+    with pytest.raises(ValueError, match="at least 32") as info:
+        DevboxServer(tmp_path / "short", _SHORT)
+    assert _SHORT not in str(info.value)
+    DevboxServer(tmp_path / "long", "x" * 32).stop()  # 32 is enough
+
+
+def test_cli_refuses_a_token_under_32_characters(tmp_path: Path) -> None:
+    for env, args in (
+        ({"CHARLIE_DEVBOX_TOKEN": _SHORT}, []),
+        ({"CHARLIE_DEVBOX_TOKEN": ""}, ["--token", _SHORT]),
+    ):
+        result = CliRunner().invoke(devbox, ["serve", "--root", str(tmp_path), *args], env=env)
+        assert result.exit_code == 2, result.output
+        assert "refusing to start" in result.output and "at least 32" in result.output
+        assert "31 characters" in result.output and _SHORT not in result.output
+
+
+def test_a_worker_refuses_a_token_under_32_characters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHARLIE_DEVBOX_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("CHARLIE_DEVBOX_TOKEN", _SHORT)
+    monkeypatch.setattr(devbox_tools, "settings", load_settings)
+    with pytest.raises(ToolError, match="at least 32") as info:
+        devbox_tools.current_config()
+    assert _SHORT not in str(info.value.as_result())
+    monkeypatch.setenv("CHARLIE_DEVBOX_TOKEN", TOKEN)
+    assert devbox_tools.current_config().token == TOKEN

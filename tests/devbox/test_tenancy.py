@@ -154,3 +154,30 @@ def test_by_default_no_repository_is_allowed(spawn_server, tmp_path: Path) -> No
                 attempt()
             assert info.value.status == 403
             assert "allowed: none" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        "ln -sf {other}/.git/charlie-workspace.json .git/charlie-workspace.json",
+        "mv .git .real && ln -s {other}/.git .git",
+    ],
+    ids=["spec-symlink", "git-dir-symlink"],
+)
+def test_a_planted_symlink_shows_nothing_of_another_workspaces_spec(
+    make_server: ServerFactory, tmp_path: Path, plant: str
+) -> None:
+    # b's repository (its URL could carry credentials) is b's alone; a command in a links a's
+    # spec to b's, then a's worker asks for a's workspace with another spec: the conflict's
+    # message must not show b's
+    repo = make_repo(tmp_path / "b-private-repo")
+    server = make_server()
+    with DevboxClient(server.url, TOKEN) as admin:
+        admin.ensure_workspace("ws-a", None)
+        other = Path(admin.ensure_workspace("ws-b", str(repo)).path)
+        started = admin.start_command("ws-a", shell=plant.format(other=other))
+        assert admin.wait_command(started.execution_id, timeout=30).succeeded
+        with pytest.raises(DevboxError) as info:
+            admin.ensure_workspace("ws-a", None, branch="elsewhere")
+    assert info.value.status in (404, 409), info.value
+    assert "b-private-repo" not in info.value.message

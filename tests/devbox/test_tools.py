@@ -199,13 +199,13 @@ def test_path_and_symlink_escapes_are_refused(box: Calls, server: DevboxServer) 
 def test_wrong_token_is_refused_and_never_shown(
     server: DevboxServer, use_devbox: Callable[..., DevboxConfig], tmp_path: Path
 ) -> None:
-    use_devbox(server, token="not-the-token-42")
+    use_devbox(server, token="not-the-token-0123456789abcdefghij")
     calls = Calls(tmp_path)
     with pytest.raises(ToolError, match="refused this worker's credentials") as refused:
         devbox_tools.read_file("a.txt", calls.ctx())
     result = refused.value.as_result()
     assert result["devbox_status"] == 401
-    assert "not-the-token-42" not in str(result) and TOKEN not in str(result)
+    assert "not-the-token-0123456789abcdefghij" not in str(result) and TOKEN not in str(result)
 
 
 def test_unreachable_devbox_is_a_tool_error(

@@ -148,15 +148,26 @@ def test_doctor_names_a_tool_module_that_does_not_import(tmp_path: Path) -> None
 def test_doctor_names_a_devbox_that_refuses_the_token(tmp_path: Path) -> None:
     from charlie.devbox.server import DevboxServer
 
-    server = DevboxServer(root=tmp_path / "devbox", token="right-token", port=0).start()
+    right = "right-token-0123456789abcdefghijklm"
+    server = DevboxServer(root=tmp_path / "devbox", token=right, port=0).start()
     try:
-        env = fresh_env(tmp_path, CHARLIE_DEVBOX_URL=server.url, CHARLIE_DEVBOX_TOKEN="wrong")
+        env = fresh_env(
+            tmp_path,
+            CHARLIE_DEVBOX_URL=server.url,
+            CHARLIE_DEVBOX_TOKEN="wrong-token-0123456789abcdefghijklm",
+        )
         code, checks = doctor(env)
         assert code == 1
         assert checks["devbox"]["status"] == "FAIL"
         assert "401" in checks["devbox"]["detail"]
         assert "CHARLIE_DEVBOX_TOKEN" in checks["devbox"]["fix"]
-        env["CHARLIE_DEVBOX_TOKEN"] = "right-token"
+        # a token under the devbox's minimum is named as such, before any request
+        env["CHARLIE_DEVBOX_TOKEN"] = "short-token"
+        code, checks = doctor(env)
+        assert code == 1 and checks["devbox"]["status"] == "FAIL"
+        assert "at least 32" in checks["devbox"]["detail"]
+        assert "short-token" not in json.dumps(checks)
+        env["CHARLIE_DEVBOX_TOKEN"] = right
         _, checks = doctor(env)
         assert checks["devbox"]["status"] == "ok", checks["devbox"]
     finally:

@@ -170,7 +170,7 @@ def test_without_a_sandbox_commands_are_refused_unless_opted_out(tmp_path: Path)
     served = subprocess.run(
         [sys.executable, "-m", "charlie.devbox", "serve", "--port", str(free_port())],
         env=_without_bwrap_env()
-        | {"CHARLIE_DEVBOX_TOKEN": "t", "CHARLIE_DEVBOX_ROOT": str(tmp_path)},
+        | {"CHARLIE_DEVBOX_TOKEN": "t" * 32, "CHARLIE_DEVBOX_ROOT": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=60,
