@@ -36,8 +36,15 @@ def prepare(home: Path) -> Path:
 
 
 def private_dir(path: Path) -> Path:
-    """A directory of Charlie's own state (the broker's folders): created 0700."""
-    path.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    """A directory of Charlie's own state (the broker's folders): created 0700, and so is each
+    missing folder above it (``mkdir(parents=True)`` would give those the umask's mode)."""
+    missing = []
+    folder = path
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=PRIVATE_DIR, exist_ok=True)
     return path
 
 
