@@ -346,9 +346,11 @@ def _summary(task_id: str, url: str, token: str) -> int:
         workspace = devbox.get_workspace(workspace_id_for(task_id))
     commit = next((c.result for c in api.calls(task_id) if c.name == "git_commit"), None)
     committed = isinstance(commit, dict) and commit.get("commit") == workspace.head
-    click.echo(
-        f"devbox workspace {workspace.workspace_id}: branch {workspace.branch}, "
-        f"HEAD {(workspace.head or '-')[:12]}" + (" (the fix commit)" if committed else "")
+    click.echo(  # the branch is the devbox's word, which a task's commands can set
+        printable(
+            f"devbox workspace {workspace.workspace_id}: branch {workspace.branch}, "
+            f"HEAD {(workspace.head or '-')[:12]}" + (" (the fix commit)" if committed else "")
+        )
     )
     click.echo(f"inspect it again with: charlie show {task_id}")
     click.echo(f"or in the run console: charlie ui --task {task_id}  (then open the address)")
