@@ -7,6 +7,7 @@ CSI, DEL and a right-to-left override."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,3 +136,32 @@ def test_no_control_character_of_a_model_or_tool_reaches_the_terminal(
     assert doc.returncode == 0 and not obeyable(doc.stdout)
     listed = charlie_cli(env, "list", "--limit", "5")
     assert listed.returncode == 0 and not obeyable(listed.stdout + listed.stderr)
+
+
+def test_tools_and_doctor_show_an_mcp_servers_words_without_obeying_them(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`charlie tools` and `charlie doctor` start the configured MCP servers to list them: a
+    server's stderr (forwarded to the command's own) and its command line in the listing carry
+    OSC 52, CR and U+202E, shown and not obeyed. Before charlie.terminal they went out raw."""
+    noise = "printf '\\033]52;c;aGk=\\007 noise\\r\\342\\200\\256x\\n' >&2; exit 1"
+    servers = {"mcpServers": {"loud": {"command": "sh", "args": ["-c", noise, "A" + EVIL]}}}
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CHARLIE_")},
+        "CHARLIE_HOME": str(tmp_path / "home"),
+        "CHARLIE_MCP_SERVERS": json.dumps(servers),
+        "CHARLIE_MCP_TIMEOUT": "5",
+        "PYTHONPATH": str(REPO),
+    }
+    for args in (["tools"], ["doctor", "--timeout", "2"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "charlie", *args],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for stream in (done.stdout, done.stderr):
+            assert not obeyable(stream), (args, obeyable(stream), stream)
+        assert "\\x1b]52;c;aGk=\\x07 noise\\r<U+202E>x" in done.stderr, (args, done.stderr)
+        if args == ["tools"]:
+            assert "mcp server loud" in done.stdout and "AA\\x1b]52;c;aGFja2Vk" in done.stdout
