@@ -7,7 +7,7 @@ ticks at least once, and a phase task is safe to run twice, concurrently, late o
 
 from datetime import timedelta
 
-from charlie import broker
+from charlie import broker, home
 from charlie.config import SWEEP_QUEUE, TICK_QUEUE, settings
 
 _s = settings()
@@ -15,6 +15,7 @@ _s = settings()
 broker_url = _s.broker_url
 if _s.is_embedded_broker:
     broker.register()
+    home.prepare(_s.home)  # private (0700): the broker's messages carry prompts and results
     broker_transport_options = broker.transport_options(_s.broker_dir, _s.embedded_poll_interval)
 else:
     broker_transport_options = {

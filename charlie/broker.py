@@ -27,6 +27,8 @@ from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
 
+from charlie.home import open_private, private_dir
+
 SCHEME = "charliefs"
 
 
@@ -38,7 +40,8 @@ class Channel(filesystem.Channel):
         final = f"{round(monotonic() * 1000):015d}_{uuid.uuid4().hex}.{queue}.msg"
         tmp = os.path.join(folder, f"tmp-{uuid.uuid4().hex}")
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            # 0600 whatever the umask: a message carries a task's prompt or a person's reply
+            with os.fdopen(open_private(Path(tmp), os.O_WRONLY | os.O_EXCL), "wb", 0) as f:
                 f.write(str_to_bytes(dumps(payload)))
             os.rename(tmp, os.path.join(folder, final))
         except OSError as exc:
@@ -86,7 +89,7 @@ def transport_options(broker_dir: Path, polling_interval: float) -> dict[str, An
     queue_dir = broker_dir / "queue"
     control = broker_dir / "control"
     for d in (queue_dir, control):
-        d.mkdir(parents=True, exist_ok=True)
+        private_dir(d)
     return {
         "data_folder_in": str(queue_dir),
         "data_folder_out": str(queue_dir),

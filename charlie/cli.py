@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from charlie.config import settings
+from charlie.terminal import printable
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -22,8 +23,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def _say(line: str, *, err: bool = False, multiline: bool = False) -> None:
+    """Print one line (or, ``multiline``, a body of lines) with every control and format
+    character shown rather than obeyed: what the command prints carries task ids, models,
+    results, questions, tool names and errors that a model, a tool or an MCP server wrote, and
+    a terminal must not act on any of it (the operator reads what is there)."""
+    click.echo(printable(line, multiline=multiline), err=err)
+
+
 def _fail(message: str) -> None:
-    click.echo(f"charlie: {message}", err=True)
+    _say(f"charlie: {message}", err=True, multiline=True)
     sys.exit(2)
 
 
@@ -32,8 +41,10 @@ def _fmt_time(value: datetime | None) -> str:
 
 
 def _short(value: Any, limit: int = 100) -> str:
+    """One line of at most ``limit`` characters: controls shown (before whitespace is folded,
+    so a CR or a line separator is seen, not turned into a space), runs of whitespace folded."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    text = " ".join(text.split())
+    text = " ".join(printable(text, multiline=True).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -242,10 +253,10 @@ def submit(
         )
     except ValueError as exc:
         _fail(str(exc))
-    click.echo(tid)
+    _say(tid)
     if wait_:
         info = api.wait(tid, timeout=timeout or 3600)
-        click.echo(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
+        _say(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
         sys.exit(0 if info.status.value == "succeeded" else 1)
 
 
@@ -272,9 +283,9 @@ def wait(task_id: str, timeout: float) -> None:
                 _fail(f"{exc} after {timeout:g} s")
             time.sleep(0.5)
         except TimeoutError as exc:
-            click.echo(f"charlie: {exc}", err=True)
+            _say(f"charlie: {exc}", err=True)
             sys.exit(1)
-    click.echo(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
+    _say(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
     sys.exit(0 if info.status.value == "succeeded" else 1)
 
 
@@ -288,12 +299,12 @@ def doctor(timeout: float, as_json: bool) -> None:
 
     results, code = checks.diagnose(timeout=timeout)
     if as_json:
-        click.echo(json.dumps(checks.as_json(results), indent=2))
+        _say(json.dumps(checks.as_json(results), indent=2), multiline=True)
     else:
         for check in results:
-            click.echo(check.line())
+            _say(check.line())
         failed = sum(c.failed for c in results)
-        click.echo("all checks passed" if not failed else f"{failed} check(s) failed")
+        _say("all checks passed" if not failed else f"{failed} check(s) failed")
     sys.exit(code)
 
 
@@ -340,22 +351,25 @@ def tools(as_json: bool) -> None:
         for d in REGISTRY.enabled(None)
     ]
     if as_json:
-        click.echo(json.dumps({"tools": rows, "mcp_servers": servers}, indent=2))
+        _say(json.dumps({"tools": rows, "mcp_servers": servers}, indent=2), multiline=True)
         return
+    # a user module's or an MCP server's tool name is shown, not obeyed, before it is padded
+    for r in rows:
+        r["name"] = printable(str(r["name"]))
     width = max((len(str(r["name"])) for r in rows), default=4)
-    click.echo(
+    _say(
         f"{'NAME':<{width}}  {'EFFECT':<6}  {'APPROVAL':<8}  {'RESUMABLE':<11}  "
         f"{'INTERRUPT':<9}  {'AT ONCE':<7}  SOURCE"
     )
     for r in rows:
-        click.echo(
+        _say(
             f"{r['name']:<{width}}  {r['effect']:<6}  {'yes' if r['approval'] else 'no':<8}  "
             f"{r['resumable']:<11}  {r['on_interrupt']:<9}  "
             f"{'yes' if r['threadsafe'] else 'no':<7}  {r['source']}"
         )
     for server in servers:
         state = f"{server['tools']} tools" if not server["problem"] else server["problem"]
-        click.echo(f"mcp server {server['name']} ({server['server']}): {state}")
+        _say(f"mcp server {server['name']} ({server['server']}): {state}")
 
 
 @main.command(name="list")
@@ -382,14 +396,14 @@ def list_(
     except (ValueError, TaskNotFound) as exc:
         _fail(str(exc))
     if as_json:
-        click.echo(json.dumps([asdict(t) for t in page], default=str, indent=2))
+        _say(json.dumps([asdict(t) for t in page], default=str, indent=2), multiline=True)
         return
     now = datetime.now(UTC)
-    click.echo(f"{'TASK':<36}  {'STATUS':<9}  {'PHASE':<15}  {'TURN':>4}  {'AGE':>6}  MODEL")
+    _say(f"{'TASK':<36}  {'STATUS':<9}  {'PHASE':<15}  {'TURN':>4}  {'AGE':>6}  MODEL")
     for t in page:
         phase = t.phase.value if t.phase else "-"
         age = _age((now - t.created_at).total_seconds())
-        click.echo(
+        _say(
             f"{_short(t.id, 36):<36}  {t.status.value:<9}  {phase:<15}  {t.turn:>4}  "
             f"{age:>6}  {_short(t.model, 40)}"
         )
@@ -397,7 +411,7 @@ def list_(
         filters = "".join(f" --status {s}" for s in statuses)
         filters += f" --parent {parent}" if parent else ""
         filters += f" --limit {limit}" if limit != 50 else ""
-        click.echo(f"more: charlie list{filters} --before {page[-1].id}", err=True)
+        _say(f"more: charlie list{filters} --before {page[-1].id}", err=True)
 
 
 def _age(seconds: float) -> str:
@@ -442,7 +456,7 @@ def status(task_id: str) -> None:
     ]
     rows += [("waiting for", _short(w.describe(), 200)) for w in info.waiting_for]
     for key, value in rows:
-        click.echo(f"{key:>12}  {value}")
+        _say(f"{key:>12}  {value}")
 
 
 @main.command()
@@ -463,28 +477,28 @@ def show(task_id: str, as_json: bool) -> None:
                 "transitions": api.history(task_id),
                 "actions": [asdict(a) for a in api.actions(task_id)],
             }
-            click.echo(json.dumps(doc, default=str, indent=2))
+            _say(json.dumps(doc, default=str, indent=2), multiline=True)
             return
         info = api.get_task(task_id)
         lines = [line for _, line in transcript_rows(task_id)]
         done = api.actions(task_id)
     except TaskNotFound as exc:
         _fail(str(exc))
-    click.echo(f"task {info.id}: {info.status.value} (phase {info.phase}, turn {info.turn})")
+    _say(f"task {info.id}: {info.status.value} (phase {info.phase}, turn {info.turn})")
     for line in lines:
-        click.echo(line)
+        _say(line, multiline=True)  # a final answer's own lines stay lines, indented (views)
     for waiting in info.waiting_for:
-        click.echo(f"waiting for {_short(waiting.describe(), 300)}")
+        _say(f"waiting for {_short(waiting.describe(), 300)}")
     if done:
-        click.echo("actions:")
+        _say("actions:")
     for action in done:
         what = f"  {_fmt_time(action.at)}  {action.action.value:<9} by {_short(action.actor, 40)}"
         what += f"  call {action.call_id}" if action.call_id else ""
         what += f"  {_short(action.detail, 160)}" if action.detail else ""
         what += f"  note: {_short(action.note, 160)}" if action.note else ""
-        click.echo(what)
+        _say(what)
     u = info.usage
-    click.echo(
+    _say(
         f"tokens: in {u['input_tokens']}, out {u['output_tokens']}, "
         f"reasoning {u['reasoning_tokens']}; model calls {info.model_calls}"
     )
@@ -498,7 +512,7 @@ def cancel(task_id: str, note: str | None) -> None:
     from charlie import api
 
     changed = _act(lambda: api.cancel(task_id, note=note))
-    click.echo("canceled" if changed else "already finished")
+    _say("canceled" if changed else "already finished")
 
 
 def _act(action: Callable[[], T]) -> T:
@@ -516,7 +530,7 @@ def _act(action: Callable[[], T]) -> T:
 
 def _said(record: Any) -> None:
     detail = f": {_short(record.detail, 300)}" if record.detail else ""
-    click.echo(f"{record.describe()}{detail}")
+    _say(f"{record.describe()}{detail}")
 
 
 @main.command()
@@ -527,7 +541,7 @@ def send(task_id: str, text: str, message_id: str | None) -> None:
     """Send a message to a running task; it enters at the next turn boundary (I22)."""
     from charlie import api
 
-    click.echo(_act(lambda: api.send(task_id, text, message_id=message_id)))
+    _say(_act(lambda: api.send(task_id, text, message_id=message_id)))
 
 
 @main.command()
@@ -541,7 +555,7 @@ def reply(task_id: str, call_id: str, text: str) -> None:
     record = _act(lambda: api.reply(task_id, call_id, text))
     _said(record)
     if (record.detail or {}).get("late"):
-        click.echo("the question had already settled: recorded as a late report", err=True)
+        _say("the question had already settled: recorded as a late report", err=True)
 
 
 @main.command()
@@ -646,9 +660,7 @@ def fork(
     """Fork a task from the end of one of its turns: a new task that repeats nothing (I26)."""
     from charlie import api
 
-    click.echo(
-        _act(lambda: api.fork(task_id, turn=turn, message=message, model=model, task_id=new_id))
-    )
+    _say(_act(lambda: api.fork(task_id, turn=turn, message=message, model=model, task_id=new_id)))
 
 
 @main.command()
@@ -776,37 +788,37 @@ def ui(
 
     def announce(bound: int) -> None:
         base = f"http://{shown}:{bound}{path}"
-        click.echo(f"Charlie console on {host}:{bound}, acting as {config.operator}")
-        click.echo(f"database {settings().database_url.split('://')[0]}; open:")
+        _say(f"Charlie console on {host}:{bound}, acting as {config.operator}")
+        _say(f"database {settings().database_url.split('://')[0]}; open:")
         if generated and sys.stdout.isatty():
             # The operator's own terminal, as Jupyter does: a generated token has no other way
             # to the person who started the console. Never a log record.
-            click.echo(f"    {base}?token={token}")
+            _say(f"    {base}?token={token}")
         elif generated:
             # stdout is a pipe or a file: a service's journal or a container's log, which
             # others read and keep. The token goes to a file only this user can read.
             kept = settings().home / f"ui-token-{bound}"
             write_token_file(kept, token)
-            click.echo(f"    {base}?token=<the token in {kept}>")
-            click.echo(f"(a generated token; not printed, as stdout is not a terminal: see {kept})")
+            _say(f"    {base}?token=<the token in {kept}>")
+            _say(f"(a generated token; not printed, as stdout is not a terminal: see {kept})")
         else:
-            click.echo(f"    {base}?token=<the token of CHARLIE_UI_TOKEN / --token-file>")
+            _say(f"    {base}?token=<the token of CHARLIE_UI_TOKEN / --token-file>")
         answered = guard.AllowedHosts.build(host, bound, config.allowed_hosts)
-        click.echo(f"answers to Host: {answered.describe()}")
+        _say(f"answers to Host: {answered.describe()}")
         local = host in ("127.0.0.1", "::1", "localhost")
         if not local and not config.allowed_hosts:
-            click.echo(
+            _say(
                 "note: a request for any other Host is refused (DNS rebinding); allow the name "
                 "other machines use with --allowed-host or CHARLIE_UI_ALLOWED_HOSTS",
                 err=True,
             )
         if behind_tls_proxy:
-            click.echo(
+            _say(
                 "behind a TLS proxy: every cookie is Secure; open the console at the proxy's "
                 "https address (its host name allowed with --allowed-host)"
             )
         elif not local:
-            click.echo(
+            _say(
                 "warning: serving plain HTTP beyond this machine; put TLS in front of it "
                 "(and say so with --behind-tls-proxy), the token travels with every request",
                 err=True,
@@ -827,12 +839,13 @@ def db() -> None:
 @db.command()
 def upgrade() -> None:
     """Apply Alembic migrations to CHARLIE_DATABASE_URL."""
+    from charlie.home import prepare as prepare_home
     from charlie.store.engine import upgrade as do_upgrade
 
     s = settings()
-    s.home.mkdir(parents=True, exist_ok=True)
+    prepare_home(s.home)
     do_upgrade(s.database_url)
-    click.echo("database is at the current schema")
+    _say("database is at the current schema")
 
 
 @main.command()

@@ -4,7 +4,8 @@ Charlie's log calls pass their context as ``extra`` (task id, execution id, phas
 call id, ...). Celery's worker formats records with a fixed format string that prints none of
 it, so the worker's handlers get a formatter that adds the context after the message, whatever
 format the operator configured: ``key=value`` pairs by default, or one JSON object per line with
-``CHARLIE_LOG_FORMAT=json`` for a log shipper.
+``CHARLIE_LOG_FORMAT=json`` for a log shipper. Either way no control character of a model's or
+a tool's text reaches the log raw: text lines show them (charlie.terminal), JSON escapes them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import logging
 import sys
 from datetime import UTC, datetime
 from typing import Any
+
+from charlie.terminal import printable
 
 #: the context keys that lead, in this order; any others follow sorted.
 LEADING_KEYS = ("task_id", "execution_id", "phase", "version", "call_id", "to", "note", "trace_id")
@@ -75,8 +78,8 @@ def _text(value: Any) -> str:
     if len(text) > MAX_VALUE_CHARS:
         text = text[:MAX_VALUE_CHARS] + "..."
     if not text or any(ch.isspace() or ch in '"=' for ch in text):
-        text = json.dumps(text)
-    return text
+        text = json.dumps(text)  # (ASCII: every control and non-ASCII character escaped)
+    return printable(text)
 
 
 class ContextFormatter(logging.Formatter):
@@ -88,14 +91,17 @@ class ContextFormatter(logging.Formatter):
         self.inner = inner or logging.Formatter()
 
     def format(self, record: logging.LogRecord) -> str:
+        # A message, a context value or a traceback can quote a model's or a tool's text:
+        # whoever tails the log sees its control characters, their terminal obeys none
+        # (charlie.terminal; a traceback keeps its lines).
         context = context_of(record)
         if not context:
-            return self.inner.format(record)
+            return printable(self.inner.format(record), multiline=True)
         saved = record.msg, record.args
         pairs = " ".join(f"{k}={_text(v)}" for k, v in context.items())
         record.msg, record.args = f"{record.getMessage()} [{pairs}]", None
         try:
-            return self.inner.format(record)
+            return printable(self.inner.format(record), multiline=True)
         finally:
             record.msg, record.args = saved
 

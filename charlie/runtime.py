@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
+from charlie import home
 from charlie.config import Settings, settings
 from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
@@ -166,7 +167,7 @@ def import_tool_modules(modules: Iterable[str]) -> None:
 
 
 def _database_ready(s: Settings) -> Engine:
-    s.home.mkdir(parents=True, exist_ok=True)
+    home.prepare(s.home)
     ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)
     return get_engine(s.database_url)
 

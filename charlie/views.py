@@ -6,11 +6,15 @@ import json
 from typing import Any
 
 from charlie import api
+from charlie.terminal import printable
 
 
 def short(value: Any, limit: int = 100) -> str:
+    """One line of at most ``limit`` characters for a terminal: control and format characters
+    shown, not obeyed (charlie.terminal; before whitespace is folded, so a CR is seen), runs of
+    whitespace folded into one space."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    text = " ".join(str(text).split())
+    text = " ".join(printable(str(text), multiline=True).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -37,18 +41,27 @@ def transcript_rows(task_id: str, *, after_seq: int = -1) -> list[tuple[int, str
                 late = call.late_result or {}
                 result += f"  (late report: {late.get('outcome')}, {short(late.get('result'), 60)})"
             line = (
-                f"  ↳ {payload.get('name')}({short(payload.get('raw_arguments', ''), 60)})"
+                f"  ↳ {short(payload.get('name'), 80)}"
+                f"({short(payload.get('raw_arguments', ''), 60)})"
                 f"  [{outcome}, {took}]  {result}"
             )
         elif entry.kind == "input":
             line = f"{payload.get('role')}: {short(payload.get('content'), 100)}"
         elif entry.kind == "final":
-            line = f"final: {payload.get('content')}"
+            line = "final: " + _body(payload.get("content"), indent=" " * 8 + "| ")
         else:
             text = payload.get("content") or payload.get("summary") or ""
             line = f"{entry.kind}: {short(text, 120)}"
         rows.append((entry.seq, f"{entry.seq:>3} t{entry.turn}  {line}"))
     return rows
+
+
+def _body(value: Any, *, indent: str) -> str:
+    """A model's multi-line text under a row's prefix: its newlines kept, every other control
+    shown (charlie.terminal), each further line indented, so no line of it can pass for a row
+    of Charlie's own."""
+    text = printable(value if isinstance(value, str) else str(value), multiline=True)
+    return text.replace("\n", "\n" + indent)
 
 
 def usd(amount: float | None) -> str:

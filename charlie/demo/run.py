@@ -34,7 +34,9 @@ import click
 from charlie import api
 from charlie.config import settings
 from charlie.devbox import DevboxClient, DevboxServer, Limits, RepoPolicy
+from charlie.home import prepare as prepare_home
 from charlie.sandbox import bwrap_problem
+from charlie.terminal import printable
 from charlie.tools.devbox_tools import devbox_metadata, workspace_id_for
 from charlie.views import short
 
@@ -248,7 +250,7 @@ def transcript_lines(task_id: str, after_seq: int = -1, indent: str = "") -> lis
 
 def run_demo(timeout: float = 120.0) -> int:
     s = settings()
-    s.home.mkdir(parents=True, exist_ok=True)
+    prepare_home(s.home)
     task_id = f"demo-{uuid.uuid4().hex[:8]}"
     here = s.home / "demo" / task_id
     here.mkdir(parents=True)
@@ -307,7 +309,7 @@ def run_demo(timeout: float = 120.0) -> int:
         deadline = time.monotonic() + timeout + 10
         while time.monotonic() < deadline:
             for seq, line in transcript_lines(task_id, after_seq=shown):
-                click.echo(line)
+                click.echo(printable(line, multiline=True))
                 shown = seq
             if api.get_task(task_id).terminal:
                 break
@@ -316,7 +318,7 @@ def run_demo(timeout: float = 120.0) -> int:
                 return 1
             time.sleep(0.2)
         for _, line in transcript_lines(task_id, after_seq=shown):
-            click.echo(line)
+            click.echo(printable(line, multiline=True))
         return _summary(task_id, url, token)
     finally:
         _stop(worker)
@@ -344,9 +346,11 @@ def _summary(task_id: str, url: str, token: str) -> int:
         workspace = devbox.get_workspace(workspace_id_for(task_id))
     commit = next((c.result for c in api.calls(task_id) if c.name == "git_commit"), None)
     committed = isinstance(commit, dict) and commit.get("commit") == workspace.head
-    click.echo(
-        f"devbox workspace {workspace.workspace_id}: branch {workspace.branch}, "
-        f"HEAD {(workspace.head or '-')[:12]}" + (" (the fix commit)" if committed else "")
+    click.echo(  # the branch is the devbox's word, which a task's commands can set
+        printable(
+            f"devbox workspace {workspace.workspace_id}: branch {workspace.branch}, "
+            f"HEAD {(workspace.head or '-')[:12]}" + (" (the fix commit)" if committed else "")
+        )
     )
     click.echo(f"inspect it again with: charlie show {task_id}")
     click.echo(f"or in the run console: charlie ui --task {task_id}  (then open the address)")

@@ -11,6 +11,7 @@ from types import FrameType
 
 import click
 
+from charlie import logs
 from charlie.devbox.credentials import WeakToken, check_token
 from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits, RepoPolicy
 from charlie.devbox.server import DevboxServer
@@ -97,6 +98,9 @@ def serve(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # a traceback or a request line can quote a workspace's files or a command's output: shown,
+    # not obeyed, by the terminal that tails this log (charlie.terminal)
+    logs.install(logging.getLogger())
     policy = CommandPolicy(
         allow=list(allow) if allow else None, deny=list(deny) if deny else list(DEFAULT_DENY)
     )

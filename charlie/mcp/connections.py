@@ -43,6 +43,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.alias_generators import to_camel
 
 from charlie.mcp.config import McpConfig, ServerConfig
+from charlie.terminal import printable
 
 log = logging.getLogger("charlie.mcp")
 
@@ -187,7 +188,8 @@ def _scrubbed_stderr(server: ServerConfig, stack: AsyncExitStack) -> TextIO:
 def _forward(read_fd: int, scrub: Callable[[str], str]) -> None:
     with os.fdopen(read_fd, "rb") as lines:
         for line in lines:
-            data = scrub(line.decode(errors="replace")).encode()
+            # shown, not obeyed, by whoever tails the worker's log (charlie.terminal)
+            data = printable(scrub(line.decode(errors="replace")), multiline=True).encode()
             try:
                 while data:
                     data = data[os.write(2, data) :]

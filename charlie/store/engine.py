@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Connection, Engine, create_engine, event, exc, inspect
 from sqlalchemy.engine import make_url
+
+from charlie.home import open_private, private_file
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +36,18 @@ _migrated: set[str] = set()
 PING_AFTER_IDLE = 5.0
 
 
-def _sqlite_engine(url: str) -> Engine:
-    path = make_url(url).database
-    if path and path != ":memory:":
+def _private_sqlite_file(url: str) -> None:
+    """Create a SQLite database's file 0600 before SQLite writes a byte (it holds every prompt,
+    transcript and result; SQLite gives the -wal and -shm files the database file's mode)."""
+    parsed = make_url(url)
+    path = parsed.database
+    if path and path != ":memory:" and not parsed.query.get("uri"):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        private_file(Path(path))
+
+
+def _sqlite_engine(url: str) -> Engine:
+    _private_sqlite_file(url)
     # hide_parameters: a failed statement's error (logged, and carried in task events) must not
     # quote its parameters, which hold prompts, transcripts and tool results.
     engine = create_engine(
@@ -203,6 +214,8 @@ def upgrade(url: str, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision`` (``charlie db upgrade``)."""
     from alembic import command
 
+    if url.startswith("sqlite"):
+        _private_sqlite_file(url)  # Alembic opens it with an engine of its own
     cfg = _alembic_config(url)
     cfg.attributes["connection_url"] = url
     command.upgrade(cfg, revision)
@@ -247,7 +260,7 @@ def ensure_schema(url: str, *, auto_upgrade: bool, lock_dir: Path | None = None)
             )
         lock_path = (lock_dir or Path(".")) / ".migrate.lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "w") as lock:
+        with os.fdopen(open_private(lock_path, os.O_WRONLY), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 if current_revision(url) != head:
