@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
@@ -240,3 +241,55 @@ def test_a_parents_budget_counts_its_childs_spend(cluster: Cluster, script) -> N
     assert info.error["used"] == 4 and info.error["limit"] == 4
     assert "delegated tasks" in info.error["message"]
     assert info.model_calls == 2
+    # A resume needs room for what its child spent too: 4 calls are spent, 5 leave one.
+    with pytest.raises(api.NotResumable, match="model_calls budget exceeded"):
+        charlie.resume(parent, budget={"model_calls": 4})
+    charlie.resume(parent, budget={"model_calls": 5})
+    info = charlie.wait(parent, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.model_calls == 3
+
+
+def test_a_child_stops_when_its_parents_budget_is_spent_though_its_own_has_room(
+    cluster: Cluster, script
+) -> None:
+    """Issue 16 through delegation: the child's budget (2 calls: its parent's 3 less the 1
+    spent) still has room after its first call, but its parent's second call has meanwhile
+    spent the rest of the parent's 3, so the child's second call is never made: it fails
+    naming its parent's budget. (The approve its parent asked for holds the child's first
+    turn until the parent is waiting, so the order is certain.)"""
+    child_model, child_ledger = script(
+        [
+            {"tool_calls": [call("w", "ledger_write", key=f"k-{uuid.uuid4().hex[:8]}")]},
+            {"tool_calls": [call("s", "sleep_then", seconds=0, value="v")]},
+            {"say": "child done"},
+        ]
+    )
+    parent_model, _ = script(
+        [
+            {"tool_calls": [call("d", "delegate", prompt="spend", model=child_model)]},
+            {"tool_calls": [call("wt", "wait_for_task", task_id="{task_id}.0.d")]},
+            {"say": "parent done"},
+        ]
+    )
+    parent = charlie.submit(
+        "shared budget", model=parent_model, budget={"model_calls": 3}, approve=["ledger_write"]
+    )
+    child = f"{parent}.0.d"
+    wait_for(
+        lambda: (
+            _exists(child)
+            and any(c.hold == "approval" for c in api.calls(child))
+            and api.get_task(parent).status is TaskStatus.WAITING
+            and api.get_task(parent).model_calls == 2
+        ),
+        timeout=60,
+    )
+    assert api.get_task(child).budget == {"model_calls": 2}
+    charlie.approve(child, "w")
+    info = charlie.wait(child, timeout=60)
+    assert info.status is TaskStatus.FAILED, info
+    assert info.error["reason"] == "budget exceeded" and info.error["budget_of"] == parent
+    assert info.error["used"] == 3 and info.error["limit"] == 3
+    assert info.model_calls == 1 and len(model_calls(child_ledger)) == 1
+    assert charlie.wait(parent, timeout=60).status is TaskStatus.FAILED
