@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +21,7 @@ from charlie.domain import (
     MAX_TASK_ID,
     TASK_ID,
     Phase,
+    TaskSpend,
     TaskStatus,
     execution_id_for,
     task_id_of,
@@ -49,7 +50,7 @@ from charlie.people import (
 from charlie.runtime import Producer, get_producer, import_tool_modules
 from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as people_store
-from charlie.store import reads
+from charlie.store import reads, spend
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
 from charlie.tools.registry import REGISTRY
 
@@ -92,6 +93,9 @@ class WaitingFor:
         return f"a reconcile verdict on {self.call_id} ({self.tool}, interrupted)"
 
 
+_COUNTED = ("input_tokens", "output_tokens", "reasoning_tokens", "model_calls")
+
+
 @dataclass(frozen=True)
 class TaskInfo:
     id: str
@@ -117,12 +121,23 @@ class TaskInfo:
     budget: JSON | None = None
     #: what its tokens cost in USD by CHARLIE_PRICES; None when its model has no price.
     cost_usd: float | None = None
+    #: what the tasks it delegated (its children and theirs) have spent, which its budget
+    #: counts too: input/output/reasoning tokens, model_calls, cost_usd (None: a model among
+    #: them has no price). None when it delegated nothing; get_task reads it, list_tasks not.
+    delegated_usage: JSON | None = None
 
     def budget_used(self) -> list[tuple[str, Any, Any]]:
-        """(limit's key, used, limit) for each limit of the budget."""
+        """(limit's key, used, limit) for each limit of the budget: its own spend and, when
+        read (get_task), its delegated tasks'."""
         usage = {**self.usage, "model_calls": self.model_calls}
+        cost = self.cost_usd
+        below = self.delegated_usage
+        if below:
+            usage = {k: int(usage.get(k) or 0) + int(below.get(k) or 0) for k in _COUNTED}
+            below_cost = below.get("cost_usd")
+            cost = None if cost is None or below_cost is None else cost + below_cost
         return [
-            (key, self.cost_usd if key == "usd" else used, limit)
+            (key, cost if key == "usd" else used, limit)
             for key, used, limit in pricing.describe(self.budget, usage, self.model, {})
         ]
 
@@ -356,7 +371,19 @@ def get_task(task_id: str) -> TaskInfo:
         if row is None:
             raise TaskNotFound(task_id)
         waits = _waiting_for(conn, [row])
-    return _task_info(row, waits.get(row.id, []))
+        below = [t for t in spend.subtree_spend(conn, task_id) if t.task_id != task_id]
+    info = _task_info(row, waits.get(row.id, []))
+    return replace(info, delegated_usage=_delegated_usage(below)) if below else info
+
+
+def _delegated_usage(below: list[TaskSpend]) -> JSON:
+    """What a task's delegated tasks spent, summed, each priced by its own model."""
+    try:
+        prices = pricing.price_table(get_producer().settings.prices)
+    except pricing.PriceError:
+        prices = pricing.BUILTIN_PRICES
+    used = pricing.spent([(t.model, t.usage) for t in below], prices)
+    return {**{k: used[k] for k in _COUNTED}, "cost_usd": used["usd"], "tasks": len(below)}
 
 
 #: the most tasks one list_tasks page returns.

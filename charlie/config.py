@@ -37,6 +37,14 @@ def _env_positive(name: str, value: float) -> None:
         raise ValueError(f"{name}={os.environ.get(name)!r} must be positive (unset: no limit)")
 
 
+def _env_bound(name: str, default: int) -> int:
+    """A whole number from 0 (a limit that refuses everything past it)."""
+    value = _env_int(name, default)
+    if value < 0:
+        raise ValueError(f"{name}={os.environ.get(name)!r} must be 0 or more")
+    return value
+
+
 def _env_limit_int(name: str) -> int | None:
     """A positive whole budget limit, or None when unset (no default limit)."""
     if not os.environ.get(name, "").strip():
@@ -180,6 +188,11 @@ class Settings:
     #: models a delegated child may use besides its parent's (CHARLIE_DELEGATE_MODELS: a comma
     #: list of model names or glob patterns, ``*`` for any); empty: only the parent's model.
     delegate_models: tuple[str, ...] = ()
+    #: how deep delegation may nest (CHARLIE_DELEGATE_MAX_DEPTH): a submitted task is at depth
+    #: 0, its child at 1; a task at this depth cannot delegate. 0: no delegation at all.
+    delegate_max_depth: int = 3
+    #: how many children one task may start in all (CHARLIE_DELEGATE_MAX_CHILDREN).
+    delegate_max_children: int = 16
     #: MCP tool servers (charlie/mcp/): CHARLIE_MCP_CONFIG, a path to a JSON file in the shape
     #: MCP clients use ({"mcpServers": {...}}), and/or the same object inline in
     #: CHARLIE_MCP_SERVERS (which may hold secrets: never printed).
@@ -321,6 +334,8 @@ def load_settings() -> Settings:
         delegate_models=tuple(
             m.strip() for m in os.environ.get("CHARLIE_DELEGATE_MODELS", "").split(",") if m.strip()
         ),
+        delegate_max_depth=_env_bound("CHARLIE_DELEGATE_MAX_DEPTH", 3),
+        delegate_max_children=_env_bound("CHARLIE_DELEGATE_MAX_CHILDREN", 16),
     )
 
 

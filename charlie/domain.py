@@ -161,6 +161,25 @@ class TaskView:
     #: the durable usage the budget counts (input/output/reasoning tokens, model_calls);
     #: loaded only with a budget, in call_model.
     usage: JSON | None = None
+    #: whether it has started a child task (delegate); read with the budget, in call_model.
+    delegated: bool = False
+    #: a budgeted task in a delegation tree (it has a parent or children): the spend of the
+    #: tree under its farthest budgeted ancestor (itself, for a root), one row per task, so the
+    #: boundary checks its own budget and every ancestor's against what each one's subtree has
+    #: spent. Loaded only for call_model's boundary; None outside a tree.
+    tree: tuple[TaskSpend, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TaskSpend:
+    """One task of a delegation tree, with its budget and its durable usage."""
+
+    task_id: str
+    parent_id: str | None
+    model: str
+    budget: JSON | None
+    #: input_tokens, output_tokens, reasoning_tokens, model_calls
+    usage: JSON
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from charlie.domain import (
 from charlie.runtime import Producer, get_producer
 from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as store
+from charlie.store import spend
 from charlie.store.engine import again_if_disconnected, read, write
 
 T = TypeVar("T")
@@ -842,13 +843,10 @@ def _budget_for_resume(
             pricing.check_priced(limits, row.model, prices)
     except (pricing.PriceError, pricing.BudgetError) as exc:
         raise NotResumable(f"task {task_id!r}: {exc}") from None
-    usage = {
-        "input_tokens": row.input_tokens,
-        "output_tokens": row.output_tokens,
-        "reasoning_tokens": row.reasoning_tokens,
-        "model_calls": row.model_calls,
-    }
-    reached = pricing.exceeded(limits, usage, row.model, prices)
+    # Its budget counts its delegated tasks' spend too (store.spend): a parent that failed
+    # by what its children spent resumes only with room for that.
+    tree = spend.subtree_spend(conn, task_id)
+    reached = pricing.exceeded_by(limits, pricing.spent([(t.model, t.usage) for t in tree], prices))
     if reached is not None:
         key = reached["budget"]
         raise NotResumable(

@@ -25,7 +25,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,13 +216,41 @@ def check_priced(budget: Mapping[str, Any] | None, model: str, table: PriceTable
 
 def usage_of(usage: Mapping[str, Any], model: str, table: PriceTable) -> dict[str, Any]:
     """What a budget counts, from the durable usage (tokens and model calls)."""
-    i = int(usage.get("input_tokens") or 0)
-    o = int(usage.get("output_tokens") or 0)
-    r = int(usage.get("reasoning_tokens") or 0)
+    return spent([(model, usage)], table)
+
+
+#: one task's part of a spend: its model and its durable usage (input/output/reasoning tokens,
+#: model_calls).
+Part = tuple[str, Mapping[str, Any]]
+
+
+def spent(parts: Iterable[Part], table: PriceTable) -> dict[str, Any]:
+    """What a budget counts over one task or several (a task and the tasks it delegated, whose
+    spend counts against its budget): model calls and tokens summed, and USD with each task's
+    tokens priced by its own model. ``usd`` is None when a model among them has no price, so
+    such a spend cannot be checked against a usd limit; ``unpriced`` names those models."""
+    totals = {"input_tokens": 0, "output_tokens": 0, "reasoning_tokens": 0, "model_calls": 0}
+    usd: float | None = 0.0
+    unpriced: list[str] = []
+    for model, usage in parts:
+        i = int(usage.get("input_tokens") or 0)
+        o = int(usage.get("output_tokens") or 0)
+        r = int(usage.get("reasoning_tokens") or 0)
+        totals["input_tokens"] += i
+        totals["output_tokens"] += o
+        totals["reasoning_tokens"] += r
+        totals["model_calls"] += int(usage.get("model_calls") or 0)
+        cost = cost_usd(model, i, o, r, table)
+        if cost is None:
+            if model not in unpriced:
+                unpriced.append(model)
+        elif usd is not None:
+            usd += cost
     return {
-        "model_calls": int(usage.get("model_calls") or 0),
-        "tokens": total_tokens(i, o, r),
-        "usd": cost_usd(model, i, o, r, table),
+        **totals,
+        "tokens": total_tokens(totals["input_tokens"], totals["output_tokens"]),
+        "usd": None if unpriced else usd,
+        "unpriced": unpriced,
     }
 
 
@@ -236,13 +264,18 @@ def exceeded(
     the error a task fails with; None while every limit has room. A usd limit whose model has
     no price (it was removed from the table after submit) cannot be checked: it counts as
     reached, so spending never goes on unmetered."""
+    return exceeded_by(budget, spent([(model, usage)], table))
+
+
+def exceeded_by(budget: Mapping[str, Any] | None, used: Mapping[str, Any]) -> dict[str, Any] | None:
+    """:func:`exceeded` for a spend already summed (:func:`spent`): one task's, or a task's
+    and its delegated tasks'."""
     if not budget:
         return None
-    used = usage_of(usage, model, table)
     shown = {
-        "input_tokens": int(usage.get("input_tokens") or 0),
-        "output_tokens": int(usage.get("output_tokens") or 0),
-        "reasoning_tokens": int(usage.get("reasoning_tokens") or 0),
+        "input_tokens": used["input_tokens"],
+        "output_tokens": used["output_tokens"],
+        "reasoning_tokens": used["reasoning_tokens"],
         "model_calls": used["model_calls"],
         "cost_usd": used["usd"],
     }
@@ -252,6 +285,12 @@ def exceeded(
             continue
         amount = used[key]
         if amount is None:
+            models = used.get("unpriced") or []
+            named = (
+                f"model {models[0]!r} has"
+                if len(models) == 1
+                else f"models {', '.join(map(repr, models))} have"
+            )
             return {
                 "reason": "budget exceeded",
                 "budget": key,
@@ -259,8 +298,8 @@ def exceeded(
                 "used": None,
                 "usage": shown,
                 "message": (
-                    f"the usd budget ({limit}) cannot be checked: model {model!r} has no price "
-                    f"in {PRICES_SETTING}; add one, then resume the task"
+                    f"the usd budget ({limit}) cannot be checked: {named} no price in "
+                    f"{PRICES_SETTING}; add one, then resume the task"
                 ),
             }
         if amount >= limit:
@@ -278,6 +317,19 @@ def exceeded(
                 ),
             }
     return None
+
+
+def left_of(budget: Mapping[str, Any], used: Mapping[str, Any]) -> dict[str, Any]:
+    """What is left of each limit of ``budget`` after the spend ``used`` (zero or less: spent;
+    None: a usd limit that cannot be checked, see :func:`spent`)."""
+    left: dict[str, Any] = {}
+    for key in BUDGET_KEYS:
+        limit = budget.get(key)
+        if limit is None:
+            continue
+        amount = used[key]
+        left[key] = None if amount is None else limit - amount
+    return left
 
 
 def describe(

@@ -7,6 +7,7 @@ compare-and-set from an active status, so writing it twice, late or concurrently
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from charlie import faults
 from charlie.domain import JSON, Action, TaskStatus, execution_id_for, utcnow
 from charlie.observe import new_trace
 from charlie.ports import TransientSchedulerError
+from charlie.store import spend
 from charlie.store import tasks as task_store
 from charlie.store.calls import hold_live_task
 from charlie.store.engine import read, write
@@ -44,6 +46,29 @@ class ParentStopped(RuntimeError):
         self.task_id = task_id
 
 
+class DelegationRefused(ValueError):
+    """A child its parent may not start: past a delegation limit, or its parent's budget spent.
+    Nothing was written; the message names the limit and the setting that sets it."""
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+@dataclass(frozen=True)
+class ChildRules:
+    """What bounds a delegated child, applied in its submit's transaction while it holds its
+    parent's row, so that siblings submitted at once are counted one at a time."""
+
+    #: CHARLIE_DELEGATE_MAX_DEPTH: a submitted task is at depth 0; no child deeper than this
+    max_depth: int
+    #: CHARLIE_DELEGATE_MAX_CHILDREN: children one task may start in all
+    max_children: int
+    #: the child's budget, from its parent's tree as this transaction reads it (raises
+    #: DelegationRefused when nothing is left of it)
+    budget: Callable[[Connection], JSON | None]
+
+
 @dataclass(frozen=True)
 class Submitted:
     task_id: str
@@ -65,21 +90,43 @@ def submit(
     approve: list[str] | None = None,
     trace: JSON | None = None,
     budget: JSON | None = None,
+    rules: ChildRules | None = None,
 ) -> Submitted:
     """Write the task and its execution in one transaction; idempotent on ``task_id``,
-    whatever has happened to its parent since the first submit."""
+    whatever has happened to its parent since the first submit.
+
+    A child (``parent_id``) waits for whatever its parent's calls wait for (its parent's
+    ``approve`` list, which holds its ancestors', joins its own, I23); with ``rules`` it is
+    refused past the delegation limits, and its budget is what its parent's tree has left."""
     task_id = task_id or uuid.uuid4().hex
     now = utcnow()
     execution_id = execution_id_for(task_id)
     try:
         with write(engine) as conn:
-            # A child holds its parent's row: a cancel of the parent then either waits for this
-            # commit and finds the child, or this waits for the cancel and refuses (I18).
-            if parent_id is not None and not hold_live_task(conn, parent_id, utcnow()):
+            if parent_id is not None:
+                if rules is not None:
+                    # Siblings submitted at once are counted one at a time.
+                    spend.lock_for_child(conn, parent_id)
+                # A child holds its parent's row: a cancel of the parent then either waits for
+                # this commit and finds the child, or this waits for the cancel and refuses
+                # (I18).
+                if not hold_live_task(conn, parent_id, utcnow()):
+                    existing = _already_submitted(conn, task_id, prompt, model)
+                    if existing is not None:
+                        return existing  # made before the stop, which stopped it too (I19)
+                    raise ParentStopped(parent_id, task_id)
+                # A delegate repeated after a crash finds its child whatever the limits say
+                # now: it is the child they were checked for (I19).
                 existing = _already_submitted(conn, task_id, prompt, model)
                 if existing is not None:
-                    return existing  # made before the stop, which stopped it too (I19)
-                raise ParentStopped(parent_id, task_id)
+                    return existing
+                chain = spend.ancestry(conn, parent_id)
+                inherited = chain[0].approve if chain else None
+                if inherited:
+                    approve = sorted(set(approve or ()) | set(inherited))
+                if rules is not None:
+                    _check_limits(conn, rules, parent_id, depth=len(chain))
+                    budget = rules.budget(conn)
             task_store.insert_task_and_run(
                 conn,
                 task_id=task_id,
@@ -104,6 +151,30 @@ def submit(
             raise
         return existing
     return Submitted(task_id, execution_id, created=True)
+
+
+def _check_limits(conn: Connection, rules: ChildRules, parent_id: str, *, depth: int) -> None:
+    """Refuse a child ``depth`` levels below a submitted task, or one more than its parent may
+    start (DelegationRefused, naming the limit and its setting)."""
+    if depth > rules.max_depth:
+        raise DelegationRefused(
+            f"cannot delegate: delegation may nest at most {rules.max_depth} level(s) below a "
+            f"submitted task (CHARLIE_DELEGATE_MAX_DEPTH={rules.max_depth}) and this task is "
+            f"{depth - 1} level(s) down; do this work in this task instead",
+            limit="CHARLIE_DELEGATE_MAX_DEPTH",
+            max_depth=rules.max_depth,
+            depth=depth - 1,
+        )
+    started = spend.children_count(conn, parent_id)
+    if started >= rules.max_children:
+        raise DelegationRefused(
+            f"cannot delegate: a task may start at most {rules.max_children} child task(s) "
+            f"(CHARLIE_DELEGATE_MAX_CHILDREN={rules.max_children}) and this task has started "
+            f"{started}; wait for those and do the rest in this task",
+            limit="CHARLIE_DELEGATE_MAX_CHILDREN",
+            max_children=rules.max_children,
+            children=started,
+        )
 
 
 def _already_submitted(conn: Connection, task_id: str, prompt: str, model: str) -> Submitted | None:

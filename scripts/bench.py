@@ -459,7 +459,8 @@ class Cell:
 
     def script(self, name: str, turns: list[dict[str, Any]], ledger: Path | None = None) -> str:
         path = self.script_dir / f"{name}.json"
-        doc: Any = {"turns": turns, "ledger": str(ledger)} if ledger else turns
+        # (a ledger is relative to the script's directory and stays in it)
+        doc: Any = {"turns": turns, "ledger": ledger.name} if ledger else turns
         path.write_text(json.dumps(doc))
         return f"scripted:{path}"
 
@@ -849,7 +850,7 @@ class Cell:
     # ---- 4. recovery
 
     def recovery(self) -> None:
-        ledger = self.home / "recovery-ledger.jsonl"
+        ledger = self.script_dir / "recovery-ledger.jsonl"
         sleep = self.sizes.recovery_model_sleep
         model = self.script("recovery", [{"say": "slow answer", "sleep": sleep}], ledger)
         for _ in range(self.sizes.recovery_rounds):

@@ -395,7 +395,8 @@ def fork_script(home: Path, source: Plan) -> tuple[Path, set[str]]:
     ]
     turns.extend({"say": "fork finished after a late message"} for _ in range(MAX_MESSAGES))
     path = home / "scripts" / f"fork-{n}.json"
-    path.write_text(json.dumps({"turns": turns, "ledger": str(home / "model-ledger.jsonl")}))
+    # (a ledger stays in its script's directory: home/scripts/model-ledger.jsonl)
+    path.write_text(json.dumps({"turns": turns, "ledger": "model-ledger.jsonl"}))
     return path, {c["id"] for c in calls}
 
 
@@ -1548,7 +1549,7 @@ def check_fork(
     again = [e for e in ledger if e.get("task") == source and float(e["t"]) >= forked_at]
     if again:
         out.append(f"I26: {fork_id}: its source {source} ran calls after the fork: {again[:3]}")
-    model_ledger = Path(os.environ["CHARLIE_HOME"]) / "model-ledger.jsonl"
+    model_ledger = Path(os.environ["CHARLIE_HOME"]) / "scripts" / "model-ledger.jsonl"
     played = [
         json.loads(line)["turn"]
         for line in (model_ledger.read_text().splitlines() if model_ledger.exists() else [])

@@ -217,7 +217,8 @@ def script(tmp_path: Path) -> Callable[..., tuple[str, Path]]:
     def make(turns: list[dict[str, Any]]) -> tuple[str, Path]:
         ledger = tmp_path / f"model-ledger-{uuid.uuid4().hex[:8]}.jsonl"
         path = tmp_path / f"script-{uuid.uuid4().hex[:8]}.json"
-        path.write_text(json.dumps({"turns": turns, "ledger": str(ledger)}))
+        # (a ledger stays beside its script: a path relative to the script's directory)
+        path.write_text(json.dumps({"turns": turns, "ledger": ledger.name}))
         return f"scripted:{path}", ledger
 
     return make

@@ -4,6 +4,7 @@ failing a run whose phase raised (I17), and ending a poison message. Pure, like 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 from charlie.domain import (
@@ -16,11 +17,12 @@ from charlie.domain import (
     Phase,
     RunView,
     Settlement,
+    TaskSpend,
     TaskStatus,
     Transition,
 )
 from charlie.models.base import render_tool_result
-from charlie.pricing import PriceTable, exceeded
+from charlie.pricing import PriceTable, exceeded, exceeded_by, spent
 
 TOOL_PHASES = frozenset({Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN})
 
@@ -42,11 +44,31 @@ def stop_reason(view: RunView) -> TaskStatus | None:
 def over_budget(view: RunView, prices: PriceTable) -> Transition | None:
     """Before a model call (issue 16): if the durable usage has reached any limit of the task's
     budget, the model is not called; the run fails, its error naming the budget, its limit and
-    what was used. None: within budget, or no budget."""
+    what was used. None: within budget, or no budget.
+
+    In a delegation tree the task's budget counts its own spend and its delegated tasks', and
+    the budget of each task above it counts that task's whole subtree: a child stops when its
+    parent's budget is spent, not only its own (its own began as what its parent had left)."""
     task = view.task
     if view.phase is not Phase.CALL_MODEL or not task.budget:
         return None
-    reached = exceeded(task.budget, task.usage or {}, task.model, prices)
+    if task.tree is None or all(t.task_id != task.id for t in task.tree):
+        reached = exceeded(task.budget, task.usage or {}, task.model, prices)
+    else:
+        reached = None
+        for scope, used, size in budget_scopes(task.id, task.tree, prices):
+            reached = exceeded_by(scope.budget, used)
+            if reached is None:
+                continue
+            if scope.task_id != task.id:
+                reached["budget_of"] = scope.task_id
+                reached["message"] = (
+                    f"the budget of task {scope.task_id}, which this task was delegated under, "
+                    f"is spent by it and the tasks it delegated: {reached['message']}"
+                )
+            elif size > 1:
+                reached["message"] += " (this task's spend and its delegated tasks')"
+            break
     if reached is None:
         return None
     error = {
@@ -62,6 +84,34 @@ def over_budget(view: RunView, prices: PriceTable) -> Transition | None:
         state={**view.state, "error": error},
         note=str(reached["message"])[:200],
     )
+
+
+def budget_scopes(
+    task_id: str, tree: Sequence[TaskSpend], prices: PriceTable
+) -> list[tuple[TaskSpend, dict[str, Any], int]]:
+    """The budgets a task in a delegation tree spends against, nearest first: its own and each
+    budgeted ancestor's in ``tree``, each with what its subtree has spent (pricing.spent) and
+    how many tasks that subtree holds."""
+    by_id = {t.task_id: t for t in tree}
+    children: dict[str, list[TaskSpend]] = {}
+    for t in tree:
+        if t.parent_id is not None:
+            children.setdefault(t.parent_id, []).append(t)
+    scopes = []
+    seen: set[str] = set()
+    current = by_id.get(task_id)
+    while current is not None and current.task_id not in seen:
+        seen.add(current.task_id)
+        if current.budget:
+            subtree, stack = [], [current]
+            while stack:
+                node = stack.pop()
+                subtree.append(node)
+                stack.extend(children.get(node.task_id, ()))
+            used = spent([(t.model, t.usage) for t in subtree], prices)
+            scopes.append((current, used, len(subtree)))
+        current = by_id.get(current.parent_id) if current.parent_id is not None else None
+    return scopes
 
 
 def close_turn(

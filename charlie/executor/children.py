@@ -6,10 +6,16 @@ the publisher without importing them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Connection
+
 from charlie import pricing, scheduler
-from charlie.domain import JSON, Phase, TaskStatus
+from charlie.domain import JSON, Phase, TaskSpend, TaskStatus
+from charlie.executor import boundary
 from charlie.runtime import Runtime
-from charlie.store import reads
+from charlie.store import reads, spend
 from charlie.store.engine import read, retried_if_disconnected
 from charlie.tools.context import ChildSubmitted, TaskSnapshot, ToolError
 from charlie.tools.delegation import child_limits
@@ -43,13 +49,23 @@ class DbChildren:
             unknown = [t for t in tools if self.rt.tools.get(t) is None]
             if unknown:
                 raise ToolError(f"cannot delegate: unknown tool(s): {', '.join(unknown)}")
-        # A child gets the default budget of CHARLIE_BUDGET_* (its own usage starts at 0).
-        try:
-            budget = pricing.with_defaults(None, self.rt.settings.budget_defaults)
-            if budget and "usd" in budget:
-                pricing.check_priced(budget, model, pricing.price_table(self.rt.settings.prices))
-        except (pricing.BudgetError, pricing.PriceError) as exc:
-            raise ToolError(f"cannot delegate: {exc}") from None
+        settings = self.rt.settings
+
+        def budget(conn: Connection) -> JSON | None:
+            tree = spend.delegation_spend(conn, parent_id)
+            prices: pricing.PriceTable = {}
+            if settings.budget_usd is not None or any("usd" in (t.budget or {}) for t in tree):
+                try:
+                    prices = pricing.price_table(settings.prices)
+                except pricing.PriceError as exc:
+                    raise scheduler.DelegationRefused(f"cannot delegate: {exc}") from None
+            return child_budget(tree, parent_id, model, settings.budget_defaults, prices)
+
+        rules = scheduler.ChildRules(
+            max_depth=settings.delegate_max_depth,
+            max_children=settings.delegate_max_children,
+            budget=budget,
+        )
         try:
             submitted = scheduler.submit(
                 self.rt.engine,
@@ -61,13 +77,61 @@ class DbChildren:
                 metadata=metadata,
                 parent_id=parent_id,
                 parent_call_id=parent_call_id,
-                budget=budget,
+                rules=rules,
             )
         except scheduler.ParentStopped as stopped:
             raise ToolError(str(stopped)) from None
+        except scheduler.DelegationRefused as refused:
+            raise ToolError(str(refused), **refused.details) from None
         if submitted.created:
             self.rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0)
         return ChildSubmitted(submitted.task_id, submitted.created)
+
+
+def child_budget(
+    tree: Sequence[TaskSpend],
+    parent_id: str,
+    model: str,
+    defaults: Mapping[str, Any],
+    prices: pricing.PriceTable,
+) -> JSON | None:
+    """A child's budget: what is left of its parent's budget, and of every budget above it,
+    when it is delegated, each limit no more than its CHARLIE_BUDGET_* default. Its spend then
+    counts against those budgets too (boundary.over_budget). Refused (DelegationRefused) when
+    one of them is spent, or cannot be checked."""
+    try:
+        limits: dict[str, Any] = pricing.with_defaults(None, defaults) or {}
+    except pricing.BudgetError as exc:
+        raise scheduler.DelegationRefused(f"cannot delegate: {exc}") from None
+    for scope, used, _ in boundary.budget_scopes(parent_id, tree, prices):
+        whose = "this task's" if scope.task_id == parent_id else f"task {scope.task_id}'s"
+        assert scope.budget is not None
+        for key, left in pricing.left_of(scope.budget, used).items():
+            if left is None:
+                raise scheduler.DelegationRefused(
+                    f"cannot delegate: {whose} usd budget cannot be checked (a model of its "
+                    f"tree has no price in {pricing.PRICES_SETTING})",
+                    budget=key,
+                    budget_of=scope.task_id,
+                )
+            if left <= 0:
+                raise scheduler.DelegationRefused(
+                    f"cannot delegate: {whose} {key} budget is spent ({used[key]} used of "
+                    f"{scope.budget[key]}, its delegated tasks' spend included); a child's "
+                    "budget is what is left of its parent's",
+                    budget=key,
+                    budget_of=scope.task_id,
+                    limit=scope.budget[key],
+                    used=used[key],
+                )
+            limits[key] = min(limits.get(key, left), left)
+    try:
+        budget = pricing.validate_budget(limits)
+        if budget and "usd" in budget:
+            pricing.check_priced(budget, model, prices)
+    except pricing.BudgetError as exc:
+        raise scheduler.DelegationRefused(f"cannot delegate: {exc}") from None
+    return budget
 
 
 @retried_if_disconnected

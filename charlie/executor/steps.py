@@ -31,7 +31,7 @@ from charlie.executor.phases import needs, run_phase
 from charlie.executor.settle import CallResult
 from charlie.observe import TickScope
 from charlie.runtime import Runtime
-from charlie.store import runs
+from charlie.store import runs, spend
 from charlie.store.calls import ClaimedCall
 from charlie.store.transcripts import as_stored
 
@@ -221,6 +221,17 @@ def view_of(
     to read."""
     task = claim.task
     assert task is not None  # a claim comes with its task
+    if (
+        claim.phase is Phase.CALL_MODEL
+        and task.budget
+        and task.tree is None
+        and (task.parent_id is not None or task.delegated)
+    ):
+        # A budget in a delegation tree counts the tree's spend: its own subtree's, and its
+        # ancestors' budgets theirs (store.spend). Tasks outside a tree read nothing more.
+        if conn is None:
+            raise NeedsRead("the delegation tree's spend")
+        task = replace(task, tree=spend.delegation_spend(conn, task.id))
     wanted = needs(claim.phase) | ({"calls"} if claim.phase in boundary.TOOL_PHASES else set())
     if "calls" in wanted and known_calls is None:
         if conn is None:
@@ -304,7 +315,8 @@ def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
         return boundary.stop(view, reason)
     if view.task.budget:  # only call_model's claim loads one (issue 16)
         prices: pricing.PriceTable = {}
-        if "usd" in view.task.budget:  # only a cost limit needs the table
+        budgets = [view.task.budget, *(t.budget or {} for t in view.task.tree or ())]
+        if any("usd" in b for b in budgets):  # only a cost limit needs the table
             try:
                 prices = pricing.price_table(rt.settings.prices)
             except pricing.PriceError as exc:

@@ -10,7 +10,8 @@ malformed model output); ``{task_id}`` in string arguments is replaced by the ru
 ``sleep`` delays the answer (to stand for a slow model); ``raise`` makes the call fail, to exercise
 failure handling (with ``raise_while: path``, only while that file exists: a fault that can be
 fixed, for a resume). With a ``ledger``, every call appends one JSON line to that file, outside
-Charlie's tables, so repeats after a crash can be counted.
+Charlie's tables, so repeats after a crash can be counted. The ledger is a path relative to the
+script's directory and must stay in it (no absolute path, no ``..``, no symlink out of it).
 
 A turn may also say what the model must have been shown, so a script checks its input the way a
 real model depends on it (I6, I7)::
@@ -59,7 +60,7 @@ def load_script(path: Path) -> tuple[list[dict[str, Any]], Path | None]:
         raise ScriptError(f"scripted model file {path} is not valid JSON: {exc}") from exc
     ledger = None
     if isinstance(doc, dict):
-        ledger = Path(doc["ledger"]) if doc.get("ledger") else None
+        ledger = ledger_path(path, doc["ledger"]) if doc.get("ledger") else None
         doc = doc.get("turns")
     if not isinstance(doc, list) or not doc:
         raise ScriptError(
@@ -82,6 +83,44 @@ def load_script(path: Path) -> tuple[list[dict[str, Any]], Path | None]:
         if problem:
             raise ScriptError(f"scripted model file {path}: turn {number}: {problem}")
     return doc, ledger
+
+
+def ledger_path(script: Path, ledger: Any) -> Path:
+    """Where a script's ledger is: a relative path that stays in the script's directory, by
+    its real path (no ``..``, no symlink out of it). A script names a file it appends to, so
+    it may name none outside its own directory."""
+    where = f"scripted model file {script}: ledger {ledger!r}"
+    if not isinstance(ledger, str):
+        raise ScriptError(f"{where} must be a path (a string)")
+    relative = Path(ledger)
+    if relative.is_absolute():
+        raise ScriptError(
+            f"{where} is absolute; a ledger is a path relative to the script's directory "
+            "and stays in it"
+        )
+    if ".." in relative.parts:
+        raise ScriptError(f"{where} has a '..'; a ledger stays in the script's directory")
+    home = script.parent.resolve()
+    resolved = (home / relative).resolve()
+    if resolved == home or home not in resolved.parents:
+        raise ScriptError(
+            f"{where} resolves to {resolved}, outside the script's directory {home} "
+            "(a symlink?); a ledger stays in the script's directory"
+        )
+    return resolved
+
+
+def _append_ledger(script: Path, ledger: Path, line: str) -> None:
+    """Append one line to the ledger, checked again as it is opened: a symlink put in its
+    place since the script was loaded is not followed (O_NOFOLLOW), nor a directory above it
+    swapped for one (its real path must still be the one checked at load)."""
+    if ledger.parent.resolve() != ledger.parent:
+        raise ModelError(
+            f"scripted model {script}: ledger {ledger} is no longer in the script's directory"
+        )
+    fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "a") as out:
+        out.write(line)
 
 
 def _expect_problem(expect: Any) -> str | None:
@@ -183,13 +222,12 @@ class ScriptedModel:
 
     def complete(self, request: ModelRequest) -> ModelResponse:
         if self.ledger is not None:
-            with open(self.ledger, "a") as ledger:
-                ledger.write(
-                    json.dumps(
-                        {"task_id": request.task_id, "turn": request.turn, "pid": os.getpid()}
-                    )
-                    + "\n"
-                )
+            _append_ledger(
+                self.path,
+                self.ledger,
+                json.dumps({"task_id": request.task_id, "turn": request.turn, "pid": os.getpid()})
+                + "\n",
+            )
         if request.turn >= len(self.turns):
             raise ModelError(
                 f"scripted model {self.path} has {len(self.turns)} turns; "

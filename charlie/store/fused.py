@@ -254,8 +254,10 @@ def _statement(
         )
         after += ", (SELECT count(*) AS n FROM ordered) AS ordered_first"
     active = ", ".join(f"'{s}'" for s in ACTIVE)
+    # (delegated: whether the task has started a child, store.runs._DELEGATED)
     returned = (
-        "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens"
+        "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens, "
+        "EXISTS (SELECT 1 FROM tasks child WHERE child.parent_id = t.id) AS delegated"
     )
     if task_write:
         # The task's own UPDATE waits for a concurrent writer and re-reads its row: its WHERE
@@ -323,7 +325,7 @@ def _statement(
         + ",\n    ".join(ctes)
         + """
     SELECT run.inbox, run.model_calls, t.status, t.timeout_at, t.budget, t.input_tokens,
-        t.output_tokens, t.reasoning_tokens
+        t.output_tokens, t.reasoning_tokens, t.delegated
     FROM run, checked, task_now t"""
     )
 
@@ -490,6 +492,7 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
         row.budget,
         fused.run.task_id,
         (row.input_tokens, row.output_tokens, row.reasoning_tokens),
+        delegated=bool(row.delegated),
     )
 
 

@@ -133,15 +133,26 @@ def _claim_statement(*extra: Any) -> Any:
     )
 
 
-#: the task's columns that change while its run runs (a stop, a resume's timeout, a budget)
-_FRESH_TASK_COLUMNS = (_t.status, _t.timeout_at, _t.budget)
+_child = tasks.alias("child")
+# Whether the task has started a child (delegate): a budget then counts its children's spend
+# too (store.spend). An index probe, read only where the budget is: call_model's claim, and a
+# move that claims its next step.
+_DELEGATED = select(_child.c.id).where(_child.c.parent_id == _t.id).exists().label("delegated")
+
+#: the task's columns that change while its run runs (a stop, a resume's timeout, a budget, a
+#: first child)
+_FRESH_TASK_COLUMNS = (_t.status, _t.timeout_at, _t.budget, _DELEGATED)
 
 _CLAIM = _claim_statement()
 # call_model's claim, the one boundary that checks a budget (issue 16): the budget rides along
 # as one more scalar subquery, and the run's model-call count as a plain column; a task's
 # tokens are read (one more statement) only when its budget counts them. Other phases' claims
 # carry neither.
-_CLAIM_MODEL = _claim_statement(_task_column(_t.budget), _e.model_calls)
+_CLAIM_MODEL = _claim_statement(
+    _task_column(_t.budget),
+    select(_child.c.id).where(_child.c.parent_id == _e.task_id).exists().label("delegated"),
+    _e.model_calls,
+)
 _LOAD_TOKENS = select(_t.input_tokens, _t.output_tokens, _t.reasoning_tokens).where(
     _t.id == bindparam("b_task")
 )
@@ -176,7 +187,9 @@ def claim_execution(
     # The foreign key makes a missing task unlikely, not impossible.
     task = _task_view(row.task_id, row) if row.status is not None else None
     if task is not None and model and row.budget:
-        task = replace(task, budget=row.budget, usage=_usage(conn, row))
+        task = replace(
+            task, budget=row.budget, usage=_usage(conn, row), delegated=bool(row.delegated)
+        )
     return Claim(
         execution_id,
         row.task_id,
@@ -784,7 +797,13 @@ def commit_transition(
     if fresh:
         assert row is not None
         return Fresh(
-            row.inbox, row.model_calls, row.status, row.timeout_at, row.budget, claim.task_id
+            row.inbox,
+            row.model_calls,
+            row.status,
+            row.timeout_at,
+            row.budget,
+            claim.task_id,
+            delegated=bool(row.delegated),
         )
     return True
 
@@ -804,6 +823,8 @@ class Fresh:
     #: the task's tokens (input, output, reasoning), when the statement read them too (a fused
     #: commit): a budget that counts tokens needs no statement more
     tokens: tuple[int, int, int] | None = None
+    #: whether the task has started a child (see _DELEGATED)
+    delegated: bool = False
 
 
 def claimed_next(
@@ -830,7 +851,12 @@ def claimed_next(
         task = replace(task, status=TaskStatus(fresh.status), timeout_at=fresh.timeout_at)
         inbox = fresh.inbox
         if transition.to is Phase.CALL_MODEL and fresh.budget:
-            task = replace(task, budget=fresh.budget, usage=_usage(conn, fresh))
+            task = replace(
+                task,
+                budget=fresh.budget,
+                usage=_usage(conn, fresh),
+                delegated=fresh.delegated,
+            )
     status = transition.task_status
     if status is not None and task.status.value in ACTIVE:
         task = replace(task, status=status)

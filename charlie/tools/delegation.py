@@ -59,6 +59,17 @@ def child_limits(
         child_tools = list(dict.fromkeys(tools))
     if model is None or model == parent.model:
         return child_tools, parent.model
+    provider = model.partition(":")[0].strip()
+    if provider == "scripted" and not parent.model.startswith("scripted:"):
+        # A script sleeps, writes its ledger and reads files where it is told: a test harness,
+        # never a model's to choose. Refused before its path is looked at, so the refusal
+        # says nothing about what is there.
+        raise ToolError(
+            f"cannot delegate to model {model!r}: a scripted model is for tests; a child may "
+            f"use one only when its parent runs on one (this task runs on {parent.model}), "
+            "whatever CHARLIE_DELEGATE_MODELS allows",
+            refused_model=model,
+        )
     try:
         spec: str | None = normalise_model(model)
         problem = None

@@ -191,6 +191,27 @@ class Cluster:
                 self.metrics_ports.clear()
                 self.ensure(workers=self.want_workers, beat=True)
 
+    @contextlib.contextmanager
+    def configured(self, **env: str) -> Iterator[Cluster]:
+        """The cluster's workers replaced by ones started with these settings besides the
+        session's (CHARLIE_*), for a while; the plain ones come back after. The supervisor
+        restarts a killed worker with them too, meanwhile."""
+        with self._lock:
+            before = dict(self.settings_env)
+            self.settings_env.update(env)
+            self._terminate(self.workers)
+            self.workers = []
+            self.ensure(workers=self.want_workers, beat=True)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self.settings_env.clear()
+                self.settings_env.update(before)
+                self._terminate(self.workers)
+                self.workers = []
+                self.ensure(workers=self.want_workers, beat=True)
+
     def worker_metrics_ports(self) -> list[int]:
         return [
             self.metrics_ports[w.pid] for w in self.alive_workers() if w.pid in self.metrics_ports

@@ -4,6 +4,7 @@ limits a submit stores, and the boundary that fails a run rather than call its m
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,11 @@ import pytest
 
 from charlie import pricing
 from charlie.config import load_settings
-from charlie.domain import Phase, RunView, TaskStatus, TaskView
+from charlie.domain import Phase, RunView, TaskSpend, TaskStatus, TaskView
 from charlie.executor import boundary
+from charlie.executor.children import child_budget
 from charlie.pricing import BudgetError, Price, PriceError
+from charlie.scheduler import DelegationRefused
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -216,3 +219,87 @@ def test_a_usd_budget_whose_price_went_away_stops_the_run() -> None:
 def test_only_call_model_checks_the_budget() -> None:
     view = run_view({"model_calls": 1}, USAGE, phase=Phase.ADVANCE_TURN)
     assert boundary.over_budget(view, TABLE) is None
+
+
+# -- delegation trees: a child's spend is its ancestors' (issue 24) ---------------------------
+
+
+def spend_of(
+    task_id: str,
+    parent: str | None,
+    budget: dict[str, Any] | None,
+    calls: int,
+    tokens: int = 0,
+    model: str = "openai:gpt-4o",
+) -> TaskSpend:
+    usage = {"input_tokens": tokens, "output_tokens": 0, "reasoning_tokens": 0}
+    return TaskSpend(task_id, parent, model, budget, {**usage, "model_calls": calls})
+
+
+def tree_view(task_id: str, tree: tuple[TaskSpend, ...]) -> RunView:
+    me = next(t for t in tree if t.task_id == task_id)
+    view = run_view(me.budget, me.usage)
+    task = replace(view.task, id=task_id, parent_id=me.parent_id, tree=tree)
+    return replace(view, task=task)
+
+
+def test_a_childs_call_stops_when_its_parents_budget_is_spent_by_the_family() -> None:
+    """Siblings each delegated with what their parent had left cannot together spend more
+    than it: a child whose own budget has room stops once its parent's subtree reached the
+    parent's limit, and the error names whose budget it was."""
+    tree = (
+        spend_of("p", None, {"model_calls": 5}, 1),
+        spend_of("p.a", "p", {"model_calls": 4}, 2),
+        spend_of("p.b", "p", {"model_calls": 4}, 2),
+    )
+    transition = boundary.over_budget(tree_view("p.a", tree), TABLE)
+    assert transition is not None and transition.state is not None
+    error = transition.state["error"]
+    assert error["budget_of"] == "p" and error["used"] == 5 and error["limit"] == 5
+    assert "the budget of task p" in error["message"]
+    # with room above, its own budget is what counts
+    roomy = (spend_of("p", None, {"model_calls": 50}, 1), *tree[1:])
+    assert boundary.over_budget(tree_view("p.a", roomy), TABLE) is None
+    # the parent's own check counts its children's spend, and says so
+    transition = boundary.over_budget(tree_view("p", tree), TABLE)
+    assert transition is not None and transition.state is not None
+    assert "delegated tasks'" in transition.state["error"]["message"]
+
+
+def test_a_tree_spend_prices_each_task_by_its_own_model() -> None:
+    used = pricing.spent(
+        [
+            ("openai:gpt-4o", {"input_tokens": 10**6, "model_calls": 1}),
+            ("openai:gpt-4o-mini", {"input_tokens": 10**6, "model_calls": 2}),
+        ],
+        TABLE,
+    )
+    assert used["model_calls"] == 3 and used["tokens"] == 2 * 10**6
+    assert used["usd"] == pytest.approx(2.5)
+    unpriced = pricing.spent([("openai:gone", {"input_tokens": 1})], TABLE)
+    assert unpriced["usd"] is None and unpriced["unpriced"] == ["openai:gone"]
+
+
+def test_a_childs_budget_is_the_least_left_above_it_within_the_defaults() -> None:
+    tree = (
+        spend_of("p", None, {"model_calls": 10, "tokens": 1000}, 3, tokens=400),
+        spend_of("p.a", "p", {"model_calls": 7, "tokens": 600}, 2, tokens=100),
+    )
+    # p.a has 5 calls and 500 tokens of its own left; p has 10 - 5 and 1000 - 500
+    assert child_budget(tree, "p.a", "openai:gpt-4o", {}, TABLE) == {
+        "model_calls": 5,
+        "tokens": 500,
+    }
+    defaults = {"model_calls": 2, "tokens": None, "usd": None}
+    assert child_budget(tree, "p.a", "openai:gpt-4o", defaults, TABLE) == {
+        "model_calls": 2,
+        "tokens": 500,
+    }
+    # no budget above it: the defaults, as for any submit
+    assert child_budget((spend_of("q", None, None, 1),), "q", "m", defaults, TABLE) == {
+        "model_calls": 2
+    }
+    spent_tree = (spend_of("p", None, {"model_calls": 3}, 1), spend_of("p.a", "p", None, 2))
+    with pytest.raises(DelegationRefused, match="model_calls budget is spent") as refused:
+        child_budget(spent_tree, "p", "openai:gpt-4o", {}, TABLE)
+    assert refused.value.details["budget_of"] == "p"

@@ -70,3 +70,20 @@ def test_workspaces_are_confined_to_the_roots(
     assert other.confine_workspace(str(tmp_path / "b" / "w")) == tmp_path / "b" / "w"
     with pytest.raises(WorkspaceRefused, match="outside"):
         other.confine_workspace(str(tmp_path / "home" / "workspaces" / "t1"))
+
+
+def test_a_child_gets_a_scripted_model_only_from_a_scripted_parent(tmp_path: Path) -> None:
+    """A script sleeps, appends to its ledger and probes for files: however the operator
+    widened CHARLIE_DELEGATE_MODELS, a child of a real model never switches to one, and the
+    path it names is not read (the refusal says nothing of the file)."""
+    for spec in ("scripted:/etc/shadow", f"scripted:{tmp_path / 'none.json'}"):
+        with pytest.raises(ToolError, match="only when its parent runs on one") as refused:
+            child_limits(parent(), None, spec, ("*",))
+        assert "Permission denied" not in str(refused.value)
+        assert "cannot read" not in str(refused.value)
+    script = tmp_path / "child.json"
+    script.write_text('[{"say": "hi"}]')
+    scripted_parent = parent(model=f"scripted:{tmp_path / 'parent.json'}")
+    assert child_limits(scripted_parent, None, f"scripted:{script}", ("scripted:*",))[1] == (
+        f"scripted:{script}"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -82,7 +83,7 @@ def test_scripted_model_plays_turns(tmp_path: Path) -> None:
     path.write_text(
         json.dumps(
             {
-                "ledger": str(ledger),
+                "ledger": ledger.name,
                 "turns": [
                     {
                         "say": "a",
@@ -148,3 +149,39 @@ def test_child_ids_are_deterministic_and_fit() -> None:
     a, b = child_task_id(long_parent), child_task_id(other_call)
     assert a != b and a == child_task_id(long_parent)
     assert TASK_ID.match(a) and len(a) <= 120
+
+
+def test_a_scripts_ledger_stays_in_its_directory(tmp_path: Path) -> None:
+    """A ledger is relative to the script's directory: an absolute path, a ``..``, a symlink
+    out of the directory are refused when the script is loaded; one put in its place later is
+    not followed."""
+    from charlie.models.scripted import load_script
+
+    home = tmp_path / "scripts"
+    home.mkdir()
+    path = home / "s.json"
+
+    def with_ledger(ledger: object) -> Path:
+        path.write_text(json.dumps({"turns": [{"say": "x"}], "ledger": ledger}))
+        return path
+
+    assert load_script(with_ledger("calls.jsonl"))[1] == home.resolve() / "calls.jsonl"
+    assert load_script(with_ledger("sub/calls.jsonl"))[1] == home.resolve() / "sub/calls.jsonl"
+    for bad, says in [
+        (str(tmp_path / "out.jsonl"), "is absolute"),
+        ("../out.jsonl", "has a '..'"),
+        ("sub/../../out.jsonl", "has a '..'"),
+        (".", "outside the script's directory"),
+        (7, "must be a path"),
+    ]:
+        with pytest.raises(ScriptError, match=re.escape(says)):
+            load_script(with_ledger(bad))
+    (home / "out").symlink_to(tmp_path)
+    with pytest.raises(ScriptError, match="outside the script's directory"):
+        load_script(with_ledger("out/calls.jsonl"))
+    # a symlink put where the ledger is, after the script was loaded, is not followed
+    model = resolve_model(f"scripted:{with_ledger('late.jsonl')}")
+    (home / "late.jsonl").symlink_to(tmp_path / "target.jsonl")
+    with pytest.raises(OSError):
+        model.complete(ModelRequest("T1", "x", 0, [], []))
+    assert not (tmp_path / "target.jsonl").exists()
