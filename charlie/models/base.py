@@ -29,6 +29,35 @@ class ToolSpec:
     parameters: JSON
 
 
+class Deltas(Protocol):
+    """Where a streaming client sends what the model writes while it writes it, for people
+    watching the run. Never the answer: the durable response is what ``complete`` returns,
+    written once (I16); a delta may be lost, and a repeated call streams again from the start.
+    Methods must return quickly and never raise into the client."""
+
+    def text(self, delta: str) -> None: ...
+
+    def reasoning(self, delta: str) -> None: ...
+
+    def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None: ...
+
+
+class NoDeltas:
+    """Nobody is watching: every delta is dropped."""
+
+    def text(self, delta: str) -> None:
+        pass
+
+    def reasoning(self, delta: str) -> None:
+        pass
+
+    def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None:
+        pass
+
+
+NO_DELTAS: Deltas = NoDeltas()
+
+
 @dataclass(frozen=True)
 class ModelRequest:
     task_id: str
@@ -37,6 +66,8 @@ class ModelRequest:
     #: I6: the context plus the transcript as committed at the end of the previous turn.
     items: list[Item]
     tools: list[ToolSpec]
+    #: where a streaming client sends deltas as they arrive (not part of the request's identity)
+    deltas: Deltas = field(default=NO_DELTAS, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
