@@ -33,11 +33,14 @@ from charlie.domain import (
     TASK_ID,
     Action,
     CallState,
+    Channel,
     Hold,
     ItemKind,
+    Origin,
     Outcome,
     Phase,
     TaskStatus,
+    describe_actor,
     execution_id_for,
     utcnow,
 )
@@ -97,12 +100,24 @@ class ActionRecord:
     at: datetime
     note: str | None
     detail: JSON | None
+    #: how it arrived (I32): ``api``, ``cli``, ``ui``, ``celery``; None: recorded before
+    #: channels were
+    channel: Channel | None = None
+    #: whether the channel established ``actor`` (the console's token), or the caller only
+    #: claimed it (I32)
+    authenticated: bool = False
+
+    @property
+    def by(self) -> str:
+        """Who, and how that is known: ``alice (console, signed in)``, ``ui:alice (claimed,
+        via celery)`` (I32)."""
+        return describe_actor(self.actor, self.channel, self.authenticated)
 
     def describe(self) -> str:
         what = self.action.value
         if self.action is Action.RECONCILE and self.detail:
             what += f" {self.detail.get('verdict')}"
-        return f"{what} by {self.actor} at {self.at.isoformat(timespec='seconds')}"
+        return f"{what} by {self.by} at {self.at.isoformat(timespec='seconds')}"
 
 
 class VerdictConflict(ActionRefused):
@@ -129,7 +144,16 @@ def record_of(row: Any) -> ActionRecord:
         row.at,
         row.note,
         row.detail,
+        _channel(getattr(row, "channel", None)),
+        bool(getattr(row, "authenticated", False)),
     )
+
+
+def _channel(value: object) -> Channel | None:
+    try:
+        return None if value is None else Channel(str(value))
+    except ValueError:  # a channel a later version wrote: shown as unknown, never trusted
+        return None
 
 
 def actor_name(operator: str | None, producer: Producer) -> str:
@@ -198,6 +222,7 @@ def send(
     message_id: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> str:
     """Send a message to an active task; returns its message id. It enters the transcript as
     user input at the task's first turn boundary after this commit (after the current turn's
@@ -247,6 +272,7 @@ def send(
             now=now,
             detail={"message_id": message_id},
             request_id=request_id,
+            origin=origin,
         )
         return message_id
 
@@ -396,8 +422,10 @@ def _verdict_row(
     *,
     note: str | None = None,
     detail: JSON | None = None,
+    origin: Origin | None = None,
 ) -> int:
-    """The evidence row of a verdict on ``call``, in the verdict's own transaction (I27)."""
+    """The evidence row of a verdict on ``call``, in the verdict's own transaction (I27),
+    with how it arrived (I32)."""
     return store.record_action(
         conn,
         task_id=task_id,
@@ -409,6 +437,7 @@ def _verdict_row(
         note=note,
         detail=detail,
         request_id=request_id,
+        origin=origin,
     )
 
 
@@ -442,6 +471,7 @@ def approve(
     note: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Approve a call held for approval: it is dispatched now, and marked started only by the
     worker that runs it (I9, I23)."""
@@ -472,6 +502,7 @@ def approve(
             request_id,
             note=note,
             detail={"tool": call.name, "deadline_at": deadline.isoformat()},
+            origin=origin,
         )
         return _Decided(rid, invoke=(call.execution_id, call.turn, call.call_id))
 
@@ -488,6 +519,7 @@ def deny(
     *,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Deny a call held for approval: its one result is a ``denied`` outcome with the reason,
     which the model sees; it never runs (I23), and the run goes on."""
@@ -518,6 +550,7 @@ def deny(
             request_id,
             note=reason,
             detail={"tool": call.name},
+            origin=origin,
         )
         return _Decided(rid, await_version=_after_settle(conn, run, call))
 
@@ -534,6 +567,7 @@ def reply(
     *,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Answer a question: an ``ask_human`` call, whose result the answer is, or a started call
     that parked asking one (an MCP server's ``input_required``), which goes on with it: the
@@ -585,7 +619,9 @@ def reply(
             detail["question_id"] = info["question_id"]
         if resumes:
             detail["resumes"] = True
-        rid = _verdict_row(conn, task_id, call, Action.REPLY, actor, now, request_id, detail=detail)
+        rid = _verdict_row(
+            conn, task_id, call, Action.REPLY, actor, now, request_id, detail=detail, origin=origin
+        )
         if resumes:
             return _Decided(
                 rid, invoke=(call.execution_id, call.turn, call.call_id), invoke_mode="resume"
@@ -607,6 +643,7 @@ def reconcile(
     note: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Decide an interrupted call held for an operator (a tool with ``on_interrupt="hold"``):
 
@@ -682,8 +719,9 @@ def reconcile(
             )
             await_version = _after_settle(conn, run, call)
         rid = _verdict_row(
-            conn, task_id, call, Action.RECONCILE, actor, now, request_id, note=note, detail=detail
-        )
+            conn, task_id, call, Action.RECONCILE, actor, now, request_id,
+            note=note, detail=detail, origin=origin,
+        )  # fmt: skip
         return _Decided(rid, invoke=invoke, await_version=await_version)
 
     return _decide(
@@ -719,6 +757,7 @@ def resume(
     timeout: float | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
     note: str | None = None,
     budget: JSON | None = None,
 ) -> ActionRecord:
@@ -810,6 +849,7 @@ def resume(
                 **({"budget": limits} if budget is not None else {}),
             },
             request_id=request_id,
+            origin=origin,
         )
         return rid, phase, run.version + 1
 
@@ -911,6 +951,7 @@ def fork(
     task_id: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> str:
     """A new task (``task_id``, or a generated id) whose transcript is ``source``'s through the
     end of turn ``turn`` (tool results as recorded, each item marked as copied from the source),
@@ -932,9 +973,9 @@ def fork(
     new_id = task_id or request_id or uuid.uuid4().hex
     actor = actor_name(operator, rt)
     # What the fork is, so a second fork under the same id must be the same one.
-    origin: JSON = {"task": source, "turn": turn, "model": model}
+    forked_from: JSON = {"task": source, "turn": turn, "model": model}
     if message is not None:
-        origin["message_sha256"] = hashlib.sha256(message.encode()).hexdigest()
+        forked_from["message_sha256"] = hashlib.sha256(message.encode()).hexdigest()
 
     def act(conn: Connection) -> tuple[str, bool]:
         src = store.source_of_fork(conn, source)
@@ -942,7 +983,7 @@ def fork(
             raise TaskNotFound(source)
         existing = store.source_of_fork(conn, new_id)
         if existing is not None:
-            if (existing.metadata or {}).get("forked_from") == origin:
+            if (existing.metadata or {}).get("forked_from") == forked_from:
                 return new_id, False  # this fork was made already
             raise TaskConflict(f"task id {new_id!r} is taken by another task")
         _check_turn_settled(conn, src, turn)
@@ -973,10 +1014,10 @@ def fork(
             model=model or src.model,
             tools=src.tools,
             approve=src.approve,
-            metadata={**(src.metadata or {}), "forked_from": origin},
+            metadata={**(src.metadata or {}), "forked_from": forked_from},
             turn=turn + 1,
             items=items,
-            state={"forked_from": origin},
+            state={"forked_from": forked_from},
             now=now,
             budget=src.budget,
         )
@@ -995,6 +1036,7 @@ def fork(
                 "items_copied": len(items) - (message is not None),
             },
             request_id=request_id,
+            origin=origin,
         )
         return new_id, True
 

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
-from charlie.domain import JSON, Action, TaskStatus, execution_id_for, utcnow
+from charlie.domain import JSON, Action, Origin, TaskStatus, execution_id_for, utcnow
 from charlie.observe import new_trace
 from charlie.ports import TransientSchedulerError
 from charlie.store import tasks as task_store
@@ -168,6 +168,7 @@ def cancel(
     actor: str | None = None,
     note: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> list[str]:
     """Cancel a task and its children; returns the ids whose status changed. The executor stops
     each at its next tick boundary (I18). With an ``actor``, a cancel that stopped anything is
@@ -188,6 +189,7 @@ def cancel(
                 note=note,
                 detail={"canceled": changed},
                 request_id=request_id,
+                origin=origin,
             )
         return changed
 

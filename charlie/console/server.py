@@ -165,6 +165,12 @@ def _field(body: dict[str, Any], name: str, *, required: bool = True) -> Any:
     return value
 
 
+#: how the console's actions are recorded: every request that reaches an action has shown the
+#: console's token (a signed-in session or the bearer token), so the console's operator name is
+#: established by it, not merely claimed (I32)
+SIGNED_IN = api.Origin(api.Channel.UI, authenticated=True)
+
+
 def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, Any]) -> Any:
     """Take one action as the API does and return the ActionRecord it recorded (I27)."""
     op = config.operator
@@ -176,6 +182,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             str(_field(body, "call_id")),
             note=_field(body, "note", required=False),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "deny":
@@ -184,12 +191,13 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             str(_field(body, "call_id")),
             _field(body, "reason"),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "reply":
         return api.reply(
             task_id, str(_field(body, "call_id")), _field(body, "text"), operator=op,
-            request_id=request_id,
+            request_id=request_id, origin=SIGNED_IN,
         )  # fmt: skip
     if action == "reconcile":
         result = body.get("result")
@@ -203,6 +211,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             result=result,
             note=_field(body, "note", required=False),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "resume":
@@ -212,11 +221,16 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             timeout=None if timeout is None else _number(timeout, "timeout"),
             note=_field(body, "note", required=False),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "cancel":
         changed = api.cancel(
-            task_id, note=_field(body, "note", required=False), operator=op, request_id=request_id
+            task_id,
+            note=_field(body, "note", required=False),
+            operator=op,
+            request_id=request_id,
+            origin=SIGNED_IN,
         )
         record = api.action_for_request(request_id)
         if record is None:
@@ -232,6 +246,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             _field(body, "text"),
             message_id=None if message_id is None else str(message_id),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
         record = api.action_for_request(request_id)
@@ -259,6 +274,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             model=_field(body, "model", required=False),
             task_id=str(new_id),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
         record = api.action_for_request(request_id)
@@ -329,7 +345,7 @@ def describe(record: Any) -> str:
     what = f"call {record.call_id}" if record.call_id else "the task"
     if action == "send":
         what = f"message {detail.get('message_id')}"
-    text = f"{record.actor} {DID.get(action, action)} {what}"
+    text = f"{record.by} {DID.get(action, action)} {what}"
     if action == "reconcile" and detail.get("verdict"):
         text += f" as {str(detail['verdict']).replace('_', ' ')}"
     text += f" at {record.at.isoformat(timespec='seconds')}"
