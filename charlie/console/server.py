@@ -129,7 +129,7 @@ def load_task(task_id: str, all_rows: bool = False) -> dict[str, Any]:
         except TaskNotFound:
             parent = None
     now = datetime.now(UTC)
-    shown = rows.transcript_rows(entries, calls)
+    shown = rows.transcript_rows(entries, calls, actions=done)
     earlier = 0 if all_rows else max(0, len(shown) - ROWS_SHOWN)
     return {
         "revision": revision,
@@ -541,7 +541,9 @@ class TaskFragment(TaskPage):
 
 
 def load_call(task_id: str, turn: int, call_id: str) -> rows.CallView | None:
-    found = rows.transcript_rows(api.transcript(task_id), api.calls(task_id), full=True)
+    found = rows.transcript_rows(
+        api.transcript(task_id), api.calls(task_id), full=True, actions=api.actions(task_id)
+    )
     return next(
         (r.call for r in found if r.call and r.call.call_id == call_id and r.turn == turn), None
     )
