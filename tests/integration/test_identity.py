@@ -16,7 +16,7 @@ from charlie import api
 from charlie.app import app
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
-from tests.integration.test_production_path import charlie_cli
+from tests.integration.test_production_path import charlie_cli, doctor
 from tests.support.cluster import Cluster
 from tests.support.signing import cert_store, make_signer, publish
 from tests.support.tools import read_ledger
@@ -165,6 +165,14 @@ def test_a_worker_that_requires_signing_takes_only_signed_actions_and_runs_signe
         ]
     )
     signed_env = cluster.env | producer.env(store)
+    # `charlie doctor` says signing is on, and what it accepts; a worker whose own
+    # certificate is not in its store (it would refuse its own next ticks) is a FAIL
+    _, checks = doctor(signed_env)
+    assert checks["signing"]["status"] == "ok", checks["signing"]
+    assert "2 certificate(s)" in checks["signing"]["detail"]
+    _, checks = doctor(cluster.env | worker.env(cert_store(tmp_path / "partial", producer)))
+    assert checks["signing"]["status"] == "FAIL"
+    assert "is not in its store" in checks["signing"]["detail"]
     # Every step published (no inline steps): each tick and invoke after the submit is a
     # message a worker signed and a worker took.
     with cluster.reconfigured(worker.env(store) | {"CHARLIE_INLINE_PHASES": "0"}):
