@@ -480,7 +480,7 @@ def show(task_id: str, as_json: bool) -> None:
         click.echo("actions:")
     for action in done:
         # who, and how that is known: signed in to the console, or a claimed name (I32)
-        what = f"  {_fmt_time(action.at)}  {action.action.value:<9} by {_short(action.by, 80)}"
+        what = f"  {_fmt_time(action.at)}  {action.action.value:<9} by {action.by}"
         what += f"  call {action.call_id}" if action.call_id else ""
         what += f"  {_short(action.detail, 160)}" if action.detail else ""
         what += f"  note: {_short(action.note, 160)}" if action.note else ""

@@ -168,11 +168,25 @@ class Origin:
     authenticated: bool = False
 
 
+#: how much of a name a record shows: the part that says how it is known always follows it
+SHOWN_NAME = 60
+
+
+def shown_name(actor: str) -> str:
+    """A name as a record shows it: one line of printable text, at most SHOWN_NAME characters,
+    so a claimed name can neither push the words after it out of a truncated line nor hide them
+    with a terminal's escape sequences."""
+    text = "".join(c if c.isprintable() else " " for c in actor)
+    text = " ".join(text.split()) or "?"
+    return text if len(text) <= SHOWN_NAME else text[: SHOWN_NAME - 1] + "…"
+
+
 def describe_actor(actor: str, channel: str | None, authenticated: bool | None) -> str:
     """Who did an action and how that is known, as a record shows it (I32):
     ``alice (console, signed in)`` for the console's own signed-in session (its ``ui:`` prefix
     dropped), ``ui:alice (claimed, via celery)`` for a name a broker message asserted.
     ``channel`` None: the action was recorded before channels were (claimed, how unknown)."""
+    actor = shown_name(actor)
     if channel is None:
         return f"{actor} (claimed, channel not recorded)"
     try:

@@ -162,6 +162,9 @@ def actor_name(operator: str | None, producer: Producer) -> str:
         name = str(operator).strip()
         if not name:
             raise ActionRefused("operator must be a non-empty name")
+        if not name.isprintable():
+            # a record shows it on terminals and pages (I32): no line breaks, no escapes
+            raise ActionRefused("operator must be printable text, without control characters")
         return name[:200]
     if producer.settings.operator:
         return producer.settings.operator[:200]

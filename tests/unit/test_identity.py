@@ -49,3 +49,25 @@ def test_message_signing_takes_all_three_settings_or_none(
     monkeypatch.setenv("CHARLIE_SECURITY_CERTIFICATE", str(cert))
     s = load_settings()
     assert s.signs_messages and s.security_cert_store == str(tmp_path)
+
+
+def test_a_claimed_name_cannot_hide_how_it_is_known() -> None:
+    """A name a broker message claims is shown on one line, without escapes, and bounded, so
+    the words that say it was claimed always follow it (in a terminal and truncated lines)."""
+    hidden = "alice (console, signed in)\x1b[8m"
+    # the escape character is gone, so "[8m" (conceal) is inert text
+    assert describe_actor(hidden, "celery", False) == (
+        "alice (console, signed in) [8m (claimed, via celery)"
+    )
+    long = "alice (console, signed in)" + " " * 10 + "x" * 200
+    shown = describe_actor(long, "celery", False)
+    assert shown.endswith("… (claimed, via celery)") and len(shown) < 100
+    assert describe_actor("ana\nbob", "cli", False) == "ana bob (claimed, via CLI)"
+
+
+def test_an_operator_name_must_be_printable() -> None:
+    from charlie.people import ActionRefused, actor_name
+
+    with pytest.raises(ActionRefused, match="printable"):
+        actor_name("ana\x1b[8m", None)  # type: ignore[arg-type]
+    assert actor_name("  ana  ", None) == "ana"  # type: ignore[arg-type]
