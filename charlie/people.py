@@ -10,6 +10,11 @@ The first verdict on a call wins (I24): approve, deny, reply and reconcile each 
 the run's lock, for a verdict already recorded on the call, and refuse with an error that names
 it. A retried request (``request_id``, a Celery message id) finds its own first commit and
 returns it instead of acting twice.
+
+Each action also records how it arrived (I32): ``origin``, its channel (the Python API by
+default; the CLI, the console and the worker's Celery tasks pass their own) and whether that
+channel established the actor's name (only the console's token does) or the caller merely
+claimed it. A Celery message cannot set it: the worker's tasks refuse one that tries.
 """
 
 from __future__ import annotations
