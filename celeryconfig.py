@@ -34,6 +34,19 @@ task_ignore_result = True
 
 task_serializer = "json"
 accept_content = ["json"]
+if _s.signs_messages:
+    # Celery's message signing (CHARLIE_SECURITY_*): every message this process publishes (a
+    # producer's submit, a worker's next tick, the beat's re-publish) is signed with its key,
+    # and a worker takes only task messages signed by a certificate in the store; an unsigned
+    # or forged one is refused before any task runs. charlie/app.py calls setup_security().
+    task_serializer = "auth"
+    accept_content = ["auth"]
+    security_key = _s.security_key
+    security_certificate = _s.security_certificate
+    security_cert_store = _s.security_cert_store
+    security_key_password = (
+        _s.security_key_password.encode() if _s.security_key_password else None
+    )
 
 # Acknowledge after the task ran, and give a message back when its worker dies, so a killed
 # worker's tick is redelivered where the broker can; the database counts attempts, so a message

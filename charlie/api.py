@@ -20,6 +20,8 @@ from charlie.domain import (
     JSON,
     MAX_TASK_ID,
     TASK_ID,
+    Channel,
+    Origin,
     Phase,
     TaskSpend,
     TaskStatus,
@@ -198,11 +200,13 @@ __all__ = [
     "ActionRefused",
     "CallNotFound",
     "CallRecord",
+    "Channel",
     "ForkRefused",
     "InvalidSubmission",
     "MessageConflict",
     "NotHeld",
     "NotResumable",
+    "Origin",
     "PayloadTooLarge",
     "TaskConflict",
     "TaskFinished",
@@ -518,6 +522,7 @@ def cancel(
     note: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> bool:
     """Cancel a task and its children. The run stops at its next boundary and the model is not
     called for it again (I18). False when it was already terminal. Recorded as the operator's
@@ -529,7 +534,9 @@ def cancel(
     def stop() -> list[str]:
         nonlocal tries
         tries += 1
-        return scheduler.cancel(rt.engine, task_id, actor=actor, note=note, request_id=request_id)
+        return scheduler.cancel(
+            rt.engine, task_id, actor=actor, note=note, request_id=request_id, origin=origin
+        )
 
     changed = again_if_disconnected(stop, "cancel a task")
     if tries > 1 and not changed:

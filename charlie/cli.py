@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from charlie.config import settings
+from charlie.domain import Channel, Origin
 from charlie.terminal import printable
 
 if TYPE_CHECKING:
@@ -492,7 +493,8 @@ def show(task_id: str, as_json: bool) -> None:
     if done:
         _say("actions:")
     for action in done:
-        what = f"  {_fmt_time(action.at)}  {action.action.value:<9} by {_short(action.actor, 40)}"
+        # who, and how that is known: signed in to the console, or a claimed name (I32)
+        what = f"  {_fmt_time(action.at)}  {action.action.value:<9} by {action.by}"
         what += f"  call {action.call_id}" if action.call_id else ""
         what += f"  {_short(action.detail, 160)}" if action.detail else ""
         what += f"  note: {_short(action.note, 160)}" if action.note else ""
@@ -511,8 +513,13 @@ def cancel(task_id: str, note: str | None) -> None:
     """Cancel a task (and its children)."""
     from charlie import api
 
-    changed = _act(lambda: api.cancel(task_id, note=note))
+    changed = _act(lambda: api.cancel(task_id, note=note, origin=_CLI))
     _say("canceled" if changed else "already finished")
+
+
+#: how the CLI's actions are recorded: by the command line, under a claimed name (the
+#: operator's --operator, CHARLIE_OPERATOR or OS user: nothing here proves it, I32)
+_CLI = Origin(Channel.CLI, authenticated=False)
 
 
 def _act(action: Callable[[], T]) -> T:
@@ -541,7 +548,7 @@ def send(task_id: str, text: str, message_id: str | None) -> None:
     """Send a message to a running task; it enters at the next turn boundary (I22)."""
     from charlie import api
 
-    _say(_act(lambda: api.send(task_id, text, message_id=message_id)))
+    _say(_act(lambda: api.send(task_id, text, message_id=message_id, origin=_CLI)))
 
 
 @main.command()
@@ -552,7 +559,7 @@ def reply(task_id: str, call_id: str, text: str) -> None:
     """Answer a task's question (an ask_human call)."""
     from charlie import api
 
-    record = _act(lambda: api.reply(task_id, call_id, text))
+    record = _act(lambda: api.reply(task_id, call_id, text, origin=_CLI))
     _said(record)
     if (record.detail or {}).get("late"):
         _say("the question had already settled: recorded as a late report", err=True)
@@ -566,7 +573,7 @@ def approve(task_id: str, call_id: str, note: str | None) -> None:
     """Approve a call held for approval: it is dispatched now."""
     from charlie import api
 
-    _said(_act(lambda: api.approve(task_id, call_id, note=note)))
+    _said(_act(lambda: api.approve(task_id, call_id, note=note, origin=_CLI)))
 
 
 @main.command()
@@ -577,7 +584,7 @@ def deny(task_id: str, call_id: str, reason: str) -> None:
     """Deny a call held for approval: it never runs; the model sees `denied` and the reason."""
     from charlie import api
 
-    _said(_act(lambda: api.deny(task_id, call_id, reason)))
+    _said(_act(lambda: api.deny(task_id, call_id, reason, origin=_CLI)))
 
 
 @main.command(name="reconcile")
@@ -617,7 +624,11 @@ def reconcile_(
             result = json.loads(result_json)
         except ValueError as exc:
             _fail(f"--result is not JSON: {exc}")
-    _said(_act(lambda: api.reconcile(task_id, call_id, verdict, result=result, note=note)))
+    _said(
+        _act(
+            lambda: api.reconcile(task_id, call_id, verdict, result=result, note=note, origin=_CLI)
+        )
+    )
 
 
 @main.command()
@@ -640,7 +651,7 @@ def resume(
     from charlie import api
 
     budget = _budget(budget_tokens, budget_usd, budget_model_calls)
-    _said(_act(lambda: api.resume(task_id, timeout=timeout, note=note, budget=budget)))
+    _said(_act(lambda: api.resume(task_id, timeout=timeout, note=note, budget=budget, origin=_CLI)))
 
 
 @main.command()
@@ -660,7 +671,13 @@ def fork(
     """Fork a task from the end of one of its turns: a new task that repeats nothing (I26)."""
     from charlie import api
 
-    _say(_act(lambda: api.fork(task_id, turn=turn, message=message, model=model, task_id=new_id)))
+    _say(
+        _act(
+            lambda: api.fork(
+                task_id, turn=turn, message=message, model=model, task_id=new_id, origin=_CLI
+            )
+        )
+    )
 
 
 @main.command()

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 
 def _env_float(name: str, default: float) -> float:
@@ -62,9 +63,11 @@ def _env_limit_float(name: str) -> float | None:
     return value
 
 
-def _env_flag(name: str) -> bool:
+def _env_flag(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
+    if not raw:
+        return default
+    if raw in ("0", "false", "no", "off"):
         return False
     if raw in ("1", "true", "yes", "on"):
         return True
@@ -176,6 +179,19 @@ class Settings:
     #: for (CHARLIE_REMOTE_CONTROL=1; Flower's worker pages need it). Anyone who can publish to
     #: the broker can use it; `charlie doctor` sees workers through their heartbeats instead.
     remote_control: bool = False
+    #: the people in the loop's actions as Celery tasks (``charlie.approve``, ``charlie.send``...):
+    #: their name is whatever the message claims (I32), so a deployment that does not trust
+    #: every broker client turns them off (CHARLIE_CELERY_OPERATOR_ACTIONS=0): such a message
+    #: is refused and logged, and nothing is recorded.
+    celery_operator_actions: bool = True
+    #: Celery's message signing (its ``auth`` serializer): this process's private key (PEM),
+    #: its certificate, and the certificates whose signatures it accepts (a directory or a
+    #: glob). All three, or none: with them every message Charlie publishes is signed and
+    #: every task message a worker takes must carry a signature of a certificate in the store.
+    security_key: str | None = None
+    security_certificate: str | None = None
+    security_cert_store: str | None = None
+    security_key_password: str | None = field(default=None, repr=False)
     #: how the local run_command confines commands: ``bwrap`` (bubblewrap; commands are refused
     #: where it cannot run) or ``off`` (the operator's explicit opt-out: commands run with the
     #: worker's rights). charlie/sandbox.py says what the sandbox hides.
@@ -217,6 +233,11 @@ class Settings:
             "usd": self.budget_usd,
             "model_calls": self.budget_model_calls,
         }
+
+    @property
+    def signs_messages(self) -> bool:
+        """Celery's message signing is on: messages are published signed, taken signed only."""
+        return self.security_key is not None
 
     @property
     def worker_queues(self) -> tuple[str, ...]:
@@ -331,12 +352,44 @@ def load_settings() -> Settings:
         budget_tokens=_env_limit_int("CHARLIE_BUDGET_TOKENS"),
         budget_usd=_env_limit_float("CHARLIE_BUDGET_USD"),
         budget_model_calls=_env_limit_int("CHARLIE_BUDGET_MODEL_CALLS"),
+        celery_operator_actions=_env_flag("CHARLIE_CELERY_OPERATOR_ACTIONS", default=True),
+        **_signing(),
         delegate_models=tuple(
             m.strip() for m in os.environ.get("CHARLIE_DELEGATE_MODELS", "").split(",") if m.strip()
         ),
         delegate_max_depth=_env_bound("CHARLIE_DELEGATE_MAX_DEPTH", 3),
         delegate_max_children=_env_bound("CHARLIE_DELEGATE_MAX_CHILDREN", 16),
     )
+
+
+SIGNING_VARIABLES = (
+    "CHARLIE_SECURITY_KEY",
+    "CHARLIE_SECURITY_CERTIFICATE",
+    "CHARLIE_SECURITY_CERT_STORE",
+)
+
+
+def _signing() -> dict[str, Any]:
+    """The message-signing settings: all three files, or none (a half-configured signing
+    would publish unsigned, or refuse everything, without saying why)."""
+    given = {name: os.environ.get(name, "").strip() for name in SIGNING_VARIABLES}
+    missing = [name for name, value in given.items() if not value]
+    if len(missing) == len(given):
+        return {}
+    if missing:
+        raise ValueError(
+            f"message signing needs {', '.join(SIGNING_VARIABLES)} together; "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+        )
+    for name in SIGNING_VARIABLES[:2]:
+        if not os.path.isfile(given[name]):
+            raise ValueError(f"{name}={given[name]!r} is not a readable file")
+    return {
+        "security_key": given["CHARLIE_SECURITY_KEY"],
+        "security_certificate": given["CHARLIE_SECURITY_CERTIFICATE"],
+        "security_cert_store": given["CHARLIE_SECURITY_CERT_STORE"],
+        "security_key_password": os.environ.get("CHARLIE_SECURITY_KEY_PASSWORD") or None,
+    }
 
 
 @cache

@@ -92,7 +92,10 @@ class _Doctor:
     def run(self) -> list[Check]:
         engine = self.database()
         self.schema(engine)
-        self.broker()
+        if self.signing():
+            self.broker()
+        else:
+            self.add("broker", "skip", "not checked: this process cannot sign its messages")
         self.tools()
         self.mcp()
         self.sandbox()
@@ -181,6 +184,63 @@ class _Doctor:
             self.add("schema", "FAIL", f"at revision {current}, head is {head}", fix)
 
     # -- the broker --------------------------------------------------------------------------
+
+    def signing(self) -> bool:
+        """Celery's message signing (CHARLIE_SECURITY_*): off, said plainly; on, this process's
+        key and certificate load, and its certificate is in its own store (a worker publishes
+        its next ticks to workers that check against the same store). False: a FAIL."""
+        if not self.s.signs_messages:
+            self.add(
+                "signing",
+                "ok",
+                "off: broker messages are not signed; anyone who can publish to the broker can "
+                "submit and"
+                + (
+                    " act by Celery message under a claimed name"
+                    if self.s.celery_operator_actions
+                    else " drive ticks (actions by Celery message are off)"
+                ),
+            )
+            return True
+        try:
+            from celery.security.certificate import Certificate, FSCertStore
+            from celery.security.key import PrivateKey
+
+            with open(str(self.s.security_key)) as f:
+                password = self.s.security_key_password
+                PrivateKey(f.read(), password=password.encode() if password else None)
+            with open(str(self.s.security_certificate)) as f:
+                cert = Certificate(f.read())
+            store = FSCertStore(str(self.s.security_cert_store))
+        except Exception as exc:
+            self.add(
+                "signing",
+                "FAIL",
+                f"cannot load the signing key, certificate or store: {_first_line(exc)}",
+                "fix CHARLIE_SECURITY_KEY, CHARLIE_SECURITY_CERTIFICATE, "
+                "CHARLIE_SECURITY_CERT_STORE (an RSA key in PEM, unexpired certificates)",
+            )
+            return False
+        accepted = list(store.itercerts())
+        try:
+            store[cert.get_id()]
+        except Exception:
+            self.add(
+                "signing",
+                "FAIL",
+                f"this process's certificate ({cert.get_issuer()}) is not in its store "
+                f"({len(accepted)} certificate(s)): workers checking against it would refuse "
+                "what this process publishes",
+                "add the certificate to CHARLIE_SECURITY_CERT_STORE on every worker",
+            )
+            return False
+        self.add(
+            "signing",
+            "ok",
+            f"messages signed as {cert.get_issuer()}; task messages taken only when signed "
+            f"by one of {len(accepted)} certificate(s) in the store",
+        )
+        return True
 
     def broker(self) -> None:
         from charlie.app import app

@@ -135,6 +135,70 @@ class Action(enum.StrEnum):
 VERDICTS = frozenset({Action.REPLY, Action.APPROVE, Action.DENY, Action.RECONCILE})
 
 
+class Channel(enum.StrEnum):
+    """How an operator action reached Charlie (I32)."""
+
+    #: the Python API, called in-process (a producer's code)
+    API = "api"
+    #: the ``charlie`` command line
+    CLI = "cli"
+    #: the run console (``charlie ui``)
+    UI = "ui"
+    #: a Celery message naming the action's task (``charlie.approve``...) on the broker
+    CELERY = "celery"
+
+
+#: how each channel is said in a record's description
+CHANNEL_NAMES = {
+    Channel.API: "Python API",
+    Channel.CLI: "CLI",
+    Channel.UI: "console",
+    Channel.CELERY: "celery",
+}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an operator action came from (I32): its channel, and whether the actor's name was
+    established by that channel (the console's token, checked on this request) or is only what
+    the caller claimed (every other channel: an ``operator=`` argument, CHARLIE_OPERATOR, the
+    OS user, a broker message's keyword)."""
+
+    channel: Channel = Channel.API
+    authenticated: bool = False
+
+
+#: how much of a name a record shows: the part that says how it is known always follows it
+SHOWN_NAME = 60
+
+
+def shown_name(actor: str) -> str:
+    """A name as a record shows it: one line of printable text, at most SHOWN_NAME characters,
+    so a claimed name can neither push the words after it out of a truncated line nor hide them
+    with a terminal's escape sequences."""
+    text = "".join(c if c.isprintable() else " " for c in actor)
+    text = " ".join(text.split()) or "?"
+    return text if len(text) <= SHOWN_NAME else text[: SHOWN_NAME - 1] + "…"
+
+
+def describe_actor(actor: str, channel: str | None, authenticated: bool | None) -> str:
+    """Who did an action and how that is known, as a record shows it (I32):
+    ``alice (console, signed in)`` for the console's own signed-in session (its ``ui:`` prefix
+    dropped), ``ui:alice (claimed, via celery)`` for a name a broker message asserted.
+    ``channel`` None: the action was recorded before channels were (claimed, how unknown)."""
+    actor = shown_name(actor)
+    if channel is None:
+        return f"{actor} (claimed, channel not recorded)"
+    try:
+        name = CHANNEL_NAMES[Channel(channel)]
+    except ValueError:
+        name = channel
+    if authenticated:
+        shown = actor.removeprefix("ui:") if channel == Channel.UI.value else actor
+        return f"{shown} ({name}, signed in)"
+    return f"{actor} (claimed, via {name})"
+
+
 class Effect(enum.StrEnum):
     """What a tool does to the world; decides what recovery may do with an interrupted call."""
 

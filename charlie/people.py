@@ -10,6 +10,11 @@ The first verdict on a call wins (I24): approve, deny, reply and reconcile each 
 the run's lock, for a verdict already recorded on the call, and refuse with an error that names
 it. A retried request (``request_id``, a Celery message id) finds its own first commit and
 returns it instead of acting twice.
+
+Each action also records how it arrived (I32): ``origin``, its channel (the Python API by
+default; the CLI, the console and the worker's Celery tasks pass their own) and whether that
+channel established the actor's name (only the console's token does) or the caller merely
+claimed it. A Celery message cannot set it: the worker's tasks refuse one that tries.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ from charlie.domain import (
     TASK_ID,
     Action,
     CallState,
+    Channel,
     Hold,
     ItemKind,
+    Origin,
     Outcome,
     Phase,
     TaskStatus,
+    describe_actor,
     execution_id_for,
     utcnow,
 )
@@ -98,12 +106,24 @@ class ActionRecord:
     at: datetime
     note: str | None
     detail: JSON | None
+    #: how it arrived (I32): ``api``, ``cli``, ``ui``, ``celery``; None: recorded before
+    #: channels were
+    channel: Channel | None = None
+    #: whether the channel established ``actor`` (the console's token), or the caller only
+    #: claimed it (I32)
+    authenticated: bool = False
+
+    @property
+    def by(self) -> str:
+        """Who, and how that is known: ``alice (console, signed in)``, ``ui:alice (claimed,
+        via celery)`` (I32)."""
+        return describe_actor(self.actor, self.channel, self.authenticated)
 
     def describe(self) -> str:
         what = self.action.value
         if self.action is Action.RECONCILE and self.detail:
             what += f" {self.detail.get('verdict')}"
-        return f"{what} by {self.actor} at {self.at.isoformat(timespec='seconds')}"
+        return f"{what} by {self.by} at {self.at.isoformat(timespec='seconds')}"
 
 
 class VerdictConflict(ActionRefused):
@@ -130,7 +150,16 @@ def record_of(row: Any) -> ActionRecord:
         row.at,
         row.note,
         row.detail,
+        _channel(getattr(row, "channel", None)),
+        bool(getattr(row, "authenticated", False)),
     )
+
+
+def _channel(value: object) -> Channel | None:
+    try:
+        return None if value is None else Channel(str(value))
+    except ValueError:  # a channel a later version wrote: shown as unknown, never trusted
+        return None
 
 
 def actor_name(operator: str | None, producer: Producer) -> str:
@@ -139,6 +168,9 @@ def actor_name(operator: str | None, producer: Producer) -> str:
         name = str(operator).strip()
         if not name:
             raise ActionRefused("operator must be a non-empty name")
+        if not name.isprintable():
+            # a record shows it on terminals and pages (I32): no line breaks, no escapes
+            raise ActionRefused("operator must be printable text, without control characters")
         return name[:200]
     if producer.settings.operator:
         return producer.settings.operator[:200]
@@ -199,6 +231,7 @@ def send(
     message_id: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> str:
     """Send a message to an active task; returns its message id. It enters the transcript as
     user input at the task's first turn boundary after this commit (after the current turn's
@@ -248,6 +281,7 @@ def send(
             now=now,
             detail={"message_id": message_id},
             request_id=request_id,
+            origin=origin,
         )
         return message_id
 
@@ -397,8 +431,10 @@ def _verdict_row(
     *,
     note: str | None = None,
     detail: JSON | None = None,
+    origin: Origin | None = None,
 ) -> int:
-    """The evidence row of a verdict on ``call``, in the verdict's own transaction (I27)."""
+    """The evidence row of a verdict on ``call``, in the verdict's own transaction (I27),
+    with how it arrived (I32)."""
     return store.record_action(
         conn,
         task_id=task_id,
@@ -410,6 +446,7 @@ def _verdict_row(
         note=note,
         detail=detail,
         request_id=request_id,
+        origin=origin,
     )
 
 
@@ -443,6 +480,7 @@ def approve(
     note: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Approve a call held for approval: it is dispatched now, and marked started only by the
     worker that runs it (I9, I23)."""
@@ -473,6 +511,7 @@ def approve(
             request_id,
             note=note,
             detail={"tool": call.name, "deadline_at": deadline.isoformat()},
+            origin=origin,
         )
         return _Decided(rid, invoke=(call.execution_id, call.turn, call.call_id))
 
@@ -489,6 +528,7 @@ def deny(
     *,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Deny a call held for approval: its one result is a ``denied`` outcome with the reason,
     which the model sees; it never runs (I23), and the run goes on."""
@@ -519,6 +559,7 @@ def deny(
             request_id,
             note=reason,
             detail={"tool": call.name},
+            origin=origin,
         )
         return _Decided(rid, await_version=_after_settle(conn, run, call))
 
@@ -535,6 +576,7 @@ def reply(
     *,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Answer a question: an ``ask_human`` call, whose result the answer is, or a started call
     that parked asking one (an MCP server's ``input_required``), which goes on with it: the
@@ -586,7 +628,9 @@ def reply(
             detail["question_id"] = info["question_id"]
         if resumes:
             detail["resumes"] = True
-        rid = _verdict_row(conn, task_id, call, Action.REPLY, actor, now, request_id, detail=detail)
+        rid = _verdict_row(
+            conn, task_id, call, Action.REPLY, actor, now, request_id, detail=detail, origin=origin
+        )
         if resumes:
             return _Decided(
                 rid, invoke=(call.execution_id, call.turn, call.call_id), invoke_mode="resume"
@@ -608,6 +652,7 @@ def reconcile(
     note: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """Decide an interrupted call held for an operator (a tool with ``on_interrupt="hold"``):
 
@@ -683,8 +728,9 @@ def reconcile(
             )
             await_version = _after_settle(conn, run, call)
         rid = _verdict_row(
-            conn, task_id, call, Action.RECONCILE, actor, now, request_id, note=note, detail=detail
-        )
+            conn, task_id, call, Action.RECONCILE, actor, now, request_id,
+            note=note, detail=detail, origin=origin,
+        )  # fmt: skip
         return _Decided(rid, invoke=invoke, await_version=await_version)
 
     return _decide(
@@ -720,6 +766,7 @@ def resume(
     timeout: float | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
     note: str | None = None,
     budget: JSON | None = None,
 ) -> ActionRecord:
@@ -811,6 +858,7 @@ def resume(
                 **({"budget": limits} if budget is not None else {}),
             },
             request_id=request_id,
+            origin=origin,
         )
         return rid, phase, run.version + 1
 
@@ -909,6 +957,7 @@ def fork(
     task_id: str | None = None,
     operator: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> str:
     """A new task (``task_id``, or a generated id) whose transcript is ``source``'s through the
     end of turn ``turn`` (tool results as recorded, each item marked as copied from the source),
@@ -930,9 +979,9 @@ def fork(
     new_id = task_id or request_id or uuid.uuid4().hex
     actor = actor_name(operator, rt)
     # What the fork is, so a second fork under the same id must be the same one.
-    origin: JSON = {"task": source, "turn": turn, "model": model}
+    forked_from: JSON = {"task": source, "turn": turn, "model": model}
     if message is not None:
-        origin["message_sha256"] = hashlib.sha256(message.encode()).hexdigest()
+        forked_from["message_sha256"] = hashlib.sha256(message.encode()).hexdigest()
 
     def act(conn: Connection) -> tuple[str, bool]:
         src = store.source_of_fork(conn, source)
@@ -940,7 +989,7 @@ def fork(
             raise TaskNotFound(source)
         existing = store.source_of_fork(conn, new_id)
         if existing is not None:
-            if (existing.metadata or {}).get("forked_from") == origin:
+            if (existing.metadata or {}).get("forked_from") == forked_from:
                 return new_id, False  # this fork was made already
             raise TaskConflict(f"task id {new_id!r} is taken by another task")
         _check_turn_settled(conn, src, turn)
@@ -971,10 +1020,10 @@ def fork(
             model=model or src.model,
             tools=src.tools,
             approve=src.approve,
-            metadata={**(src.metadata or {}), "forked_from": origin},
+            metadata={**(src.metadata or {}), "forked_from": forked_from},
             turn=turn + 1,
             items=items,
-            state={"forked_from": origin},
+            state={"forked_from": forked_from},
             now=now,
             budget=src.budget,
         )
@@ -993,6 +1042,7 @@ def fork(
                 "items_copied": len(items) - (message is not None),
             },
             request_id=request_id,
+            origin=origin,
         )
         return new_id, True
 

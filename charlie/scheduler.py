@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from charlie import faults
-from charlie.domain import JSON, Action, TaskStatus, execution_id_for, utcnow
+from charlie.domain import JSON, Action, Origin, TaskStatus, execution_id_for, utcnow
 from charlie.observe import new_trace
 from charlie.ports import TransientSchedulerError
 from charlie.store import spend
@@ -239,6 +239,7 @@ def cancel(
     actor: str | None = None,
     note: str | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> list[str]:
     """Cancel a task and its children; returns the ids whose status changed. The executor stops
     each at its next tick boundary (I18). With an ``actor``, a cancel that stopped anything is
@@ -259,6 +260,7 @@ def cancel(
                 note=note,
                 detail={"canceled": changed},
                 request_id=request_id,
+                origin=origin,
             )
         return changed
 

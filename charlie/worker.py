@@ -39,7 +39,7 @@ from sqlalchemy.exc import OperationalError
 from charlie import logs, redact, runtime, sweeps, telemetry
 from charlie.app import app
 from charlie.config import settings
-from charlie.domain import Phase
+from charlie.domain import Channel, Origin, Phase
 from charlie.executor import tick
 from charlie.presence import Presence
 from charlie.runtime import get_runtime
@@ -171,17 +171,42 @@ def submit_task(
 # ``app.send_task("charlie.approve", args=[task_id, call_id], kwargs={"operator": "ana"})``.
 # The message's id is the request's idempotency key, so a redelivered message acts once; a
 # refused action (a second verdict, a finished task) is logged with its reason, not retried.
+#
+# The name such a message gives (``operator=``) is only claimed: anyone who can publish to the
+# broker can send it. The record says so, channel ``celery``, not authenticated (I32), and a
+# deployment that does not trust every broker client turns these tasks off
+# (CHARLIE_CELERY_OPERATOR_ACTIONS=0), or requires signed messages (CHARLIE_SECURITY_*).
 def _person_task(name: str, call: Any) -> Task:
     def run(self: Task, *args: Any, **kwargs: Any) -> Any:
         from charlie import people  # the producer face; imported when first used
 
+        log = logging.getLogger("charlie.people")
+        task_id = args[0] if args and isinstance(args[0], str) else None
+        if not settings().celery_operator_actions:
+            # Refused before anything is read or written: nothing is recorded (I32).
+            log.warning(
+                "%s refused: operator actions by Celery message are turned off "
+                "(CHARLIE_CELERY_OPERATOR_ACTIONS=0); nothing was recorded (message %s)",
+                name,
+                self.request.id,
+                extra={"task_id": task_id},
+            )
+            raise people.ActionRefused(
+                f"{name}: operator actions by Celery message are turned off on this worker "
+                "(CHARLIE_CELERY_OPERATOR_ACTIONS=0)"
+            )
+        if "origin" in kwargs:
+            # How an action arrived is Charlie's to say, never the message's (I32).
+            log.warning(
+                "%s refused: the message names its own origin", name, extra={"task_id": task_id}
+            )
+            raise people.ActionRefused(f"{name}: a message cannot say how it arrived (origin)")
+        kwargs["origin"] = Origin(Channel.CELERY, authenticated=False)
         kwargs.setdefault("request_id", self.request.id)
         try:
             result = call(people, *args, **kwargs)
         except people.ActionRefused as exc:
-            logging.getLogger("charlie.people").warning(
-                "%s refused: %s", name, exc, extra={"task_id": args[0] if args else None}
-            )
+            log.warning("%s refused: %s", name, exc, extra={"task_id": task_id})
             raise
         return result if isinstance(result, str | bool | None) else getattr(result, "id", None)
 

@@ -103,14 +103,15 @@ def call_state(call: api.CallRecord) -> tuple[str, str]:
 PERSON_PREFIX = "operator:"
 
 
-def decided_by(call: api.CallRecord) -> str | None:
+def decided_by(call: api.CallRecord, verdict: api.ActionRecord | None = None) -> str | None:
     """A person's verdict that settled a call, as a person reads it: what they did and their
-    name (``denied by ui:ana``, not the record's ``operator:ui:ana``); None when no person
-    settled it."""
+    name (``denied by ui:ana``, not the record's ``operator:ui:ana``); with the verdict's
+    record, how that name is known (``denied by ana (console, signed in)``, ``denied by ui:ana
+    (claimed, via celery)``, I32). None when no person settled it."""
     by = call.settled_by or ""
     if not by.startswith(PERSON_PREFIX):
         return None
-    name = by[len(PERSON_PREFIX) :]
+    name = by[len(PERSON_PREFIX) :] if verdict is None else verdict.by
     if call.outcome == "denied":
         return f"denied by {name}"
     if call.started_at is None:
@@ -199,10 +200,15 @@ def _parse_time(value: object) -> datetime | None:
 
 
 def call_view(
-    call: api.CallRecord, raw_arguments: str | None = None, *, full: bool = True
+    call: api.CallRecord,
+    raw_arguments: str | None = None,
+    *,
+    full: bool = True,
+    verdict: api.ActionRecord | None = None,
 ) -> CallView:
     """A call's row; ``full=False`` leaves out what only its opened row shows (the whole
-    arguments and result, the evidence), which a task page loads when a row is opened."""
+    arguments and result, the evidence), which a task page loads when a row is opened.
+    ``verdict``: the person's action that settled it, if one did (who, and how it arrived)."""
     badge, badge_class = call_state(call)
     args = raw_arguments if raw_arguments is not None else json.dumps(call.arguments)
     late = None
@@ -222,7 +228,7 @@ def call_view(
         took = f"{span(held[0])} from start until held; held {span(held[1])} for a verdict"
         duration = f"{span(held[0])}, held {span(held[1])}"
     # a person's verdict says so beside the worker that ran it (if one did)
-    person = decided_by(call)
+    person = decided_by(call, verdict)
     worker = " · ".join(w for w in (call.started_by, person) if w) or call.settled_by or "-"
     evidence = (
         []
@@ -282,12 +288,37 @@ class Row:
     copied: str | None = None
 
 
+#: the actions that settle a call themselves (an approve releases it; a worker settles it)
+SETTLING = ("deny", "reply", "reconcile")
+
+
+def verdicts_of(actions: list[api.ActionRecord]) -> dict[tuple[int, str], api.ActionRecord]:
+    """The person's action that settled each call a person settled, by (turn, call id): the
+    last deny, reply or reconcile recorded on it."""
+    found: dict[tuple[int, str], api.ActionRecord] = {}
+    for a in actions:
+        if a.action.value in SETTLING and a.call_id is not None and a.turn is not None:
+            found[(a.turn, a.call_id)] = a
+    return found
+
+
 def transcript_rows(
-    entries: list[api.TranscriptEntry], calls: list[api.CallRecord], *, full: bool = False
+    entries: list[api.TranscriptEntry],
+    calls: list[api.CallRecord],
+    *,
+    full: bool = False,
+    actions: list[api.ActionRecord] | None = None,
 ) -> list[Row]:
     """The transcript's semantic rows, in its one chronology (I6); with ``full``, each call's
-    whole arguments, result and evidence too (what an opened row shows)."""
+    whole arguments, result and evidence too (what an opened row shows). With the task's
+    ``actions``, a person's verdict on a call and a person's message say who and how that is
+    known (signed in to the console, or a name a caller claimed, I32)."""
     by_call = {(c.turn, c.call_id): c for c in calls}
+    verdicts = verdicts_of(actions or [])
+    senders: dict[str, api.ActionRecord] = {}
+    for a in actions or []:
+        if a.action.value == "send" and (a.detail or {}).get("message_id") is not None:
+            senders.setdefault(str((a.detail or {})["message_id"]), a)
     has_call_item = {(e.turn, e.call_id) for e in entries if e.kind == "tool_call"}
     rows: list[Row] = []
     for e in entries:
@@ -300,7 +331,12 @@ def transcript_rows(
         if e.kind == "tool_call":
             record = by_call.get((e.turn, e.call_id or ""))
             view = (
-                call_view(record, str(p.get("raw_arguments") or ""), full=full)
+                call_view(
+                    record,
+                    str(p.get("raw_arguments") or ""),
+                    full=full,
+                    verdict=verdicts.get((e.turn, e.call_id or "")),
+                )
                 if record is not None
                 else _call_from_items(e, entries)
             )
@@ -315,7 +351,8 @@ def transcript_rows(
         elif e.kind == "input":
             role = str(p.get("role") or "user")
             if p.get("message_id") or p.get("sent_by"):
-                who = f"message from {p.get('sent_by') or 'a person'}"
+                sent = senders.get(str(p.get("message_id")))
+                who = f"message from {sent.by if sent else p.get('sent_by') or 'a person'}"
                 rows.append(Row(key, e.seq, e.turn, "message", who, _text(p), copied=copied))
             elif role == "system":
                 rows.append(Row(key, e.seq, e.turn, "system", "system", _text(p), copied=copied))

@@ -139,7 +139,7 @@ def load_task(task_id: str, all_rows: bool = False) -> dict[str, Any]:
         except TaskNotFound:
             parent = None
     now = datetime.now(UTC)
-    shown = rows.transcript_rows(entries, calls)
+    shown = rows.transcript_rows(entries, calls, actions=done)
     earlier = 0 if all_rows else max(0, len(shown) - ROWS_SHOWN)
     return {
         "revision": revision,
@@ -175,6 +175,12 @@ def _field(body: dict[str, Any], name: str, *, required: bool = True) -> Any:
     return value
 
 
+#: how the console's actions are recorded: every request that reaches an action has shown the
+#: console's token (a signed-in session or the bearer token), so the console's operator name is
+#: established by it, not merely claimed (I32)
+SIGNED_IN = api.Origin(api.Channel.UI, authenticated=True)
+
+
 def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, Any]) -> Any:
     """Take one action as the API does and return the ActionRecord it recorded (I27)."""
     op = config.operator
@@ -186,6 +192,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             str(_field(body, "call_id")),
             note=_field(body, "note", required=False),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "deny":
@@ -194,12 +201,13 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             str(_field(body, "call_id")),
             _field(body, "reason"),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "reply":
         return api.reply(
             task_id, str(_field(body, "call_id")), _field(body, "text"), operator=op,
-            request_id=request_id,
+            request_id=request_id, origin=SIGNED_IN,
         )  # fmt: skip
     if action == "reconcile":
         result = body.get("result")
@@ -213,6 +221,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             result=result,
             note=_field(body, "note", required=False),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "resume":
@@ -222,11 +231,16 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             timeout=None if timeout is None else _number(timeout, "timeout"),
             note=_field(body, "note", required=False),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
     if action == "cancel":
         changed = api.cancel(
-            task_id, note=_field(body, "note", required=False), operator=op, request_id=request_id
+            task_id,
+            note=_field(body, "note", required=False),
+            operator=op,
+            request_id=request_id,
+            origin=SIGNED_IN,
         )
         record = api.action_for_request(request_id)
         if record is None:
@@ -242,6 +256,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             _field(body, "text"),
             message_id=None if message_id is None else str(message_id),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
         record = api.action_for_request(request_id)
@@ -269,6 +284,7 @@ def perform(config: ConsoleConfig, task_id: str, action: str, body: dict[str, An
             model=_field(body, "model", required=False),
             task_id=str(new_id),
             operator=op,
+            origin=SIGNED_IN,
             request_id=request_id,
         )
         record = api.action_for_request(request_id)
@@ -339,7 +355,7 @@ def describe(record: Any) -> str:
     what = f"call {record.call_id}" if record.call_id else "the task"
     if action == "send":
         what = f"message {detail.get('message_id')}"
-    text = f"{record.actor} {DID.get(action, action)} {what}"
+    text = f"{record.by} {DID.get(action, action)} {what}"
     if action == "reconcile" and detail.get("verdict"):
         text += f" as {str(detail['verdict']).replace('_', ' ')}"
     text += f" at {record.at.isoformat(timespec='seconds')}"
@@ -620,7 +636,9 @@ class TaskFragment(TaskPage):
 
 
 def load_call(task_id: str, turn: int, call_id: str) -> rows.CallView | None:
-    found = rows.transcript_rows(api.transcript(task_id), api.calls(task_id), full=True)
+    found = rows.transcript_rows(
+        api.transcript(task_id), api.calls(task_id), full=True, actions=api.actions(task_id)
+    )
     return next(
         (r.call for r in found if r.call and r.call.call_id == call_id and r.turn == turn), None
     )

@@ -19,7 +19,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from charlie import api
-from charlie.console.rows import OUTCOME_LABELS, PERSON_PREFIX, clock, decided_by, span
+from charlie.console.rows import (
+    OUTCOME_LABELS,
+    PERSON_PREFIX,
+    clock,
+    decided_by,
+    span,
+    verdicts_of,
+)
 
 WIDTH = 1000
 LABEL = 150
@@ -170,6 +177,7 @@ def build(
         if t.get("from_phase") == "call_model" and t.get("to_phase") == "dispatch_tools"
     )
     verdicts: dict[tuple[str, int], datetime] = {}
+    settled_by_person = verdicts_of(actions)  # who, and how it arrived (I32)
     for a in actions:
         if a.call_id is not None and a.turn is not None:
             verdicts.setdefault((a.call_id, a.turn), a.at)
@@ -186,7 +194,10 @@ def build(
             title = (
                 f"{c.name} ({c.call_id}, turn {c.turn}): {label}; started {clock(c.started_at)} "
                 f"by {c.started_by}, settled {clock(c.settled_at)} "
-                + (decided_by(c) or f"by {c.settled_by or '-'}")
+                + (
+                    decided_by(c, settled_by_person.get((c.turn, c.call_id)))
+                    or f"by {c.settled_by or '-'}"
+                )
             )
             if held_at:
                 title += f"; interrupted and held for a verdict at {clock(held_at)}"

@@ -21,6 +21,7 @@ from charlie.domain import (
     CallState,
     Hold,
     ItemKind,
+    Origin,
     Phase,
     TaskStatus,
 )
@@ -59,7 +60,10 @@ def record_action(
     note: str | None = None,
     detail: JSON | None = None,
     request_id: str | None = None,
+    origin: Origin | None = None,
 ) -> int:
+    """The evidence row of one operator action (I27), with how it arrived (I32)."""
+    origin = origin or Origin()
     row = conn.execute(
         insert(operator_actions)
         .values(
@@ -72,6 +76,8 @@ def record_action(
             note=note,
             detail=detail,
             request_id=request_id,
+            channel=origin.channel.value,
+            authenticated=origin.authenticated,
         )
         .returning(_a.id)
     ).first()

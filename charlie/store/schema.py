@@ -21,6 +21,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
@@ -242,6 +243,12 @@ class OperatorAction(Base):
     detail: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     #: the caller's idempotency key (a Celery message id): the same request acts once.
     request_id: Mapped[str | None] = mapped_column(String(200), default=None)
+    #: how the action arrived (domain.Channel: api, cli, ui, celery); NULL: recorded before
+    #: channels were (I32).
+    channel: Mapped[str | None] = mapped_column(String(16), default=None)
+    #: whether ``actor`` was established by the channel (the console's token) rather than only
+    #: claimed by the caller (I32).
+    authenticated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class TransitionRecord(Base):

@@ -26,6 +26,8 @@ from tests.support.tools import read_ledger
 pytestmark = [pytest.mark.timeout(240)]
 
 ACTOR = f"ui:{OPERATOR}"
+#: how the console's own actions are shown: its operator, signed in with its token (I32)
+SIGNED_IN = f"{OPERATOR} (console, signed in)"
 
 
 def tid(prefix: str = "ui") -> str:
@@ -126,7 +128,7 @@ def flash(driver: Any) -> str:
 
 def said(record: Any, did: str, rest: str = "") -> str:
     """The one sentence a page shows after an action (issue 14): who did what, when."""
-    return f"{record.actor} {did} at {record.at.isoformat(timespec='seconds')}{rest}."
+    return f"{record.by} {did} at {record.at.isoformat(timespec='seconds')}{rest}."
 
 
 def action_of(task_id: str, action: str, call_id: str | None = None) -> Any:
@@ -262,9 +264,8 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     assert ran.total_seconds() >= 0
     row = 'details.call[data-call="hw"] summary'
     retry(lambda: "reconciled by" in text_of(browser, f"{row} .worker"), timeout=30)
-    assert (
-        text_of(browser, f"{row} .worker").strip() == f"{call.started_by} · reconciled by {ACTOR}"
-    )
+    worker = text_of(browser, f"{row} .worker").strip()
+    assert worker == f"{call.started_by} · reconciled by {SIGNED_IN}"
     dur = text_of(browser, f"{row} .dur").strip()
     assert dur.startswith(f"{ran.total_seconds():.1f} s, held "), (dur, ran, waited)
     assert dur != f"{(call.settled_at - call.started_at).total_seconds():.1f} s"
@@ -310,15 +311,15 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     # a person's verdict is shown as theirs: no worker, and no "operator:" before "ui:"
     retry(lambda: "answered by" in text_of(browser, 'details.call[data-call="q"] .worker'))
     assert text_of(browser, 'details.call[data-call="ap2"] .worker').strip() == (
-        f"denied by {ACTOR}"
+        f"denied by {SIGNED_IN}"
     )
     assert text_of(browser, 'details.call[data-call="q"] .worker').strip() == (
-        f"answered by {ACTOR}"
+        f"answered by {SIGNED_IN}"
     )
     assert "operator:" not in text_of(browser, "#transcript")
     assert retry(lambda: text_of(browser, "#status").strip() == "succeeded")
     log = text_of(browser, ".actions-log")
-    assert "reconcile done by ui:tester" in log and "deny by ui:tester" in log
+    assert f"reconcile done by {SIGNED_IN}" in log and f"deny by {SIGNED_IN}" in log
     screenshot(browser, screenshots, "task-finished")
 
 
@@ -392,7 +393,7 @@ def test_send_and_cancel_from_the_page(
     assert sent.actor == ACTOR
     # the message enters at the turn boundary: its row appears live
     retry(lambda: "also check the logs" in text_of(browser, ".row.kind-message"), timeout=30)
-    assert "message from ui:tester" in text_of(browser, ".row.kind-message")
+    assert f"message from {SIGNED_IN}" in text_of(browser, ".row.kind-message")
     wait_for(lambda: len(ledger_for(task_id, "sleep_then.start")) == 2, timeout=30)
     retry(lambda: badge(browser, "long") == "started", timeout=30)
     # its dispatch state among the open calls: who started it, the lease, the deadline

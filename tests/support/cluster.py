@@ -116,6 +116,8 @@ class Cluster:
     #: the workers' pool (metered clusters may run threads or solo)
     pool: str = "prefork"
     metrics_ports: dict[int, int] = field(default_factory=dict)
+    #: more environment for the workers and beat started from now on (reconfigured())
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
@@ -138,7 +140,7 @@ class Cluster:
         with open(self.home / log_name, "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "charlie", *args],
-                env={**self.env, **(env or {})},
+                env={**self.env, **self.extra_env, **(env or {})},
                 cwd=REPO,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -195,7 +197,8 @@ class Cluster:
     def configured(self, **env: str) -> Iterator[Cluster]:
         """The cluster's workers replaced by ones started with these settings besides the
         session's (CHARLIE_*), for a while; the plain ones come back after. The supervisor
-        restarts a killed worker with them too, meanwhile."""
+        restarts a killed worker with them too, meanwhile. The test process's own commands
+        (``env``) see them too."""
         with self._lock:
             before = dict(self.settings_env)
             self.settings_env.update(env)
@@ -210,6 +213,24 @@ class Cluster:
                 self.settings_env.update(before)
                 self._terminate(self.workers)
                 self.workers = []
+                self.ensure(workers=self.want_workers, beat=True)
+
+    @contextlib.contextmanager
+    def reconfigured(self, env: dict[str, str]) -> Iterator[Cluster]:
+        """The cluster's workers and beat replaced by ones started with ``env`` added, for a
+        while (a worker that requires signed messages, one with Celery actions off); the plain
+        ones come back after. Unlike configured(), the test process's commands do not see it
+        (an unsigned producer stays unsigned)."""
+        with self._lock:
+            self._terminate(self.workers + self.beats)
+            self.workers, self.beats, self.extra_env = [], [], dict(env)
+            self.ensure(workers=self.want_workers, beat=True)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._terminate(self.workers + self.beats)
+                self.workers, self.beats, self.extra_env = [], [], {}
                 self.ensure(workers=self.want_workers, beat=True)
 
     def worker_metrics_ports(self) -> list[int]:
