@@ -72,7 +72,7 @@ from charlie.devbox.policy import (
     validate_env,
 )
 from charlie.devbox.workspaces import Workspaces
-from charlie.sandbox import SandboxPolicy, SandboxUnavailable, check_mode
+from charlie.sandbox import SandboxPolicy, SandboxUnavailable, check_mode, network_stack
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +163,17 @@ class Devbox:
             return None
         try:
             check_mode(self.limits.sandbox)
+            if network:
+                network_stack(self.limits.network_stack)
         except SandboxUnavailable as exc:
             raise ApiError(403, str(exc)) from None
         return SandboxPolicy(
             workspace=workspace,
             hidden=(self.root, *self.limits.hidden),
+            readable=self.limits.readable,
             network=bool(network),
+            network_stack=self.limits.network_stack,
+            unreachable=self.limits.unreachable,
             # the devbox's own git reads it: a command must not plant programs in it
             frozen=(workspace / ".git" / "config",),
         )
