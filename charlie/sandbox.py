@@ -184,7 +184,7 @@ def check_mode(mode: str) -> None:
 
 
 @functools.cache
-def _stack_problem(stack: str) -> str | None:
+def stack_problem(stack: str) -> str | None:
     """Why ``stack`` cannot give a sandboxed command the network here (None: it can): it must
     be installed, and a sandboxed ``true`` must run behind it."""
     if shutil.which(stack, path=BWRAP_ENV["PATH"]) is None:
@@ -220,7 +220,7 @@ def network_stack(choice: str = "auto") -> str:
     candidates = ("pasta", "slirp4netns") if choice == "auto" else (choice,)
     problems = []
     for stack in candidates:
-        problem = _stack_problem(stack)
+        problem = stack_problem(stack)
         if problem is None:
             return stack
         problems.append(problem)
