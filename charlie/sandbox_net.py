@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import json
 import os
@@ -216,9 +217,18 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         "-t", "none", "-u", "none", "-T", "none", "-U", "none",
         "--dns-forward", "10.0.2.3",
     ]  # fmt: skip
-    if os.geteuid() == 0:
-        argv += ["--runas", "0"]
-    proc = subprocess.Popen([*argv, str(pid)], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    preexec = None
+    if os.geteuid() == 0 and _own_userns(pid):
+        # As root, pasta cannot open /proc/PID/ns/* once it has dropped its privileges: it
+        # is given the namespace as a file instead, bound in a mount namespace of its own
+        # (which vanishes with it, so nothing is left mounted whatever ends it).
+        argv += ["--runas", "0", "--netns", _PASTA_NETNS]
+        preexec = functools.partial(_bind_netns, pid)
+    else:
+        argv.append(str(pid))  # joins the command's user and network namespaces
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=preexec
+    )
     deadline = time.monotonic() + SETUP_SECONDS
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -228,6 +238,29 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         time.sleep(0.01)
     _stop(proc)
     raise SetupError("pasta did not connect the namespace")
+
+
+#: where pasta, as root, finds the command's network namespace (in its own mount namespace)
+_PASTA_NETNS = "/tmp/charlie-sandbox-netns"
+MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
+CLONE_NEWNS = 0x00020000
+
+
+def _bind_netns(pid: int) -> None:
+    """In pasta's process before it starts: a private mount namespace, a tmpfs on /tmp and the
+    command's network namespace bound on a file there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"pasta's namespace file: {what}")
+
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"mode=0700"), "tmpfs on /tmp")
+    os.close(os.open(_PASTA_NETNS, os.O_CREAT | os.O_WRONLY, 0o600))
+    source = f"/proc/{pid}/ns/net".encode()
+    check(libc.mount(source, _PASTA_NETNS.encode(), None, MS_BIND, None), "bind")
 
 
 def _has_default_route(pid: int) -> bool:

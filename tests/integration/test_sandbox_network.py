@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,14 @@ import pytest
 
 import charlie
 from charlie.domain import TaskStatus
-from charlie.sandbox import SandboxPolicy, SandboxUnavailable, host_addresses, network_stack, wrap
+from charlie.sandbox import (
+    SandboxPolicy,
+    SandboxUnavailable,
+    host_addresses,
+    network_stack,
+    stack_problem,
+    wrap,
+)
 from tests.devbox.cluster_support import DevboxProcess
 from tests.support.cluster import REPO, SANDBOX_PROBLEM, Cluster
 
@@ -211,22 +219,33 @@ def test_a_devbox_command_with_the_network_reaches_the_outside_not_the_host(
         box.kill()
 
 
-def test_a_denied_network_is_unreachable(tmp_path: Path, outside: Outside) -> None:
-    """CHARLIE_SANDBOX_NET_DENY (SandboxPolicy.unreachable): the cluster's networks on other
+@pytest.mark.parametrize("stack", ["pasta", "slirp4netns"])
+def test_each_stack_reaches_the_outside_not_the_host_nor_a_denied_network(
+    tmp_path: Path, outside: Outside, stack: str
+) -> None:
+    """Both stacks (CHARLIE_SANDBOX_NETWORK), through wrap and the real launcher; and
+    CHARLIE_SANDBOX_NET_DENY (SandboxPolicy.unreachable): the cluster's networks on other
     machines are routed to nowhere inside the command's namespace."""
+    problem = stack_problem(stack)
+    if problem is not None:
+        pytest.skip(problem)
     (tmp_path / "probe.py").write_text(PROBE)
-    target = f"{outside.address}:{outside.port}"
-    results = {}
-    for deny in ((), (outside.subnet,)):
-        policy = SandboxPolicy(workspace=tmp_path, network=True, unreachable=deny)
-        argv = wrap(["python3", "probe.py", target], policy, env={"PATH": "/usr/bin:/bin"})
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
-        )
-        assert done.returncode == 0, done.stderr
-        results[deny] = done.stdout
-    assert f"open {outside.greeting}" in results[()]
-    assert "closed" in results[(outside.subnet,)], results
+    env = {"PATH": "/usr/bin:/bin"}
+    with _servers() as ports:
+        targets = _targets(ports, outside)
+        for deny in ((), (outside.subnet,)):
+            policy = SandboxPolicy(
+                workspace=tmp_path, network=True, network_stack=stack, unreachable=deny
+            )
+            command = f"python3 probe.py {' '.join(targets)}; cat /etc/resolv.conf"
+            argv = wrap(["/bin/sh", "-c", command], policy, env=env)
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+            assert done.returncode == 0, done.stderr
+            if deny:
+                line = next(x for x in done.stdout.splitlines() if x.startswith(targets[-1]))
+                assert " closed " in line, done.stdout
+            else:
+                _check(done.stdout, targets, outside)
 
 
 def test_without_a_network_stack_network_access_is_refused() -> None:
@@ -251,3 +270,43 @@ def test_without_a_network_stack_network_access_is_refused() -> None:
     )
     assert "network access is refused" in done.stdout, done.stderr
     assert "apt-get install passt slirp4netns" in done.stdout
+
+
+def _group(pgid: int) -> list[str]:
+    """The processes still in the process group ``pgid``: their command lines."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_cancelling_a_command_with_the_network_ends_its_stack_too(tmp_path: Path) -> None:
+    """The launcher and the stack stay in the command's process group, so the group's SIGKILL
+    (cancel, timeout, a lost lease) leaves no pasta or slirp4netns running for it."""
+    from charlie.devbox import DevboxClient
+
+    box = DevboxProcess(tmp_path / "devbox", tmp_path / "devbox.log", args=("--allow-network",))
+    try:
+        with DevboxClient(box.url, box.token) as client:
+            client.ensure_workspace("a", None)
+            started = client.start_command("a", shell="echo up; sleep 60", network=True)
+            pid = client.command_status(started.execution_id).pid
+            assert pid is not None
+            deadline = time.monotonic() + 20
+            while "up" not in client.command_status(started.execution_id).stdout_tail:
+                assert time.monotonic() < deadline, "the command did not start"
+                time.sleep(0.1)
+            running = _group(pid)
+            assert any(("pasta" in c or "slirp4netns" in c) for c in running), running
+            assert client.cancel_command(started.execution_id).status == "cancelled"
+            deadline = time.monotonic() + 10
+            while _group(pid):
+                assert time.monotonic() < deadline, _group(pid)
+                time.sleep(0.1)
+    finally:
+        box.kill()
