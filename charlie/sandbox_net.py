@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import ipaddress
 import json
@@ -38,6 +39,7 @@ from typing import IO, Any
 SETUP_SECONDS = 20.0
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
+NS_GET_USERNS = 0xB701  # ioctl_ns(2)
 # netlink: add a route (rtnetlink(7))
 RTM_NEWROUTE = 24
 NLMSG_ERROR = 2
@@ -129,6 +131,15 @@ def _wait_loopback(pid: int) -> None:
     raise SetupError("bubblewrap did not bring the namespace's loopback up")
 
 
+def _netns_owner(pid: int) -> int:
+    """An fd of the user namespace that owns the command's network namespace."""
+    net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+    try:
+        return int(fcntl.ioctl(net, NS_GET_USERNS))
+    finally:
+        os.close(net)
+
+
 def _own_userns(pid: int) -> bool:
     return os.stat(f"/proc/{pid}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino
 
@@ -143,11 +154,10 @@ def _add_unreachable(pid: int, networks: list[str]) -> None:
         code = 0
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            kinds = [("net", CLONE_NEWNET)]
+            kinds = [("net", CLONE_NEWNET, os.open(f"/proc/{pid}/ns/net", os.O_RDONLY))]
             if not _own_userns(pid):
-                kinds.insert(0, ("user", CLONE_NEWUSER))
-            for name, kind in kinds:
-                fd = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY)
+                kinds.insert(0, ("user", CLONE_NEWUSER, _netns_owner(pid)))
+            for name, kind, fd in kinds:
                 if libc.setns(fd, kind) != 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"cannot join the command's {name} namespace")
@@ -189,17 +199,27 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         exit_r, exit_w = os.pipe()
         argv = [
             "slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-            "--enable-sandbox", f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
+            f"--ready-fd={ready_w}", f"--exit-fd={exit_r}",
         ]  # fmt: skip
-        if not _own_userns(pid):
-            argv.append(f"--userns-path=/proc/{pid}/ns/user")
+        keep = [ready_w, exit_r]
+        if _own_userns(pid):
+            # its own sandbox (an empty root, fewer capabilities): where it may make one
+            argv.append("--enable-sandbox")
+        else:
+            # bubblewrap's command sits in a user namespace nested in the one that owns its
+            # network namespace: slirp4netns must join the owner
+            owner = _netns_owner(pid)
+            keep.append(owner)
+            argv.append(f"--userns-path=/proc/self/fd/{owner}")
         proc = subprocess.Popen(
             [*argv, str(pid), "tap0"],
-            pass_fds=(ready_w, exit_r),
+            pass_fds=keep,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
         )
+        for fd in keep[2:]:
+            os.close(fd)
         os.close(ready_w)
         os.close(exit_r)
         # the launcher holds the write end: slirp4netns stops when it is closed, at the end
@@ -218,6 +238,7 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         "--dns-forward", "10.0.2.3",
     ]  # fmt: skip
     preexec = None
+    keep = []
     if os.geteuid() == 0 and _own_userns(pid):
         # As root, pasta cannot open /proc/PID/ns/* once it has dropped its privileges: it
         # is given the namespace as a file instead, bound in a mount namespace of its own
@@ -225,10 +246,21 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         argv += ["--runas", "0", "--netns", _PASTA_NETNS]
         preexec = functools.partial(_bind_netns, pid)
     else:
-        argv.append(str(pid))  # joins the command's user and network namespaces
+        # the user namespace that owns the network namespace (bubblewrap's command sits in
+        # one nested in it)
+        owner = _netns_owner(pid)
+        keep.append(owner)
+        argv += ["--userns", f"/proc/self/fd/{owner}", "--netns", f"/proc/{pid}/ns/net"]
     proc = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, preexec_fn=preexec
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        preexec_fn=preexec,
+        pass_fds=keep,
     )
+    for fd in keep:
+        os.close(fd)
     deadline = time.monotonic() + SETUP_SECONDS
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -310,3 +310,57 @@ def test_cancelling_a_command_with_the_network_ends_its_stack_too(tmp_path: Path
                 time.sleep(0.1)
     finally:
         box.kill()
+
+
+#: run as an unprivileged user (the Docker image's workers are not root): bubblewrap then
+#: makes user namespaces of its own, and the stacks must join the one owning the network's
+AS_USER = textwrap.dedent(
+    """
+    import importlib.util, json, socket, subprocess, sys
+    spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+    sb = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sb)
+    ws, stack, outside = sys.argv[2], sys.argv[3], sys.argv[4]
+    lo = socket.socket(); lo.bind(("127.0.0.1", 0)); lo.listen(4)
+    env = {"PATH": "/usr/bin:/bin"}
+    policy = sb.SandboxPolicy(workspace=ws, network=True, network_stack=stack)
+    targets = [f"127.0.0.1:{lo.getsockname()[1]}", outside]
+    argv = sb.wrap(["python3", "probe.py", *targets], policy, env=env)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    print(json.dumps({"uid": __import__("os").getuid(), "code": done.returncode,
+                      "out": done.stdout, "err": done.stderr, "targets": targets}))
+    """
+)
+
+
+@pytest.mark.parametrize("stack", ["pasta", "slirp4netns"])
+def test_an_unprivileged_user_gets_the_same_network(outside: Outside, stack: str) -> None:
+    import json
+    import tempfile
+
+    setpriv, python = shutil.which("setpriv"), "/usr/bin/python3"
+    if setpriv is None or not os.path.exists(python) or shutil.which(stack) is None:
+        pytest.skip("needs setpriv (util-linux), Debian's python3 and the stack")
+    ws = Path(tempfile.mkdtemp(prefix="charlie-sandbox-user-"))
+    try:
+        ws.chmod(0o777)
+        (ws / "probe.py").write_text(PROBE)
+        as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+        script = [python, "-I", "-c", AS_USER, str(REPO / "charlie" / "sandbox.py")]
+        done = subprocess.run(
+            [*as_nobody, *script, str(ws), stack, f"{outside.address}:{outside.port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(ws)},
+        )
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["uid"] == 65534
+        assert result["code"] == 0, result
+        loopback, out = result["targets"]
+        lines = dict(x.split(" ", 1) for x in result["out"].splitlines())
+        assert lines[loopback].startswith("closed"), result
+        assert lines[out] == f"open {outside.greeting}", result
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
