@@ -74,8 +74,6 @@ ETC_ENTRIES = (
 SANDBOX_NAMESERVER = "10.0.2.3"
 #: scratch directories: private and empty in the sandbox.
 SCRATCH_DIRS = ("/tmp", "/var/tmp")
-#: kept for callers that listed what was hidden: these are never shown now.
-ALWAYS_HIDDEN = (*SCRATCH_DIRS, "/run", "/var/run")
 #: credentials that tools keep in the home directory: hidden where a home is shown at all (an
 #: operator's directory, a toolchain under the home).
 HOME_SECRETS = (
@@ -344,7 +342,7 @@ def _command(
         {
             h
             for h in _existing([*secrets, *policy.hidden])
-            if h != workspace and _inside_any(h, bound)
+            if os.path.isdir(h) and h != workspace and _inside_any(h, bound)
         },
         key=len,
     )

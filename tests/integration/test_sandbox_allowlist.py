@@ -1,7 +1,7 @@
 """The sandbox shows an allow-list, not the machine minus known secrets, and hands a command its
 environment inside the sandbox.
 
-A command the model asked for is attacker-controlled (I15): through real workers and the real
+A command the model asked for is attacker-controlled: through real workers and the real
 devbox, over real bubblewrap, it cannot read what the machine keeps under /srv, /opt, /var/lib,
 another user's home or an MCP configuration under /etc, yet still runs sh, python, git and ls,
 reads and writes its workspace, and reads the directory the operator added
@@ -189,3 +189,34 @@ def _environ(pid: int) -> str:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_hidden_paths_stay_hidden_inside_what_is_shown(tmp_path: Path) -> None:
+    """CHARLIE_SANDBOX_HIDE (SandboxPolicy.hidden) still empties what lies inside something the
+    sandbox shows, here an operator's directory (CHARLIE_SANDBOX_READ)."""
+    import subprocess
+
+    from charlie.sandbox import BWRAP_ENV, SandboxPolicy, wrap
+
+    shared = tmp_path / "shared"
+    (shared / "private").mkdir(parents=True)
+    (shared / "public.txt").write_text("public")
+    (shared / "private" / "key.txt").write_text("private key")
+    (shared / "token.txt").write_text("a token")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    policy = SandboxPolicy(
+        workspace=ws,
+        readable=(shared,),
+        hidden=(shared / "private", shared / "token.txt"),
+    )
+    probe = f"cat {shared}/public.txt {shared}/private/key.txt {shared}/token.txt 2>&1"
+    done = subprocess.run(
+        wrap(["/bin/sh", "-c", probe], policy, env={"PATH": "/usr/bin:/bin"}),
+        env=BWRAP_ENV,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "public" in done.stdout, done
+    assert "private key" not in done.stdout and "a token" not in done.stdout, done.stdout
