@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import functools
 import ipaddress
 import json
 import os
@@ -32,7 +31,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from typing import IO, Any
 
@@ -71,7 +69,8 @@ def main(argv: list[str]) -> int:
     os.write(resolv_w, str(config["resolv"]).encode())
     os.close(resolv_w)
     stack: subprocess.Popen[bytes] | None = None
-    with tempfile.TemporaryFile() as log:
+    # what a stack says, read only when it fails (memory, not a file anywhere)
+    with os.fdopen(os.memfd_create("charlie-sandbox-net"), "w+b") as log:
         try:
             pid = _child_pid(info_r)
             if pid is None:
@@ -244,7 +243,10 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         # is given the namespace as a file instead, bound in a mount namespace of its own
         # (which vanishes with it, so nothing is left mounted whatever ends it).
         argv += ["--runas", "0", "--netns", _PASTA_NETNS]
-        preexec = functools.partial(_bind_netns, pid)
+
+        def preexec() -> None:
+            _bind_netns(pid)
+
     else:
         # the user namespace that owns the network namespace (bubblewrap's command sits in
         # one nested in it)
@@ -310,14 +312,10 @@ def _stop(proc: subprocess.Popen[bytes] | None) -> None:
     if exit_fd is not None:
         with contextlib.suppress(OSError):
             os.close(exit_fd)
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    # a stack keeps no state worth a clean stop, and bubblewrap held back is only waiting
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
 
 
 def _status(code: int) -> int:
