@@ -55,13 +55,13 @@ def main(argv: list[str]) -> int:
     info_r, info_w = os.pipe()
     block_r, block_w = os.pipe()
     resolv_r, resolv_w = os.pipe()
-    # before the root is made read-only (/etc/resolv.conf is created in it) and the command
-    split = min(bwrap.index(o) for o in ("--remount-ro", "--") if o in bwrap)
+    # right after bubblewrap's name: nothing of the command's (its environment, its argv) can
+    # be mistaken for where options end; /etc/resolv.conf is bound nowhere else
     bwrap = [
-        *bwrap[:split],
+        bwrap[0],
         "--info-fd", str(info_w), "--block-fd", str(block_r),
         "--ro-bind-data", str(resolv_r), "/etc/resolv.conf",
-        *bwrap[split:],
+        *bwrap[1:],
     ]  # fmt: skip
     child = subprocess.Popen(bwrap, pass_fds=(info_w, block_r, resolv_r))
     for fd in (info_w, block_r, resolv_r):
