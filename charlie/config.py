@@ -181,7 +181,8 @@ class Settings:
     #: where it works, else slirp4netns), ``pasta`` or ``slirp4netns``.
     sandbox_network: str = "auto"
     #: networks (comma-separated CIDRs) such commands must not reach besides the host's own
-    #: addresses: the cluster's services on other machines (CHARLIE_SANDBOX_NET_DENY).
+    #: addresses and attached networks: the cluster's services further away
+    #: (CHARLIE_SANDBOX_NET_DENY).
     sandbox_net_deny: str = ""
     #: where a task's ``metadata["workspace"]`` may be (CHARLIE_WORKSPACE_ROOTS, ``:``-separated;
     #: empty: ``home/workspaces`` only). A workspace must lie strictly inside one of them.

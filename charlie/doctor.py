@@ -319,7 +319,8 @@ class _Doctor:
             "sandbox:network",
             "ok",
             f"{stack} (CHARLIE_SANDBOX_NETWORK={self.s.sandbox_network}): a command allowed "
-            "the network gets its own namespace, without the host's loopback or addresses"
+            "the network gets its own namespace, without the host's loopback, addresses or "
+            "attached networks"
             + (f", nor {', '.join(deny)}" if deny else "")
             + (f"; not pasta: {passed_over}" if passed_over else ""),
         )

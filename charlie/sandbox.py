@@ -31,10 +31,12 @@ variables are refused outright where a request may name them (``loader_variables
 
 The network is off (its own empty network namespace) unless the task's policy allows it. Then the
 command still gets its own network namespace, connected outwards through a user-mode network
-stack (``pasta`` or ``slirp4netns``, charlie/sandbox_net.py): it reaches the outside, but not the
-host's loopback (the database, the broker, the devbox, the console), the host's own addresses,
-the cloud metadata address, nor what the operator lists in ``CHARLIE_SANDBOX_NET_DENY``. Where
-neither stack is installed, network access is refused with an error naming what to install.
+stack (``pasta`` or ``slirp4netns``, charlie/sandbox_net.py): it reaches the outside (what lies
+behind the host's gateway), but not the host's loopback (the database, the broker, the devbox,
+the console), the host's own addresses, the networks the host is directly attached to (a compose
+network, the LAN, where the cluster's other services live), the cloud metadata address, nor what
+the operator lists in ``CHARLIE_SANDBOX_NET_DENY``. Where neither stack is installed, network
+access is refused with an error naming what to install.
 
 Where bubblewrap is missing (or cannot create namespaces), commands are refused unless the
 operator opted out explicitly (``CHARLIE_SANDBOX=off``, ``charlie devbox serve --no-sandbox``).
@@ -42,6 +44,7 @@ operator opted out explicitly (``CHARLIE_SANDBOX=off``, ``charlie devbox serve -
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import json
@@ -70,7 +73,9 @@ ETC_ENTRIES = (
     "debian_version", "lsb-release", "shells", "inputrc", "terminfo", "python3",
     "python3.9", "python3.10", "python3.11", "python3.12", "python3.13", "perl",
 )  # fmt: skip
-#: the name server a command with network access asks (the user-mode stack answers there).
+#: the network a command with network access sits on, behind the user-mode stack (slirp4netns's
+#: fixed one, given to pasta too), and the name server it asks there.
+SANDBOX_SUBNET = "10.0.2.0/24"
 SANDBOX_NAMESERVER = "10.0.2.3"
 #: scratch directories: private and empty in the sandbox.
 SCRATCH_DIRS = ("/tmp", "/var/tmp")
@@ -269,6 +274,38 @@ def host_addresses() -> list[str]:
     return kept
 
 
+def host_networks() -> list[str]:
+    """The networks this machine is directly attached to (its routes without a gateway, other
+    than loopback and link-local): where a cluster's other services live (a compose network,
+    the LAN), so a command with network access must not reach them. The outside is what lies
+    behind a gateway. The sandbox's own subnet is left alone."""
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/route").read_text().splitlines()[1:]:
+            f = line.split()
+            if len(f) >= 8 and f[0] != "lo" and int(f[2], 16) == 0 and int(f[7], 16) != 0:
+                dst = ipaddress.IPv4Address(int(f[1], 16).to_bytes(4, "little"))
+                mask = bin(int(f[7], 16)).count("1")
+                found.append(str(ipaddress.ip_network(f"{dst}/{mask}", strict=False)))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/ipv6_route").read_text().splitlines():
+            f = line.split()
+            if len(f) >= 10 and f[9] != "lo" and int(f[4], 16) == 0 and 0 < int(f[1], 16) < 128:
+                net = ipaddress.ip_network(
+                    f"{ipaddress.IPv6Address(int(f[0], 16))}/{int(f[1], 16)}", strict=False
+                )
+                if not (net.is_link_local or net.is_multicast):
+                    found.append(str(net))
+    own = ipaddress.ip_network(SANDBOX_SUBNET)
+    kept: list[str] = []
+    for raw in found:
+        net = ipaddress.ip_network(raw)
+        clashes = net.version == 4 and net.overlaps(own) and net.prefixlen >= own.prefixlen
+        if not clashes and raw not in kept:
+            kept.append(raw)
+    return kept
+
+
 def networks_from_env(raw: str | None) -> tuple[str, ...]:
     """``CHARLIE_SANDBOX_NET_DENY``: networks (``10.1.0.0/16``, ``192.0.2.7``, ``fd00::/8``)
     separated by commas or spaces (not ``:``, which IPv6 addresses hold)."""
@@ -376,7 +413,12 @@ def _command(
         return args
     config = {
         "stack": stack,
-        "unreachable": [*ALWAYS_UNREACHABLE, *host_addresses(), *policy.unreachable],
+        "unreachable": [
+            *ALWAYS_UNREACHABLE,
+            *host_addresses(),
+            *host_networks(),
+            *policy.unreachable,
+        ],
         "resolv": f"nameserver {SANDBOX_NAMESERVER}\n",
     }
     launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_net.py")

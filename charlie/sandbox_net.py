@@ -4,9 +4,9 @@
 bubblewrap (whose argv already unshares the network) held before the command runs, and then:
 
 1. adds ``unreachable`` routes inside the command's network namespace for the host's own
-   addresses, the cloud metadata address and the operator's list (a user-mode stack opens its
-   sockets on the host, so without them a connection to the host's address would reach a
-   service listening there);
+   addresses and directly attached networks, the cloud metadata address and the operator's
+   list (a user-mode stack opens its sockets on the host, so without them a connection to the
+   host's address, or to a neighbour's on its network, would reach a service there);
 2. connects the namespace outwards through the user-mode stack, told never to map the host's
    loopback into it: ``slirp4netns --disable-host-loopback``, or ``pasta`` with ``--no-map-gw``
    and no port forwarding in either direction (``-t none -u none -T none -U none``);
@@ -234,6 +234,9 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
     argv = [
         "pasta", "--foreground", "--quiet", "--config-net", "--no-map-gw",
         "-t", "none", "-u", "none", "-T", "none", "-U", "none",
+        # slirp4netns's addressing, not a copy of the host's: the host's own subnets stay
+        # routable to nowhere inside; IPv4 only, as with slirp4netns
+        "--ipv4-only", "-a", "10.0.2.100", "-n", "24", "-g", "10.0.2.2",
         "--dns-forward", "10.0.2.3",
     ]  # fmt: skip
     preexec = None

@@ -3,10 +3,13 @@
 It gets its own network namespace behind a user-mode stack (slirp4netns or pasta): through real
 workers and the real devbox over real bubblewrap, it cannot connect to a server on the host's
 loopback (where PostgreSQL, Redis, the devbox and the console listen) nor on the host's own
-non-loopback address, yet reaches a server "outside". There is no internet here, so the outside
-is a network namespace this test makes (as root) with a veth pair on 10.200.N.0/30, addresses
-it creates itself: the host routes to it, the sandboxed command gets there only through the
-user-mode stack. CHARLIE_SANDBOX_NET_DENY makes such a network unreachable too.
+non-loopback address, nor a neighbour on a network the host is directly attached to (where a
+cluster's other services live: a compose network, the LAN), yet reaches a server "outside",
+behind a gateway. There is no internet here, so the outside is a network namespace this test
+makes (as root), with addresses it creates itself: a veth pair on 10.200.N.0/30 (the host's
+attached network; the namespace's end is the neighbour) and 10.201.N.1 behind it, which the host
+routes via the neighbour (the outside). The sandboxed command gets there only through the
+user-mode stack. CHARLIE_SANDBOX_NET_DENY makes a network unreachable too.
 """
 
 from __future__ import annotations
@@ -72,11 +75,12 @@ PROBE = textwrap.dedent(
 
 @dataclass
 class Outside:
-    """A server in a network namespace of its own, reachable from the host over a veth pair."""
+    """A server in a network namespace of its own, reachable from the host at ``address``
+    (behind a gateway: the outside) and ``neighbour`` (on a network the host is attached to)."""
 
     address: str
+    neighbour: str
     port: int
-    subnet: str
     greeting: str
 
 
@@ -92,8 +96,8 @@ def outside() -> Iterator[Outside]:
     netns, host_if, ns_if = f"chx{tag}", f"chx{tag}a", f"chx{tag}b"
     routes = subprocess.run(["ip", "route"], capture_output=True, text=True).stdout
     third = next(n for n in random.sample(range(1, 255), 254) if f"10.200.{n}." not in routes)
-    subnet = f"10.200.{third}.0/30"
     host_addr, ns_addr = f"10.200.{third}.1", f"10.200.{third}.2"
+    far_addr = f"10.201.{third}.1"
     greeting = f"outside-{tag}"
     server: subprocess.Popen[bytes] | None = None
     try:
@@ -105,11 +109,13 @@ def outside() -> Iterator[Outside]:
         _ip("-n", netns, "addr", "add", f"{ns_addr}/30", "dev", ns_if)
         _ip("-n", netns, "link", "set", ns_if, "up")
         _ip("-n", netns, "link", "set", "lo", "up")
+        _ip("-n", netns, "addr", "add", f"{far_addr}/32", "dev", "lo")
+        _ip("route", "add", f"{far_addr}/32", "via", ns_addr)
         # answers every connection with the greeting, for a minute at most
         serve = textwrap.dedent(
             f"""
             import socket, sys, time
-            s = socket.socket(); s.bind(("{ns_addr}", 0)); s.listen(16); s.settimeout(1)
+            s = socket.socket(); s.bind(("0.0.0.0", 0)); s.listen(16); s.settimeout(1)
             print(s.getsockname()[1], flush=True)
             end = time.monotonic() + 60
             while time.monotonic() < end:
@@ -126,9 +132,10 @@ def outside() -> Iterator[Outside]:
         assert server.stdout is not None
         port = int(server.stdout.readline())
         # the host itself reaches it (so a failure below is the sandbox's, not the setup's)
-        with socket.create_connection((ns_addr, port), 5) as s:
-            assert s.recv(100).decode().strip() == greeting
-        yield Outside(ns_addr, port, subnet, greeting)
+        for address in (far_addr, ns_addr):
+            with socket.create_connection((address, port), 5) as s:
+                assert s.recv(100).decode().strip() == greeting
+        yield Outside(far_addr, ns_addr, port, greeting)
     finally:
         if server is not None:
             server.kill()
@@ -151,9 +158,11 @@ def _servers() -> Iterator[dict[str, int]]:
 
 
 def _targets(ports: dict[str, int], out: Outside) -> list[str]:
+    """The control plane (loopback, the host's own addresses, a neighbour), then the outside."""
     targets = [f"127.0.0.1:{ports['loopback']}", f"127.0.0.1:{ports['anywhere']}"]
     own = [n.split("/")[0] for n in host_addresses() if ":" not in n]
     targets += [f"{a}:{ports['anywhere']}" for a in own if not a.startswith("10.200.")]
+    targets.append(f"{out.neighbour}:{out.port}")
     return [*targets, f"{out.address}:{out.port}"]
 
 
@@ -233,7 +242,7 @@ def test_each_stack_reaches_the_outside_not_the_host_nor_a_denied_network(
     env = {"PATH": "/usr/bin:/bin"}
     with _servers() as ports:
         targets = _targets(ports, outside)
-        for deny in ((), (outside.subnet,)):
+        for deny in ((), (f"{outside.address}/32",)):
             policy = SandboxPolicy(
                 workspace=tmp_path, network=True, network_stack=stack, unreachable=deny
             )
