@@ -1,8 +1,9 @@
 # The Charlie image used by docker-compose.yml for workers, beat, Flower and migrations.
 FROM python:3.11-slim
 # git for the devbox's workspaces; bubblewrap for run_command's sandbox (a container must allow
-# user namespaces for it, or run_command is refused: `charlie doctor` says which).
-RUN apt-get update && apt-get install -y --no-install-recommends git bubblewrap && rm -rf /var/lib/apt/lists/*
+# user namespaces for it, or run_command is refused: `charlie doctor` says which); passt (pasta)
+# connects the commands whose task allows the network, in their own network namespace.
+RUN apt-get update && apt-get install -y --no-install-recommends git bubblewrap passt && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md celeryconfig.py ./
 COPY charlie ./charlie

@@ -196,8 +196,18 @@ class Settings:
     #: where it cannot run) or ``off`` (the operator's explicit opt-out: commands run with the
     #: worker's rights). charlie/sandbox.py says what the sandbox hides.
     sandbox: str = "bwrap"
-    #: more directories (``:``-separated) the sandbox hides besides Charlie's own.
+    #: more paths (``:``-separated) the sandbox hides where they lie inside something it shows.
     sandbox_hide: str = ""
+    #: directories (``:``-separated) commands may read besides the sandbox's allow-list (the
+    #: system's programs, a few /etc files, the toolchain, the workspace): CHARLIE_SANDBOX_READ.
+    sandbox_read: str = ""
+    #: the user-mode network stack for commands whose task allows the network: ``auto`` (pasta
+    #: where it works, else slirp4netns), ``pasta`` or ``slirp4netns``.
+    sandbox_network: str = "auto"
+    #: networks (comma-separated CIDRs) such commands must not reach besides the host's own
+    #: addresses and attached networks: the cluster's services further away
+    #: (CHARLIE_SANDBOX_NET_DENY).
+    sandbox_net_deny: str = ""
     #: where a task's ``metadata["workspace"]`` may be (CHARLIE_WORKSPACE_ROOTS, ``:``-separated;
     #: empty: ``home/workspaces`` only). A workspace must lie strictly inside one of them.
     workspace_roots: tuple[Path, ...] = ()
@@ -343,6 +353,11 @@ def load_settings() -> Settings:
         remote_control=_env_flag("CHARLIE_REMOTE_CONTROL"),
         sandbox=_env_choice("CHARLIE_SANDBOX", ("bwrap", "off"), "bwrap"),
         sandbox_hide=os.environ.get("CHARLIE_SANDBOX_HIDE", ""),
+        sandbox_read=os.environ.get("CHARLIE_SANDBOX_READ", ""),
+        sandbox_network=_env_choice(
+            "CHARLIE_SANDBOX_NETWORK", ("auto", "pasta", "slirp4netns"), "auto"
+        ),
+        sandbox_net_deny=os.environ.get("CHARLIE_SANDBOX_NET_DENY", ""),
         workspace_roots=_paths(os.environ.get("CHARLIE_WORKSPACE_ROOTS", "")),
         mcp_config=os.environ.get("CHARLIE_MCP_CONFIG", "").strip() or None,
         mcp_servers=os.environ.get("CHARLIE_MCP_SERVERS", "").strip() or None,

@@ -7,6 +7,7 @@ piling a second error on the first.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -319,7 +320,7 @@ class _Doctor:
                 self.add(f"mcp:{name}", "ok", f"{status.described}: {len(status.tools)} tools")
 
     def sandbox(self) -> None:
-        from charlie.sandbox import bwrap_problem
+        from charlie import sandbox
 
         if self.s.sandbox == "off":
             self.add(
@@ -328,7 +329,7 @@ class _Doctor:
                 "off (CHARLIE_SANDBOX=off): run_command runs with this worker's rights",
             )
             return
-        problem = bwrap_problem()
+        problem = sandbox.bwrap_problem()
         if problem:
             self.add(
                 "sandbox",
@@ -338,7 +339,51 @@ class _Doctor:
                 "unconfined), or opt out with CHARLIE_SANDBOX=off",
             )
             return
-        self.add("sandbox", "ok", "bubblewrap runs commands in their own namespaces")
+        read = [str(p) for p in sandbox.paths_from_env(self.s.sandbox_read)]
+        missing = [p for p in read if not os.path.isdir(p)]
+        detail = (
+            "bubblewrap, allow-list: commands see the system's programs, a few /etc files, "
+            "the toolchain, their workspace and a private /tmp; operator-added read dirs "
+            f"(CHARLIE_SANDBOX_READ): {', '.join(read) or 'none'}"
+            + (f" (missing: {', '.join(missing)})" if missing else "")
+        )
+        self.add("sandbox", "ok", detail)
+        self.sandbox_network()
+
+    def sandbox_network(self) -> None:
+        from charlie import sandbox
+
+        try:
+            deny = sandbox.networks_from_env(self.s.sandbox_net_deny)
+        except ValueError as exc:
+            self.add(
+                "sandbox:network",
+                "FAIL",
+                f"CHARLIE_SANDBOX_NET_DENY is not a list of networks: {exc}",
+                "give CIDRs separated by commas, e.g. 10.1.0.0/16,192.0.2.7",
+            )
+            return
+        try:
+            stack = sandbox.network_stack(self.s.sandbox_network)
+        except sandbox.SandboxUnavailable as exc:
+            # only tasks that ask for the network need it: they get a tool error
+            self.add(
+                "sandbox:network",
+                "skip",
+                f"none: {exc}",
+                "install passt (pasta) or slirp4netns for tasks that need the network",
+            )
+            return
+        passed_over = sandbox.stack_problem("pasta") if stack != "pasta" else None
+        self.add(
+            "sandbox:network",
+            "ok",
+            f"{stack} (CHARLIE_SANDBOX_NETWORK={self.s.sandbox_network}): a command allowed "
+            "the network gets its own namespace, without the host's loopback, addresses or "
+            "attached networks"
+            + (f", nor {', '.join(deny)}" if deny else "")
+            + (f"; not pasta: {passed_over}" if passed_over else ""),
+        )
 
     def telemetry(self) -> None:
         import os

@@ -46,6 +46,12 @@ console
     script running); then the list's first page, a page deep in it, a status filter and a
     search, over 100,000 tasks inserted directly with SQL.
 
+sandbox start (``--sandbox-start N``, alone: no backend, no worker)
+    what the local ``run_command`` costs before the command does anything: a sandboxed ``true``
+    run N times through the tool itself (bubblewrap, the allow-list's binds, the environment
+    set inside), the median in ms; and the same for a task allowed the network (its own
+    network namespace behind the user-mode stack) where one works here.
+
 Each backend runs in a child process of its own (Charlie reads its settings once per process),
 one after the other; ``--quick`` is a smoke run whose figures nobody judges, so its backends run
 side by side to stay under a minute. ``--dbos-python PYTHON`` (an interpreter with ``dbos``)
@@ -2106,6 +2112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="an interpreter with the dbos package, to compare DBOS on the PostgreSQL round "
         "(default: this one, if dbos is importable here)",
     )
+    p.add_argument(
+        "--sandbox-start",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only measure run_command's start time: a sandboxed `true`, median of N runs",
+    )
     p.add_argument("--child", choices=sorted(BACKENDS), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -2144,10 +2157,55 @@ def main(argv: list[str] | None = None) -> int:
         if args.child:
             run_backend(BACKENDS[args.child], args, args.result)
             return 0
+        if args.sandbox_start is not None:
+            return sandbox_start(args.sandbox_start)
         return run_parent(args)
     except KeyboardInterrupt:
         print(f"[{_progress.tag}] interrupted; child processes stopped", file=sys.stderr)
         return 130
+
+
+def sandbox_start(runs: int) -> int:
+    """The local run_command's start time: a sandboxed ``true``, median of ``runs`` (ms), with
+    and without the network; the figure the sandbox adds before a command does anything."""
+    from charlie.tools.builtins import run_command
+    from charlie.tools.context import ToolContext
+
+    command = f"python scripts/bench.py --sandbox-start {runs}"
+    print(f"{command}  ({code_version()}, {platform.node()})")
+    with tempfile.TemporaryDirectory(prefix="charlie-bench-ws-") as ws:
+        for label, metadata in (
+            ("no network", {}),
+            ("network allowed", {"sandbox": {"network": True}}),
+        ):
+            ctx = ToolContext(
+                task_id="bench",
+                execution_id="x-bench",
+                call_id="c",
+                turn=0,
+                workspace=Path(ws),
+                metadata=metadata,
+                resumed=False,
+                handle=None,
+                _record_handle=lambda _h: None,
+            )
+            times: list[float] = []
+            try:
+                run_command("true", ctx)  # the first pays for probes and caches
+                for _ in range(runs):
+                    started = time.perf_counter()
+                    run_command("true", ctx)
+                    times.append((time.perf_counter() - started) * 1000)
+            except Exception as exc:
+                detail = getattr(exc, "details", None) or {}
+                print(f"run_command `true`, {label}: not measured ({exc} {detail})")
+                continue
+            print(
+                f"run_command `true`, {label}: median {statistics.median(times):.1f} ms "
+                f"(p10 {percentile(times, 0.1):.1f}, p90 {percentile(times, 0.9):.1f}; "
+                f"{runs} runs)"
+            )
+    return 0
 
 
 def run_parent(args: argparse.Namespace) -> int:

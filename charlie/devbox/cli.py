@@ -15,7 +15,13 @@ from charlie import logs
 from charlie.devbox.credentials import WeakToken, check_token
 from charlie.devbox.policy import DEFAULT_DENY, MIB, CommandPolicy, Limits, RepoPolicy
 from charlie.devbox.server import DevboxServer
-from charlie.sandbox import SandboxUnavailable, check_mode
+from charlie.sandbox import (
+    NETWORK_STACKS,
+    SandboxUnavailable,
+    check_mode,
+    networks_from_env,
+    paths_from_env,
+)
 
 
 def _default_root() -> Path:
@@ -109,6 +115,15 @@ def serve(
             check_mode("bwrap")
         except SandboxUnavailable as exc:
             raise click.ClickException(f"refusing to start: {exc}") from exc
+    stack = os.environ.get("CHARLIE_SANDBOX_NETWORK", "auto").strip() or "auto"
+    if stack not in NETWORK_STACKS:
+        raise click.ClickException(
+            f"CHARLIE_SANDBOX_NETWORK={stack!r} is not one of {', '.join(NETWORK_STACKS)}"
+        )
+    try:
+        unreachable = networks_from_env(os.environ.get("CHARLIE_SANDBOX_NET_DENY"))
+    except ValueError as exc:
+        raise click.ClickException(f"CHARLIE_SANDBOX_NET_DENY: {exc}") from exc
     limits = Limits(
         output_bytes=output_bytes,
         command_timeout=command_timeout,
@@ -116,6 +131,9 @@ def serve(
         sandbox="off" if no_sandbox else "bwrap",
         allow_network=allow_network,
         hidden=_charlie_state_from_env(),
+        readable=paths_from_env(os.environ.get("CHARLIE_SANDBOX_READ")),
+        network_stack=stack,
+        unreachable=unreachable,
     )
     try:
         server = DevboxServer(

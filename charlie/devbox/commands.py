@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from charlie.devbox.errors import ApiError
 from charlie.devbox.paths import check_execution_id, tree_bytes
-from charlie.sandbox import SandboxPolicy, wrap
+from charlie.sandbox import BWRAP_ENV, SandboxPolicy, wrap
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class CommandRunner:
         # the files exist from the start so a status right after start reads empty output
         (cdir / "stdout").touch()
         (cdir / "stderr").touch()
-        argv = req.argv
+        argv, env = req.argv, req.env
         if req.sandbox is not None:
             # bubblewrap would start and fail inside; a program that is not there is the
             # caller's error (400), as it is without the sandbox
@@ -299,11 +299,14 @@ class CommandRunner:
                 os.sep in req.argv[0] and os.access(req.cwd / req.argv[0], os.X_OK)
             ):
                 raise FileNotFoundError(2, "No such file or directory", req.argv[0])
-            argv = wrap(req.argv, req.sandbox, req.cwd)
+            # the request's environment is set inside the sandbox; bubblewrap itself (and the
+            # network launcher) run with a fixed minimal one, so nothing a request names is
+            # acted on outside the sandbox
+            argv, env = wrap(req.argv, req.sandbox, req.cwd, env=req.env), dict(BWRAP_ENV)
         return subprocess.Popen(
             argv,
             cwd=req.cwd,
-            env=req.env,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

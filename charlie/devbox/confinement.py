@@ -29,7 +29,10 @@ def workspace_policy(
     return SandboxPolicy(
         workspace=Path(os.path.realpath(workspace)),
         hidden=(root, *limits.hidden),
+        readable=limits.readable,
         network=network,
+        network_stack=limits.network_stack,
+        unreachable=limits.unreachable,
         frozen=frozen,
     )
 

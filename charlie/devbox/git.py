@@ -46,7 +46,7 @@ from pathlib import Path
 
 from charlie.devbox.errors import ApiError
 from charlie.devbox.policy import is_secret_name
-from charlie.sandbox import SandboxPolicy, wrap
+from charlie.sandbox import BWRAP_ENV, SandboxPolicy, wrap
 
 IDEMPOTENCY_TRAILER = "Charlie-Idempotency-Key"
 #: the tree of an empty commit; diffing against it works while HEAD is unborn.
@@ -212,7 +212,8 @@ def _run(
     cmd = ["git", "--no-pager", *_CONFIG, *args]
     env = git_env(cwd, repo, confined=confine is not None)
     if confine is not None:
-        cmd = wrap(cmd, confine, cwd)
+        # git's environment is set inside the sandbox; bubblewrap itself gets a fixed minimal one
+        cmd, env = wrap(cmd, confine, cwd, env=env), dict(BWRAP_ENV)
     try:
         # its own process group, so a timeout ends git and whatever it started (a filter, ssh)
         proc = subprocess.Popen(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from charlie.devbox.errors import ApiError
+from charlie.sandbox import loader_variables
 
 MIB = 1024 * 1024
 
@@ -70,6 +71,13 @@ class Limits:
     #: more paths commands must not see besides the devbox root (Charlie's home and database
     #: when the devbox runs beside a worker, CHARLIE_SANDBOX_HIDE).
     hidden: tuple[Path, ...] = ()
+    #: directories commands may read besides the sandbox's allow-list (CHARLIE_SANDBOX_READ).
+    readable: tuple[Path, ...] = ()
+    #: the user-mode network stack for commands given the network (CHARLIE_SANDBOX_NETWORK).
+    network_stack: str = "auto"
+    #: networks such commands must not reach besides the host's own addresses
+    #: (CHARLIE_SANDBOX_NET_DENY).
+    unreachable: tuple[str, ...] = ()
     #: the longest a connection may wait for one read or write: an idle keep-alive
     #: connection, or a client gone quiet mid-request, is closed after this.
     http_idle_seconds: float = 30.0
@@ -191,6 +199,14 @@ def validate_env(raw: object) -> dict[str, str]:
         if not isinstance(value, str) or "\x00" in value:
             raise ApiError(400, f"env value for {key!r} must be a string without NUL")
         env[key] = value
+    refused = loader_variables(env)
+    if refused:
+        raise ApiError(
+            400,
+            f"env may not set {', '.join(refused)}: the dynamic loader acts on these before the "
+            "command's own code runs; set them inside the command instead "
+            "(e.g. `LD_LIBRARY_PATH=... program` in a shell command)",
+        )
     return env
 
 

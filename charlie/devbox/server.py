@@ -73,7 +73,7 @@ from charlie.devbox.policy import (
     validate_env,
 )
 from charlie.devbox.workspaces import Workspaces
-from charlie.sandbox import SandboxPolicy, SandboxUnavailable, check_mode
+from charlie.sandbox import SandboxPolicy, SandboxUnavailable, check_mode, network_stack
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,8 @@ class Devbox:
             return None
         try:
             check_mode(self.limits.sandbox)
+            if network:
+                network_stack(self.limits.network_stack)
         except SandboxUnavailable as exc:
             raise ApiError(403, str(exc)) from None
         return workspace_policy(

@@ -121,14 +121,19 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
     if s.sandbox != "off":
         try:
             sandbox.check_mode(s.sandbox)
-        except sandbox.SandboxUnavailable as exc:
+            policy = sandbox.SandboxPolicy(
+                workspace=ctx.workspace,
+                hidden=_charlie_state(s),
+                readable=sandbox.paths_from_env(s.sandbox_read),
+                network=sandbox.network_allowed(ctx.metadata),
+                network_stack=s.sandbox_network,
+                unreachable=sandbox.networks_from_env(s.sandbox_net_deny),
+            )
+            # the environment is set inside the sandbox; bubblewrap runs with a fixed one
+            argv = sandbox.wrap(argv, policy, env=env)
+        except (sandbox.SandboxUnavailable, ValueError) as exc:
             raise ToolError(str(exc)) from None
-        policy = sandbox.SandboxPolicy(
-            workspace=ctx.workspace,
-            hidden=_charlie_state(s),
-            network=sandbox.network_allowed(ctx.metadata),
-        )
-        argv = sandbox.wrap(argv, policy)
+        env = dict(sandbox.BWRAP_ENV)
     proc = subprocess.Popen(
         argv,
         cwd=ctx.workspace,

@@ -27,8 +27,19 @@ from tests.support.cluster import TEST_SANDBOX, Cluster, free_port
 class DevboxProcess:
     """``python -m charlie.devbox serve`` on a fixed port and root, restartable at the same URL."""
 
-    def __init__(self, root: Path, log: Path, output_bytes: int = 1024 * 1024) -> None:
+    def __init__(
+        self,
+        root: Path,
+        log: Path,
+        output_bytes: int = 1024 * 1024,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
+        #: more ``serve`` options and environment (the sandbox's tests: --allow-network,
+        #: CHARLIE_SANDBOX_READ)
+        self.args = args
+        self.env = env or {}
         self.port = free_port()
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -43,6 +54,7 @@ class DevboxProcess:
             **os.environ,
             "CHARLIE_DEVBOX_TOKEN": self.token,
             "CHARLIE_DEVBOX_ROOT": str(self.root),
+            **self.env,
         }
         self._log = open(self._log_path, "ab")  # noqa: SIM115 - closed in kill()
         self.proc = subprocess.Popen(
@@ -59,6 +71,7 @@ class DevboxProcess:
                 # the tests' repositories live in pytest's tmp dirs
                 "--allow-repo",
                 tempfile.gettempdir(),
+                *self.args,
             ],
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -74,6 +74,14 @@ def test_doctor_passes_on_the_running_cluster(cluster: Cluster) -> None:
         assert code == 0
     for name in ("database", "schema", "broker", "tools", "sandbox", "beat"):
         assert checks[name]["status"] == "ok", checks[name]
+    # the sandbox's mode: the allow-list, the operator's read dirs, the network stack found
+    if checks["sandbox"]["detail"].startswith("bubblewrap"):
+        assert "allow-list" in checks["sandbox"]["detail"], checks["sandbox"]
+        read_dir = cluster.settings_env["CHARLIE_SANDBOX_READ"]
+        assert f"(CHARLIE_SANDBOX_READ): {read_dir}" in checks["sandbox"]["detail"]
+        network = checks["sandbox:network"]
+        assert network["status"] in ("ok", "skip"), network
+        assert network["detail"].startswith(("pasta", "slirp4netns", "none")), network
     # the test cluster's tool module registers its tools
     assert "(tests.support.tools)" in checks["tools"]["detail"]
     assert "sleep_then" in checks["tools"]["detail"]

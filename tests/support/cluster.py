@@ -514,6 +514,11 @@ def fused_commits(backend: Backend) -> bool:
     )
 
 
+def operator_read_dir(home: Path) -> Path:
+    """The session's CHARLIE_SANDBOX_READ: outside everything the sandbox shows by itself."""
+    return Path("/srv") / f"charlie-test-read-{home.parent.name}-{home.name}"
+
+
 def cluster_env(
     home: Path,
     backend: Backend,
@@ -535,6 +540,9 @@ def cluster_env(
         "CHARLIE_HUMAN_DEADLINE": "20",
         "CHARLIE_TASK_EVENTS": "0",
         "CHARLIE_SANDBOX": TEST_SANDBOX,
+        # A directory the operator lets commands read besides the sandbox's allow-list (made
+        # by the sandbox's tests, tests/integration/test_sandbox_allowlist.py).
+        "CHARLIE_SANDBOX_READ": str(operator_read_dir(home)),
         # Tests give tasks workspaces under pytest's tmp dirs (issue 12 item 12).
         "CHARLIE_WORKSPACE_ROOTS": f"{home / 'workspaces'}:{tempfile.gettempdir()}",
         # Every test script is a model of its own: children may use any scripted model
