@@ -465,9 +465,17 @@ def _existing(paths: Iterable[Path | str]) -> list[str]:
 
 def toolchain() -> list[str]:
     """What runs commands, where it lives: the interpreter's prefixes (a virtualenv, a pyenv
-    build) and the directories on ``PATH``."""
+    build), the directories on ``PATH``, and the root of a version manager whose shims are on
+    it."""
     paths = [sys.prefix, sys.base_prefix, sys.exec_prefix]
-    paths += [p for p in os.environ.get("PATH", "").split(os.pathsep) if os.path.isabs(p)]
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isabs(entry):
+            continue
+        paths.append(entry)
+        # A version manager's shims (pyenv, rbenv, asdf: ``ROOT/shims``) are scripts that run
+        # the manager from its root (``ROOT/libexec``, ``ROOT/versions``): a shim alone fails.
+        if os.path.basename(os.path.normpath(entry)) == "shims":
+            paths.append(os.path.dirname(os.path.normpath(entry)))
     return [p for p in paths if os.path.realpath(p) != "/"]
 
 

@@ -220,3 +220,35 @@ def test_hidden_paths_stay_hidden_inside_what_is_shown(tmp_path: Path) -> None:
     )
     assert "public" in done.stdout, done
     assert "private key" not in done.stdout and "a token" not in done.stdout, done.stdout
+
+
+def test_a_version_managers_shims_run_in_the_sandbox(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PATH with a version manager's shims (pyenv, rbenv, asdf: ROOT/shims/python3 runs
+    ROOT/libexec/...) runs its commands: the shim alone would find no manager (a demo's
+    `python3` failed with exit 127 under pyenv's shims)."""
+    import subprocess
+
+    from charlie.sandbox import BWRAP_ENV, SandboxPolicy, wrap
+
+    root = tmp_path / "manager"
+    (root / "shims").mkdir(parents=True)
+    (root / "libexec").mkdir()
+    shim = root / "shims" / "tool"
+    shim.write_text('#!/bin/sh\nexec "$(dirname "$0")/../libexec/real" "$@"\n')
+    real = root / "libexec" / "real"
+    real.write_text("#!/bin/sh\necho managed $1\n")
+    for f in (shim, real):
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{root / 'shims'}:/usr/bin:/bin")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    done = subprocess.run(
+        wrap(["tool", "ok"], SandboxPolicy(workspace=ws), env={"PATH": f"{root / 'shims'}:/bin"}),
+        env=BWRAP_ENV,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.stdout.strip() == "managed ok", done
