@@ -51,12 +51,14 @@ from charlie import faults
 from charlie.domain import JSON, Effect, OnInterrupt
 from charlie.mcp.config import McpConfig, ServerConfig
 from charlie.mcp.connections import (
+    MAX_MESSAGE_BYTES,
     Abandoned,
     Connections,
     CreatedTask,
     Lost,
     McpFailure,
     Refused,
+    TooLarge,
     Unavailable,
     connections,
 )
@@ -140,10 +142,12 @@ class Servers:
     timeout: float
     #: the deadline of a tool with none of its own (CHARLIE_TOOL_DEADLINE).
     default_deadline: float
+    #: the most of one message from a server that is read (CHARLIE_MCP_MAX_MESSAGE_BYTES).
+    max_message_bytes: int = MAX_MESSAGE_BYTES
 
     @property
     def connections(self) -> Connections:
-        return connections(self.config, self.timeout)
+        return connections(self.config, self.timeout, self.max_message_bytes)
 
     def scrub(self, text: str) -> str:
         return self.config.scrub(text)
@@ -354,6 +358,12 @@ class McpCall:
                 code=failure.code,
                 **where,
             )
+        if isinstance(failure, TooLarge):
+            # The server ran the call and answered: the outcome is that answer's loss, said
+            # plainly, not an interruption to hold (I15).
+            return ToolError(
+                f"MCP server {self.server!r} ran the call, but {reason}", truncated=True, **where
+            )
         if self.effect is Effect.READ:
             return ToolError(
                 f"MCP server {self.server!r} did not answer the call: {reason}", **where
@@ -482,6 +492,8 @@ class McpCall:
         handle = f"task:{task_id}"
         try:
             state = self._task_request("tasks/get", task_id)
+        except TooLarge as failure:
+            raise self._failed(failure) from None
         except (Unavailable, Lost) as failure:
             log.info(
                 "MCP task not polled, polling again later: %s",

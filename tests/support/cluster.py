@@ -427,7 +427,11 @@ class McpServers:
                     "command": sys.executable,
                     "args": [str(MCP_SERVER_SCRIPT)],
                     "env": stdio_env,
-                    "tools": {"unhinted": {"effect": "read"}, "confirm_delete": {"deadline": 60}},
+                    "tools": {
+                        "unhinted": {"effect": "read"},
+                        "confirm_delete": {"deadline": 60},
+                        "flood": {"deadline": 120},
+                    },
                 },
                 "web": {"url": web, "headers": auth},
                 "web_strict": {

@@ -9,7 +9,8 @@ from ``MCP_TEST_TOKEN`` (its config's ``env``); an HTTP server refuses any reque
 Tools: ``lookup`` (read-only), ``delete_record`` (destructive; ``hold`` keeps it running after
 its ledger entry), ``fails`` (a tool error), ``leak`` (answers with the token, and over stdio
 writes it to stderr, to show Charlie blanks it), ``confirm_delete`` (asks for input:
-``input_required``), ``unhinted`` (no annotations), and, through the tasks extension
+``input_required``), ``unhinted`` (no annotations), ``flood`` (gigabytes on stderr, and an
+answer of gigabytes), and, through the tasks extension
 (SEP-2663, served here since the SDK has no server side for it): ``slow_job`` (answered
 with a task, polled by ``tasks/get``) and ``approve_job`` (a task that needs input, answered
 with ``tasks/update``).
@@ -336,6 +337,51 @@ def slow_job(key: str, seconds: float = 1.0) -> str:
 def approve_job(key: str, seconds: float = 0.2) -> str:
     """Run a job that needs a person's approval on the way (a task that asks for input)."""
     return "not reached: the tasks extension answers with a task"
+
+
+#: where Charlie cuts a line of a stdio server's stderr (charlie.mcp.bounded.STDERR_LINE_BYTES)
+STDERR_CUT = 8 * 1024
+
+
+def _stream(fd: int, head: bytes, size: int, tail: bytes) -> None:
+    """Write ``head``, ``size`` bytes of filler and ``tail`` to ``fd``, a MiB at a time: the
+    flood never sits in this process's memory."""
+    block = b"x" * (1024 * 1024)
+    for data in (head, *([block] * (size // len(block))), block[: size % len(block)], tail):
+        while data:
+            data = data[os.write(fd, data) :]
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def flood(ctx: Context, stderr_bytes: int = 0, result_bytes: int = 0, id_last: bool = False) -> str:
+    """A server that writes without end: a stderr line of ``stderr_bytes`` (the token astride
+    where Charlie cuts such a line), and, over stdio, an answer of ``result_bytes`` written
+    raw, its id first (as this SDK writes it) or last (``id_last``, as others do); the SDK's
+    own answer that follows comes late and is dropped."""
+    record("flood", stderr_bytes=stderr_bytes, result_bytes=result_bytes)
+    if stderr_bytes:
+        start = b"e" * (STDERR_CUT - 16) + TOKEN.encode()
+        _stream(2, start, max(0, stderr_bytes - len(start)), b"\n")
+    if result_bytes and STDIO:
+        request_id = json.dumps(ctx.request_context.request_id).encode()
+        text = b'{"content":[{"type":"text","text":"'
+        if id_last:
+            head = b'{"result":' + text
+            tail = b'"}],"isError":false},"jsonrpc":"2.0","id":' + request_id + b"}\n"
+        else:
+            head = b'{"jsonrpc":"2.0","id":' + request_id + b',"result":' + text
+            tail = b'"}],"isError":false}}\n'
+        _stream(_wire(), head, result_bytes, tail)
+    return "flooded"
+
+
+def _wire() -> int:
+    """The descriptor this stdio server's messages go out on: the SDK moves them off fd 1 (a
+    tool's stray print goes to stderr instead), onto a duplicate only its transport knows."""
+    from mcp.server import stdio
+
+    claim = stdio._claims.get(1)
+    return claim.private_fd if claim is not None and claim.private_fd is not None else 1
 
 
 def http_app(port: int) -> Any:

@@ -1,0 +1,84 @@
+"""What an MCP server sends is read with a bound while it is read (the result cap; I15: the run
+goes on): a stdio server's stderr line of gigabytes is cut at 8 KiB as it goes by (with the
+configuration's secrets blanked before the cut, not cut in two), and its answer of gigabytes is
+never held: the call gets an error that says the answer was over the limit and dropped, and the
+run goes on. Each runs on a worker whose address space is limited (RLIMIT_AS), whose processes
+must all survive with a peak RSS far below what the server wrote (tests/integration/
+test_bounded_reads.py has the local tools' side)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import charlie
+from charlie.domain import TaskStatus
+from tests.integration.test_bounded_reads import (
+    ADDRESS_SPACE,
+    GIB,
+    assert_worker_bounded,
+    settled,
+)
+from tests.mcp.test_cluster import wait_until_workers_listed
+from tests.support.cluster import MCP_STDIO_TOKEN, Cluster, McpServers
+
+FLOOD = 3 * GIB
+
+
+@pytest.fixture
+def limited(cluster: Cluster, mcp_servers: McpServers) -> Iterator[Cluster]:
+    with cluster.limited(ADDRESS_SPACE) as small:
+        wait_until_workers_listed(small, "files")
+        yield small
+
+
+def flood(script: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
+    """Run a task whose model calls the flood tool once, then answers: the task and the
+    call's result entry."""
+    model, _ = script(
+        [
+            {
+                "say": "flooding",
+                "tool_calls": [{"id": "f", "name": "mcp__files__flood", "arguments": arguments}],
+            },
+            {"say": "done"},
+        ]
+    )
+    task_id = charlie.submit("flood", model=model, tools=["mcp__files__flood"])
+    info = charlie.wait(task_id, timeout=300)
+    # I15: whatever the server sent, the run went on to its answer
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    return task_id, next(i for i in charlie.transcript(task_id) if i.kind == "tool_result")
+
+
+def worker_logs(cluster: Cluster) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in cluster.home.glob("worker-*.log"))
+
+
+def test_a_stderr_line_of_gigabytes_is_cut_as_it_is_read(limited: Cluster, script: Any) -> None:
+    before = settled(limited)
+    _, entry = flood(script, {"stderr_bytes": FLOOD})
+    assert entry.outcome == "ok", entry.payload
+    assert entry.payload["result"] == "flooded"
+    assert_worker_bounded(limited, before)
+    logs = worker_logs(limited)
+    assert f"... [line cut: {FLOOD} bytes]" in logs
+    # the token sat astride the cut: blanked whole, no first half of it kept
+    assert MCP_STDIO_TOKEN[:12] not in logs
+    assert "e" * 100 + "***" in logs
+
+
+@pytest.mark.parametrize("id_last", [False, True], ids=["id-first", "id-last"])
+def test_an_answer_of_gigabytes_is_dropped_unread_and_the_call_says_so(
+    limited: Cluster, script: Any, id_last: bool
+) -> None:
+    before = settled(limited)
+    _, entry = flood(script, {"result_bytes": FLOOD, "id_last": id_last})
+    assert entry.outcome == "error", entry.payload
+    result = entry.payload["result"]
+    assert result["truncated"] is True
+    assert "ran the call, but its answer was" in result["error"]
+    assert "over the limit of 4194304 bytes on one MCP message" in result["error"]
+    assert_worker_bounded(limited, before)
