@@ -8,6 +8,7 @@ test_bounded_reads.py has the local tools' side)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,22 +32,24 @@ FLOOD = 3 * GIB
 def limited(cluster: Cluster, mcp_servers: McpServers) -> Iterator[Cluster]:
     with cluster.limited(ADDRESS_SPACE) as small:
         wait_until_workers_listed(small, "files")
+        wait_until_workers_listed(small, "web")
         yield small
 
 
-def flood(script: Any, arguments: dict[str, Any]) -> tuple[str, Any]:
-    """Run a task whose model calls the flood tool once, then answers: the task and the
-    call's result entry."""
+def flood(script: Any, arguments: dict[str, Any], server: str = "files") -> tuple[str, Any]:
+    """Run a task whose model calls a server's flood tool once, then answers: the task and
+    the call's result entry."""
+    name = f"mcp__{server}__flood"
     model, _ = script(
         [
             {
                 "say": "flooding",
-                "tool_calls": [{"id": "f", "name": "mcp__files__flood", "arguments": arguments}],
+                "tool_calls": [{"id": "f", "name": name, "arguments": arguments}],
             },
             {"say": "done"},
         ]
     )
-    task_id = charlie.submit("flood", model=model, tools=["mcp__files__flood"])
+    task_id = charlie.submit("flood", model=model, tools=[name])
     info = charlie.wait(task_id, timeout=300)
     # I15: whatever the server sent, the run went on to its answer
     assert info.status is TaskStatus.SUCCEEDED, info.error
@@ -81,4 +84,24 @@ def test_an_answer_of_gigabytes_is_dropped_unread_and_the_call_says_so(
     assert result["truncated"] is True
     assert "ran the call, but its answer was" in result["error"]
     assert "over the limit of 4194304 bytes on one MCP message" in result["error"]
+    assert_worker_bounded(limited, before)
+
+
+@pytest.mark.parametrize("declare_length", [False, True], ids=["chunked", "content-length"])
+def test_a_json_answer_of_gigabytes_over_http_is_not_read_past_the_limit(
+    limited: Cluster, script: Any, declare_length: bool
+) -> None:
+    before = settled(limited)
+    arguments = {"result_bytes": FLOOD, "declare_length": declare_length}
+    _, entry = flood(script, arguments, server="web")
+    assert entry.outcome == "error", entry.payload
+    result = entry.payload["result"]
+    assert result["truncated"] is True
+    assert "ran the call, but its answer was" in result["error"]
+    if declare_length:
+        # (the size its Content-Length declared: the body around the flood)
+        declared = int(re.search(r"its answer was (\d+) bytes", result["error"]).group(1))
+        assert FLOOD < declared < FLOOD + 200
+    else:
+        assert "its answer was more than 4194304 bytes" in result["error"]
     assert_worker_bounded(limited, before)

@@ -353,11 +353,18 @@ def _stream(fd: int, head: bytes, size: int, tail: bytes) -> None:
 
 
 @server.tool(annotations=ToolAnnotations(readOnlyHint=True))
-def flood(ctx: Context, stderr_bytes: int = 0, result_bytes: int = 0, id_last: bool = False) -> str:
+def flood(
+    ctx: Context,
+    stderr_bytes: int = 0,
+    result_bytes: int = 0,
+    id_last: bool = False,
+    declare_length: bool = False,
+) -> str:
     """A server that writes without end: a stderr line of ``stderr_bytes`` (the token astride
-    where Charlie cuts such a line), and, over stdio, an answer of ``result_bytes`` written
-    raw, its id first (as this SDK writes it) or last (``id_last``, as others do); the SDK's
-    own answer that follows comes late and is dropped."""
+    where Charlie cuts such a line), and an answer of ``result_bytes``: over stdio written raw,
+    its id first (as this SDK writes it) or last (``id_last``, as others do), the SDK's own
+    answer that follows coming late and dropped; over HTTP a JSON body streamed raw by the
+    app in front of the server (``declare_length``: with a Content-Length)."""
     record("flood", stderr_bytes=stderr_bytes, result_bytes=result_bytes)
     if stderr_bytes:
         start = b"e" * (STDERR_CUT - 16) + TOKEN.encode()
@@ -395,9 +402,54 @@ def http_app(port: int) -> Any:
                 await send({"type": "http.response.start", "status": 401, "headers": []})
                 await send({"type": "http.response.body", "body": b"unauthorized"})
                 return
+        if scope["type"] == "http" and scope["method"] == "POST":
+            receive = await _flooding(receive, send)
+            if receive is None:
+                return
         await app(scope, receive, send)
 
     return guarded
+
+
+async def _flooding(receive: Any, send: Any) -> Any:
+    """Over HTTP, answer a ``flood`` call that asks for ``result_bytes`` here, with a JSON
+    body of that size streamed raw (with its Content-Length, or chunked without one): None
+    once answered. Any other request goes on to the server, its body read back to it."""
+    messages, body = [], b""
+    while True:
+        message = await receive()
+        messages.append(message)
+        body += message.get("body", b"")
+        if message["type"] != "http.request" or not message.get("more_body"):
+            break
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        sent = None
+    params = sent.get("params") or {} if isinstance(sent, dict) else {}
+    arguments = params.get("arguments") or {}
+    size = int(arguments.get("result_bytes") or 0)
+    if sent.get("method") != "tools/call" or params.get("name") != "flood" or not size:
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        return replay
+    record("flood", result_bytes=size, transport="http")
+    head = b'{"jsonrpc":"2.0","id":' + json.dumps(sent["id"]).encode() + b',"result":'
+    head += b'{"content":[{"type":"text","text":"'
+    tail = b'"}],"isError":false}}'
+    headers = [(b"content-type", b"application/json")]
+    if arguments.get("declare_length"):
+        headers.append((b"content-length", str(len(head) + size + len(tail)).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    block = b"x" * (1024 * 1024)
+    await send({"type": "http.response.body", "body": head, "more_body": True})
+    for _ in range(size // len(block)):
+        await send({"type": "http.response.body", "body": block, "more_body": True})
+    rest = block[: size % len(block)] + tail
+    await send({"type": "http.response.body", "body": rest, "more_body": False})
+    return None
 
 
 def main() -> None:
