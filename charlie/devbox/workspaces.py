@@ -240,12 +240,20 @@ class Workspaces:
         if not target.is_dir():
             raise ApiError(404 if not target.exists() else 400, f"{rel!r} is not a directory")
         at_root = target == Path(os.path.realpath(workspace))
-        entries = []
-        for entry in sorted(os.scandir(target), key=lambda e: e.name):
-            if at_root and entry.name == ".git":
-                continue  # git's own data, not the agent's files
-            entries.append(_entry(entry))
-        return {"path": rel or ".", "entries": entries}
+        limit = self.limits.list_entries
+        read: list[os.DirEntry[str]] = []
+        truncated = False
+        with os.scandir(target) as scan:
+            # at most the limit of it read: a command can put millions of entries in one
+            for entry in scan:
+                if at_root and entry.name == ".git":
+                    continue  # git's own data, not the agent's files
+                if len(read) == limit:
+                    truncated = True
+                    break
+                read.append(entry)
+        entries = [_entry(entry) for entry in sorted(read, key=lambda e: e.name)]
+        return {"path": rel or ".", "entries": entries, "truncated": truncated}
 
     # -- git operations ------------------------------------------------------------------------
 

@@ -27,6 +27,9 @@ from charlie.tools.registry import tool
 
 MAX_READ_BYTES = 200_000
 OUTPUT_TAIL_BYTES = 20_000
+#: list_files stops after this many entries; and reads at most this many of one directory.
+MAX_LIST_ENTRIES = 2000
+MAX_DIR_ENTRIES = 10_000
 
 
 @tool(effect="read", deadline=60, threadsafe=True)
@@ -94,15 +97,42 @@ def list_files(ctx: ToolContext, path: str = ".") -> list[str]:
         raise ToolError(f"no such directory: {path}")
     base = ctx.workspace.resolve()
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if not name.startswith("."):
-                found.append(os.path.relpath(os.path.join(dirpath, name), base))
-        if len(found) > 2000:
-            found.append("[truncated at 2000 entries]")
-            break
+    crowded = False
+    pending = [str(root)]  # depth-first, each directory's entries sorted, as os.walk went
+    while pending and len(found) <= MAX_LIST_ENTRIES:
+        directory = pending.pop()
+        try:
+            dirs, files, cut = _entries(directory)
+        except OSError:
+            continue  # (gone, or unreadable: skipped, as os.walk skips it)
+        crowded = crowded or cut
+        found += [os.path.relpath(os.path.join(directory, f), base) for f in files]
+        pending += reversed([os.path.join(directory, d) for d in dirs])
+    if len(found) > MAX_LIST_ENTRIES or pending:
+        return [*found[:MAX_LIST_ENTRIES], f"[truncated at {MAX_LIST_ENTRIES} entries]"]
+    if crowded:
+        found.append(f"[truncated: a directory has more than {MAX_DIR_ENTRIES} entries]")
     return found
+
+
+def _entries(directory: str) -> tuple[list[str], list[str], bool]:
+    """A directory's subdirectories (not followed through a link) and its other entries, hidden
+    ones skipped, each sorted; at most ``MAX_DIR_ENTRIES`` of it read, since a command can put
+    millions in one (result cap, I15). True when there were more."""
+    dirs: list[str] = []
+    files: list[str] = []
+    with os.scandir(directory) as scan:
+        for n, entry in enumerate(scan):
+            if n >= MAX_DIR_ENTRIES:
+                return sorted(dirs), sorted(files), True
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                if not entry.is_symlink():
+                    dirs.append(entry.name)
+            else:
+                files.append(entry.name)
+    return sorted(dirs), sorted(files), False
 
 
 class _Drain:

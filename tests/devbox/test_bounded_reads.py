@@ -77,3 +77,18 @@ def test_read_file_of_a_sparse_50_gb_file_is_refused_unread(
     assert refused.value.status == 413
     assert f"is {50 * GIB} bytes, over the devbox read limit" in str(refused.value)
     assert peak_rss(box.proc.pid) < PEAK_RSS
+
+
+def test_list_files_returns_at_most_its_limit_of_one_directory(
+    client: DevboxClient, workspace: str, devbox_root: Path
+) -> None:
+    limit = Limits().list_entries
+    crowded = devbox_root / "workspaces" / workspace / "crowded"
+    crowded.mkdir()
+    for i in range(limit + 1):
+        (crowded / f"f{i:05}").touch()
+    data = client._call("GET", f"/workspaces/{workspace}/list", params={"path": "crowded"})
+    assert data["truncated"] is True
+    assert len(data["entries"]) == limit
+    names = [e["name"] for e in data["entries"]]
+    assert names == sorted(names)

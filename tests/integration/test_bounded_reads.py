@@ -122,3 +122,23 @@ def test_run_command_writing_gigabytes_keeps_its_tail(
     assert result["stderr"] == "on-stderr\n"
     assert f"wrote {written} bytes to stdout and 10 to stderr" in result["note"]
     assert_worker_bounded(limited, before)
+
+
+def test_list_files_reads_at_most_its_cap_of_one_directory(
+    cluster: Cluster, script: Any, workspace: Path
+) -> None:
+    from charlie.tools.builtins import MAX_DIR_ENTRIES
+
+    # a directory a command filled: more entries than are read of one (empty directories here,
+    # so that no cap on files listed says it first)
+    crowded = workspace / "crowded"
+    crowded.mkdir()
+    for i in range(MAX_DIR_ENTRIES + 1):
+        (crowded / f"d{i:05}").mkdir()
+    (workspace / "a.txt").write_text("a")
+    entry = run_one_call(script, workspace, "list_files", {})
+    assert entry.outcome == "ok", entry.payload
+    assert entry.payload["result"] == [
+        "a.txt",
+        f"[truncated: a directory has more than {MAX_DIR_ENTRIES} entries]",
+    ]
