@@ -61,6 +61,18 @@ def oversized_reason(total: int, limit: int, complete: bool = True) -> str:
     )
 
 
+#: how the SDK's SSE reader says an event was over its limit (httpx2.SSEError's message; the
+#: SDK turns it into a CONNECTION_CLOSED error for the request it was answering).
+_SSE_OVER = re.compile(r"Server-sent event exceeded the (\d+) byte limit")
+
+
+def sse_over_limit(message: str) -> int | None:
+    """The limit an SSE event went over, when ``message`` (a CONNECTION_CLOSED error's) says
+    that is why the request's answer never came; None otherwise."""
+    found = _SSE_OVER.search(message)
+    return int(found.group(1)) if found else None
+
+
 # -- lines ------------------------------------------------------------------------------------
 
 

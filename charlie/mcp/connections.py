@@ -343,6 +343,12 @@ class _Link:
         try:
             return await call(client)
         except MCPError as exc:
+            over = bounded.sse_over_limit(exc.message)
+            if exc.code == mcp_types.CONNECTION_CLOSED and over is not None:
+                # the answer came, as an SSE event over the limit (not read on)
+                raise TooLarge(
+                    self.server.name, bounded.oversized_reason(over + 1, over, complete=False)
+                ) from None
             if exc.code == mcp_types.CONNECTION_CLOSED:
                 await self._ended()
                 ended = self.ended_by

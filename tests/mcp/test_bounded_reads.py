@@ -36,10 +36,12 @@ def limited(cluster: Cluster, mcp_servers: McpServers) -> Iterator[Cluster]:
         yield small
 
 
-def flood(script: Any, arguments: dict[str, Any], server: str = "files") -> tuple[str, Any]:
+def flood(
+    script: Any, arguments: dict[str, Any], server: str = "files", tool: str = "flood"
+) -> tuple[str, Any]:
     """Run a task whose model calls a server's flood tool once, then answers: the task and
     the call's result entry."""
-    name = f"mcp__{server}__flood"
+    name = f"mcp__{server}__{tool}"
     model, _ = script(
         [
             {
@@ -105,3 +107,40 @@ def test_a_json_answer_of_gigabytes_over_http_is_not_read_past_the_limit(
     else:
         assert "its answer was more than 4194304 bytes" in result["error"]
     assert_worker_bounded(limited, before)
+
+
+def test_an_answer_over_the_limit_from_the_sdk_is_a_tool_error_saying_so(
+    cluster: Cluster, mcp_servers: McpServers, script: Any
+) -> None:
+    # the SDK's own answer over the limit (its JSON body has a Content-Length)
+    _, entry = flood(script, {"answer_bytes": 5 * 1024 * 1024}, server="web")
+    assert entry.outcome == "error", entry.payload
+    result = entry.payload["result"]
+    assert result["truncated"] is True
+    assert "ran the call, but its answer was" in result["error"]
+    assert "over the limit of 4194304 bytes" in result["error"]
+
+
+def test_an_sse_event_over_the_limit_is_a_tool_error_saying_so(
+    limited: Cluster, script: Any
+) -> None:
+    # an answer as one SSE event of gigabytes: the SDK's reader stops at the same limit
+    before = settled(limited)
+    _, entry = flood(script, {"result_bytes": FLOOD, "as_sse": True}, server="web")
+    assert entry.outcome == "error", entry.payload
+    result = entry.payload["result"]
+    assert result["truncated"] is True
+    assert "ran the call, but its answer was more than 4194304 bytes" in result["error"]
+    assert_worker_bounded(limited, before)
+
+
+def test_a_json_answer_within_the_limit_passes_whole(
+    cluster: Cluster, mcp_servers: McpServers, script: Any
+) -> None:
+    # a JSON body (not SSE) under the limit: read by the bounded transport, handed on whole
+    _, entry = flood(script, {"result_bytes": 100_000}, server="web")
+    assert entry.outcome == "ok", entry.payload
+    assert entry.payload["result"] == {
+        "text": "x" * 100_000,
+        "structured_content": {"result": "flooded"},
+    }

@@ -359,12 +359,16 @@ def flood(
     result_bytes: int = 0,
     id_last: bool = False,
     declare_length: bool = False,
+    answer_bytes: int = 0,
+    as_sse: bool = False,
 ) -> str:
     """A server that writes without end: a stderr line of ``stderr_bytes`` (the token astride
     where Charlie cuts such a line), and an answer of ``result_bytes``: over stdio written raw,
     its id first (as this SDK writes it) or last (``id_last``, as others do), the SDK's own
     answer that follows coming late and dropped; over HTTP a JSON body streamed raw by the
-    app in front of the server (``declare_length``: with a Content-Length)."""
+    app in front of the server (``declare_length``: with a Content-Length; ``as_sse``: as one
+    SSE event); ``answer_bytes``:
+    an answer of that size the SDK sends itself (over HTTP, as an SSE event)."""
     record("flood", stderr_bytes=stderr_bytes, result_bytes=result_bytes)
     if stderr_bytes:
         start = b"e" * (STDERR_CUT - 16) + TOKEN.encode()
@@ -374,12 +378,13 @@ def flood(
         text = b'{"content":[{"type":"text","text":"'
         if id_last:
             head = b'{"result":' + text
-            tail = b'"}],"isError":false},"jsonrpc":"2.0","id":' + request_id + b"}\n"
+            tail = b'"}],"isError":false,"resultType":"complete"},"jsonrpc":"2.0","id":'
+            tail += request_id + b"}\n"
         else:
             head = b'{"jsonrpc":"2.0","id":' + request_id + b',"result":' + text
-            tail = b'"}],"isError":false}}\n'
+            tail = b'"}],"isError":false,"resultType":"complete"}}\n'
         _stream(_wire(), head, result_bytes, tail)
-    return "flooded"
+    return "a" * answer_bytes if answer_bytes else "flooded"
 
 
 def _wire() -> int:
@@ -438,9 +443,14 @@ async def _flooding(receive: Any, send: Any) -> Any:
     record("flood", result_bytes=size, transport="http")
     head = b'{"jsonrpc":"2.0","id":' + json.dumps(sent["id"]).encode() + b',"result":'
     head += b'{"content":[{"type":"text","text":"'
-    tail = b'"}],"isError":false}}'
+    tail = b'"}],"structuredContent":{"result":"flooded"},"isError":false,'
+    tail += b'"resultType":"complete"}}'
     headers = [(b"content-type", b"application/json")]
-    if arguments.get("declare_length"):
+    if arguments.get("as_sse"):
+        # the answer as one SSE event on the request's stream
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        head, tail = b"event: message\ndata: " + head, tail + b"\n\n"
+    elif arguments.get("declare_length"):
         headers.append((b"content-length", str(len(head) + size + len(tail)).encode()))
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     block = b"x" * (1024 * 1024)
