@@ -18,6 +18,8 @@ What a failure means decides recovery, so it is classified here (issue 15 item 5
 - :class:`Lost`: the request went out and no answer came (the server's connection closed, its
   process died, the call timed out, the answer was unreadable): whether it acted is unknown.
 - :class:`Refused`: the server answered with a JSON-RPC error: it did not run the request.
+- :class:`TooLarge`: the server answered with more than one message may hold
+  (CHARLIE_MCP_MAX_MESSAGE_BYTES): the answer was dropped unread (charlie.mcp.bounded).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ resumable wait only once its work has an identity outside the worker (item 4, I2
 Failures (item 5): no session (the server is down, refused, did not start) is a tool error
 saying the call was not sent; a call whose connection died or that timed out is
 ``interrupted`` for a write (what the server did is unknown) and a tool error for a read; an
-error the server answered is a tool error. Nothing any of these show contains a configured
+error the server answered is a tool error, and so is an answer too large to read (it says the
+call ran and its answer was dropped). Nothing any of these show contains a configured
 secret (config.McpConfig.scrub).
 """
 
