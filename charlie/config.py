@@ -228,6 +228,9 @@ class Settings:
     mcp_timeout: float = 10.0
     #: a server that could not be reached is tried again after this many seconds.
     mcp_retry_seconds: float = 30.0
+    #: the most of one message from an MCP server that is read (a larger answer is dropped
+    #: unread and its call gets an error; charlie/mcp/bounded.py).
+    mcp_max_message_bytes: int = 4 * 1024 * 1024
     #: CHARLIE_PRICES: the price table, inline JSON or a JSON file's path; read by
     #: ``charlie.pricing.price_table(settings.prices)``.
     prices: str | None = None
@@ -363,6 +366,7 @@ def load_settings() -> Settings:
         mcp_servers=os.environ.get("CHARLIE_MCP_SERVERS", "").strip() or None,
         mcp_timeout=_env_float("CHARLIE_MCP_TIMEOUT", 10.0),
         mcp_retry_seconds=_env_float("CHARLIE_MCP_RETRY_SECONDS", 30.0),
+        mcp_max_message_bytes=_env_int("CHARLIE_MCP_MAX_MESSAGE_BYTES", 4 * 1024 * 1024),
         prices=os.environ.get("CHARLIE_PRICES", "").strip() or None,
         budget_tokens=_env_limit_int("CHARLIE_BUDGET_TOKENS"),
         budget_usd=_env_limit_float("CHARLIE_BUDGET_USD"),

@@ -41,8 +41,12 @@ import os
 import re
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from charlie.devbox.errors import ApiError
 from charlie.devbox.policy import is_secret_name
@@ -51,6 +55,11 @@ from charlie.sandbox import BWRAP_ENV, SandboxPolicy, wrap
 IDEMPOTENCY_TRAILER = "Charlie-Idempotency-Key"
 #: the tree of an empty commit; diffing against it works while HEAD is unborn.
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+#: the most of git's stdout any devbox operation reads (a diff is cut well below it, at the
+#: devbox's output limit); git writes what the agent's files say, so its size is theirs.
+OUTPUT_BYTES = 16 * 1024 * 1024
+#: the most of git's stderr that is read (its messages; the rest is dropped).
+ERROR_BYTES = 64 * 1024
 
 #: ``-c`` settings on every devbox git; command-line config wins over every config file.
 _OVERRIDES: tuple[tuple[str, str], ...] = (
@@ -162,8 +171,11 @@ def run_git(
     input_text: str | None = None,
     check: bool = True,
     status_on_error: int = 500,
-) -> subprocess.CompletedProcess[str]:
-    """Run ``git args`` in ``cwd``; on failure raise ApiError carrying git's own message.
+    max_output: int = OUTPUT_BYTES,
+) -> Done:
+    """Run ``git args`` in ``cwd``; on failure raise ApiError carrying git's own message. At
+    most ``max_output`` bytes of its stdout are read (``Done.truncated`` says when there was
+    more).
 
     ``confine``: the sandbox git runs in, which every caller names: a workspace's commands'
     confinement for git on a workspace, None only for git no command can reach (see the module
@@ -182,6 +194,7 @@ def run_git(
         input_text=input_text,
         check=check,
         status_on_error=status_on_error,
+        max_output=max_output,
     )
 
 
@@ -194,6 +207,55 @@ def _repository(cwd: Path) -> Path | None:
     return cwd if dot_git.is_dir() else None
 
 
+@dataclass(frozen=True)
+class Done:
+    """A finished git: its exit code, the first ``OUTPUT_BYTES`` (or the limit asked for) of
+    its stdout, the first ``ERROR_BYTES`` of its stderr, and whether stdout was cut."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    truncated: bool = False
+
+
+class _Head:
+    """Reads a pipe to its end in a thread, keeping its first ``keep`` bytes and dropping the
+    rest as it comes, so git never blocks on a full pipe and the devbox never holds more."""
+
+    def __init__(self, pipe: IO[bytes], keep: int) -> None:
+        self.keep = keep
+        self.data = bytearray()
+        self.truncated = False
+        self._pipe = pipe
+        self.thread = threading.Thread(target=self._run, name="devbox-git-output", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        fd = self._pipe.fileno()
+        try:
+            while chunk := os.read(fd, 64 * 1024):
+                room = self.keep - len(self.data)
+                if room > 0:
+                    self.data += chunk[:room]
+                if len(chunk) > room:
+                    self.truncated = True
+        except OSError:
+            pass
+        finally:
+            self._pipe.close()
+
+    def text(self) -> str:
+        return bytes(self.data).decode("utf-8", errors="replace")
+
+
+def _feed(pipe: IO[bytes], data: bytes) -> None:
+    # git may stop reading (a bad patch): what it read stands, and it says why
+    with contextlib.suppress(OSError):
+        pipe.write(data)
+    with contextlib.suppress(OSError):
+        pipe.close()
+
+
 def _run(
     args: Sequence[str],
     cwd: Path,
@@ -204,7 +266,8 @@ def _run(
     input_text: str | None = None,
     check: bool = True,
     status_on_error: int = 500,
-) -> subprocess.CompletedProcess[str]:
+    max_output: int = OUTPUT_BYTES,
+) -> Done:
     if confine is not None:
         # the sandbox binds the workspace at its real path: name it (and git's dir) that way
         cwd = Path(os.path.realpath(cwd))
@@ -223,36 +286,49 @@ def _run(
             stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
             start_new_session=True,
             close_fds=True,
         )
     except FileNotFoundError:
         what = "bubblewrap" if confine is not None else "git"
         raise ApiError(500, f"{what} is not installed on the devbox") from None
+    assert proc.stdout is not None and proc.stderr is not None
+    # at most max_output bytes of stdout are kept; the rest is read and dropped so git ends
+    out, err = _Head(proc.stdout, max_output), _Head(proc.stderr, ERROR_BYTES)
+    if input_text is not None:
+        assert proc.stdin is not None
+        feeding = threading.Thread(
+            target=_feed, args=(proc.stdin, input_text.encode()), daemon=True
+        )
+        feeding.start()
+    end = time.monotonic() + timeout
     try:
-        stdout, stderr = proc.communicate(input_text, timeout=timeout)
+        proc.wait(timeout)
+        for reader in (out, err):
+            reader.thread.join(max(0.0, end - time.monotonic()))
+            if reader.thread.is_alive():
+                raise subprocess.TimeoutExpired(cmd, timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         raise ApiError(504, f"git {args[0]} took longer than {timeout:g}s") from None
     except BaseException:
         _kill_group(proc)
         raise
-    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    done = Done(proc.returncode, out.text(), err.text(), out.truncated)
     if check and done.returncode != 0:
         detail = (done.stderr or done.stdout).strip() or f"exit code {done.returncode}"
         raise ApiError(status_on_error, f"git {args[0]} failed: {detail}")
     return done
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL git's process group (in a sandbox, its pid namespace dies with its first
-    process, taking along anything that left the group) and reap it."""
+    process, taking along anything that left the group) and reap it (its output's readers
+    drain what is left)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.communicate(timeout=5)
+        proc.wait(timeout=5)
 
 
 def check_repo_config(repo: Path, timeout: float, *, confine: SandboxPolicy | None) -> None:
@@ -269,6 +345,11 @@ def check_repo_config(repo: Path, timeout: float, *, confine: SandboxPolicy | No
     if done.returncode != 0:
         detail = done.stderr.strip() or f"exit code {done.returncode}"
         raise ApiError(409, f"cannot read the workspace's git config: {detail}")
+    if done.truncated:
+        # a key past the cut could not be checked: none is trusted
+        raise ApiError(
+            409, f"the workspace's git config lists more than {OUTPUT_BYTES} bytes; shorten it"
+        )
     # -z records: scope NUL origin NUL key LF value NUL
     fields = done.stdout.split("\x00")
     found: list[str] = []
@@ -330,6 +411,11 @@ def find_commit(
         timeout=timeout,
         confine=confine,
     )
+    if done.truncated:
+        # the commit sought may be past the cut: saying "none" could commit twice
+        raise ApiError(
+            409, f"more than {OUTPUT_BYTES} bytes of commits carry an idempotency trailer"
+        )
     for record in done.stdout.split("\x00"):
         lines = record.strip("\n").split("\n")
         if lines and lines[0] and key in (value.strip() for value in lines[1:]):

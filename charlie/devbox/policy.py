@@ -59,6 +59,8 @@ class Limits:
     workspace_bytes: int = 200 * MIB
     #: the largest file read_file returns.
     read_bytes: int = MIB
+    #: the most entries of one directory list_files reads and returns (it says truncated).
+    list_entries: int = 10_000
     #: the largest JSON request body accepted.
     request_bytes: int = 64 * MIB
     #: how long a git operation (clone, commit, diff) may take.

@@ -210,14 +210,28 @@ class Workspaces:
             raise ApiError(404, f"no file {rel!r} in workspace {workspace_id!r}")
         if not target.is_file():
             raise ApiError(400, f"{rel!r} is not a regular file")
-        size = target.stat().st_size
-        if size > self.limits.read_bytes:
+        limit = self.limits.read_bytes
+        try:
+            # Not followed if it became a link, not waited on if it became a FIFO, and read
+            # no further than the limit: a command may be growing it right now.
+            fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ApiError(400, f"cannot read {rel!r}: {exc.strerror}") from None
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ApiError(400, f"{rel!r} is not a regular file")
+            size = st.st_size
+            data = b""
+            while size <= limit and len(data) <= limit and (more := f.read(limit + 1 - len(data))):
+                data += more
+            size = max(size, len(data))
+        if size > limit:
             raise ApiError(
                 413,
                 f"{rel!r} is {size} bytes, over the devbox read limit of "
-                f"{self.limits.read_bytes} bytes; read part of it with a command instead",
+                f"{limit} bytes; read part of it with a command instead",
             )
-        data = target.read_bytes()
         try:
             content, binary = data.decode("utf-8"), False
         except UnicodeDecodeError:
@@ -254,12 +268,20 @@ class Workspaces:
         if not target.is_dir():
             raise ApiError(404 if not target.exists() else 400, f"{rel!r} is not a directory")
         at_root = target == Path(os.path.realpath(workspace))
-        entries = []
-        for entry in sorted(os.scandir(target), key=lambda e: e.name):
-            if at_root and entry.name == ".git":
-                continue  # git's own data, not the agent's files
-            entries.append(_entry(entry))
-        return {"path": rel or ".", "entries": entries}
+        limit = self.limits.list_entries
+        read: list[os.DirEntry[str]] = []
+        truncated = False
+        with os.scandir(target) as scan:
+            # at most the limit of it read: a command can put millions of entries in one
+            for entry in scan:
+                if at_root and entry.name == ".git":
+                    continue  # git's own data, not the agent's files
+                if len(read) == limit:
+                    truncated = True
+                    break
+                read.append(entry)
+        entries = [_entry(entry) for entry in sorted(read, key=lambda e: e.name)]
+        return {"path": rel or ".", "entries": entries, "truncated": truncated}
 
     # -- git operations ------------------------------------------------------------------------
 
@@ -297,25 +319,31 @@ class Workspaces:
         workspace = self.path(workspace_id)
         t, confine = self.limits.git_timeout, self.confine(workspace)
         base = "HEAD" if git.head(workspace, t, confine=confine) else git.EMPTY_TREE
+        limit = self.limits.output_bytes
+        # read no more of either than is returned: their size is the workspace's
         done = git.run_git(
             ["diff", "--no-ext-diff", "--no-textconv", "--no-color", base],
             workspace,
             timeout=t,
             confine=confine,
+            max_output=limit + 4,  # (a cut character's bytes, then one more: there is more)
         )
         untracked = git.run_git(
             ["ls-files", "--others", "--exclude-standard", "-z"],
             workspace,
             timeout=t,
             confine=confine,
+            max_output=limit,
         )
         text, truncated = done.stdout, False
-        limit = self.limits.output_bytes
-        if len(text.encode("utf-8")) > limit:
+        if done.truncated or len(text.encode("utf-8")) > limit:
             text = text.encode("utf-8")[:limit].decode("utf-8", errors="ignore")
             text += f"\n[diff truncated at {limit} bytes]\n"
             truncated = True
         names = [name for name in untracked.stdout.split("\x00") if name]
+        if untracked.truncated:
+            names = names[:-1]  # (the last one may be cut)
+            truncated = True
         return {"diff": text, "untracked": names, "truncated": truncated}
 
     def commit(self, workspace_id: str, message: str, key: str) -> dict[str, Any]:

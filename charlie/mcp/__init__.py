@@ -131,7 +131,10 @@ _lock = threading.Lock()
 
 def _servers(settings: Settings, config: McpConfig) -> Servers:
     return Servers(
-        config=config, timeout=settings.mcp_timeout, default_deadline=settings.tool_deadline
+        config=config,
+        timeout=settings.mcp_timeout,
+        default_deadline=settings.tool_deadline,
+        max_message_bytes=settings.mcp_max_message_bytes,
     )
 
 

@@ -18,6 +18,8 @@ What a failure means decides recovery, so it is classified here (issue 15 item 5
 - :class:`Lost`: the request went out and no answer came (the server's connection closed, its
   process died, the call timed out, the answer was unreadable): whether it acted is unknown.
 - :class:`Refused`: the server answered with a JSON-RPC error: it did not run the request.
+- :class:`TooLarge`: the server answered with more than one message may hold
+  (CHARLIE_MCP_MAX_MESSAGE_BYTES): the answer was dropped unread (charlie.mcp.bounded).
 """
 
 from __future__ import annotations
@@ -36,14 +38,13 @@ from typing import Any, ClassVar, Literal, TextIO, TypeVar
 import mcp_types
 from mcp import Client, StdioServerParameters
 from mcp.client import ClaimContext, ClientExtension, ResultClaim
-from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.alias_generators import to_camel
 
+from charlie.mcp import bounded
 from charlie.mcp.config import McpConfig, ServerConfig
-from charlie.terminal import printable
 
 log = logging.getLogger("charlie.mcp")
 
@@ -54,6 +55,9 @@ for _noisy in ("httpx2", "httpcore2", "httpx", "httpcore"):
 T = TypeVar("T")
 
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+#: the most of one message from a server that is read (CHARLIE_MCP_MAX_MESSAGE_BYTES): more
+#: than the result cap (CHARLIE_MAX_RESULT_BYTES), which cuts what is kept of a result.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 class McpFailure(Exception):
@@ -77,6 +81,12 @@ class Refused(McpFailure):
     def __init__(self, server: str, code: int, message: str) -> None:
         super().__init__(server, message)
         self.code = code
+
+
+class TooLarge(McpFailure):
+    """The server answered with more than Charlie reads of one message: the answer was
+    dropped unread (charlie.mcp.bounded), so the request was acted on, and its result is
+    not known."""
 
 
 class Abandoned(Exception):
@@ -172,29 +182,19 @@ def _scrubbed_stderr(server: ServerConfig, stack: AsyncExitStack) -> TextIO:
     """A stdio server's stderr: a pipe whose lines a thread writes on to this process's own
     (fd 2, where the server's would have gone: a worker's log) with the configuration's
     secrets blanked, so a server that logs its token does not put it in Charlie's logs (issue
-    15 item 5). The pipe's write end is the server's alone once the session ends (the reader
-    then sees the end of the pipe when the server exits)."""
+    15 item 5), and each line cut to a bounded length as it is read (bounded.forward_stderr).
+    The pipe's write end is the server's alone once the session ends (the reader then sees
+    the end of the pipe when the server exits)."""
     read_fd, write_fd = os.pipe()  # (not inherited by any other child: O_CLOEXEC)
     writer = os.fdopen(write_fd, "w")
     stack.callback(writer.close)
-    scrub = McpConfig(servers=(server,)).scrub
+    config = McpConfig(servers=(server,))
+    longest = max((len(s.encode()) for s in server.secrets()), default=0)
     threading.Thread(
-        target=_forward, args=(read_fd, scrub), name=f"charlie-mcp-stderr-{server.name}",
-        daemon=True,
+        target=bounded.forward_stderr, args=(read_fd, config.scrub, longest),
+        name=f"charlie-mcp-stderr-{server.name}", daemon=True,
     ).start()  # fmt: skip
     return writer
-
-
-def _forward(read_fd: int, scrub: Callable[[str], str]) -> None:
-    with os.fdopen(read_fd, "rb") as lines:
-        for line in lines:
-            # shown, not obeyed, by whoever tails the worker's log (charlie.terminal)
-            data = printable(scrub(line.decode(errors="replace")), multiline=True).encode()
-            try:
-                while data:
-                    data = data[os.write(2, data) :]
-            except OSError:
-                pass  # no stderr here: what the server says is dropped, as it would be
 
 
 async def _listing(client: Client) -> list[mcp_types.Tool]:
@@ -221,9 +221,10 @@ def _bounded_listing(seconds: float) -> Callable[[Client], Awaitable[list[mcp_ty
 class _Link:
     """One server's session in this process's loop, made again when it ends."""
 
-    def __init__(self, server: ServerConfig, timeout: float) -> None:
+    def __init__(self, server: ServerConfig, timeout: float, max_message_bytes: int) -> None:
         self.server = server
         self.timeout = server.timeout or timeout
+        self.max_message_bytes = max_message_bytes
         self.client: Client | None = None
         self.ended_by: BaseException | None = None
         self._holder: asyncio.Task[None] | None = None
@@ -294,18 +295,26 @@ class _Link:
             params = StdioServerParameters(
                 command=s.command, args=list(s.args), env=dict(s.env) or None, cwd=s.cwd
             )
-            transport = stdio_client(params, errlog=_scrubbed_stderr(s, stack))
+            transport = bounded.stdio_client(
+                params, _scrubbed_stderr(s, stack), self.max_message_bytes
+            )
             return Client(transport, extensions=[TasksExtension()])
         import httpx2
 
         http = httpx2.AsyncClient(
             headers=dict(s.headers) or None,
             timeout=httpx2.Timeout(30.0, connect=self.timeout, read=None),
+            # a JSON answer is read up to the limit, and no further (an SSE event is bounded
+            # by the SDK, given the same limit below)
+            transport=bounded.BoundedTransport(httpx2.AsyncHTTPTransport(), self.max_message_bytes),
         )
         stack.push_async_callback(http.aclose)
         assert s.url is not None
         return Client(
-            streamable_http_client(s.url, http_client=http), extensions=[TasksExtension()]
+            streamable_http_client(
+                s.url, http_client=http, max_sse_event_size=self.max_message_bytes
+            ),
+            extensions=[TasksExtension()],
         )
 
     async def _drop(self) -> None:
@@ -336,6 +345,12 @@ class _Link:
         try:
             return await call(client)
         except MCPError as exc:
+            over = bounded.sse_over_limit(exc.message)
+            if exc.code == mcp_types.CONNECTION_CLOSED and over is not None:
+                # the answer came, as an SSE event over the limit (not read on)
+                raise TooLarge(
+                    self.server.name, bounded.oversized_reason(over + 1, over, complete=False)
+                ) from None
             if exc.code == mcp_types.CONNECTION_CLOSED:
                 await self._ended()
                 ended = self.ended_by
@@ -347,6 +362,8 @@ class _Link:
                 raise Lost(
                     self.server.name, f"its connection closed while {what} was in flight{why}"
                 ) from None
+            if exc.code == bounded.OVERSIZED:
+                raise TooLarge(self.server.name, exc.message) from None
             if exc.code == mcp_types.REQUEST_TIMEOUT:
                 raise Lost(self.server.name, f"it did not answer {what} in time") from None
             raise Refused(self.server.name, exc.code, exc.message) from None
@@ -365,11 +382,13 @@ class _Link:
 class Connections:
     """This process's MCP sessions, in their background loop."""
 
-    def __init__(self, config: McpConfig, timeout: float) -> None:
+    def __init__(
+        self, config: McpConfig, timeout: float, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ) -> None:
         self.config = config
         self.timeout = timeout
         self.pid = os.getpid()
-        self._links = {s.name: _Link(s, timeout) for s in config.servers}
+        self._links = {s.name: _Link(s, timeout, max_message_bytes) for s in config.servers}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
@@ -543,14 +562,16 @@ _current: dict[str, Connections] = {}
 _lock = threading.Lock()
 
 
-def connections(config: McpConfig, timeout: float) -> Connections:
+def connections(
+    config: McpConfig, timeout: float, max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> Connections:
     """This process's connections for ``config`` (made again in a forked child: a fork copies
     no thread, so a parent's loop and sessions are not the child's)."""
-    key = config.fingerprint()
+    key = f"{config.fingerprint()}:{max_message_bytes}"
     with _lock:
         found = _current.get(key)
         if found is None or found.pid != os.getpid():
-            found = _current[key] = Connections(config, timeout)
+            found = _current[key] = Connections(config, timeout, max_message_bytes)
         return found
 
 

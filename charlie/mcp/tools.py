@@ -29,7 +29,8 @@ resumable wait only once its work has an identity outside the worker (item 4, I2
 Failures (item 5): no session (the server is down, refused, did not start) is a tool error
 saying the call was not sent; a call whose connection died or that timed out is
 ``interrupted`` for a write (what the server did is unknown) and a tool error for a read; an
-error the server answered is a tool error. Nothing any of these show contains a configured
+error the server answered is a tool error, and so is an answer too large to read (it says the
+call ran and its answer was dropped). Nothing any of these show contains a configured
 secret (config.McpConfig.scrub).
 """
 
@@ -51,12 +52,14 @@ from charlie import faults
 from charlie.domain import JSON, Effect, OnInterrupt
 from charlie.mcp.config import McpConfig, ServerConfig
 from charlie.mcp.connections import (
+    MAX_MESSAGE_BYTES,
     Abandoned,
     Connections,
     CreatedTask,
     Lost,
     McpFailure,
     Refused,
+    TooLarge,
     Unavailable,
     connections,
 )
@@ -140,10 +143,12 @@ class Servers:
     timeout: float
     #: the deadline of a tool with none of its own (CHARLIE_TOOL_DEADLINE).
     default_deadline: float
+    #: the most of one message from a server that is read (CHARLIE_MCP_MAX_MESSAGE_BYTES).
+    max_message_bytes: int = MAX_MESSAGE_BYTES
 
     @property
     def connections(self) -> Connections:
-        return connections(self.config, self.timeout)
+        return connections(self.config, self.timeout, self.max_message_bytes)
 
     def scrub(self, text: str) -> str:
         return self.config.scrub(text)
@@ -354,6 +359,12 @@ class McpCall:
                 code=failure.code,
                 **where,
             )
+        if isinstance(failure, TooLarge):
+            # The server ran the call and answered: the outcome is that answer's loss, said
+            # plainly, not an interruption to hold (I15).
+            return ToolError(
+                f"MCP server {self.server!r} ran the call, but {reason}", truncated=True, **where
+            )
         if self.effect is Effect.READ:
             return ToolError(
                 f"MCP server {self.server!r} did not answer the call: {reason}", **where
@@ -482,6 +493,8 @@ class McpCall:
         handle = f"task:{task_id}"
         try:
             state = self._task_request("tasks/get", task_id)
+        except TooLarge as failure:
+            raise self._failed(failure) from None
         except (Unavailable, Lost) as failure:
             log.info(
                 "MCP task not polled, polling again later: %s",

@@ -11,9 +11,12 @@ import contextlib
 import os
 import secrets
 import signal
+import stat
 import subprocess
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 from charlie import sandbox
 from charlie.config import Settings, settings
@@ -24,6 +27,9 @@ from charlie.tools.registry import tool
 
 MAX_READ_BYTES = 200_000
 OUTPUT_TAIL_BYTES = 20_000
+#: list_files stops after this many entries; and reads at most this many of one directory.
+MAX_LIST_ENTRIES = 2000
+MAX_DIR_ENTRIES = 10_000
 
 
 @tool(effect="read", deadline=60, threadsafe=True)
@@ -32,12 +38,34 @@ def read_file(path: str, ctx: ToolContext) -> str:
     target = ctx.resolve(path)
     if not target.is_file():
         raise ToolError(f"no such file: {path}")
-    data = target.read_bytes()
+    data, size = _read_head(target, MAX_READ_BYTES, path)
     if len(data) > MAX_READ_BYTES:
         return data[:MAX_READ_BYTES].decode(errors="replace") + (
-            f"\n[truncated: file is {len(data)} bytes, showing the first {MAX_READ_BYTES}]"
+            f"\n[truncated: file is {size} bytes, showing the first {MAX_READ_BYTES}]"
         )
     return data.decode(errors="replace")
+
+
+def _read_head(target: Path, limit: int, path: str) -> tuple[bytes, int]:
+    """At most ``limit + 1`` bytes of a regular file (the extra byte says there is more) and
+    its size: the file's size is the agent's to choose (a sparse file of 50 GB costs it
+    nothing), so what is read must not be (result cap, I15). Opened without following a link
+    and without blocking, so a file swapped for a link or a FIFO since it was looked at is
+    refused rather than followed out of the workspace or waited on."""
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ToolError(f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ToolError(f"no such file: {path}")
+        chunks: list[bytes] = []
+        want = limit + 1
+        while want > 0 and (chunk := f.read(min(want, 1 << 20))):
+            chunks.append(chunk)
+            want -= len(chunk)
+    return b"".join(chunks), st.st_size
 
 
 @tool(effect="write", deadline=60, threadsafe=True)
@@ -69,23 +97,87 @@ def list_files(ctx: ToolContext, path: str = ".") -> list[str]:
         raise ToolError(f"no such directory: {path}")
     base = ctx.workspace.resolve()
     found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if not name.startswith("."):
-                found.append(os.path.relpath(os.path.join(dirpath, name), base))
-        if len(found) > 2000:
-            found.append("[truncated at 2000 entries]")
-            break
+    crowded = False
+    pending = [str(root)]  # depth-first, each directory's entries sorted, as os.walk went
+    while pending and len(found) <= MAX_LIST_ENTRIES:
+        directory = pending.pop()
+        try:
+            dirs, files, cut = _entries(directory)
+        except OSError:
+            continue  # (gone, or unreadable: skipped, as os.walk skips it)
+        crowded = crowded or cut
+        found += [os.path.relpath(os.path.join(directory, f), base) for f in files]
+        pending += reversed([os.path.join(directory, d) for d in dirs])
+    if len(found) > MAX_LIST_ENTRIES or pending:
+        return [*found[:MAX_LIST_ENTRIES], f"[truncated at {MAX_LIST_ENTRIES} entries]"]
+    if crowded:
+        found.append(f"[truncated: a directory has more than {MAX_DIR_ENTRIES} entries]")
     return found
 
 
-def _tail(data: bytes) -> str:
-    if len(data) <= OUTPUT_TAIL_BYTES:
-        return data.decode(errors="replace")
-    return f"[{len(data) - OUTPUT_TAIL_BYTES} bytes cut]\n" + data[-OUTPUT_TAIL_BYTES:].decode(
-        errors="replace"
-    )
+def _entries(directory: str) -> tuple[list[str], list[str], bool]:
+    """A directory's subdirectories (not followed through a link) and its other entries, hidden
+    ones skipped, each sorted; at most ``MAX_DIR_ENTRIES`` of it read, since a command can put
+    millions in one (result cap, I15). True when there were more."""
+    dirs: list[str] = []
+    files: list[str] = []
+    with os.scandir(directory) as scan:
+        for n, entry in enumerate(scan):
+            if n >= MAX_DIR_ENTRIES:
+                return sorted(dirs), sorted(files), True
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                if not entry.is_symlink():
+                    dirs.append(entry.name)
+            else:
+                files.append(entry.name)
+    return sorted(dirs), sorted(files), False
+
+
+class _Drain:
+    """Reads one of a command's output pipes to its end in a thread of its own, keeping only the
+    last ``keep`` bytes: the rest is counted and dropped as it arrives. A command may write
+    without end (``yes``), so what the worker holds of it must not grow with it (result cap,
+    I15), and a pipe left unread would block the command instead of letting it finish."""
+
+    def __init__(self, pipe: IO[bytes], keep: int) -> None:
+        self.keep = keep
+        self.total = 0  # bytes the command wrote, the dropped ones included
+        self._tail = bytearray()
+        self._pipe = pipe
+        self.thread = threading.Thread(target=self._run, name="charlie-command-output", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        fd = self._pipe.fileno()
+        try:
+            while chunk := os.read(fd, _CHUNK):
+                self.total += len(chunk)
+                self._tail += chunk
+                if len(self._tail) > self.keep:
+                    del self._tail[: len(self._tail) - self.keep]
+        except OSError:
+            pass  # the pipe was closed under the read: what was kept stands
+        finally:
+            self._pipe.close()
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self._tail)
+
+    def text(self) -> str:
+        tail = bytes(self._tail).decode(errors="replace")
+        if not self.truncated:
+            return tail
+        return f"[{self.total - len(self._tail)} bytes cut]\n" + tail
+
+
+#: how much of a pipe one read takes.
+_CHUNK = 64 * 1024
+#: how long the output threads are waited for once the command's group was killed (a process
+#: that left the group may hold a pipe open for ever; what was read by then is the output).
+_DRAIN_GRACE_SECONDS = 5.0
 
 
 #: how often a running command's wait looks whether the call's lease was lost.
@@ -142,31 +234,47 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own group: a stop ends the command and its children
     )
+    assert proc.stdout is not None and proc.stderr is not None
+    stdout = _Drain(proc.stdout, OUTPUT_TAIL_BYTES)
+    stderr = _Drain(proc.stderr, OUTPUT_TAIL_BYTES)
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            stdout, stderr = proc.communicate(timeout=min(LEASE_CHECK_SECONDS, timeout))
-            break
-        except subprocess.TimeoutExpired:
-            lost = ctx.lease_lost.is_set()
-            if lost or time.monotonic() >= deadline:
-                _kill_group(proc)
-                stdout, stderr = proc.communicate()
-                if lost:
-                    # another worker took this call over: stop acting for it (issue 12 item 5)
-                    raise LeaseLost(
-                        "run_command: stopped: this attempt lost the call's lease"
-                    ) from None
-                raise ToolError(
-                    f"command timed out after {timeout} s",
-                    stdout=_tail(stdout or b""),
-                    stderr=_tail(stderr or b""),
-                ) from None
-    result: JSON = {
-        "exit_code": proc.returncode,
-        "stdout": _tail(stdout),
-        "stderr": _tail(stderr),
-    }
+    while not _finished(proc, (stdout, stderr), LEASE_CHECK_SECONDS):
+        lost = ctx.lease_lost.is_set()
+        if lost or time.monotonic() >= deadline:
+            _kill_group(proc)
+            _finished(proc, (stdout, stderr), _DRAIN_GRACE_SECONDS)
+            if lost:
+                # another worker took this call over: stop acting for it (issue 12 item 5)
+                raise LeaseLost("run_command: stopped: this attempt lost the call's lease")
+            raise ToolError(f"command timed out after {timeout} s", **_output(stdout, stderr))
+    result: JSON = {"exit_code": proc.returncode, **_output(stdout, stderr)}
     if proc.returncode != 0:
         raise ToolError(f"command exited with code {proc.returncode}", **result)
     return result
+
+
+def _finished(proc: subprocess.Popen[bytes], drains: tuple[_Drain, ...], seconds: float) -> bool:
+    """Whether the command exited and its pipes reached their end (as ``communicate()`` would
+    have it: a child left in the background with the pipes open is waited for too), waiting up
+    to ``seconds`` for it."""
+    end = time.monotonic() + seconds
+    for drain in drains:
+        drain.thread.join(max(0.0, end - time.monotonic()))
+    try:
+        proc.wait(max(0.0, end - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return False
+    return not any(drain.thread.is_alive() for drain in drains)
+
+
+def _output(stdout: _Drain, stderr: _Drain) -> JSON:
+    """A command's output as a result carries it: the tail of each stream, and, when any was
+    cut, how much the command wrote."""
+    found: JSON = {"stdout": stdout.text(), "stderr": stderr.text()}
+    if stdout.truncated or stderr.truncated:
+        found["truncated"] = True
+        found["note"] = (
+            f"output beyond the last {OUTPUT_TAIL_BYTES} bytes of each stream was dropped (the "
+            f"command wrote {stdout.total} bytes to stdout and {stderr.total} to stderr)"
+        )
+    return found

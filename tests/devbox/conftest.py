@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -72,17 +73,24 @@ def workspace(client: DevboxClient) -> str:
 class ServerProcess:
     """``python -m charlie.devbox serve`` as a child process, so a test can SIGKILL it."""
 
-    def __init__(self, root: Path, log: Path, *args: str) -> None:
+    def __init__(self, root: Path, log: Path, *args: str, address_space: int | None = None) -> None:
         env = {**os.environ, "CHARLIE_DEVBOX_TOKEN": TOKEN, "CHARLIE_DEVBOX_ROOT": str(root)}
         # Without bubblewrap the suite runs commands unsandboxed, as its header says; a devbox
         # would otherwise refuse to start at all (the sandbox's own tests skip instead).
         env["CHARLIE_SANDBOX"] = TEST_SANDBOX
         self._log: IO[bytes] = open(log, "ab")  # noqa: SIM115 - closed in kill()
+
+        def limit() -> None:
+            # RLIMIT_AS: a devbox that tries to hold more gets MemoryError, not the machine's
+            if address_space is not None:
+                resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "charlie.devbox", "serve", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=env,
+            preexec_fn=limit if address_space is not None else None,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().decode()  # "devbox listening on <url> root=..."
@@ -106,8 +114,10 @@ def spawn_server(devbox_root: Path, tmp_path: Path) -> Iterator[Callable[..., Se
     server's log, goes to ``tmp_path/devbox-server.log``."""
     procs: list[ServerProcess] = []
 
-    def spawn(*args: str) -> ServerProcess:
-        proc = ServerProcess(devbox_root, tmp_path / "devbox-server.log", *args)
+    def spawn(*args: str, address_space: int | None = None) -> ServerProcess:
+        proc = ServerProcess(
+            devbox_root, tmp_path / "devbox-server.log", *args, address_space=address_space
+        )
         procs.append(proc)
         return proc
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -118,6 +119,9 @@ class Cluster:
     metrics_ports: dict[int, int] = field(default_factory=dict)
     #: more environment for the workers and beat started from now on (reconfigured())
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: RLIMIT_AS of every worker started (bytes; None: no limit): a worker that tries to hold
+    #: more memory than this gets MemoryError instead of taking the machine's.
+    address_space: int | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -135,8 +139,16 @@ class Cluster:
         return Path(self.settings_env["CHARLIE_TEST_LEDGER"])
 
     def _spawn(
-        self, args: list[str], log_name: str, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        log_name: str,
+        env: dict[str, str] | None = None,
+        address_space: int | None = None,
     ) -> subprocess.Popen[bytes]:
+        def limit() -> None:
+            if address_space is not None:
+                resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
         with open(self.home / log_name, "ab") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "charlie", *args],
@@ -145,6 +157,7 @@ class Cluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: SIGKILL takes all of it
+                preexec_fn=limit if address_space is not None else None,
             )
 
     def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
@@ -155,6 +168,7 @@ class Cluster:
             ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "--pool", self.pool],
             f"worker-{name}.log",
             {"CHARLIE_METRICS_PORT": str(port)} if port else None,
+            address_space=self.address_space,
         )
         if port:
             self.metrics_ports[proc.pid] = port
@@ -232,6 +246,35 @@ class Cluster:
                 self._terminate(self.workers + self.beats)
                 self.workers, self.beats, self.extra_env = [], [], {}
                 self.ensure(workers=self.want_workers, beat=True)
+
+    @contextlib.contextmanager
+    def limited(self, address_space: int, workers: int = 1) -> Iterator[Cluster]:
+        """The cluster's workers replaced, for a while, by ``workers`` whose address space is
+        limited to ``address_space`` bytes (RLIMIT_AS); the plain ones come back after."""
+        with self._lock:
+            self._terminate(self.workers)
+            self.workers, self.address_space = [], address_space
+            kept, self.want_workers = self.want_workers, workers
+            self.ensure(workers=workers, beat=True)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._terminate(self.workers)
+                self.workers, self.address_space = [], None
+                self.ensure(workers=kept, beat=True)
+
+    def worker_processes(self) -> dict[int, list[int]]:
+        """Each live worker's processes (its main process and pool children: its process
+        group), by the worker's pid."""
+        found: dict[int, list[int]] = {w.pid: [] for w in self.alive_workers()}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    group = os.getpgid(int(entry.name))
+                    if group in found:
+                        found[group].append(int(entry.name))
+        return found
 
     def worker_metrics_ports(self) -> list[int]:
         return [
@@ -426,7 +469,11 @@ class McpServers:
                     "command": sys.executable,
                     "args": [str(MCP_SERVER_SCRIPT)],
                     "env": stdio_env,
-                    "tools": {"unhinted": {"effect": "read"}, "confirm_delete": {"deadline": 60}},
+                    "tools": {
+                        "unhinted": {"effect": "read"},
+                        "confirm_delete": {"deadline": 60},
+                        "flood": {"deadline": 120},
+                    },
                 },
                 "web": {"url": web, "headers": auth},
                 "web_strict": {

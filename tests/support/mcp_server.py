@@ -9,7 +9,8 @@ from ``MCP_TEST_TOKEN`` (its config's ``env``); an HTTP server refuses any reque
 Tools: ``lookup`` (read-only), ``delete_record`` (destructive; ``hold`` keeps it running after
 its ledger entry), ``fails`` (a tool error), ``leak`` (answers with the token, and over stdio
 writes it to stderr, to show Charlie blanks it), ``confirm_delete`` (asks for input:
-``input_required``), ``unhinted`` (no annotations), and, through the tasks extension
+``input_required``), ``unhinted`` (no annotations), ``flood`` (gigabytes on stderr, and an
+answer of gigabytes), and, through the tasks extension
 (SEP-2663, served here since the SDK has no server side for it): ``slow_job`` (answered
 with a task, polled by ``tasks/get``) and ``approve_job`` (a task that needs input, answered
 with ``tasks/update``).
@@ -338,6 +339,63 @@ def approve_job(key: str, seconds: float = 0.2) -> str:
     return "not reached: the tasks extension answers with a task"
 
 
+#: where Charlie cuts a line of a stdio server's stderr (charlie.mcp.bounded.STDERR_LINE_BYTES)
+STDERR_CUT = 8 * 1024
+
+
+def _stream(fd: int, head: bytes, size: int, tail: bytes) -> None:
+    """Write ``head``, ``size`` bytes of filler and ``tail`` to ``fd``, a MiB at a time: the
+    flood never sits in this process's memory."""
+    block = b"x" * (1024 * 1024)
+    for data in (head, *([block] * (size // len(block))), block[: size % len(block)], tail):
+        while data:
+            data = data[os.write(fd, data) :]
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+def flood(
+    ctx: Context,
+    stderr_bytes: int = 0,
+    result_bytes: int = 0,
+    id_last: bool = False,
+    declare_length: bool = False,
+    answer_bytes: int = 0,
+    as_sse: bool = False,
+) -> str:
+    """A server that writes without end: a stderr line of ``stderr_bytes`` (the token astride
+    where Charlie cuts such a line), and an answer of ``result_bytes``: over stdio written raw,
+    its id first (as this SDK writes it) or last (``id_last``, as others do), the SDK's own
+    answer that follows coming late and dropped; over HTTP a JSON body streamed raw by the
+    app in front of the server (``declare_length``: with a Content-Length; ``as_sse``: as one
+    SSE event); ``answer_bytes``:
+    an answer of that size the SDK sends itself (over HTTP, as an SSE event)."""
+    record("flood", stderr_bytes=stderr_bytes, result_bytes=result_bytes)
+    if stderr_bytes:
+        start = b"e" * (STDERR_CUT - 16) + TOKEN.encode()
+        _stream(2, start, max(0, stderr_bytes - len(start)), b"\n")
+    if result_bytes and STDIO:
+        request_id = json.dumps(ctx.request_context.request_id).encode()
+        text = b'{"content":[{"type":"text","text":"'
+        if id_last:
+            head = b'{"result":' + text
+            tail = b'"}],"isError":false,"resultType":"complete"},"jsonrpc":"2.0","id":'
+            tail += request_id + b"}\n"
+        else:
+            head = b'{"jsonrpc":"2.0","id":' + request_id + b',"result":' + text
+            tail = b'"}],"isError":false,"resultType":"complete"}}\n'
+        _stream(_wire(), head, result_bytes, tail)
+    return "a" * answer_bytes if answer_bytes else "flooded"
+
+
+def _wire() -> int:
+    """The descriptor this stdio server's messages go out on: the SDK moves them off fd 1 (a
+    tool's stray print goes to stderr instead), onto a duplicate only its transport knows."""
+    from mcp.server import stdio
+
+    claim = stdio._claims.get(1)
+    return claim.private_fd if claim is not None and claim.private_fd is not None else 1
+
+
 def http_app(port: int) -> Any:
     app = server.streamable_http_app(host="127.0.0.1")
     expected = f"Bearer {TOKEN}".encode()
@@ -349,9 +407,59 @@ def http_app(port: int) -> Any:
                 await send({"type": "http.response.start", "status": 401, "headers": []})
                 await send({"type": "http.response.body", "body": b"unauthorized"})
                 return
+        if scope["type"] == "http" and scope["method"] == "POST":
+            receive = await _flooding(receive, send)
+            if receive is None:
+                return
         await app(scope, receive, send)
 
     return guarded
+
+
+async def _flooding(receive: Any, send: Any) -> Any:
+    """Over HTTP, answer a ``flood`` call that asks for ``result_bytes`` here, with a JSON
+    body of that size streamed raw (with its Content-Length, or chunked without one): None
+    once answered. Any other request goes on to the server, its body read back to it."""
+    messages, body = [], b""
+    while True:
+        message = await receive()
+        messages.append(message)
+        body += message.get("body", b"")
+        if message["type"] != "http.request" or not message.get("more_body"):
+            break
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        sent = None
+    params = sent.get("params") or {} if isinstance(sent, dict) else {}
+    arguments = params.get("arguments") or {}
+    size = int(arguments.get("result_bytes") or 0)
+    if sent.get("method") != "tools/call" or params.get("name") != "flood" or not size:
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        return replay
+    record("flood", result_bytes=size, transport="http")
+    head = b'{"jsonrpc":"2.0","id":' + json.dumps(sent["id"]).encode() + b',"result":'
+    head += b'{"content":[{"type":"text","text":"'
+    tail = b'"}],"structuredContent":{"result":"flooded"},"isError":false,'
+    tail += b'"resultType":"complete"}}'
+    headers = [(b"content-type", b"application/json")]
+    if arguments.get("as_sse"):
+        # the answer as one SSE event on the request's stream
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        head, tail = b"event: message\ndata: " + head, tail + b"\n\n"
+    elif arguments.get("declare_length"):
+        headers.append((b"content-length", str(len(head) + size + len(tail)).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    block = b"x" * (1024 * 1024)
+    await send({"type": "http.response.body", "body": head, "more_body": True})
+    for _ in range(size // len(block)):
+        await send({"type": "http.response.body", "body": block, "more_body": True})
+    rest = block[: size % len(block)] + tail
+    await send({"type": "http.response.body", "body": rest, "more_body": False})
+    return None
 
 
 def main() -> None:
