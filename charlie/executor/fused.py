@@ -156,7 +156,10 @@ def model_turn(
     if known is None:
         return None
     now = utcnow()
-    view2 = view_of(rt, None, claim2, now, known)
+    try:
+        view2 = view_of(rt, None, claim2, now, known)
+    except NeedsRead:
+        return None  # (a stop with mail waiting: the ordinary path reads it, I22)
     if decide_at_boundary(rt, view2) is not None:
         return None  # a stop, a poison: the ordinary path says what happens
     dispatched = compute(rt, view2)

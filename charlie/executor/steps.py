@@ -229,8 +229,15 @@ def view_of(
         # and becomes a late report, so the transcript and the record agree (I8, I12).
         known_calls = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
     messages = []
-    # The mailbox is read only when the claim says it holds mail: no statement otherwise.
-    if claim.inbox > 0 and "messages" in wanted:
+    # The mailbox is read only when the claim says it holds mail: no statement otherwise. A
+    # boundary that stops the run takes it in too (boundary.stop, I22).
+    if claim.inbox > 0 and (
+        "messages" in wanted
+        or (
+            claim.phase in boundary.MAIL_AT_STOP
+            and boundary.stop_reason_of(claim.phase, task, now) is not None
+        )
+    ):
         if conn is None:
             raise NeedsRead("the mailbox")
         messages = runs.load_messages(conn, claim.task_id)
@@ -309,8 +316,10 @@ def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
                 prices = pricing.price_table(rt.settings.prices)
             except pricing.PriceError as exc:
                 return boundary.fail(view, exc)
-        return boundary.over_budget(view, prices)
-    return None
+        over = boundary.over_budget(view, prices)
+        if over is not None:
+            return over
+    return boundary.take_mail(view)
 
 
 def compute(rt: Runtime, view: RunView) -> Transition:
