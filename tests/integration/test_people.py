@@ -666,3 +666,52 @@ def test_a_task_failed_by_refused_writes_resumes_at_its_phase(cluster: Cluster, 
     assert [c["turn"] for c in model_calls(ledger)] == [0]
     assert [i.seq for i in charlie.transcript(task_id)] == [0, 1, 2]
 
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-fork", "another-fork"])
+def test_two_forks_racing_for_one_task_id_make_one_task(
+    cluster: Cluster, script, monkeypatch: pytest.MonkeyPatch, same: bool
+) -> None:
+    """I26, I27: two forks under one new task id, the first paused between its check that the
+    id is free and its insert while the second commits: the same fork is made once and both
+    get its id; another fork under that id is refused with TaskConflict, not a raw database
+    error. (SQLite serializes the two whole; PostgreSQL lets them race.)"""
+    import threading
+
+    from charlie import faults
+
+    model, _ = script([{"say": "source done", "tool_calls": []}, {"say": "fork done"}])
+    source = charlie.submit("fork me twice", model=model, task_id=tid())
+    assert charlie.wait(source, timeout=60).status is TaskStatus.SUCCEEDED
+    fork_id = tid()
+    pause = {"action": "pause", "seconds": 3, "times": 1, "match": {"task_id": fork_id}}
+    cluster.set_faults({"people.fork.before_insert": pause})
+    monkeypatch.setattr(faults, "_PATH", str(cluster.faults_path))
+    outcome: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            outcome["first"] = charlie.fork(source, turn=0, message="one", task_id=fork_id)
+        except Exception as exc:  # the outcome under test
+            outcome["first"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    wait_for(lambda: cluster.fault_count("people.fork.before_insert") == 1)
+    second: object
+    try:
+        second = charlie.fork(source, turn=0, message="one" if same else "two", task_id=fork_id)
+    except Exception as exc:  # the outcome under test
+        second = exc
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    results = [outcome["first"], second]
+    if same:
+        assert results == [fork_id, fork_id], results
+    else:
+        assert fork_id in results, results
+        (refused,) = [r for r in results if r != fork_id]
+        assert isinstance(refused, api.TaskConflict), refused
+    forks = [a for a in charlie.actions(source) if a.action.value == "fork"]
+    assert len(forks) == 1, forks
+    info = charlie.wait(fork_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
