@@ -34,8 +34,6 @@ from charlie import faults
 from charlie.domain import (
     JSON,
     CallState,
-    Effect,
-    OnInterrupt,
     Phase,
     RunView,
     TaskStatus,
@@ -56,6 +54,7 @@ from charlie.executor.steps import (
     merges,
     merges_next,
     open_settlement,
+    starts_with_dispatch,
     view_of,
 )
 from charlie.observe import safely
@@ -173,16 +172,8 @@ def model_turn(
     ):
         return None
     local_ids = local_call_ids(rt, progress, view2, dispatched)
-    names = {c.call_id: c.name for c in known}
-    definitions = [rt.tools.get(names[call_id]) for call_id in local_ids]
-    # Reads start here, in A: a crash right after it leaves them started, for the sweep to
-    # settle interrupted (I10). A write's or a wait's start commits on its own after A, so
-    # the same crash leaves it pending, free to start (I11); and so does a read held for an
-    # operator when interrupted, which must not wait for a verdict on a call that never ran.
-    start_here = bool(local_ids) and all(
-        d is not None and d.effect is Effect.READ and d.on_interrupt is OnInterrupt.REPORT
-        for d in definitions
-    )
+    # Reads start here, in A; a write's or a wait's start commits on its own after A (I11).
+    start_here = starts_with_dispatch(rt, view2, local_ids)
     implementations = dict(rt.tools.implementations())
     lease_until = now + timedelta(seconds=rt.settings.lease_seconds)
     queued = dict(dispatched.queue_calls + dispatched.ask_calls)

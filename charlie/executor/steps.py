@@ -19,7 +19,9 @@ from charlie import pricing
 from charlie.domain import (
     CallState,
     CallView,
+    Effect,
     Item,
+    OnInterrupt,
     Outcome,
     Phase,
     RunView,
@@ -375,6 +377,22 @@ def local_call_ids(
         if definition is None or not definition.threadsafe:
             return ()
     return tuple(queued)
+
+
+def starts_with_dispatch(rt: Runtime, view: RunView, local_ids: Sequence[str]) -> bool:
+    """Whether the turn's local calls are started in the commit that dispatches them (I9)
+    rather than in a commit of their own after it: only when every one reads, and is not held
+    for an operator when interrupted. A crash right after that commit leaves them started, for
+    the sweep to settle interrupted (I10); a write's or a wait's start commits on its own, so
+    the same crash leaves it pending, free to start (I11), never an uncertain write; and so
+    does a read held when interrupted, which must not wait for a verdict on a call that never
+    ran."""
+    names = {c.call_id: c.name for c in view.calls}
+    definitions = [rt.tools.get(names.get(call_id, "")) for call_id in local_ids]
+    return bool(local_ids) and all(
+        d is not None and d.effect is Effect.READ and d.on_interrupt is OnInterrupt.REPORT
+        for d in definitions
+    )
 
 
 def open_settlement(

@@ -226,3 +226,58 @@ def test_a_carried_model_claim_whose_lease_lapsed_meanwhile_calls_no_model(
     turns = [c["turn"] for c in model_calls(ledger)]
     assert (turns.count(0), turns.count(1)) == (1, 1), turns
     assert_every_call_has_one_result(task_id)
+
+
+@pytest.mark.parametrize("tool", ["ledger_write", "sleep_then"])
+def test_a_kill_after_a_dispatch_committed_alone_leaves_a_write_free_to_start(
+    cluster: Cluster, script, tool: str
+) -> None:
+    """I11, I9, I10: a dispatch that commits on its own (here: after call_model's second try,
+    which commits alone once a kill inside A made it repeat) starts a read in its own commit,
+    but a write's start commits on its own after it, as after a merged or fused dispatch. A
+    SIGKILL just after the dispatch's commit leaves the write pending, and the sweep starts it
+    (it runs once); the read, started by the dead worker, settles interrupted and never runs."""
+    task_id = f"m17d-{uuid.uuid4().hex[:12]}"
+    cluster.set_faults(
+        {
+            # inside A: rolled back; call_model repeats and commits alone, dispatch after it
+            "tick.merged.step": {
+                "action": "kill",
+                "times": 1,
+                "match": {"task_id": task_id, "phase": "dispatch_tools"},
+            },
+            # just after that dispatch's own commit, before anything else
+            "tick.after_commit": {
+                "action": "kill",
+                "times": 1,
+                "match": {"task_id": task_id, "phase": "dispatch_tools"},
+            },
+        }
+    )
+    if tool == "sleep_then":
+        arguments: dict[str, object] = {"seconds": 0, "value": "v"}
+        event = "sleep_then.start"
+    else:
+        arguments, event = {"key": task_id}, "write"
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "a", "name": tool, "arguments": arguments}]},
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("kill after a dispatch of its own", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tick.merged.step") == 1
+    assert cluster.fault_count("tick.after_commit") == 1
+    (call,) = api.calls(task_id)
+    if tool == "ledger_write":
+        assert call.outcome == "ok", call  # pending, then started by the sweep (I11)
+        assert len(_ledger(task_id, event)) == 1
+    else:
+        assert call.outcome == "interrupted", call  # started with the dispatch (I10)
+        assert len(_ledger(task_id, event)) == 0
+    assert_every_call_has_one_result(task_id)
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history
