@@ -62,7 +62,7 @@ from charlie.runtime import Runtime
 from charlie.store import fused as store
 from charlie.store import runs
 from charlie.store.calls import ClaimedCall
-from charlie.store.engine import read, write_one
+from charlie.store.engine import again_if_disconnected, read, write_one
 
 DIALECT = "postgresql"
 
@@ -241,8 +241,7 @@ def model_turn(
         first=claim.phase.value,
         steps=1,
     )
-    with write_one(rt.engine) as conn:
-        fresh = store.commit_fused(conn, commit)
+    fresh = _commit(rt, commit)
     _observed(rt, "model_turn", fresh is not None)
     if fresh is None:
         return None
@@ -427,8 +426,7 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         first=claim.phase.value,
         steps=1 + claims_model,
     )
-    with write_one(rt.engine) as conn:
-        fresh = store.commit_fused(conn, commit)
+    fresh = _commit(rt, commit)
     _observed(rt, "settle_turn", fresh is not None)
     if fresh is None:
         return None
@@ -443,6 +441,23 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         claim3 = runs.claimed_next(claim2, advanced, fresh)
         carried = Carried(claim3, _model_view(rt, claim3, wrote), started3)
     return Fused(claim, view, awaited, [Step(claim2, view2, advanced)], carried, wrote)
+
+
+def _commit(rt: Runtime, commit: store.FusedCommit) -> runs.Fresh | None:
+    """Write ``commit`` in one statement; an outcome left unknown (a connection lost while the
+    server may have committed) is read back, never assumed: taken as nothing written, the
+    ordinary path would find its own steps gone, a settled call's result a late report and the
+    next model call's claim, this worker's, orphaned until its lease lapsed."""
+    try:
+        with write_one(rt.engine) as conn:
+            return store.commit_fused(conn, commit)
+    except store.OutcomeUnknown:
+
+        def read_back() -> runs.Fresh | None:
+            with write_one(rt.engine) as conn:
+                return store.fused_outcome(conn, commit)
+
+        return again_if_disconnected(read_back, "read back a fused commit")
 
 
 def _observed(rt: Runtime, commit: str, applied: bool) -> None:
