@@ -265,7 +265,7 @@ def transcript_of(
     """The run's transcript for the model: the committed prefix this process remembers, the
     items this transaction wrote, and a read of only what else has committed since; no read
     at all when the claim's next_seq says there is nothing else (issue 17)."""
-    known = list(rt.transcripts.get(claim.execution_id))
+    known = list(rt.transcripts.get(claim.execution_id, claim.identity))
     if len(known) > claim.next_seq:
         known = []  # (cannot happen: a remembered prefix has committed) read it all
     cursor = len(known)
@@ -284,7 +284,7 @@ def transcript_of(
 
 def remember_transcript(
     rt: Runtime,
-    execution_id: str,
+    claim: runs.Claim,
     first: list[Item] | None,
     wrote: Sequence[Wrote],
     carried: Carried | None,
@@ -293,15 +293,16 @@ def remember_transcript(
     remembered), what this process now knows of the run's committed transcript: a carried
     call_model view's items, or the first step's view's items (or the remembered prefix) and
     the items each step wrote after them."""
+    execution_id, identity = claim.execution_id, claim.identity
     if carried is not None and carried.view.phase is Phase.CALL_MODEL:
-        rt.transcripts.put(execution_id, carried.view.items)
+        rt.transcripts.put(execution_id, carried.claim.identity, carried.view.items)
         return
-    items = list(first) if first is not None else list(rt.transcripts.get(execution_id))
+    items = list(first) if first is not None else list(rt.transcripts.get(execution_id, identity))
     for next_seq, written in wrote:
         if written is None or next_seq != len(items):
             break
         items.extend(written)
-    rt.transcripts.put(execution_id, items)
+    rt.transcripts.put(execution_id, identity, items)
 
 
 def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:

@@ -762,7 +762,7 @@ def _run_tick(
         fused_commit = fused.model_turn(rt, progress, claim, view, transition, started)
         if fused_commit is not None:
             merged, carried = fused_commit.merged, fused_commit.carried
-            remember_transcript(rt, execution_id, view.items, fused_commit.wrote, carried)
+            remember_transcript(rt, claim, view.items, fused_commit.wrote, carried)
         else:
             with write(rt.engine) as conn:
                 # A final answer while mail waits is not final (I22): the messages sent while the
@@ -794,7 +794,7 @@ def _run_tick(
                 )
                 _merged_end(progress, claim, merged, carried, "tick.merged.end")
             remember_transcript(
-                rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+                rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
             )
     else:
         fused_commit = (
@@ -811,7 +811,7 @@ def _run_tick(
                 fused_commit.transition,
             )
             merged, carried = fused_commit.merged, fused_commit.carried
-            remember_transcript(rt, execution_id, None, fused_commit.wrote, carried)
+            remember_transcript(rt, claim, None, fused_commit.wrote, carried)
             progress.claim_committed = True
             progress.settled = True
         else:
@@ -874,7 +874,7 @@ def _run_tick(
                 )  # fmt: skip
                 _merged_end(progress, claim, merged, carried, "tick.merged.end")
             remember_transcript(
-                rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+                rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
             )
             progress.claim_committed = True
             if progress.settlement is not None:
