@@ -35,7 +35,7 @@ from charlie.executor import boundary, fused
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs
-from charlie.executor.phases.mailbox import reopen_final
+from charlie.executor.phases.mailbox import is_final_answer, reopen_final
 from charlie.executor.settle import (
     CallResult,
     held_for_operator,
@@ -772,6 +772,7 @@ def _run_tick(
                 if (
                     phase is Phase.CALL_MODEL
                     and transition.to is Phase.REPORT_TERMINAL
+                    and is_final_answer(transition)  # (a stop took its mail in itself)
                     and calls.lock_run_inbox(conn, execution_id) > 0
                 ):
                     mail = runs.load_messages(conn, view.task.id)
