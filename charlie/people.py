@@ -31,7 +31,7 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
-from charlie import pricing
+from charlie import faults, pricing
 from charlie.domain import (
     JSON,
     MAX_TASK_ID,
@@ -993,6 +993,7 @@ def fork(
                 return new_id, False  # this fork was made already
             raise TaskConflict(f"task id {new_id!r} is taken by another task")
         _check_turn_settled(conn, src, turn)
+        faults.hit("people.fork.before_insert", task_id=new_id)
         if model is not None and src.budget:
             # The fork inherits the source's budget (its own usage starts at 0): a usd limit
             # needs a price for its model too.
@@ -1046,7 +1047,18 @@ def fork(
         )
         return new_id, True
 
-    made, recorded = _once(rt, request_id, "fork a task", act)
+    try:
+        made, recorded = _once(rt, request_id, "fork a task", act)
+    except IntegrityError:
+        # Another fork under this id committed between this one's check and its insert: the
+        # same fork (a retried request) is this one, made; another one holds the id.
+        with read(rt.engine) as conn:
+            existing = store.source_of_fork(conn, new_id)
+        if existing is None:
+            raise
+        if (existing.metadata or {}).get("forked_from") != origin:
+            raise TaskConflict(f"task id {new_id!r} is taken by another task") from None
+        return new_id
     if recorded is not None:
         return str((recorded.detail or {}).get("fork"))
     assert made is not None

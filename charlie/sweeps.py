@@ -181,7 +181,7 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 gone.turn,
                 gone.call_id,
                 Outcome.CANCELED.value,
-                {"reason": "the run ended before this call finished"},
+                {"reason": "the run ended"},
                 f"sweep@{rt.worker}",
                 now,
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from charlie.domain import (
@@ -19,8 +20,10 @@ from charlie.domain import (
     Settlement,
     TaskSpend,
     TaskStatus,
+    TaskView,
     Transition,
 )
+from charlie.executor.phases.mailbox import take_messages
 from charlie.models.base import render_tool_result
 from charlie.pricing import PriceTable, exceeded, exceeded_by, spent
 
@@ -29,16 +32,37 @@ TOOL_PHASES = frozenset({Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_
 
 def stop_reason(view: RunView) -> TaskStatus | None:
     """The lifecycle outcome that stops this run at this boundary, if any."""
-    if view.phase in ENDING_PHASES:
+    return stop_reason_of(view.phase, view.task, view.now)
+
+
+def stop_reason_of(phase: Phase, task: TaskView, now: datetime) -> TaskStatus | None:
+    """stop_reason, from what a claim holds (before its view is read: a stop takes the mail
+    in, so the shell reads the mailbox for it, I22)."""
+    if phase in ENDING_PHASES:
         return None
-    status = view.task.status
+    status = task.status
     if status in (TaskStatus.CANCELED, TaskStatus.TIMED_OUT):
         return status
-    if view.task.timeout_at is not None and view.task.timeout_at <= view.now:
+    if task.timeout_at is not None and task.timeout_at <= now:
         return TaskStatus.TIMED_OUT
     if status.terminal:  # failed or succeeded elsewhere: nothing more to do
         return status
     return None
+
+
+#: Boundaries where a stop takes the waiting messages in (I22): every call of the turn has its
+#: result once the stop closed it, and the model is not called before them. (load_context's
+#: stop is not one: the prompt is not written yet; load_context takes the mail when resumed.)
+MAIL_AT_STOP = TOOL_PHASES | {Phase.CALL_MODEL}
+
+#: What the model is told a closed call ended by (the recorded reason, not always a cancel).
+_STOPPED = {
+    TaskStatus.CANCELED: "the task was canceled",
+    TaskStatus.TIMED_OUT: "the task timed out",
+    TaskStatus.FAILED: "the task failed",
+    TaskStatus.SUCCEEDED: "the task had already ended",
+}
+RUN_FAILED = "the run failed"
 
 
 def over_budget(view: RunView, prices: PriceTable) -> Transition | None:
@@ -156,15 +180,36 @@ def close_turn(
 
 
 def stop(view: RunView, reason: TaskStatus) -> Transition:
-    """Stop at the boundary; the model is not called again (I18)."""
-    settle, items = close_turn(view, f"task {reason.value}")
-    return Transition(
+    """Stop at the boundary; the model is not called again (I18). The turn closed, the
+    messages waiting enter after its results (I22): a resume's next model call is shown them,
+    and a run never resumed still has them, once, where they arrived."""
+    settle, items = close_turn(view, _STOPPED.get(reason, f"the task {reason.value}"))
+    stopped = Transition(
         to=Phase.REPORT_TERMINAL,
         # Where it stopped, for a resume (charlie.resume) to re-enter there.
         state={**view.state, "stop": reason.value, "stopped_in": view.phase.value},
         settle=settle,
         items=items,
         note=f"stopped at boundary: task {reason.value}",
+    )
+    return take_messages(view, stopped) if view.phase in MAIL_AT_STOP else stopped
+
+
+def take_mail(view: RunView) -> Transition | None:
+    """call_model's boundary (I22): messages that wait when the model is about to be called
+    (a run resumed or re-entered after a stop or a failure that closed its turn, a message
+    committed after the boundary before this claim) enter the transcript first, in a step of
+    their own (call_model -> call_model), so the model input is the transcript as committed
+    (I6, I29); the next step calls the model with them."""
+    if view.phase is not Phase.CALL_MODEL or not view.messages:
+        return None
+    return take_messages(
+        view,
+        Transition(
+            to=Phase.CALL_MODEL,
+            state=view.state,
+            note=f"{len(view.messages)} message(s) taken in before the model call",
+        ),
     )
 
 
@@ -184,7 +229,7 @@ def error_state(view: RunView, exc: BaseException, kind: str = "exception") -> d
 def fail(view: RunView, exc: BaseException) -> Transition:
     """I17: a phase raised; store the structured error and report it as a phase of its own."""
     error = error_state(view, exc)
-    settle, items = close_turn(view, "the run failed")
+    settle, items = close_turn(view, RUN_FAILED)
     return Transition(
         to=Phase.REPORT_FAILURE,
         state={**view.state, "error": error},
@@ -219,7 +264,7 @@ def poison(view: RunView, max_attempts: int) -> Transition:
         return Transition(to=Phase.DONE, state={**view.state, "poison": error}, note="poison")
     # Open calls still settle, so none is dispatched again; result items are left out when the
     # database has been refusing this run's writes, or the poison transition could not commit.
-    settle, items = close_turn(view, "the run failed", with_items=view.last_error is None)
+    settle, items = close_turn(view, RUN_FAILED, with_items=view.last_error is None)
     return Transition(
         to=Phase.REPORT_FAILURE,
         state={**view.state, "error": error},

@@ -34,8 +34,6 @@ from charlie import faults
 from charlie.domain import (
     JSON,
     CallState,
-    Effect,
-    OnInterrupt,
     Phase,
     RunView,
     TaskStatus,
@@ -56,6 +54,7 @@ from charlie.executor.steps import (
     merges,
     merges_next,
     open_settlement,
+    starts_with_dispatch,
     view_of,
 )
 from charlie.observe import safely
@@ -63,7 +62,7 @@ from charlie.runtime import Runtime
 from charlie.store import fused as store
 from charlie.store import runs
 from charlie.store.calls import ClaimedCall
-from charlie.store.engine import read, write_one
+from charlie.store.engine import again_if_disconnected, read, write_one
 
 DIALECT = "postgresql"
 
@@ -156,7 +155,10 @@ def model_turn(
     if known is None:
         return None
     now = utcnow()
-    view2 = view_of(rt, None, claim2, now, known)
+    try:
+        view2 = view_of(rt, None, claim2, now, known)
+    except NeedsRead:
+        return None  # (a stop with mail waiting: the ordinary path reads it, I22)
     if decide_at_boundary(rt, view2) is not None:
         return None  # a stop, a poison: the ordinary path says what happens
     dispatched = compute(rt, view2)
@@ -175,16 +177,8 @@ def model_turn(
     ):
         return None
     local_ids = local_call_ids(rt, progress, view2, dispatched)
-    names = {c.call_id: c.name for c in known}
-    definitions = [rt.tools.get(names[call_id]) for call_id in local_ids]
-    # Reads start here, in A: a crash right after it leaves them started, for the sweep to
-    # settle interrupted (I10). A write's or a wait's start commits on its own after A, so
-    # the same crash leaves it pending, free to start (I11); and so does a read held for an
-    # operator when interrupted, which must not wait for a verdict on a call that never ran.
-    start_here = bool(local_ids) and all(
-        d is not None and d.effect is Effect.READ and d.on_interrupt is OnInterrupt.REPORT
-        for d in definitions
-    )
+    # Reads start here, in A; a write's or a wait's start commits on its own after A (I11).
+    start_here = starts_with_dispatch(rt, view2, local_ids)
     implementations = dict(rt.tools.implementations())
     lease_until = now + timedelta(seconds=rt.settings.lease_seconds)
     queued = dict(dispatched.queue_calls + dispatched.ask_calls)
@@ -252,8 +246,7 @@ def model_turn(
         first=claim.phase.value,
         steps=1,
     )
-    with write_one(rt.engine) as conn:
-        fresh = store.commit_fused(conn, commit)
+    fresh = _commit(rt, commit)
     _observed(rt, "model_turn", fresh is not None)
     if fresh is None:
         return None
@@ -448,8 +441,7 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         first=claim.phase.value,
         steps=1 + claims_model,
     )
-    with write_one(rt.engine) as conn:
-        fresh = store.commit_fused(conn, commit)
+    fresh = _commit(rt, commit)
     _observed(rt, "settle_turn", fresh is not None)
     if fresh is None:
         return None
@@ -464,6 +456,23 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         claim3 = runs.claimed_next(claim2, advanced, fresh)
         carried = Carried(claim3, _model_view(rt, claim3, wrote), started3)
     return Fused(claim, view, awaited, [Step(claim2, view2, advanced)], carried, wrote)
+
+
+def _commit(rt: Runtime, commit: store.FusedCommit) -> runs.Fresh | None:
+    """Write ``commit`` in one statement; an outcome left unknown (a connection lost while the
+    server may have committed) is read back, never assumed: taken as nothing written, the
+    ordinary path would find its own steps gone, a settled call's result a late report and the
+    next model call's claim, this worker's, orphaned until its lease lapsed."""
+    try:
+        with write_one(rt.engine) as conn:
+            return store.commit_fused(conn, commit)
+    except store.OutcomeUnknown:
+
+        def read_back() -> runs.Fresh | None:
+            with write_one(rt.engine) as conn:
+                return store.fused_outcome(conn, commit)
+
+        return again_if_disconnected(read_back, "read back a fused commit")
 
 
 def _observed(rt: Runtime, commit: str, applied: bool) -> None:

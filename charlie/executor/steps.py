@@ -19,7 +19,9 @@ from charlie import pricing
 from charlie.domain import (
     CallState,
     CallView,
+    Effect,
     Item,
+    OnInterrupt,
     Outcome,
     Phase,
     RunView,
@@ -240,8 +242,15 @@ def view_of(
         # and becomes a late report, so the transcript and the record agree (I8, I12).
         known_calls = runs.load_calls(conn, claim.execution_id, claim.turn, lock=True)
     messages = []
-    # The mailbox is read only when the claim says it holds mail: no statement otherwise.
-    if claim.inbox > 0 and "messages" in wanted:
+    # The mailbox is read only when the claim says it holds mail: no statement otherwise. A
+    # boundary that stops the run takes it in too (boundary.stop, I22).
+    if claim.inbox > 0 and (
+        "messages" in wanted
+        or (
+            claim.phase in boundary.MAIL_AT_STOP
+            and boundary.stop_reason_of(claim.phase, task, now) is not None
+        )
+    ):
         if conn is None:
             raise NeedsRead("the mailbox")
         messages = runs.load_messages(conn, claim.task_id)
@@ -267,7 +276,7 @@ def transcript_of(
     """The run's transcript for the model: the committed prefix this process remembers, the
     items this transaction wrote, and a read of only what else has committed since; no read
     at all when the claim's next_seq says there is nothing else (issue 17)."""
-    known = list(rt.transcripts.get(claim.execution_id))
+    known = list(rt.transcripts.get(claim.execution_id, claim.identity))
     if len(known) > claim.next_seq:
         known = []  # (cannot happen: a remembered prefix has committed) read it all
     cursor = len(known)
@@ -286,7 +295,7 @@ def transcript_of(
 
 def remember_transcript(
     rt: Runtime,
-    execution_id: str,
+    claim: runs.Claim,
     first: list[Item] | None,
     wrote: Sequence[Wrote],
     carried: Carried | None,
@@ -295,15 +304,16 @@ def remember_transcript(
     remembered), what this process now knows of the run's committed transcript: a carried
     call_model view's items, or the first step's view's items (or the remembered prefix) and
     the items each step wrote after them."""
+    execution_id, identity = claim.execution_id, claim.identity
     if carried is not None and carried.view.phase is Phase.CALL_MODEL:
-        rt.transcripts.put(execution_id, carried.view.items)
+        rt.transcripts.put(execution_id, carried.claim.identity, carried.view.items)
         return
-    items = list(first) if first is not None else list(rt.transcripts.get(execution_id))
+    items = list(first) if first is not None else list(rt.transcripts.get(execution_id, identity))
     for next_seq, written in wrote:
         if written is None or next_seq != len(items):
             break
         items.extend(written)
-    rt.transcripts.put(execution_id, items)
+    rt.transcripts.put(execution_id, identity, items)
 
 
 def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
@@ -321,8 +331,10 @@ def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
                 prices = pricing.price_table(rt.settings.prices)
             except pricing.PriceError as exc:
                 return boundary.fail(view, exc)
-        return boundary.over_budget(view, prices)
-    return None
+        over = boundary.over_budget(view, prices)
+        if over is not None:
+            return over
+    return boundary.take_mail(view)
 
 
 def compute(rt: Runtime, view: RunView) -> Transition:
@@ -378,6 +390,22 @@ def local_call_ids(
         if definition is None or not definition.threadsafe:
             return ()
     return tuple(queued)
+
+
+def starts_with_dispatch(rt: Runtime, view: RunView, local_ids: Sequence[str]) -> bool:
+    """Whether the turn's local calls are started in the commit that dispatches them (I9)
+    rather than in a commit of their own after it: only when every one reads, and is not held
+    for an operator when interrupted. A crash right after that commit leaves them started, for
+    the sweep to settle interrupted (I10); a write's or a wait's start commits on its own, so
+    the same crash leaves it pending, free to start (I11), never an uncertain write; and so
+    does a read held when interrupted, which must not wait for a verdict on a call that never
+    ran."""
+    names = {c.call_id: c.name for c in view.calls}
+    definitions = [rt.tools.get(names.get(call_id, "")) for call_id in local_ids]
+    return bool(local_ids) and all(
+        d is not None and d.effect is Effect.READ and d.on_interrupt is OnInterrupt.REPORT
+        for d in definitions
+    )
 
 
 def open_settlement(

@@ -35,7 +35,7 @@ from charlie.executor import boundary, fused
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs
-from charlie.executor.phases.mailbox import reopen_final
+from charlie.executor.phases.mailbox import is_final_answer, reopen_final
 from charlie.executor.settle import (
     CallResult,
     held_for_operator,
@@ -64,6 +64,7 @@ from charlie.executor.steps import (
     merges_next,
     open_settlement,
     remember_transcript,
+    starts_with_dispatch,
     view_of,
 )
 from charlie.observe import TickScope, safely
@@ -533,6 +534,7 @@ def _follow(
     claim: runs.Claim,
     transition: Transition,
     local: tuple[ClaimedCall, ...],
+    start_apart: tuple[str, ...] = (),
 ) -> Follow | None:
     """What this worker does next itself, if inline steps are allowed."""
     if not progress.inline:
@@ -542,6 +544,8 @@ def _follow(
         return NextTick(to, claim.version + 1)
     if local:
         return NextCalls(local, claim.version + 1)
+    if start_apart:
+        return StartCalls(claim.turn, start_apart, claim.version + 1)
     return None
 
 
@@ -607,12 +611,13 @@ def _observed(rt: Runtime, progress: Progress, claim: runs.Claim, transition: Tr
 
 
 def _start_local(
-    rt: Runtime, conn: Connection, progress: Progress, view: RunView, transition: Transition
+    rt: Runtime, conn: Connection, view: RunView, local_ids: tuple[str, ...]
 ) -> tuple[ClaimedCall, ...]:
     """Mark the turn's calls this worker runs itself started in the dispatch's transaction, to
-    run here (I9): those still startable (a task stopped since the claim starts none, I18)."""
+    run here (I9): those still startable (a task stopped since the claim starts none, I18).
+    Only reads (steps.starts_with_dispatch): a write's or a wait's start commits on its own."""
     started = []
-    for local_id in local_call_ids(rt, progress, view, transition):
+    for local_id in local_ids:
         call = calls.start_local_call(
             conn,
             view.execution_id,
@@ -639,6 +644,7 @@ def _merge(
     wrote: list[Wrote],
     *,
     claimed: bool = False,
+    local_ids: tuple[str, ...] = (),
 ) -> tuple[list[Step], Carried | None]:
     """After a transition's compare-and-set, before COMMIT: run in the same transaction the
     steps that follow it while nothing outside the database has to happen first (issue 17).
@@ -654,7 +660,7 @@ def _merge(
     on its own, so a step that kills its worker is counted in its own phase and poisons there,
     and repeats at most one model call (the counted repeat) on its way."""
     steps: list[Step] = []
-    if not merges(rt, claim, progress, bool(local)):
+    if not merges(rt, claim, progress, bool(local or local_ids)):
         return steps, None
     first = claim.phase.value  # the fault points name the transaction by its first step
     while len(steps) < MAX_MERGED:
@@ -729,6 +735,8 @@ def _run_tick(
 ) -> tuple[TickResult, Follow | None]:
     started = time.perf_counter()
     local: tuple[ClaimedCall, ...] = ()
+    #: local calls to start in a commit of their own after this one (writes, waits)
+    start_apart: tuple[str, ...] = ()
     merged: list[Step] = []
     carried: Carried | None = None
     progress.merged = 0
@@ -764,7 +772,7 @@ def _run_tick(
         fused_commit = fused.model_turn(rt, progress, claim, view, transition, started)
         if fused_commit is not None:
             merged, carried = fused_commit.merged, fused_commit.carried
-            remember_transcript(rt, execution_id, view.items, fused_commit.wrote, carried)
+            remember_transcript(rt, claim, view.items, fused_commit.wrote, carried)
         else:
             with write(rt.engine) as conn:
                 # A final answer while mail waits is not final (I22): the messages sent while the
@@ -774,6 +782,7 @@ def _run_tick(
                 if (
                     phase is Phase.CALL_MODEL
                     and transition.to is Phase.REPORT_TERMINAL
+                    and is_final_answer(transition)  # (a stop took its mail in itself)
                     and calls.lock_run_inbox(conn, execution_id) > 0
                 ):
                     mail = runs.load_messages(conn, view.task.id)
@@ -796,7 +805,7 @@ def _run_tick(
                 )
                 _merged_end(progress, claim, merged, carried, "tick.merged.end")
             remember_transcript(
-                rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+                rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
             )
     else:
         fused_commit = (
@@ -813,7 +822,7 @@ def _run_tick(
                 fused_commit.transition,
             )
             merged, carried = fused_commit.merged, fused_commit.carried
-            remember_transcript(rt, execution_id, None, fused_commit.wrote, carried)
+            remember_transcript(rt, claim, None, fused_commit.wrote, carried)
             progress.claim_committed = True
             progress.settled = True
         else:
@@ -867,15 +876,21 @@ def _run_tick(
                 at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
                 if at is None:
                     return "lost_lease", None
-                local = _start_local(rt, conn, progress, view, transition)
+                # Reads start in this commit; a write's or a wait's start commits on its own
+                # after it (StartCalls), so a crash in between leaves it pending, free to
+                # start (I11), never an uncertain write (I10).
+                if starts_with_dispatch(rt, view, local_ids):
+                    local = _start_local(rt, conn, view, local_ids)
+                else:
+                    start_apart = local_ids
                 wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
                 merged, carried = _merge(
                     rt, conn, progress, claim, loaded, transition, at, local, wrote,
-                    claimed=claim_next,
+                    claimed=claim_next, local_ids=local_ids,
                 )  # fmt: skip
                 _merged_end(progress, claim, merged, carried, "tick.merged.end")
             remember_transcript(
-                rt, execution_id, view.items if "items" in needs(phase) else None, wrote, carried
+                rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
             )
             progress.claim_committed = True
             if progress.settlement is not None:
@@ -896,9 +911,9 @@ def _run_tick(
         else:
             follow = _carried_follow(carried)
         return "moved", follow
-    follow = _follow(progress, claim, transition, local)
+    follow = _follow(progress, claim, transition, local, start_apart)
     result = _after_commit(
-        rt, claim, view, transition, tuple(c.call_id for c in local), follow=follow
+        rt, claim, view, transition, tuple(c.call_id for c in local) + start_apart, follow=follow
     )
     _report_tick(rt, progress, claim, view, transition)
     return result, follow

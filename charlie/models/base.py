@@ -164,7 +164,7 @@ def render_tool_result(outcome: Outcome, result: Any) -> str:
             "may still be running or may have finished; it was not canceled."
         )
     if outcome is Outcome.CANCELED:
-        return "CANCELED: the task was canceled before this call finished."
+        return f"CANCELED: {_ended_by(detail.get('reason'))} before this call finished."
     if outcome is Outcome.DENIED:
         # the person's name and reason are quoted as data, as an interrupted call's note is
         return (
@@ -172,6 +172,27 @@ def render_tool_result(outcome: Outcome, result: Any) -> str:
             f"{_quoted(detail.get('reason') or '')}. This call was not run."
         )
     return f"ERROR: {detail.get('error', detail)}"
+
+
+#: the reasons a closed call recorded before they were written as sentences
+_OLD_REASONS = {
+    "task canceled": "the task was canceled",
+    "task timed_out": "the task timed out",
+    "task failed": "the task failed",
+    "the run ended before this call finished": "the run ended",
+}
+
+
+def _ended_by(reason: object) -> str:
+    """What closed a canceled call, as its result records it (a cancel, a timeout, a failure
+    of the run: the model is told which, never "canceled" for all of them). The reasons are
+    the engine's own words; anything else is quoted as data."""
+    if not isinstance(reason, str) or not reason:
+        return "the task ended"
+    reason = _OLD_REASONS.get(reason, reason)
+    if reason.startswith(("the task ", "the run ")) and reason.isprintable() and len(reason) < 80:
+        return reason
+    return f"the call was closed ({_quoted(reason)})"
 
 
 def _quoted(value: Any) -> str:

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +49,7 @@ def _private_sqlite_file(url: str) -> None:
 
 def _sqlite_engine(url: str) -> Engine:
     _private_sqlite_file(url)
+    path = make_url(url).database
     # hide_parameters: a failed statement's error (logged, and carried in task events) must not
     # quote its parameters, which hold prompts, transcripts and tool results.
     engine = create_engine(
@@ -55,7 +57,7 @@ def _sqlite_engine(url: str) -> Engine:
     )
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+    def _on_connect(dbapi_conn: Any, record: Any) -> None:
         # Let SQLAlchemy, not pysqlite, decide when transactions begin (see "begin" below).
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
@@ -64,6 +66,10 @@ def _sqlite_engine(url: str) -> Engine:
         cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
+
+        # Which database file this is (database_identity): one made again, or copied into
+        # place anew, is another file. (No statement: a stat of the file.)
+        record.info[IDENTITY] = _file_identity(path)
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
@@ -104,6 +110,7 @@ def _server_engine(url: str) -> Engine:
             raise exc.DisconnectionError("pooled connection is dead")
 
     event.listen(engine, "connect", _mark_used)
+    event.listen(engine, "connect", _server_identity)
     event.listen(engine, "checkout", ping_if_idle)
     event.listen(engine, "checkin", _mark_used)
     return engine
@@ -111,6 +118,46 @@ def _server_engine(url: str) -> Engine:
 
 def _mark_used(_dbapi_conn: Any, record: Any) -> None:
     record.info["charlie_used_at"] = time.monotonic()
+
+
+#: a pooled connection's info key for database_identity
+IDENTITY = "charlie_database"
+
+#: Which database a server connection reaches, read once when it connects (never per tick): the
+#: database's oid (a database dropped and created again under its name gets another) and when
+#: the server started (a restored backup or a recreated cluster is served by a server started
+#: since). A change of either only costs each run one read of its transcript.
+_SERVER_IDENTITY = (
+    "SELECT d.oid, pg_postmaster_start_time() FROM pg_database d "
+    "WHERE d.datname = current_database()"
+)
+
+
+def _server_identity(dbapi_conn: Any, record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute(_SERVER_IDENTITY)
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+        dbapi_conn.rollback()
+    record.info[IDENTITY] = ("postgresql", *row) if row is not None else None
+
+
+def _file_identity(path: str | None) -> object:
+    if not path or path == ":memory:":
+        return ("memory", uuid.uuid4().hex)  # a database of this connection alone
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return ("sqlite", path, uuid.uuid4().hex)  # (created by this connection just now)
+    return ("sqlite", stat.st_dev, stat.st_ino)
+
+
+def database_identity(conn: Connection) -> object:
+    """Which database ``conn`` reaches, as read when its DBAPI connection was made; None when
+    not known (a connection from another engine)."""
+    return conn.info.get(IDENTITY)
 
 
 def get_engine(url: str) -> Engine:
@@ -273,6 +320,7 @@ def ensure_schema(url: str, *, auto_upgrade: bool, lock_dir: Path | None = None)
 
 __all__ = [
     "again_if_disconnected",
+    "database_identity",
     "dispose_after_fork",
     "ensure_schema",
     "get_engine",

@@ -41,6 +41,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
+from charlie import faults
 from charlie.domain import JSON, Phase
 from charlie.store.engine import sqlstate
 from charlie.store.runs import ACTIVE, Fresh
@@ -437,9 +438,10 @@ def _params(fused: FusedCommit) -> dict[str, Any]:
 def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
     """Write ``fused`` in one statement, in ``conn``'s autocommit. Returns what the last step's
     claim needs of the run and task as they are now (runs.Fresh), or None when nothing was
-    written: the run's row was not as assumed, an assumption failed, a value could not be
-    sent as JSON, or the database refused (the caller then writes the steps the ordinary way,
-    whose own compare-and-set decides what stands)."""
+    written: the run's row was not as assumed, an assumption failed, or a value could not be
+    sent as JSON (the caller then writes the steps the ordinary way, whose own compare-and-set
+    decides what stands). Raises :class:`OutcomeUnknown` on any other error: the caller reads
+    the outcome back (:func:`fused_outcome`), never assuming nothing was written."""
     assert conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
     try:
         params = _params(fused)
@@ -463,6 +465,7 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
     }
     try:
         row = conn.exec_driver_sql(sql, params).first()
+        _fault_after_commit(conn, fused)
     except DBAPIError as exc:
         if sqlstate(exc) == ASSUMPTION_FAILED:
             # Something happened meanwhile (a cancel, a settle by a sweep, ...): the ordinary
@@ -472,11 +475,11 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
                 "by one",
                 extra=context,
             )
-        else:
-            log.warning(
-                "fused commit failed; writing the steps one by one", extra=context, exc_info=True
-            )
-        return None
+            return None
+        # Any other error leaves the outcome unknown: a connection lost once the server had
+        # committed looks like one lost before. The caller reads it back (fused_outcome).
+        log.warning("fused commit's outcome unknown; reading it back", extra=context, exc_info=True)
+        raise OutcomeUnknown(str(getattr(exc, "orig", None) or exc)) from exc
     if row is None:
         log.info(
             "fused commit not applied (the run's row is not as predicted); writing the steps "
@@ -493,6 +496,77 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
         fused.run.task_id,
         (row.input_tokens, row.output_tokens, row.reasoning_tokens),
         delegated=bool(row.delegated),
+    )
+
+
+class OutcomeUnknown(Exception):
+    """The fused statement raised something other than a failed assumption (a connection lost,
+    an error from its commit): it may have committed or not. Never assumed either way: the
+    caller settles it by reading back (:func:`fused_outcome`)."""
+
+
+def _fault_after_commit(conn: Connection, fused: FusedCommit) -> None:
+    """Fault point ``store.fused.after_commit`` (tests, chaos): the server has committed the
+    statement; an injected fault here terminates this connection's backend for real, so the
+    worker hears the driver's own error for a connection lost after the commit."""
+    try:
+        faults.hit(
+            "store.fused.after_commit", task_id=fused.run.task_id, phase=fused.run.phase.value
+        )
+    except faults.InjectedFault:
+        conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+
+
+#: Wait for any writer of the run's row to end (a fused statement whose connection was lost
+#: may still be running on the server): its lock is held until it commits or rolls back.
+_AWAIT_RUN = "SELECT version FROM executions WHERE id = %(id)s FOR UPDATE"
+
+#: Whether a fused commit went through: its first step's ``transitions`` row, written by this
+#: worker at that step's own time, exists (nothing else writes that row); and what the last
+#: step's claim needs of the run and task as they are now (runs.Fresh).
+_READ_BACK = """
+SELECT e.inbox, e.model_calls, t.status, t.timeout_at, t.budget, t.input_tokens,
+    t.output_tokens, t.reasoning_tokens,
+    EXISTS (SELECT 1 FROM transitions r WHERE r.execution_id = e.id
+        AND r.version = %(version)s AND r.worker = %(owner)s AND r.at = %(at)s) AS applied
+FROM executions e JOIN tasks t ON t.id = e.task_id
+WHERE e.id = %(id)s
+"""
+
+
+def fused_outcome(conn: Connection, fused: FusedCommit) -> Fresh | None:
+    """After :class:`OutcomeUnknown`, in ``conn``'s autocommit: what :func:`commit_fused` would
+    have returned had it heard the answer (a Fresh: committed; None: nothing written)."""
+    assert conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT"
+    conn.exec_driver_sql(_AWAIT_RUN, {"id": fused.run.execution_id}).first()
+    first = fused.records[0]
+    row = conn.exec_driver_sql(
+        _READ_BACK,
+        {
+            "id": fused.run.execution_id,
+            "version": first.version,
+            "owner": fused.owner,
+            "at": first.at,
+        },
+    ).first()
+    if row is None or not row.applied:
+        log.info(
+            "fused commit read back: not applied; writing the steps one by one",
+            extra={"execution_id": fused.run.execution_id, "version": fused.run.version},
+        )
+        return None
+    log.warning(
+        "fused commit read back: it was committed before its connection was lost",
+        extra={"execution_id": fused.run.execution_id, "version": fused.run.version},
+    )
+    return Fresh(
+        row.inbox,
+        row.model_calls,
+        row.status,
+        row.timeout_at,
+        row.budget,
+        fused.run.task_id,
+        (row.input_tokens, row.output_tokens, row.reasoning_tokens),
     )
 
 

@@ -44,6 +44,7 @@ from charlie.domain import (
     Transition,
 )
 from charlie.store import calls
+from charlie.store.engine import database_identity
 from charlie.store.schema import (
     executions,
     messages,
@@ -75,6 +76,12 @@ class Claim:
     task: TaskView | None = None
     #: messages waiting in the run's mailbox (I22): the boundary loads them only if any.
     inbox: int = 0
+    #: which run this is, beyond its id: the database the claim was read from (engine.
+    #: database_identity, per connection) and the run row's creation time (its incarnation).
+    #: What this process remembers of a run's transcript is kept under it (store.transcripts),
+    #: so a recreated database, a restored backup or a task id used again never serves the
+    #: items of another run under the same id.
+    identity: tuple[object, datetime | None] = (None, None)
 
 
 # The hot path's statements are built once: building a Core statement costs about as much
@@ -127,6 +134,7 @@ def _claim_statement(*extra: Any) -> Any:
             _e.attempts,
             _e.error,
             _e.inbox,
+            _e.created_at,
             *(_task_column(column) for column in _TASK_COLUMNS),
             *extra,
         )
@@ -202,6 +210,7 @@ def claim_execution(
         row.error,
         task,
         row.inbox,
+        (database_identity(conn), row.created_at),
     )
 
 
@@ -872,6 +881,7 @@ def claimed_next(
         None,
         task,
         inbox,
+        claim.identity,
     )
 
 

@@ -34,31 +34,41 @@ class TranscriptCache:
 
     def __init__(self, size: int = RUNS) -> None:
         self._size = size
-        self._runs: OrderedDict[str, tuple[Item, ...]] = OrderedDict()
+        #: execution id -> (the run's identity, its items)
+        self._runs: OrderedDict[str, tuple[object, tuple[Item, ...]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, execution_id: str) -> tuple[Item, ...]:
+    def get(self, execution_id: str, identity: object) -> tuple[Item, ...]:
+        """The remembered prefix of the run ``identity`` names (runs.Claim.identity: the
+        database and the run's incarnation): nothing when what is remembered under its id is
+        another run's (a recreated database, a restored backup, a task id used again), which
+        is forgotten."""
         with self._lock:
-            items = self._runs.get(execution_id)
-            if items is None:
+            entry = self._runs.get(execution_id)
+            if entry is None:
+                return ()
+            if entry[0] != identity or identity is None:
+                del self._runs[execution_id]
                 return ()
             self._runs.move_to_end(execution_id)
-            return items
+            return entry[1]
 
     def forget(self, execution_id: str) -> None:
         """The run finished: nothing will read its transcript here again."""
         with self._lock:
             self._runs.pop(execution_id, None)
 
-    def put(self, execution_id: str, items: Sequence[Item]) -> None:
-        """Remember ``items`` (seq 0, 1, ...: a whole committed prefix) if they are longer
-        than what is remembered; anything else is a caller's mistake, and forgets the run."""
+    def put(self, execution_id: str, identity: object, items: Sequence[Item]) -> None:
+        """Remember ``items`` (seq 0, 1, ...: a whole committed prefix) of the run ``identity``
+        names if they are longer than what is remembered of it; anything else is a caller's
+        mistake, and forgets the run."""
         with self._lock:
-            if any(item.seq != n for n, item in enumerate(items)):
+            if identity is None or any(item.seq != n for n, item in enumerate(items)):
                 self._runs.pop(execution_id, None)
                 return
-            if len(items) >= len(self._runs.get(execution_id, ())):
-                self._runs[execution_id] = tuple(items)
+            known = self._runs.get(execution_id)
+            if known is None or known[0] != identity or len(items) >= len(known[1]):
+                self._runs[execution_id] = (identity, tuple(items))
                 self._runs.move_to_end(execution_id)
             while len(self._runs) > self._size:
                 self._runs.popitem(last=False)

@@ -66,9 +66,14 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     home = tmp_path_factory.mktemp("commits")
     backend = Backend(BACKEND.name, None, None)
     if BACKEND.database_url and BACKEND.broker_url:
-        db = BACKEND.database_url.rsplit("/", 1)[0] + "/charlie_test_commits"
+        # named after the suite's database, so suites on other databases do not share it; the
+        # broker's db: CHARLIE_TEST_COMMITS_BROKER_URL, or 9 (when the suite's cluster runs
+        # beside this worker, they must not share a queue)
+        db = BACKEND.database_url + "_commits"
         recreate_postgres_database(db)
-        broker = BACKEND.broker_url.rsplit("/", 1)[0] + "/9"
+        broker = os.environ.get(
+            "CHARLIE_TEST_COMMITS_BROKER_URL", BACKEND.broker_url.rsplit("/", 1)[0] + "/9"
+        )
         if broker.startswith("redis"):
             import redis
 

@@ -463,6 +463,84 @@ def test_a_timed_out_task_resumes_after_its_closed_turn(cluster: Cluster, script
     assert_every_call_has_one_result(task_id)
 
 
+def test_a_message_sent_before_a_timeout_enters_at_the_stop_and_the_resume_shows_it(
+    cluster: Cluster, script
+) -> None:
+    """I22, I18: a message sent while a tool runs, then the task times out: the stop that
+    closes the turn takes the message in after the turn's results (once), and the resumed
+    run's next model call is shown it; the closed call's result tells the model the task
+    timed out, not that it was canceled."""
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "s", "name": "sleep_then", "arguments": {"seconds": 4, "value": "v"}}
+                ]
+            },
+            {
+                "expect": {
+                    "tool_results": [
+                        {"call_id": "s", "outcome": "canceled", "contains": "the task timed out"}
+                    ],
+                    "contains": ["look at the other file too"],
+                },
+                "say": "resumed",
+                "tool_calls": [],
+            },
+        ]
+    )
+    task_id = charlie.submit("time out with mail", model=model, task_id=tid(), timeout=2.0)
+    wait_for(lambda: ledger_for(task_id, "sleep_then.start"))
+    charlie.send(task_id, "look at the other file too", message_id="m-late")
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.TIMED_OUT
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+    items = charlie.transcript(task_id)
+    (message,) = [i for i in items if i.payload.get("message_id") == "m-late"]
+    (result,) = [i for i in items if i.kind == "tool_result" and i.call_id == "s"]
+    assert result.seq < message.seq  # after the closed turn's results, at the stop
+    assert "timed out" in result.payload["content"], result.payload
+    assert "canceled" not in result.payload["content"].split(":", 1)[1], result.payload
+
+    charlie.resume(task_id, timeout=60)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    items = charlie.transcript(task_id)
+    assert len([i for i in items if i.payload.get("message_id") == "m-late"]) == 1
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 1]
+    assert_every_call_has_one_result(task_id)
+
+
+def test_a_message_sent_during_a_failed_model_call_enters_before_the_resumed_call(
+    cluster: Cluster, script, tmp_path: Path
+) -> None:
+    """I22: a message committed while a model call runs that then fails the run is not lost
+    on the resume: call_model's boundary takes it in before the model is called again, so the
+    resumed call is shown it (one call, not a final answer reopened by it afterwards)."""
+    fault = tmp_path / "model-is-broken"
+    fault.write_text("")
+    model, ledger = script(
+        [
+            {"sleep": 2, "raise": "the model is down", "raise_while": str(fault), "say": "ok"},
+            {"say": "a second call: the message was not shown to the first", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("fail with mail", model=model, task_id=tid())
+    wait_for(lambda: model_calls(ledger))
+    charlie.send(task_id, "use the staging database", message_id="m-fail")
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+    fault.unlink()
+    charlie.resume(task_id)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result == {"answer": "ok", "final_seq": info.result["final_seq"]}, info.result
+    assert [c["turn"] for c in model_calls(ledger)] == [0, 0]
+    items = charlie.transcript(task_id)
+    (message,) = [i for i in items if i.payload.get("message_id") == "m-fail"]
+    (final,) = [i for i in items if i.kind == "final"]
+    assert message.seq < final.seq
+
+
 def test_a_canceled_task_is_not_resumed(cluster: Cluster, script) -> None:
     model, _ = script([{"say": "slow", "sleep": 3, "tool_calls": []}])
     task_id = charlie.submit("cancel me", model=model, task_id=tid())
@@ -594,3 +672,53 @@ def test_a_task_failed_by_refused_writes_resumes_at_its_phase(cluster: Cluster, 
     assert info.result["answer"] == "written after the resume"
     assert [c["turn"] for c in model_calls(ledger)] == [0]
     assert [i.seq for i in charlie.transcript(task_id)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-fork", "another-fork"])
+def test_two_forks_racing_for_one_task_id_make_one_task(
+    cluster: Cluster, script, monkeypatch: pytest.MonkeyPatch, same: bool
+) -> None:
+    """I26, I27: two forks under one new task id, the first paused between its check that the
+    id is free and its insert while the second commits: the same fork is made once and both
+    get its id; another fork under that id is refused with TaskConflict, not a raw database
+    error. (SQLite serializes the two whole; PostgreSQL lets them race.)"""
+    import threading
+
+    from charlie import faults
+
+    model, _ = script([{"say": "source done", "tool_calls": []}, {"say": "fork done"}])
+    source = charlie.submit("fork me twice", model=model, task_id=tid())
+    assert charlie.wait(source, timeout=60).status is TaskStatus.SUCCEEDED
+    fork_id = tid()
+    pause = {"action": "pause", "seconds": 3, "times": 1, "match": {"task_id": fork_id}}
+    cluster.set_faults({"people.fork.before_insert": pause})
+    monkeypatch.setattr(faults, "_PATH", str(cluster.faults_path))
+    outcome: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            outcome["first"] = charlie.fork(source, turn=0, message="one", task_id=fork_id)
+        except Exception as exc:  # the outcome under test
+            outcome["first"] = exc
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    wait_for(lambda: cluster.fault_count("people.fork.before_insert") == 1)
+    second: object
+    try:
+        second = charlie.fork(source, turn=0, message="one" if same else "two", task_id=fork_id)
+    except Exception as exc:  # the outcome under test
+        second = exc
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    results = [outcome["first"], second]
+    if same:
+        assert results == [fork_id, fork_id], results
+    else:
+        assert fork_id in results, results
+        (refused,) = [r for r in results if r != fork_id]
+        assert isinstance(refused, api.TaskConflict), refused
+    forks = [a for a in charlie.actions(source) if a.action.value == "fork"]
+    assert len(forks) == 1, forks
+    info = charlie.wait(fork_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error

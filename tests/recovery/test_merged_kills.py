@@ -226,3 +226,103 @@ def test_a_carried_model_claim_whose_lease_lapsed_meanwhile_calls_no_model(
     turns = [c["turn"] for c in model_calls(ledger)]
     assert (turns.count(0), turns.count(1)) == (1, 1), turns
     assert_every_call_has_one_result(task_id)
+
+
+@pytest.mark.parametrize("tool", ["ledger_write", "sleep_then"])
+def test_a_kill_after_a_dispatch_committed_alone_leaves_a_write_free_to_start(
+    cluster: Cluster, script, tool: str
+) -> None:
+    """I11, I9, I10: a dispatch that commits on its own (here: after call_model's second try,
+    which commits alone once a kill inside A made it repeat) starts a read in its own commit,
+    but a write's start commits on its own after it, as after a merged or fused dispatch. A
+    SIGKILL just after the dispatch's commit leaves the write pending, and the sweep starts it
+    (it runs once); the read, started by the dead worker, settles interrupted and never runs."""
+    task_id = f"m17d-{uuid.uuid4().hex[:12]}"
+    cluster.set_faults(
+        {
+            # inside A: rolled back; call_model repeats and commits alone, dispatch after it
+            "tick.merged.step": {
+                "action": "kill",
+                "times": 1,
+                "match": {"task_id": task_id, "phase": "dispatch_tools"},
+            },
+            # just after that dispatch's own commit, before anything else
+            "tick.after_commit": {
+                "action": "kill",
+                "times": 1,
+                "match": {"task_id": task_id, "phase": "dispatch_tools"},
+            },
+        }
+    )
+    if tool == "sleep_then":
+        arguments: dict[str, object] = {"seconds": 0, "value": "v"}
+        event = "sleep_then.start"
+    else:
+        arguments, event = {"key": task_id}, "write"
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "a", "name": tool, "arguments": arguments}]},
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("kill after a dispatch of its own", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tick.merged.step") == 1
+    assert cluster.fault_count("tick.after_commit") == 1
+    (call,) = api.calls(task_id)
+    if tool == "ledger_write":
+        assert call.outcome == "ok", call  # pending, then started by the sweep (I11)
+        assert len(_ledger(task_id, event)) == 1
+    else:
+        assert call.outcome == "interrupted", call  # started with the dispatch (I10)
+        assert len(_ledger(task_id, event)) == 0
+    assert_every_call_has_one_result(task_id)
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history
+
+
+@pytest.mark.skipif(MODE != "fused", reason="a fused commit's connection lost after its commit")
+@pytest.mark.parametrize("commit", ["call_model", "await_tools"], ids=["A", "B"])
+def test_a_fused_commit_whose_connection_is_lost_after_it_committed_is_read_back(
+    cluster: Cluster, script, commit: str
+) -> None:
+    """I1, I3, I9, I10, I12: the server commits a fused statement, then the connection drops
+    before the worker hears of it (its backend terminated for real). The outcome is read back,
+    not assumed: A (with a read started in it) goes on to run the read here, which settles ok
+    and runs once, not interrupted as a start that nobody ran; B (the read's settle and the
+    next model call's claim) goes on to the model call under that claim, with no late report
+    of the call's own result and no orphaned claim (no repeat counted for it)."""
+    task_id = f"m17c-{uuid.uuid4().hex[:12]}"
+    match = {"task_id": task_id, "phase": commit}
+    cluster.set_faults(
+        {"store.fused.after_commit": {"action": "raise", "times": 1, "match": match}}
+    )
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("a connection lost after a fused commit", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("store.fused.after_commit") == 1
+    (call,) = api.calls(task_id)
+    assert call.outcome == "ok", call
+    assert call.late_reports == 0, call  # no false evidence of a second result
+    assert len(_ledger(task_id, "sleep_then.start")) == 1
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert (turns.count(0), turns.count(1)) == (1, 1), turns
+    assert info.model_repeats == 0  # no claim orphaned, none counted again
+    assert_every_call_has_one_result(task_id)
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history
+    for before, after in itertools.pairwise(history):
+        assert after["from_phase"] == before["to_phase"], history

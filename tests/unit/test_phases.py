@@ -339,6 +339,38 @@ def test_boundary_stops_canceled_and_timed_out_runs() -> None:
     assert boundary.stop_reason(view(Phase.REPORT_TERMINAL, status=TaskStatus.CANCELED)) is None
 
 
+def test_a_stop_takes_the_waiting_mail_in_once_after_the_closed_turn() -> None:
+    """I22, I18: a stop at a tool phase's or call_model's boundary takes the waiting messages
+    in after the results of the turn it closed, once, and stays a stop (the final answer's
+    reopen does not apply to it); a closed call tells the model what closed it (I15)."""
+    from dataclasses import replace
+
+    from charlie.domain import Message
+    from charlie.executor.phases.mailbox import reopen_final
+
+    mail = [Message(7, "m-1", "also this", "ann")]
+    open_call = [call("open", 0, state=CallState.STARTED)]
+    v = replace(
+        view(Phase.AWAIT_TOOLS, calls=open_call, status=TaskStatus.TIMED_OUT), messages=mail
+    )
+    t = boundary.stop(v, TaskStatus.TIMED_OUT)
+    assert [(i.kind, i.call_id) for i in t.items] == [
+        (ItemKind.TOOL_RESULT, "open"),
+        (ItemKind.INPUT, None),
+    ]
+    assert t.take_messages == [(7, 1)]
+    assert "the task timed out" in t.items[0].payload["content"]
+    assert "canceled" not in t.items[0].payload["content"].split(":", 1)[1]
+    at_model = replace(view(Phase.CALL_MODEL, status=TaskStatus.CANCELED), messages=mail)
+    stopped = boundary.stop(at_model, TaskStatus.CANCELED)
+    assert [i.payload.get("content") for i in stopped.items] == ["also this"]
+    assert reopen_final(at_model, stopped) is stopped  # still a stop, its mail taken once
+    # and at call_model's boundary without a stop, the mail goes in before the model call
+    taken = boundary.take_mail(replace(view(Phase.CALL_MODEL), messages=mail))
+    assert taken is not None and taken.to is Phase.CALL_MODEL and taken.take_messages == [(7, 0)]
+    assert boundary.take_mail(view(Phase.CALL_MODEL)) is None
+
+
 def test_failure_and_poison_transitions_carry_structured_errors() -> None:
     try:
         raise KeyError("missing")

@@ -24,7 +24,9 @@ from charlie.models.base import ModelError, ModelRequest, TransientModelError
 from charlie.ports import PhaseDeps
 from charlie.tools.registry import ToolRegistry
 
-NEEDS = frozenset({"items"})
+#: messages: its boundary takes in any that wait before the model is called (I22, boundary.
+#: take_mail); read only when the claim counts some, so a steady turn reads no mailbox
+NEEDS = frozenset({"items", "messages"})
 
 
 def _unique_call_id(call_id: str, seen: set[str]) -> str:

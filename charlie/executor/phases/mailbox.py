@@ -31,10 +31,16 @@ def take_messages(view: RunView, transition: Transition) -> Transition:
     return transition
 
 
+def is_final_answer(transition: Transition) -> bool:
+    """The model's final answer (not a stop, which goes to report_terminal too)."""
+    return any(i.kind is ItemKind.FINAL for i in transition.items)
+
+
 def reopen_final(view: RunView, transition: Transition) -> Transition:
     """A final answer committed while messages wait: it becomes an assistant message, the
-    messages follow it, and the run calls the model again at the next turn (I22, I16)."""
-    if not view.messages:
+    messages follow it, and the run calls the model again at the next turn (I22, I16). Not a
+    stop: it stays a stop (I18), and has taken the waiting messages in itself."""
+    if not view.messages or not is_final_answer(transition):
         return transition
     items = [
         NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": i.payload.get("content", "")})
