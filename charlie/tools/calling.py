@@ -69,9 +69,29 @@ def run_reconcile(
     return Outcome.INTERRUPTED, {**evidence, "reconciled": False}
 
 
+def storable(value: Any) -> Any:
+    """``value`` with what no database can store made visible instead: a NUL character
+    (PostgreSQL's text and jsonb refuse it, and the call could not settle) becomes U+FFFD, and
+    a lone surrogate (no UTF-8 for it) ``?``. Binary output is data like any other (I15)."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            value = value.replace("\x00", "\ufffd")
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            value = value.encode(errors="replace").decode()
+        return value
+    if isinstance(value, dict):
+        return {storable(str(k)): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 def cap_result(result: Any, limit: int) -> Any:
-    """Oversized results are cut, and say so, rather than refused: the call still settles."""
-    text = json.dumps(result, default=str, ensure_ascii=False)
+    """Oversized results are cut, and say so, rather than refused: the call still settles.
+    What no database can store (a NUL) is made visible first (``storable``)."""
+    text = json.dumps(storable(result), default=str, ensure_ascii=False)
     if len(text.encode()) <= limit:
         return json.loads(text)
     return {

@@ -141,6 +141,31 @@ def test_dead_broker_at_submit_loses_nothing(cluster: Cluster, script) -> None:
     assert info.result["answer"] == "started by the sweep"
 
 
+def test_a_result_with_nul_characters_settles_ok(cluster: Cluster, script) -> None:
+    """I15: a command printing NUL bytes (binary output) settles with its result, the NULs
+    shown as U+FFFD; PostgreSQL's jsonb refuses a NUL, and the call used to end interrupted
+    ("its worker stopped") instead."""
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {
+                        "id": "nul",
+                        "name": "run_command",
+                        "arguments": {"command": "printf 'a\\000b'"},
+                    }
+                ]
+            },
+            {"say": "ok"},
+        ]
+    )
+    task_id = charlie.submit("nul", model=model, tools=["run_command"])
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.SUCCEEDED
+    (call,) = api.calls(task_id)
+    assert call.outcome == "ok", call.result
+    assert "a\ufffdb" in json.dumps(call.result, ensure_ascii=False)
+
+
 def test_oversized_tool_result_is_truncated_and_says_so(cluster: Cluster, script) -> None:
     """A result over CHARLIE_MAX_RESULT_BYTES is cut, says so, and still settles the call."""
     limit = get_runtime().settings.max_result_bytes
