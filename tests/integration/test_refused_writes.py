@@ -3,6 +3,7 @@ refusal is kept as evidence, and the run goes on once the database accepts write
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -25,26 +26,29 @@ pytestmark = pytest.mark.timeout(120)
 
 def refuse_inserts(table: str, execution_id: str, when: str = "") -> tuple[list[str], list[str]]:
     """SQL to install and remove a trigger refusing this run's inserts into ``table`` (and,
-    with ``when``, only those rows matching that extra condition on NEW)."""
+    with ``when``, only those rows matching that extra condition on NEW). The trigger is named
+    after the run, so one left by a test that died before its cleanup refuses only its own run's
+    writes and never collides with the next test's."""
+    name = "refuse_" + re.sub(r"[^a-z0-9]", "_", execution_id.lower())
     if get_runtime().settings.is_sqlite:
         install = [
-            f"""CREATE TRIGGER refuse_writes BEFORE INSERT ON {table}
+            f"""CREATE TRIGGER {name} BEFORE INSERT ON {table}
                 WHEN NEW.execution_id = '{execution_id}' {when}
                 BEGIN SELECT RAISE(ABORT, 'refused by the test trigger'); END"""
         ]
-        return install, ["DROP TRIGGER refuse_writes"]
+        return install, [f"DROP TRIGGER {name}"]
     install = [
-        f"""CREATE OR REPLACE FUNCTION refuse_writes() RETURNS trigger AS $$
+        f"""CREATE OR REPLACE FUNCTION {name}() RETURNS trigger AS $$
             BEGIN
               IF NEW.execution_id = '{execution_id}' {when} THEN
                 RAISE EXCEPTION 'refused by the test trigger';
               END IF;
               RETURN NEW;
             END $$ LANGUAGE plpgsql""",
-        f"""CREATE TRIGGER refuse_writes BEFORE INSERT ON {table}
-           FOR EACH ROW EXECUTE FUNCTION refuse_writes()""",
+        f"""CREATE TRIGGER {name} BEFORE INSERT ON {table}
+           FOR EACH ROW EXECUTE FUNCTION {name}()""",
     ]
-    return install, [f"DROP TRIGGER refuse_writes ON {table}"]
+    return install, [f"DROP TRIGGER {name} ON {table}", f"DROP FUNCTION {name}()"]
 
 
 def refuse_transcript_writes(execution_id: str) -> tuple[list[str], list[str]]:
