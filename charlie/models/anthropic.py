@@ -29,8 +29,8 @@ as evidence, not retried; ``max_tokens`` fails the run, naming the setting to ra
 message as evidence (a half-written tool call cannot be run, and a cut answer is not one);
 ``model_context_window_exceeded`` fails it as a context-length error.
 
-The API key goes only into the request's key header (``Authorization: Bearer`` with SDK 2.x): it is redacted from every message,
-evidence and log line, and evidence never holds request headers.
+The API key goes only into the request's key header (``Authorization: Bearer`` with SDK 2.x): it
+is redacted from every message, evidence and log line, and evidence never holds request headers.
 """
 
 from __future__ import annotations

@@ -321,9 +321,9 @@ def test_pause_turn_continues_the_turn_within_the_call(fake: FakeAnthropic) -> N
 
 
 def test_pause_turn_is_bounded(fake: FakeAnthropic) -> None:
-    fake.enqueue(
-        *[message(text(f"part {i}"), stop_reason="pause_turn") for i in range(MAX_CONTINUATIONS + 1)]
-    )
+    paused = [message(text(f"part {i}"), stop_reason="pause_turn") for i in range(9)]
+    assert len(paused) == MAX_CONTINUATIONS + 1
+    fake.enqueue(*paused)
     with pytest.raises(ModelError, match="pause_turn"):
         make().complete(request())
     assert len(fake.requests) == MAX_CONTINUATIONS + 1
