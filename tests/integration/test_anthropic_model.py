@@ -122,6 +122,21 @@ def test_a_tool_loop_with_thinking_and_parallel_calls_runs_to_its_answer(
     ]
     assert_key_kept(cluster)
 
+    # charlie status shows the cache tokens and prices them at their own rates
+    from tests.integration.test_production_path import charlie_cli
+
+    prices = {
+        "anthropic:claude-fake-": {"input": 3, "output": 15, "cache_read": 0.3, "cache_write": 3.75}
+    }
+    env = {**cluster.settings_env, "CHARLIE_PRICES": json.dumps(prices)}
+    status = charlie_cli(env, "status", task_id)
+    assert status.returncode == 0, status.stderr
+    lines = {line.split(None, 1)[0]: line for line in status.stdout.splitlines() if line.strip()}
+    assert "cache read 2000, cache write 2000" in lines["tokens"], status.stdout
+    # uncached input 350 at 3, read 2000 at 0.3, written 2000 at 3.75, output 48 at 15
+    cost = (350 * 3 + 2000 * 0.3 + 2000 * 3.75 + 48 * 15) / 1e6
+    assert f"${cost:.4f}" in lines["cost"], status.stdout
+
 
 def test_overloaded_then_success(cluster: Cluster, anthropic_server: FakeAnthropic) -> None:
     anthropic_server.enqueue(overloaded(retry_after="1"), message(text("made it")))
