@@ -14,7 +14,8 @@ Retries: 408, 409, 429 and 5xx answers and connection or timeout errors are retr
 exponential backoff and full jitter, or after the server's ``Retry-After`` (``retry-after-ms``,
 seconds or an HTTP date). A wait is slept inside the call only while it is short (``max_sleep``,
 5 s); a longer one, or running out of attempts, raises :class:`TransientModelError` with
-``retry_after`` so the executor stores a wake-up time instead of sleeping in a tick. Other answers
+``retry_after`` so the executor stores a wake-up time instead of sleeping in a tick (the policy is
+:mod:`charlie.models.retry`, shared with the ``anthropic:`` client). Other answers
 (400, 401, 403, 404, 413, 422, a 429 for exhausted quota, ...) raise :class:`ModelError` with the
 status and the first 4 KiB of the body as evidence.
 
