@@ -172,6 +172,7 @@ def test_a_long_retry_after_becomes_a_stored_wake_up(
     assert info.status is TaskStatus.SUCCEEDED, info.error
     assert info.result["answer"] == "after the wait"
     assert len(anthropic_server.requests) == 2
+    assert_key_kept(cluster)  # the stored error note included
 
 
 def test_a_400_fails_the_run_with_the_response_as_evidence(
