@@ -69,12 +69,12 @@ class ModelCallEvent:
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
-    #: parts of input_tokens read from / written to the provider's prompt cache
-    cache_read_tokens: int = 0
-    cache_write_tokens: int = 0
     finish_reason: str | None = None
     tool_calls: int = 0
     error: str | None = None
+    #: parts of input_tokens read from / written to the provider's prompt cache
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
