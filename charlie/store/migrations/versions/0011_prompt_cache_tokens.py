@@ -3,16 +3,16 @@
 Both are part of input_tokens, counted on their own so that they are priced at their rates
 (CHARLIE_PRICES cache_read / cache_write, charlie.pricing).
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-03
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0010"
-down_revision = "0009"
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
