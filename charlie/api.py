@@ -95,7 +95,14 @@ class WaitingFor:
         return f"a reconcile verdict on {self.call_id} ({self.tool}, interrupted)"
 
 
-_COUNTED = ("input_tokens", "output_tokens", "reasoning_tokens", "model_calls")
+_COUNTED = (
+    "input_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "model_calls",
+)
 
 
 @dataclass(frozen=True)
@@ -483,6 +490,8 @@ def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInf
             "input_tokens": row.input_tokens,
             "output_tokens": row.output_tokens,
             "reasoning_tokens": row.reasoning_tokens,
+            "cache_read_tokens": row.cache_read_tokens,
+            "cache_write_tokens": row.cache_write_tokens,
         },
         waiting_for=waiting_for or [],
         budget=row.budget,
@@ -497,7 +506,13 @@ def _cost(row: Any) -> float | None:
         log.warning("CHARLIE_PRICES cannot be read; costs are not shown", exc_info=True)
         return None
     return pricing.cost_usd(
-        row.model, row.input_tokens, row.output_tokens, row.reasoning_tokens, prices
+        row.model,
+        row.input_tokens,
+        row.output_tokens,
+        row.reasoning_tokens,
+        prices,
+        cache_read_tokens=row.cache_read_tokens,
+        cache_write_tokens=row.cache_write_tokens,
     )
 
 

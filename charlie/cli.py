@@ -444,12 +444,7 @@ def status(task_id: str) -> None:
         ("started", str(info.started_at or "-")),
         ("finished", str(info.finished_at or "-")),
         ("model calls", f"{info.model_calls} ({info.model_repeats} repeated after a crash)"),
-        (
-            "tokens",
-            "in {input_tokens}, out {output_tokens}, reasoning {reasoning_tokens}".format(
-                **info.usage
-            ),
-        ),
+        ("tokens", views.tokens_text(info.usage)),
         ("cost", views.usd(info.cost_usd)),
         ("budget", views.budget_text(info)),
         ("result", _short(info.result, 400) if info.result is not None else "-"),
@@ -467,7 +462,7 @@ def show(task_id: str, as_json: bool) -> None:
     """Show a task's transcript: each tool call with its result, outcome and timings."""
     from charlie import api
     from charlie.scheduler import TaskNotFound
-    from charlie.views import transcript_rows
+    from charlie.views import tokens_text, transcript_rows
 
     try:
         if as_json:
@@ -499,11 +494,7 @@ def show(task_id: str, as_json: bool) -> None:
         what += f"  {_short(action.detail, 160)}" if action.detail else ""
         what += f"  note: {_short(action.note, 160)}" if action.note else ""
         _say(what)
-    u = info.usage
-    _say(
-        f"tokens: in {u['input_tokens']}, out {u['output_tokens']}, "
-        f"reasoning {u['reasoning_tokens']}; model calls {info.model_calls}"
-    )
+    _say(f"tokens: {tokens_text(info.usage)}; model calls {info.model_calls}")
 
 
 @main.command()

@@ -72,6 +72,9 @@ class ModelCallEvent:
     finish_reason: str | None = None
     tool_calls: int = 0
     error: str | None = None
+    #: parts of input_tokens read from / written to the provider's prompt cache
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,13 @@ Reasoning tokens: the OpenAI APIs report them as part of the output tokens (Char
 record both counts as reported), so a task's tokens are input + output, and its reasoning
 tokens are priced at ``reasoning`` (default: the ``output`` price) instead of, not on top of,
 the output price.
+
+Prompt cache tokens, the same way: the input tokens read from a provider's prompt cache
+(``cache_read_tokens``) and written to it (``cache_write_tokens``) are part of the input tokens
+and priced at ``cache_read`` and ``cache_write`` (default: the ``input`` price) instead of it::
+
+    {"anthropic:claude-sonnet-4-5": {"input": 3, "output": 15, "cache_read": 0.3,
+                                     "cache_write": 3.75}}
 """
 
 from __future__ import annotations
@@ -53,9 +60,14 @@ class Price:
     output: float
     #: None: reasoning tokens cost what output tokens do.
     reasoning: float | None = None
+    #: None: input tokens read from the prompt cache cost what other input tokens do.
+    cache_read: float | None = None
+    #: None: input tokens written to the prompt cache cost what other input tokens do.
+    cache_write: float | None = None
 
 
 BUILTIN_PRICES: dict[str, Price] = {"scripted:": Price(0.0, 0.0, 0.0)}
+RATE_KEYS = ("input", "output", "reasoning", "cache_read", "cache_write")
 
 PriceTable = Mapping[str, Price]
 
@@ -101,20 +113,23 @@ def parse_prices(raw: str | None) -> dict[str, Price]:
                 f'{PRICES_SETTING}: {model!r} must be {{"input": N, "output": N}} '
                 "(USD per 1M tokens)"
             )
-        unknown = sorted(set(entry) - {"input", "output", "reasoning"})
+        unknown = sorted(set(entry) - set(RATE_KEYS))
         if unknown:
             raise PriceError(
                 f"{PRICES_SETTING}: {model!r} has unknown key(s) {', '.join(unknown)}; "
-                "the keys are input, output and reasoning"
+                "the keys are input, output, reasoning, cache_read and cache_write"
             )
         missing = [k for k in ("input", "output") if k not in entry]
         if missing:
             raise PriceError(f"{PRICES_SETTING}: {model!r} lacks {' and '.join(missing)}")
-        reasoning = entry.get("reasoning")
+        optional = {
+            key: None if entry.get(key) is None else _rate(entry[key], f"{model!r} {key}")
+            for key in ("reasoning", "cache_read", "cache_write")
+        }
         table[model] = Price(
             _rate(entry["input"], f"{model!r} input"),
             _rate(entry["output"], f"{model!r} output"),
-            None if reasoning is None else _rate(reasoning, f"{model!r} reasoning"),
+            **optional,
         )
     return table
 
@@ -146,16 +161,30 @@ def cost_usd(
     output_tokens: int,
     reasoning_tokens: int,
     table: PriceTable,
+    *,
+    cache_read_tokens: int = 0,
+    cache_write_tokens: int = 0,
 ) -> float | None:
-    """What the tokens cost in USD, or None when no price for ``model`` is known."""
+    """What the tokens cost in USD, or None when no price for ``model`` is known. Reasoning
+    tokens are part of the output tokens, cache tokens part of the input tokens (see the
+    module), each priced at its own rate instead."""
     price = price_for(model, table)
     if price is None:
         return None
     reasoning = max(0, min(int(reasoning_tokens), int(output_tokens)))
     plain = int(output_tokens) - reasoning
     reasoning_rate = price.output if price.reasoning is None else price.reasoning
+    read = max(0, min(int(cache_read_tokens), int(input_tokens)))
+    written = max(0, min(int(cache_write_tokens), int(input_tokens) - read))
+    fresh = int(input_tokens) - read - written
+    read_rate = price.input if price.cache_read is None else price.cache_read
+    write_rate = price.input if price.cache_write is None else price.cache_write
     return (
-        int(input_tokens) * price.input + plain * price.output + reasoning * reasoning_rate
+        fresh * price.input
+        + read * read_rate
+        + written * write_rate
+        + plain * price.output
+        + reasoning * reasoning_rate
     ) / 1_000_000
 
 
@@ -229,18 +258,29 @@ def spent(parts: Iterable[Part], table: PriceTable) -> dict[str, Any]:
     spend counts against its budget): model calls and tokens summed, and USD with each task's
     tokens priced by its own model. ``usd`` is None when a model among them has no price, so
     such a spend cannot be checked against a usd limit; ``unpriced`` names those models."""
-    totals = {"input_tokens": 0, "output_tokens": 0, "reasoning_tokens": 0, "model_calls": 0}
+    totals = {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "reasoning_tokens": 0,
+        "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
+        "model_calls": 0,
+    }
     usd: float | None = 0.0
     unpriced: list[str] = []
     for model, usage in parts:
         i = int(usage.get("input_tokens") or 0)
         o = int(usage.get("output_tokens") or 0)
         r = int(usage.get("reasoning_tokens") or 0)
+        cr = int(usage.get("cache_read_tokens") or 0)
+        cw = int(usage.get("cache_write_tokens") or 0)
         totals["input_tokens"] += i
         totals["output_tokens"] += o
         totals["reasoning_tokens"] += r
+        totals["cache_read_tokens"] += cr
+        totals["cache_write_tokens"] += cw
         totals["model_calls"] += int(usage.get("model_calls") or 0)
-        cost = cost_usd(model, i, o, r, table)
+        cost = cost_usd(model, i, o, r, table, cache_read_tokens=cr, cache_write_tokens=cw)
         if cost is None:
             if model not in unpriced:
                 unpriced.append(model)

@@ -71,6 +71,20 @@ def usd(amount: float | None) -> str:
     return f"${amount:.4f}" if amount < 100 else f"${amount:,.2f}"
 
 
+def tokens_text(usage: dict[str, Any], sep: str = ", ") -> str:
+    """``in 1200, out 80, reasoning 20`` and, when a prompt cache was used, ``cache read 900,
+    cache write 300`` (parts of the input tokens)."""
+    parts = [
+        f"in {usage.get('input_tokens', 0)}",
+        f"out {usage.get('output_tokens', 0)}",
+        f"reasoning {usage.get('reasoning_tokens', 0)}",
+    ]
+    read, written = usage.get("cache_read_tokens") or 0, usage.get("cache_write_tokens") or 0
+    if read or written:
+        parts += [f"cache read {read}", f"cache write {written}"]
+    return sep.join(parts)
+
+
 def budget_text(info: api.TaskInfo) -> str:
     """``model_calls 2 of 2, tokens 340 of 1000`` (issue 16); ``none`` without a budget."""
     parts = []

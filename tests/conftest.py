@@ -31,13 +31,15 @@ from tests.support.cluster import (
     free_port,
     recreate_postgres_database,
 )
+from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.fake_openai import FakeOpenAI
 from tests.support.needs import in_ci, need
 
 BACKEND, BACKEND_PROBLEM = detect_backend()
 _HOME = Path(tempfile.mkdtemp(prefix="charlie-test-"))
 _MODEL_PORT = free_port()
-_ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT)
+_ANTHROPIC_PORT = free_port()
+_ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, anthropic_port=_ANTHROPIC_PORT)
 #: The MCP servers the cluster's workers use, when tests/mcp is part of the run (issue 15): a
 #: run without it configures none, so the rest of the suite starts no MCP server.
 _MCP = McpServers(_HOME, web_port=free_port(), flaky_port=free_port(), dead_port=free_port())
@@ -74,7 +76,11 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     if _wants_mcp(config):
         _MCP_ON = True
-        _ENV.update(cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, mcp=_MCP))
+        _ENV.update(
+            cluster_env(
+                _HOME, BACKEND, model_port=_MODEL_PORT, mcp=_MCP, anthropic_port=_ANTHROPIC_PORT
+            )
+        )
     if _wants(config, "telemetry", os.environ.get("CHARLIE_TEST_TRACING")):
         from tests.support.otlp import OtlpReceiver
 
@@ -208,6 +214,20 @@ def model_server_session() -> Iterator[FakeOpenAI]:
 def model_server(model_server_session: FakeOpenAI) -> FakeOpenAI:
     model_server_session.reset()
     return model_server_session
+
+
+@pytest.fixture(scope="session")
+def anthropic_server_session() -> Iterator[FakeAnthropic]:
+    """A real HTTP server speaking Anthropic's Messages API that the cluster's workers call."""
+    server = FakeAnthropic(port=_ANTHROPIC_PORT).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def anthropic_server(anthropic_server_session: FakeAnthropic) -> FakeAnthropic:
+    anthropic_server_session.reset()
+    return anthropic_server_session
 
 
 @pytest.fixture

@@ -536,6 +536,7 @@ class Base(Redacted):
             json_pretty=rows.pretty,
             usd=views.usd,
             budget_text=views.budget_text,
+            tokens_text=views.tokens_text,
         )
         return ns
 

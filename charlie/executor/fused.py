@@ -101,6 +101,8 @@ def _task_write(*transitions: Transition) -> store.TaskWrite | None:
         input_tokens=sum(int(u.get("input_tokens", 0) or 0) for u in usage),
         output_tokens=sum(int(u.get("output_tokens", 0) or 0) for u in usage),
         reasoning_tokens=sum(int(u.get("reasoning_tokens", 0) or 0) for u in usage),
+        cache_read_tokens=sum(int(u.get("cache_read_tokens", 0) or 0) for u in usage),
+        cache_write_tokens=sum(int(u.get("cache_write_tokens", 0) or 0) for u in usage),
         status=statuses[-1].value if statuses else None,
         running=any(s in (TaskStatus.RUNNING, TaskStatus.WAITING) for s in statuses),
     )

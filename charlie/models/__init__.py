@@ -1,4 +1,5 @@
-"""Model clients behind one interface: scripted (turns from a file) and OpenAI-compatible HTTP."""
+"""Model clients behind one interface: scripted (turns from a file), OpenAI-compatible HTTP and
+Anthropic's Messages API."""
 
 from charlie.models.base import (
     Model,

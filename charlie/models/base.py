@@ -75,12 +75,19 @@ class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
+    #: input tokens read from the provider's prompt cache: part of ``input_tokens``, priced at
+    #: the ``cache_read`` rate instead of the ``input`` one (as reasoning tokens are of output)
+    cache_read_tokens: int = 0
+    #: input tokens written to the provider's prompt cache: part of ``input_tokens`` too
+    cache_write_tokens: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
             "reasoning_tokens": self.reasoning_tokens,
+            "cache_read_tokens": self.cache_read_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
         }
 
 

@@ -14,7 +14,8 @@ Retries: 408, 409, 429 and 5xx answers and connection or timeout errors are retr
 exponential backoff and full jitter, or after the server's ``Retry-After`` (``retry-after-ms``,
 seconds or an HTTP date). A wait is slept inside the call only while it is short (``max_sleep``,
 5 s); a longer one, or running out of attempts, raises :class:`TransientModelError` with
-``retry_after`` so the executor stores a wake-up time instead of sleeping in a tick. Other answers
+``retry_after`` so the executor stores a wake-up time instead of sleeping in a tick (the policy is
+:mod:`charlie.models.retry`, shared with the ``anthropic:`` client). Other answers
 (400, 401, 403, 404, 413, 422, a 429 for exhausted quota, ...) raise :class:`ModelError` with the
 status and the first 4 KiB of the body as evidence.
 
@@ -26,49 +27,57 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
 from charlie.domain import JSON
-from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
+from charlie.models.base import ModelError, ModelRequest, ModelResponse
 from charlie.models.openai_chat import MalformedResponse, chat_request_body, parse_chat_completion
 from charlie.models.openai_responses import parse_response, responses_request_body
+from charlie.models.retry import (
+    CONNECT_TIMEOUT,
+    DEFAULT_BACKOFF_BASE,
+    DEFAULT_BACKOFF_CAP,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_SLEEP,
+    DEFAULT_READ_TIMEOUT,
+    REDACTED,
+    Failure,
+    Redactor,
+    RetryPolicy,
+    check_key,
+    env_name,
+    env_number,
+    env_whole,
+    origin,
+    parse_retry_after,
+)
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "REDACTED",
+    "EndpointConfig",
+    "OpenAIModel",
+    "client_for",
+    "env_name",
+    "parse_retry_after",
+]
+
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
-DEFAULT_READ_TIMEOUT = 120.0
-CONNECT_TIMEOUT = 10.0
-DEFAULT_MAX_ATTEMPTS = 5
-#: the longest backoff slept inside ``complete``; a longer one is handed to the executor.
-DEFAULT_MAX_SLEEP = 5.0
-DEFAULT_BACKOFF_BASE = 0.5
-DEFAULT_BACKOFF_CAP = 60.0
-EVIDENCE_BODY_BYTES = 4096
-REDACTED = "[REDACTED]"
 USER_AGENT = "charlie/0.1"
 
 #: 408 and 409 are retried as the OpenAI SDKs do (a request timeout, a lock conflict).
 RETRYABLE_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
 #: a 429 with one of these error codes will not pass by waiting.
 UNRETRYABLE_CODES = frozenset({"insufficient_quota", "billing_hard_limit_reached"})
-
-
-def env_name(model: str) -> str:
-    """The ``<NAME>`` in ``CHARLIE_MODEL_<NAME>_BASE_URL`` for a model name."""
-    return re.sub(r"[^A-Za-z0-9]", "_", model).upper()
 
 
 @dataclass(frozen=True)
@@ -97,69 +106,15 @@ class EndpointConfig:
         # belongs to the shared base URL, so a model sent to another host (its own BASE_URL)
         # gets it only when that host is the same origin; otherwise it needs its own key.
         api_key = own("API_KEY")
-        if api_key is None and _origin(base_url) == _origin(shared_url):
+        if api_key is None and origin(base_url) == origin(shared_url):
             api_key = env.get("CHARLIE_MODEL_API_KEY", "").strip() or None
-        if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
-            # said without the key: it would not survive a header, and could leak from the error
-            raise ModelError(f"the API key for {model!r} has characters a header cannot carry")
-        timeout = _env_number("CHARLIE_MODEL_TIMEOUT", env, DEFAULT_READ_TIMEOUT)
-        attempts = _env_number("CHARLIE_MODEL_MAX_ATTEMPTS", env, DEFAULT_MAX_ATTEMPTS)
-        if attempts != int(attempts):
-            raise ModelError(f"CHARLIE_MODEL_MAX_ATTEMPTS={attempts!r} is not a whole number")
+        check_key(api_key, model)
         return cls(
             base_url=base_url,
             api_key=api_key,
-            read_timeout=timeout,
-            max_attempts=int(attempts),
+            read_timeout=env_number("CHARLIE_MODEL_TIMEOUT", env, DEFAULT_READ_TIMEOUT),
+            max_attempts=env_whole("CHARLIE_MODEL_MAX_ATTEMPTS", env, DEFAULT_MAX_ATTEMPTS),
         )
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    """Scheme, host and port: what a credential is bound to."""
-    parts = urlsplit(url)
-    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    return parts.scheme, (parts.hostname or "").lower(), port
-
-
-def _env_number(name: str, env: Mapping[str, str], default: float) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ModelError(f"{name}={raw!r} is not a positive number")
-    return value
-
-
-def parse_retry_after(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
-    millis = headers.get("retry-after-ms")
-    if millis:
-        try:
-            value = float(millis) / 1000
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value):
-            return max(0.0, value)
-    raw = headers.get("retry-after")
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        pass
-    else:
-        return max(0.0, value) if math.isfinite(value) else None
-    try:
-        when = parsedate_to_datetime(raw)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
 
 
 def _error_detail(text: str) -> tuple[str | None, str | None]:
@@ -179,15 +134,6 @@ def _error_detail(text: str) -> tuple[str | None, str | None]:
         code if isinstance(code, str) else None,
         message if isinstance(message, str) else None,
     )
-
-
-@dataclass
-class _Failure:
-    message: str
-    evidence: JSON
-    status: int | None = None
-    retry_after: float | None = None
-    retryable: bool = True
 
 
 class OpenAIModel:
@@ -210,11 +156,15 @@ class OpenAIModel:
         self.spec = spec
         self.name = name
         self.config = config
-        self.max_sleep = max_sleep
-        self.backoff_base = backoff_base
-        self.backoff_cap = backoff_cap
-        self._sleep = sleep
-        self._rng = rng or random.Random()
+        self.retry = RetryPolicy(
+            max_attempts=config.max_attempts,
+            max_sleep=max_sleep,
+            backoff_base=backoff_base,
+            backoff_cap=backoff_cap,
+            sleep=sleep,
+            rng=rng,
+        )
+        self.redact = Redactor(config.api_key)
         self._lock = threading.Lock()
         self._http: httpx.Client | None = None
         self._http_pid = 0
@@ -274,30 +224,20 @@ class OpenAIModel:
             return {}
         return {"Authorization": f"Bearer {self.config.api_key}"}
 
-    def redact(self, text: str) -> str:
-        key = self.config.api_key
-        return text.replace(key, REDACTED) if key else text
-
     def _truncate(self, text: str) -> str:
-        data = self.redact(text).encode("utf-8", "replace")
-        return data[:EVIDENCE_BODY_BYTES].decode("utf-8", "ignore")
+        return self.redact.truncate(text)
 
     def _extra(self, request: ModelRequest, **more: Any) -> dict[str, Any]:
         return {"task_id": request.task_id, "turn": request.turn, "model": self.spec, **more}
 
-    def _backoff(self, attempt: int) -> float:
-        """Full jitter: uniform in [0, min(cap, base * 2^(attempt-1)))."""
-        ceiling = min(self.backoff_cap, self.backoff_base * 2 ** (attempt - 1))
-        return self._rng.uniform(0, ceiling)
-
-    def _attempt(self, body: JSON) -> tuple[Any, str] | _Failure:
+    def _attempt(self, body: JSON) -> tuple[Any, str] | Failure:
         url = self.config.base_url + self.path
         try:
             response = self._client().post(url, json=body, headers=self._headers())
         except httpx.RequestError as exc:  # timeouts, connection, protocol and decoding errors
             what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
             detail = self.redact(f"{type(exc).__name__}: {exc}")
-            return _Failure(f"request {what} ({detail})", {"error": detail})
+            return Failure(f"request {what} ({detail})", {"error": detail})
         text = response.text
         status = response.status_code
         if 200 <= status < 300:
@@ -317,53 +257,15 @@ class OpenAIModel:
         if message:
             summary += ": " + self.redact(message[:500])
         if status in RETRYABLE_STATUSES and code not in UNRETRYABLE_CODES:
-            return _Failure(summary, evidence, status, parse_retry_after(response.headers))
+            return Failure(summary, evidence, status, parse_retry_after(response.headers))
         if code == "context_length_exceeded":
             summary = "context length exceeded: " + summary
-        return _Failure(summary, evidence, status, retryable=False)
+        return Failure(summary, evidence, status, retryable=False)
 
     def _post(self, body: JSON, request: ModelRequest) -> tuple[Any, str]:
-        attempts = self.config.max_attempts
-        for attempt in range(1, attempts + 1):
-            outcome = self._attempt(body)
-            if not isinstance(outcome, _Failure):
-                return outcome
-            failure = outcome
-            extra = self._extra(request, attempt=attempt, status=failure.status)
-            if not failure.retryable:
-                log.warning("model call refused: %s", failure.message, extra=extra)
-                raise ModelError(f"{self.spec}: {failure.message}", evidence=failure.evidence)
-            evidence = {**failure.evidence, "attempts": attempt}
-            if attempt >= attempts:
-                log.warning("model call failed; no attempts left: %s", failure.message, extra=extra)
-                raise TransientModelError(
-                    f"{self.spec}: {failure.message} (gave up after {attempt} attempts)",
-                    retry_after=failure.retry_after,
-                    evidence=evidence,
-                )
-            wait = failure.retry_after
-            if wait is None:
-                wait = self._backoff(attempt)
-            if wait > self.max_sleep:
-                log.warning(
-                    "model call failed; retry in %.1f s is left to the executor: %s",
-                    wait,
-                    failure.message,
-                    extra={**extra, "wait": wait},
-                )
-                raise TransientModelError(
-                    f"{self.spec}: {failure.message} (retry in {wait:.1f} s)",
-                    retry_after=wait,
-                    evidence=evidence,
-                )
-            log.warning(
-                "model call failed; retrying in %.2f s: %s",
-                wait,
-                failure.message,
-                extra={**extra, "wait": wait},
-            )
-            self._sleep(wait)
-        raise AssertionError("unreachable: max_attempts is at least 1")
+        return self.retry.run(
+            lambda: self._attempt(body), spec=self.spec, log=log, extra=self._extra(request)
+        )
 
 
 class OpenAIChatModel(OpenAIModel):

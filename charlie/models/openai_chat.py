@@ -225,5 +225,6 @@ def parse_chat_completion(data: Any) -> ModelResponse:
             input_tokens=token_count(usage, "prompt_tokens"),
             output_tokens=token_count(usage, "completion_tokens"),
             reasoning_tokens=token_count(usage, "completion_tokens_details", "reasoning_tokens"),
+            cache_read_tokens=token_count(usage, "prompt_tokens_details", "cached_tokens"),
         ),
     )

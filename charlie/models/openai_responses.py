@@ -198,6 +198,7 @@ def parse_response(data: Any) -> ModelResponse:
             input_tokens=token_count(usage, "input_tokens"),
             output_tokens=token_count(usage, "output_tokens"),
             reasoning_tokens=token_count(usage, "output_tokens_details", "reasoning_tokens"),
+            cache_read_tokens=token_count(usage, "input_tokens_details", "cached_tokens"),
         ),
     )
 

@@ -1,4 +1,5 @@
-"""Model specs (``scripted:PATH``, ``openai:NAME``, ``openai-responses:NAME``) to clients."""
+"""Model specs (``scripted:PATH``, ``openai:NAME``, ``openai-responses:NAME``,
+``anthropic:NAME``) to clients."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from charlie.models.base import Model
 from charlie.models.scripted import ScriptedModel, load_script
 
-PROVIDERS = ("scripted", "openai", "openai-responses")
+PROVIDERS = ("scripted", "openai", "openai-responses", "anthropic")
 
 
 class UnknownModelError(ValueError):
@@ -46,6 +47,10 @@ def resolve_model(spec: str) -> Model:
     provider, name = _split(spec)
     if provider == "scripted":
         return ScriptedModel(spec, Path(name))
+    if provider == "anthropic":
+        from charlie.models import anthropic  # an optional import: the SDK only when used
+
+        return anthropic.client_for(name, spec)
     from charlie.models.openai import client_for  # an optional import: httpx only when used
 
     return client_for(provider, name, spec)

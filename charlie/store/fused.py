@@ -125,6 +125,8 @@ class TaskWrite:
     input_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
     status: str | None = None
     #: the status is running or waiting: record when the task started, if not yet
     running: bool = False
@@ -258,6 +260,7 @@ def _statement(
     # (delegated: whether the task has started a child, store.runs._DELEGATED)
     returned = (
         "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens, "
+        "t.cache_read_tokens, t.cache_write_tokens, "
         "EXISTS (SELECT 1 FROM tasks child WHERE child.parent_id = t.id) AS delegated"
     )
     if task_write:
@@ -269,6 +272,8 @@ def _statement(
             input_tokens = t.input_tokens + %(input_tokens)s,
             output_tokens = t.output_tokens + %(output_tokens)s,
             reasoning_tokens = t.reasoning_tokens + %(reasoning_tokens)s,
+            cache_read_tokens = t.cache_read_tokens + %(cache_read_tokens)s,
+            cache_write_tokens = t.cache_write_tokens + %(cache_write_tokens)s,
             status = CASE WHEN t.status IN ({active})
                 THEN COALESCE(%(status)s::varchar, t.status) ELSE t.status END,
             started_at = CASE WHEN %(running)s AND t.status IN ({active})
@@ -326,7 +331,8 @@ def _statement(
         + ",\n    ".join(ctes)
         + """
     SELECT run.inbox, run.model_calls, t.status, t.timeout_at, t.budget, t.input_tokens,
-        t.output_tokens, t.reasoning_tokens, t.delegated
+        t.output_tokens, t.reasoning_tokens, t.cache_read_tokens, t.cache_write_tokens,
+        t.delegated
     FROM run, checked, task_now t"""
     )
 
@@ -429,6 +435,8 @@ def _params(fused: FusedCommit) -> dict[str, Any]:
             input_tokens=w.input_tokens,
             output_tokens=w.output_tokens,
             reasoning_tokens=w.reasoning_tokens,
+            cache_read_tokens=w.cache_read_tokens,
+            cache_write_tokens=w.cache_write_tokens,
             status=w.status,
             running=w.running,
         )
@@ -494,7 +502,13 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
         row.timeout_at,
         row.budget,
         fused.run.task_id,
-        (row.input_tokens, row.output_tokens, row.reasoning_tokens),
+        (
+            row.input_tokens,
+            row.output_tokens,
+            row.reasoning_tokens,
+            row.cache_read_tokens,
+            row.cache_write_tokens,
+        ),
         delegated=bool(row.delegated),
     )
 

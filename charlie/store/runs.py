@@ -161,9 +161,21 @@ _CLAIM_MODEL = _claim_statement(
     select(_child.c.id).where(_child.c.parent_id == _e.task_id).exists().label("delegated"),
     _e.model_calls,
 )
-_LOAD_TOKENS = select(_t.input_tokens, _t.output_tokens, _t.reasoning_tokens).where(
-    _t.id == bindparam("b_task")
+#: the task's token counts, as the usage a budget counts names them
+TOKEN_COLUMNS = (
+    "input_tokens",
+    "output_tokens",
+    "reasoning_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
 )
+_LOAD_TOKENS = select(
+    _t.input_tokens,
+    _t.output_tokens,
+    _t.reasoning_tokens,
+    _t.cache_read_tokens,
+    _t.cache_write_tokens,
+).where(_t.id == bindparam("b_task"))
 
 
 def claim_execution(
@@ -221,15 +233,11 @@ def _usage(conn: Connection | None, row: Any) -> JSON:
     if any(row.budget.get(k) is not None for k in ("tokens", "usd")):
         known = getattr(row, "tokens", None)
         if known is not None:
-            usage.update(input_tokens=known[0], output_tokens=known[1], reasoning_tokens=known[2])
+            usage.update(zip(TOKEN_COLUMNS, known, strict=True))
             return usage
         assert conn is not None
         tokens = conn.execute(_LOAD_TOKENS, {"b_task": row.task_id}).one()
-        usage.update(
-            input_tokens=tokens.input_tokens,
-            output_tokens=tokens.output_tokens,
-            reasoning_tokens=tokens.reasoning_tokens,
-        )
+        usage.update({name: getattr(tokens, name) for name in TOKEN_COLUMNS})
     return usage
 
 
@@ -560,6 +568,8 @@ def _task_statement(usage: bool, status: bool, running: bool) -> Any:
             input_tokens=_t.input_tokens + bindparam("b_input"),
             output_tokens=_t.output_tokens + bindparam("b_output"),
             reasoning_tokens=_t.reasoning_tokens + bindparam("b_reasoning"),
+            cache_read_tokens=_t.cache_read_tokens + bindparam("b_cache_read"),
+            cache_write_tokens=_t.cache_write_tokens + bindparam("b_cache_write"),
         )
     active = _t.status.in_(ACTIVE)
     if status:
@@ -685,6 +695,8 @@ def commit_transition(
         "b_input": (transition.usage or {}).get("input_tokens", 0),
         "b_output": (transition.usage or {}).get("output_tokens", 0),
         "b_reasoning": (transition.usage or {}).get("reasoning_tokens", 0),
+        "b_cache_read": (transition.usage or {}).get("cache_read_tokens", 0),
+        "b_cache_write": (transition.usage or {}).get("cache_write_tokens", 0),
         "b_status": status.value if status is not None else None,
     }
     if combined:
@@ -829,9 +841,9 @@ class Fresh:
     timeout_at: datetime | None
     budget: JSON | None
     task_id: str
-    #: the task's tokens (input, output, reasoning), when the statement read them too (a fused
+    #: the task's tokens (TOKEN_COLUMNS, in order), when the statement read them too (a fused
     #: commit): a budget that counts tokens needs no statement more
-    tokens: tuple[int, int, int] | None = None
+    tokens: tuple[int, ...] | None = None
     #: whether the task has started a child (see _DELEGATED)
     delegated: bool = False
 

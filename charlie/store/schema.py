@@ -89,6 +89,10 @@ class Task(Base):
     input_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    #: input tokens read from / written to a provider's prompt cache: part of input_tokens,
+    #: counted on their own to be priced at their rates (charlie.pricing)
+    cache_read_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    cache_write_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     #: the task's limits: {"tokens": N, "usd": X, "model_calls": K} (any of them), checked at
     #: every turn boundary against the durable usage (issue 16).
     budget: Mapped[Any | None] = mapped_column(JSONDoc, default=None)

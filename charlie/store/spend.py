@@ -62,6 +62,8 @@ def _subtree_statement() -> Any:
         _t.input_tokens,
         _t.output_tokens,
         _t.reasoning_tokens,
+        _t.cache_read_tokens,
+        _t.cache_write_tokens,
         _e.model_calls,
     ).select_from(down.join(tasks, _t.id == down.c.id).outerjoin(executions, _e.task_id == _t.id))
 
@@ -89,6 +91,8 @@ def subtree_spend(conn: Connection, root: str) -> list[TaskSpend]:
                 "input_tokens": r.input_tokens or 0,
                 "output_tokens": r.output_tokens or 0,
                 "reasoning_tokens": r.reasoning_tokens or 0,
+                "cache_read_tokens": r.cache_read_tokens or 0,
+                "cache_write_tokens": r.cache_write_tokens or 0,
                 "model_calls": r.model_calls or 0,
             },
         )

@@ -59,6 +59,8 @@ def insert_task_and_run(
             input_tokens=0,
             output_tokens=0,
             reasoning_tokens=0,
+            cache_read_tokens=0,
+            cache_write_tokens=0,
             trace=trace,
         )
     )

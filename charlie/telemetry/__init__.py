@@ -167,6 +167,8 @@ class ObservedModel:
             input_tokens=int(getattr(usage, "input_tokens", 0) or 0),
             output_tokens=int(getattr(usage, "output_tokens", 0) or 0),
             reasoning_tokens=int(getattr(usage, "reasoning_tokens", 0) or 0),
+            cache_read_tokens=int(getattr(usage, "cache_read_tokens", 0) or 0),
+            cache_write_tokens=int(getattr(usage, "cache_write_tokens", 0) or 0),
             finish_reason=None
             if response is None
             else (response.finish_reason or ("tool_calls" if calls else "stop")),

@@ -390,6 +390,8 @@ class MetricsObserver(Observer):
             ("input", event.input_tokens),
             ("output", event.output_tokens),
             ("reasoning", event.reasoning_tokens),
+            ("cache_read", event.cache_read_tokens),
+            ("cache_write", event.cache_write_tokens),
         ):
             if count:
                 self.tokens.labels(model, kind).inc(count)
@@ -399,6 +401,8 @@ class MetricsObserver(Observer):
             event.output_tokens,
             event.reasoning_tokens,
             self.prices,
+            cache_read_tokens=event.cache_read_tokens,
+            cache_write_tokens=event.cache_write_tokens,
         )
         if cost:
             self.cost.labels(model).inc(cost)

@@ -309,6 +309,10 @@ class TracingObserver(Observer):
         }
         if event.reasoning_tokens:
             attributes["gen_ai.usage.reasoning_tokens"] = event.reasoning_tokens
+        if event.cache_read_tokens:
+            attributes["gen_ai.usage.cache_read.input_tokens"] = event.cache_read_tokens
+        if event.cache_write_tokens:
+            attributes["gen_ai.usage.cache_creation.input_tokens"] = event.cache_write_tokens
         if event.finish_reason:
             attributes["gen_ai.response.finish_reasons"] = [event.finish_reason]
         if event.error:

@@ -41,3 +41,18 @@ def test_the_task_page_and_the_list_show_cost_and_budget(
     assert '<td class="num cost">$0.0000</td>' in listing
     assert "model_calls 1 of 1" in listing
     assert "<b>costly</b>" not in listing and "&lt;b&gt;costly&lt;/b&gt;" in listing
+
+
+def test_the_task_header_shows_prompt_cache_tokens(
+    console: Console, cluster: Cluster, anthropic_server
+) -> None:
+    from tests.support.fake_anthropic import message, text, usage
+
+    anthropic_server.enqueue(message(text("cached"), use=usage(10, 4, cache_read=900)))
+    task_id = charlie.submit("hello", model="anthropic:claude-fake")
+    info = charlie.wait(task_id, timeout=60)
+    assert info.result["answer"] == "cached", info.error
+    with console.bearer() as http:
+        page = http.get(f"/tasks/{task_id}").text
+    tokens = "in 910 · out 4 · reasoning 0 · cache read 900 · cache write 0"
+    assert f'<dd id="tokens">{tokens}</dd>' in page

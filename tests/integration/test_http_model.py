@@ -51,7 +51,13 @@ def test_chat_completions_run_two_tool_turns_then_answers(
     assert info.status is TaskStatus.SUCCEEDED, info.error
     assert info.result["answer"] == "Copied and done."
     assert (workspace / "b.txt").read_text() == "B"
-    assert info.usage == {"input_tokens": 450, "output_tokens": 60, "reasoning_tokens": 7}
+    assert info.usage == {
+        "input_tokens": 450,
+        "output_tokens": 60,
+        "reasoning_tokens": 7,
+        "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
+    }
 
     bodies = model_server.bodies
     assert len(bodies) == 3

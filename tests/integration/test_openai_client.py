@@ -264,6 +264,8 @@ def test_chat_text_answer_request_and_usage(fake: FakeOpenAI) -> None:
         "input_tokens": 42,
         "output_tokens": 7,
         "reasoning_tokens": 3,
+        "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
     }
 
 
@@ -467,6 +469,8 @@ def test_responses_request_replays_reasoning_and_maps_output(fake: FakeOpenAI) -
         "input_tokens": 100,
         "output_tokens": 20,
         "reasoning_tokens": 12,
+        "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
     }
 
 

@@ -571,6 +571,7 @@ def cluster_env(
     backend: Backend,
     model_port: int | None = None,
     mcp: McpServers | None = None,
+    anthropic_port: int | None = None,
 ) -> dict[str, str]:
     env = {
         "CHARLIE_HOME": str(home),
@@ -608,6 +609,14 @@ def cluster_env(
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY
         env["CHARLIE_MODEL_TIMEOUT"] = "10"
+    if anthropic_port is not None:
+        from tests.support.fake_anthropic import FAKE_ANTHROPIC_KEY
+
+        # The fake Messages API (tests/support/fake_anthropic.py), as the SDK is pointed at one;
+        # "claude-fake-thinker" thinks (extended thinking, a budget of 2048 tokens).
+        env["ANTHROPIC_BASE_URL"] = f"http://127.0.0.1:{anthropic_port}"
+        env["ANTHROPIC_API_KEY"] = FAKE_ANTHROPIC_KEY
+        env["CHARLIE_MODEL_CLAUDE_FAKE_THINKER_THINKING_BUDGET"] = "2048"
     if mcp is not None:
         # The workers' MCP servers (issue 15): a server that is down is tried again soon.
         env["CHARLIE_MCP_CONFIG"] = str(mcp.write_config())

@@ -439,3 +439,21 @@ def test_model_calls_count_their_cost_from_the_price_table() -> None:
     cost = samples[("charlie_cost_usd_total", (("model", "openai:gpt-4.1"),))]
     assert cost == pytest.approx((1000 * 2.0 + 500 * 8.0) / 1_000_000)
     assert ("charlie_cost_usd_total", (("model", "openai:unpriced"),)) not in samples
+
+
+def test_prompt_cache_tokens_are_counted_and_priced_at_their_rates() -> None:
+    from charlie.pricing import Price
+
+    observer, registry = _registry()
+    observer.prices = {"anthropic:c": Price(3.0, 15.0, cache_read=0.3, cache_write=3.75)}
+    observer.model_call(
+        ModelCallEvent(
+            "t", "x", 1, "anthropic:c", 1.0, 2.0, "ok", 1000, 10,
+            cache_read_tokens=600, cache_write_tokens=300,
+        )
+    )  # fmt: skip
+    samples = _samples(registry)
+    label = (("kind", "cache_read"), ("model", "anthropic:c"))
+    assert samples[("charlie_tokens_total", label)] == 600
+    cost = samples[("charlie_cost_usd_total", (("model", "anthropic:c"),))]
+    assert cost == pytest.approx((100 * 3 + 600 * 0.3 + 300 * 3.75 + 10 * 15) / 1_000_000)

@@ -233,6 +233,8 @@ def test_chat_parse_never_drops_or_merges_calls() -> None:
         "input_tokens": 0,
         "output_tokens": 0,
         "reasoning_tokens": 0,
+        "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
     }
 
 
