@@ -17,8 +17,10 @@ EVENT_TYPES = (
     "tool_call",  # a tool call the model made, committed: call_id, name, arguments, held
     "tool_started",  # a tool call was dispatched (I9): call_id
     "tool_settled",  # a tool call has its outcome: call_id, name, outcome
+    "final",  # the final answer committed (I16): text
     "waiting",  # the task waits for people: calls (call_id, name, hold, question)
-    "end",  # the task ended: status
+    "end",  # the task ended (a reader adds its status)
+    "truncated",  # the task's log was full: deltas after this were dropped
 )
 
 
