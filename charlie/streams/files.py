@@ -56,7 +56,9 @@ class FileTransport:
             if size + len(data) > self.max_bytes:
                 kept = [e for e in events if e.get("type") not in DELTAS]
                 if size <= self.max_bytes:
-                    kept.insert(0, {"type": "truncated", "task_id": task_id})
+                    # said once: padded past the bound, so the next writer sees the file full
+                    pad = " " * max(0, self.max_bytes - size)
+                    kept.insert(0, {"type": "truncated", "task_id": task_id, "pad": pad})
                 data = "".join(encode(e) + "\n" for e in kept).encode()
                 if not kept or size + len(data) > self.max_bytes * 5 // 4:
                     return
