@@ -107,6 +107,7 @@ def test_a_failing_transport_never_raises_into_the_run_and_is_left_alone_a_while
     stream = sink.model_stream("t", 0, "0.1.1")
     stream.text("b")
     stream.end("completed")
+    assert sink.flush()
     assert Broken.calls == 1  # one failure, then a pause instead of a timeout per delta
 
 
