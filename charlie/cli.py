@@ -393,6 +393,9 @@ class _Watch:
                     else f"an approval of {_short(held.get('name'), 60)}"
                 )
                 self.line(f"waiting for a person: {what} (call {_short(held.get('call_id'), 60)})")
+        elif kind == "verdict":
+            cid, by = _short(data.get("call_id"), 60), _short(data.get("by"), 100)
+            self.line(f"  {_short(data.get('action'), 20)} of {cid} by {by}")
         elif kind == "final":
             self.line("final answer recorded")
         elif kind == "truncated":

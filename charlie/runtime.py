@@ -110,7 +110,8 @@ class Producer:
 
     @cached_property
     def events(self) -> EventSink:
-        """Where a worker sends what people may watch (I28: appended, never read back)."""
+        """Where this process sends what people may watch (a worker's steps, a person's
+        verdicts): appended, never read back (I28)."""
         transport = self.streams
         return NO_EVENTS if transport is None else TaskEvents(transport)
 

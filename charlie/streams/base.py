@@ -19,6 +19,7 @@ EVENT_TYPES = (
     "tool_settled",  # a tool call has its outcome: call_id, name, outcome
     "final",  # the final answer committed (I16): text
     "waiting",  # the task waits for people: calls (call_id, name, hold, question)
+    "verdict",  # a person's approve, deny, reply or reconcile committed: call_id, action, by
     "end",  # the task ended (a reader adds its status)
     "truncated",  # the task's log was full: deltas after this were dropped
 )

@@ -219,3 +219,40 @@ def test_streaming_off_sends_nothing_and_asks_for_no_stream(
     assert "stream" not in model_server.bodies[0]
     # the workers wrote no event: a reader gets only the end, from the record
     assert [e.type for e in charlie.events(task_id)] == ["end"]
+
+
+def test_a_wait_for_a_person_and_its_approval_stream_after_their_commits(
+    cluster: Cluster, script: Any
+) -> None:
+    """Tool, wait and end events come from the commits that record them (I28), with a scripted
+    model (which streams its turn in one piece per item)."""
+    model, _ = script(
+        [
+            {
+                "say": "Writing it.",
+                "tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "s1"}}],
+            },
+            {"say": "Written.", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("write once approved", model=model, approve=["ledger_write"])
+    seen: list[StreamEvent] = []
+    approved = False
+    for event in charlie.events(task_id, timeout=150):
+        seen.append(event)
+        if event.type == "waiting" and not approved:
+            # the wait was committed before it was streamed: the task says so already
+            assert charlie.get_task(task_id).waiting_for
+            charlie.approve(task_id, "w")
+            approved = True
+    kinds = [e.type for e in seen]
+    (waiting,) = [e for e in seen if e.type == "waiting"]
+    assert waiting.data["calls"] == [
+        {"call_id": "w", "name": "ledger_write", "hold": "approval", "question": None}
+    ]
+    assert kinds.index("tool_call") < kinds.index("waiting") < kinds.index("verdict")
+    (verdict,) = [e.data for e in seen if e.type == "verdict"]
+    assert (verdict["call_id"], verdict["action"]) == ("w", "approve")
+    assert [e.data["outcome"] for e in seen if e.type == "tool_settled"][:1] == ["ok"]
+    assert "".join(e.data["text"] for e in seen if e.type == "text") == "Writing it.Written."
+    assert kinds[-1] == "end" and seen[-1].data["status"] == "succeeded"
