@@ -229,9 +229,10 @@ class Settings:
     #: they start and settle, waits and the end, to ``charlie watch``, ``charlie.events`` and
     #: the console. Never the answer (I28). CHARLIE_STREAMING=0 turns it off.
     streaming: bool = True
-    #: where the events go (CHARLIE_STREAM_URL): ``redis://...`` (a Redis Stream per task) or
-    #: ``file://DIR`` (a file per task, one machine); unset: the broker's Redis, or
-    #: ``home/streams`` with the embedded broker, or none (a broker that cannot carry them).
+    #: where the events go (CHARLIE_STREAM_URL): ``redis://...`` (a Redis Stream per task),
+    #: ``amqp://...`` (one RabbitMQ stream queue) or ``file://DIR`` (a file per task, one
+    #: machine); unset: the broker (Redis or RabbitMQ), or ``home/streams`` with the embedded
+    #: broker, or none (a broker that cannot carry them: SQS, ...).
     stream_url: str | None = None
     #: a task's events are dropped this long after its last one (seconds).
     stream_ttl: float = 3600.0
@@ -241,14 +242,16 @@ class Settings:
     @property
     def stream_target(self) -> str | None:
         """Where the events go, or None when streaming is off or this broker cannot carry
-        them (RabbitMQ, SQS...: set CHARLIE_STREAM_URL=redis://... for those)."""
+        them (SQS, ...: set CHARLIE_STREAM_URL=redis://... for those)."""
         if not self.streaming:
             return None
         if self.stream_url:
             return self.stream_url
         if self.is_embedded_broker:
             return f"file://{self.home / 'streams'}"
-        if self.broker_url.startswith(("redis://", "rediss://")):
+        if self.broker_url.startswith(
+            ("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://")
+        ):
             return self.broker_url
         return None
 
@@ -394,10 +397,11 @@ def load_settings() -> Settings:
 
 def _stream_url() -> str | None:
     raw = os.environ.get("CHARLIE_STREAM_URL", "").strip()
-    if raw and not raw.startswith(("redis://", "rediss://", "unix://", "file://")):
+    schemes = ("redis://", "rediss://", "unix://", "amqp://", "amqps://", "pyamqp://", "file://")
+    if raw and not raw.startswith(schemes):
         raise ValueError(
-            f"CHARLIE_STREAM_URL must be a redis://, rediss://, unix:// or file:// URL, "
-            f"not {raw.split(':', 1)[0]!r}"
+            "CHARLIE_STREAM_URL must be a redis://, rediss://, unix://, amqp://, amqps:// or "
+            f"file:// URL, not {raw.split(':', 1)[0]!r}"
         )
     return raw or None
 

@@ -119,21 +119,22 @@ def _settings(tmp_path: Path, broker: str, **more: Any) -> Settings:
 def test_where_the_events_go(tmp_path: Path) -> None:
     assert _settings(tmp_path, "charliefs://").stream_target == f"file://{tmp_path / 'streams'}"
     assert _settings(tmp_path, "redis://h:6379/2").stream_target == "redis://h:6379/2"
-    # RabbitMQ cannot carry it: none, unless a Redis is named for it
-    assert _settings(tmp_path, "amqp://guest@h//").stream_target is None
-    named = _settings(tmp_path, "amqp://guest@h//", stream_url="redis://s:6379/0")
+    # RabbitMQ: its stream queue; SQS cannot carry it: none, unless a Redis is named for it
+    assert _settings(tmp_path, "amqp://guest@h//").stream_target == "amqp://guest@h//"
+    assert _settings(tmp_path, "sqs://k:s@").stream_target is None
+    named = _settings(tmp_path, "sqs://k:s@", stream_url="redis://s:6379/0")
     assert named.stream_target == "redis://s:6379/0"
     assert _settings(tmp_path, "charliefs://", streaming=False).stream_target is None
 
 
-def test_a_rabbitmq_deployment_is_told_what_to_set(tmp_path: Path) -> None:
+def test_a_deployment_whose_broker_cannot_carry_it_is_told_what_to_set(tmp_path: Path) -> None:
     from charlie.api import _why_no_stream
 
     class Rt:
-        settings = _settings(tmp_path, "amqp://guest@h//")
+        settings = _settings(tmp_path, "sqs://k:s@")
 
     why = _why_no_stream(Rt())  # type: ignore[arg-type]
-    assert "amqp broker cannot carry" in why and "CHARLIE_STREAM_URL" in why
+    assert "sqs broker cannot carry" in why and "CHARLIE_STREAM_URL" in why
 
 
 @pytest.fixture
@@ -176,3 +177,47 @@ def test_a_redis_follower_wakes_for_what_another_writer_appends(redis_transport:
     timer.join()
     assert texts(got) == ["piece 0"]
     redis_transport._client.delete(redis_transport.key(task))
+
+
+RABBIT = os.environ.get("CHARLIE_TEST_STREAM_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+
+
+@pytest.fixture
+def rabbit_transport() -> Any:
+    from kombu import Connection
+
+    from charlie.streams.rabbitmq_stream import RabbitStreamTransport
+
+    try:
+        with Connection(RABBIT, connect_timeout=2) as connection:
+            connection.connect()
+    except Exception as exc:
+        pytest.skip(f"no RabbitMQ at {RABBIT}: {exc}")
+    queue = f"charlie.events.test-{uuid.uuid4().hex[:8]}"
+    transport = RabbitStreamTransport(RABBIT, ttl=60, max_events=100, queue=queue)
+    yield transport
+    transport.close()
+    with Connection(RABBIT) as connection:
+        connection.default_channel.queue_delete(queue)
+
+
+def test_a_rabbitmq_stream_keeps_each_task_apart_and_resumes(rabbit_transport: Any) -> None:
+    rabbit_transport.append("a", events(3))
+    rabbit_transport.append("b", events(2, start=10))
+    rabbit_transport.append("a", events(1, start=3))
+    got = rabbit_transport.read("a", None, 5)
+    assert texts(got) == ["piece 0", "piece 1", "piece 2", "piece 3"]
+    assert texts(rabbit_transport.read("a", got[1].offset, 0)) == ["piece 2", "piece 3"]
+    assert texts(rabbit_transport.read("b", None, 5)) == ["piece 10", "piece 11"]
+    assert rabbit_transport.read("a", got[-1].offset, 0.2) == []
+    with pytest.raises(ValueError, match="a number"):
+        rabbit_transport.read("a", "1-0", 0)
+
+
+def test_a_rabbitmq_follower_wakes_for_what_another_writer_appends(rabbit_transport: Any) -> None:
+    rabbit_transport.append("other", events(1))
+    timer = threading.Timer(0.3, rabbit_transport.append, ("t", events(1, start=7)))
+    timer.start()
+    got = rabbit_transport.read("t", None, 10)
+    timer.join()
+    assert texts(got) == ["piece 7"]
