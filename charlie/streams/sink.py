@@ -28,6 +28,8 @@ BACKOFF_SECONDS = 30.0
 MAX_QUEUED = 10000
 #: how long an exiting process waits for its queued events
 EXIT_WAIT = 2.0
+#: the writer thread gathers what comes within this long into one batch
+LINGER_SECONDS = 0.005
 DELTA_TYPES = frozenset({"text", "reasoning", "tool_args"})
 
 
@@ -123,6 +125,10 @@ class TaskEvents:
                     self._ready.wait()
                     if self._pid != pid:
                         return
+            # let the step that woke this thread queue the rest of its events first: one
+            # wake-up and one round trip for them all, not one each
+            time.sleep(LINGER_SECONDS)
+            with self._ready:
                 batch = list(self._queue)
                 self._queue.clear()
                 self._busy = True

@@ -256,3 +256,38 @@ def test_a_wait_for_a_person_and_its_approval_stream_after_their_commits(
     assert [e.data["outcome"] for e in seen if e.type == "tool_settled"][:1] == ["ok"]
     assert "".join(e.data["text"] for e in seen if e.type == "text") == "Writing it.Written."
     assert kinds[-1] == "end" and seen[-1].data["status"] == "succeeded"
+
+
+def test_charlie_watch_of_a_failed_task_exits_1_and_resumes_after_an_offset(
+    cluster: Cluster, script: Any
+) -> None:
+    model, _ = script(
+        [
+            {"say": "First words.", "tool_calls": [{"id": "l", "name": "list_files"}]},
+            {"raise": "the model broke"},
+        ]
+    )
+    task_id = charlie.submit("fail late", model=model)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED
+    every = list(charlie.events(task_id))
+
+    def watch(*more: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "charlie", "watch", task_id, *more],
+            cwd=REPO,
+            env=dict(os.environ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    whole = watch("--offsets")
+    assert whole.returncode == 1, whole.stdout + whole.stderr  # as `charlie wait`
+    assert "First words." in whole.stdout and "failed:" in whole.stdout
+    assert f"@{every[0].offset}" in whole.stdout
+    # resumed after the first turn's text: only what followed it
+    text_at = next(i for i, e in enumerate(every) if e.type == "text")
+    rest = watch("--after", every[text_at].offset)
+    assert rest.returncode == 1
+    assert "First words." not in rest.stdout and "failed:" in rest.stdout
+    assert "list_files" in rest.stdout  # the tool call came after the text
