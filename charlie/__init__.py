@@ -1,9 +1,9 @@
 """Charlie: a durable executor for long-running LLM agent tasks, on Celery.
 
 The public names: ``submit``, ``get_task``, ``list_tasks``, ``wait``, ``cancel``,
-``transcript``, ``calls``, ``history`` and ``tool``; people in the loop ``send``, ``reply``,
-``approve``, ``deny``, ``reconcile``, ``resume``, ``fork`` and ``actions`` (pinned by
-tests/unit/test_exports.py).
+``transcript``, ``calls``, ``history``, ``events`` (a run as it happens) and ``tool``;
+people in the loop ``send``, ``reply``, ``approve``, ``deny``, ``reconcile``, ``resume``,
+``fork`` and ``actions`` (pinned by tests/unit/test_exports.py).
 Tool authors also have :mod:`charlie.testing`; Celery-only producers the task
 ``charlie.submit``.
 """
@@ -18,6 +18,7 @@ __all__ = [
     "calls",
     "cancel",
     "deny",
+    "events",
     "fork",
     "get_task",
     "history",

@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -54,6 +54,7 @@ from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as people_store
 from charlie.store import reads, spend
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
+from charlie.streams.base import StreamEvent, StreamUnavailable
 from charlie.tools.registry import REGISTRY
 
 log = logging.getLogger("charlie.api")
@@ -215,6 +216,8 @@ __all__ = [
     "NotResumable",
     "Origin",
     "PayloadTooLarge",
+    "StreamEvent",
+    "StreamUnavailable",
     "TaskConflict",
     "TaskFinished",
     "TaskInfo",
@@ -229,6 +232,7 @@ __all__ = [
     "calls",
     "cancel",
     "deny",
+    "events",
     "fork",
     "get_task",
     "history",
@@ -529,6 +533,84 @@ def wait(task_id: str, timeout: float = 300.0, poll: float = 0.1) -> TaskInfo:
             )
         time.sleep(poll)
         poll = min(poll * 1.5, 1.0)
+
+
+#: how long a follower waits on the stream before it looks at the task itself
+EVENTS_BLOCK = 1.0
+
+
+def events(
+    task_id: str,
+    after: str | None = None,
+    *,
+    follow: bool = True,
+    timeout: float | None = None,
+) -> Iterator[StreamEvent]:
+    """A task's run as it happens, for people watching: each :class:`StreamEvent` has a
+    ``type`` (charlie/streams/base.py lists them: ``model_start``, ``text``, ``reasoning``,
+    ``tool_args``, ``model_end``, ``tool_call``, ``tool_settled``, ``waiting``, ``final``,
+    ``end``...), its fields in ``data``, and the ``offset`` to resume after it: ``after=None``
+    starts from the first event still kept, ``after=event.offset`` gets only what followed.
+
+    ``follow``: wait for more until the task ends (the last event is ``end``, with the task's
+    ``status``); else stop at what is there now. ``timeout``: stop following after this many
+    seconds. A watcher's view, never the record (I28): a delta may be lost or repeated (a
+    ``model_restart``, a ``model_end`` with ``status="abandoned"`` voids what its call streamed);
+    the answer is the task's result. Raises TaskNotFound, or StreamUnavailable when streaming
+    is off (CHARLIE_STREAMING=0) or the broker cannot carry it (RabbitMQ: set
+    CHARLIE_STREAM_URL=redis://...)."""
+    rt = get_producer()
+    get_task(task_id)  # TaskNotFound before anything else
+    transport = rt.streams
+    if transport is None:
+        raise StreamUnavailable(_why_no_stream(rt))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    offset = after
+    while True:
+        batch = transport.read(task_id, offset, EVENTS_BLOCK if follow else 0.0)
+        for event in batch:
+            offset = event.offset
+            if event.type == "end":
+                yield _ended(task_id, event)
+                return
+            yield event
+        if batch:
+            continue
+        if not follow:
+            return
+        info = get_task(task_id)
+        if info.terminal:
+            # Ended with its end event gone (expired, dropped) or never written (a task
+            # canceled before a worker took it): what is left, then the end, from the record.
+            for event in transport.read(task_id, offset, 0.0):
+                offset = event.offset
+                if event.type == "end":
+                    yield _ended(task_id, event)
+                    return
+                yield event
+            yield _ended(task_id, StreamEvent(offset or "", {"type": "end", "task_id": task_id}))
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+
+
+def _ended(task_id: str, event: StreamEvent) -> StreamEvent:
+    info = get_task(task_id)
+    data = {**event.data, "status": info.status.value}
+    if info.error is not None:
+        data["error"] = info.error
+    return StreamEvent(event.offset, data)
+
+
+def _why_no_stream(rt: Producer) -> str:
+    s = rt.settings
+    if not s.streaming:
+        return "streaming is off here (CHARLIE_STREAMING=0)"
+    scheme = s.broker_url.split(":", 1)[0]
+    return (
+        f"the {scheme} broker cannot carry the event stream: set CHARLIE_STREAM_URL to a "
+        "Redis (redis://HOST:6379/0) every worker and watcher can reach"
+    )
 
 
 def cancel(

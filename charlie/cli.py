@@ -291,6 +291,124 @@ def wait(task_id: str, timeout: float) -> None:
 
 
 @main.command()
+@click.argument("task_id")
+@click.option("--after", default=None, help="Resume after this offset (an event's offset).")
+@click.option("--offsets", is_flag=True, help="Print each event's offset before it.")
+@click.option("--timeout", type=float, default=None, help="Stop following after this long.")
+def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None) -> None:
+    """Follow a task live: the model's text as it is written, tool calls as they start and
+    settle, waits for people, the end. Exits as `charlie wait` does: 0 only if it succeeded.
+
+    What streams is a watcher's view, never the record (a model call cut mid-way and asked
+    again streams again); the answer is the task's result."""
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    view = _Watch(offsets)
+    try:
+        for event in api.events(task_id, after=after, timeout=timeout):
+            view.show(event)
+    except TaskNotFound as exc:
+        _fail(str(exc))
+    except (api.StreamUnavailable, ValueError) as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        view.line("")
+        sys.exit(130)
+    if view.status is None:  # --timeout passed first
+        view.line("charlie: still running; watch again with --after " + (view.offset or ""))
+        sys.exit(1)
+    sys.exit(0 if view.status == "succeeded" else 1)
+
+
+class _Watch:
+    """Prints a run's events: Charlie's own lines as they are, everything a model, a tool or a
+    person wrote made printable (controls shown, never obeyed); the model's text indented
+    under the line that says which call wrote it, so it can never pass for one of Charlie's."""
+
+    GUTTER = "  │ "
+
+    def __init__(self, offsets: bool) -> None:
+        self.offsets = offsets
+        self.inline: str | None = None  # what the current unfinished line streams
+        self.status: str | None = None
+        self.offset: str | None = None
+
+    def line(self, text: str) -> None:
+        if self.inline is not None:
+            click.echo("")
+            self.inline = None
+        click.echo(text)
+
+    def stream(self, what: str, label: str, text: str) -> None:
+        if self.inline != what:
+            self.line(label)
+            click.echo(self.GUTTER, nl=False)
+            self.inline = what
+        body = printable(text, multiline=True).replace("\n", "\n" + self.GUTTER)
+        click.echo(body, nl=False)
+        sys.stdout.flush()
+
+    def show(self, event: Any) -> None:
+        data, kind = event.data, event.type
+        self.offset = event.offset
+        if self.offsets and kind not in ("text", "reasoning", "tool_args"):
+            self.line(f"@{event.offset}")
+        call = _short(data.get("call"), 40)
+        if kind == "model_start":
+            attempt = data.get("attempt")
+            again = f", attempt {_short(attempt, 10)}" if attempt and attempt != 1 else ""
+            model = _short(data.get("model"))
+            turn = _short(data.get("turn"), 10)
+            self.line(f"turn {turn}: model {model} writes (call {call}{again})")
+        elif kind == "text":
+            self.stream(f"text {call}", "  text:", str(data.get("text", "")))
+        elif kind == "reasoning":
+            self.stream(f"reasoning {call}", "  reasoning:", str(data.get("text", "")))
+        elif kind == "tool_args":
+            name = _short(data.get("name") or "?", 60)
+            cid = _short(data.get("call_id"), 60)
+            self.stream(f"args {call} {cid}", f"  arguments of {name} ({cid}):", str(data["text"]))
+        elif kind == "model_restart":
+            self.line(f"  stream cut, asked again: {_short(data.get('reason'), 300)}")
+        elif kind == "model_end":
+            status = _short(data.get("status"), 20)
+            reason = f": {_short(data.get('reason'), 300)}" if data.get("reason") else ""
+            self.line(f"  model call {call} {status}{reason}")
+        elif kind == "tool_call":
+            held = f" (held for {_short(data['held'], 20)})" if data.get("held") else ""
+            name, arguments = _short(data.get("name"), 60), _short(data.get("arguments"), 300)
+            self.line(f"tool call {_short(data.get('call_id'), 60)}: {name}({arguments}){held}")
+        elif kind == "tool_started":
+            self.line(f"  started {_short(data.get('call_id'), 60)}")
+        elif kind == "tool_settled":
+            late = " (late report)" if data.get("late") else ""
+            cid, name = _short(data.get("call_id"), 60), _short(data.get("name"), 60)
+            self.line(f"  settled {cid} {name}: {_short(data.get('outcome'), 30)}{late}")
+        elif kind == "waiting":
+            for held in data.get("calls") or []:
+                what = (
+                    f"a reply to {_short(held.get('question'), 300)}"
+                    if held.get("hold") == "reply"
+                    else f"an approval of {_short(held.get('name'), 60)}"
+                )
+                self.line(f"waiting for a person: {what} (call {_short(held.get('call_id'), 60)})")
+        elif kind == "verdict":
+            cid, by = _short(data.get("call_id"), 60), _short(data.get("by"), 100)
+            self.line(f"  {_short(data.get('action'), 20)} of {cid} by {by}")
+        elif kind == "final":
+            self.line("final answer recorded")
+        elif kind == "truncated":
+            self.line("  (the stream was full: text after this was dropped)")
+        elif kind == "end":
+            self.status = str(data.get("status"))
+            from charlie import api
+
+            info = api.get_task(str(data.get("task_id")))
+            self.line(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
+
+
+@main.command()
 @click.option("--timeout", type=float, default=3.0, help="Seconds each check may take.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(timeout: float, as_json: bool) -> None:

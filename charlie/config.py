@@ -238,6 +238,35 @@ class Settings:
     budget_tokens: int | None = None
     budget_usd: float | None = None
     budget_model_calls: int | None = None
+    #: streaming for people watching (charlie/streams/): what the model writes, tool calls as
+    #: they start and settle, waits and the end, to ``charlie watch``, ``charlie.events`` and
+    #: the console. Never the answer (I28). CHARLIE_STREAMING=0 turns it off.
+    streaming: bool = True
+    #: where the events go (CHARLIE_STREAM_URL): ``redis://...`` (a Redis Stream per task),
+    #: ``amqp://...`` (one RabbitMQ stream queue) or ``file://DIR`` (a file per task, one
+    #: machine); unset: the broker (Redis or RabbitMQ), or ``home/streams`` with the embedded
+    #: broker, or none (a broker that cannot carry them: SQS, ...).
+    stream_url: str | None = None
+    #: a task's events are dropped this long after its last one (seconds).
+    stream_ttl: float = 3600.0
+    #: at most about this many events kept per task (Redis MAXLEN ~; files: x 512 bytes).
+    stream_max_events: int = 20000
+
+    @property
+    def stream_target(self) -> str | None:
+        """Where the events go, or None when streaming is off or this broker cannot carry
+        them (SQS, ...: set CHARLIE_STREAM_URL=redis://... for those)."""
+        if not self.streaming:
+            return None
+        if self.stream_url:
+            return self.stream_url
+        if self.is_embedded_broker:
+            return f"file://{self.home / 'streams'}"
+        if self.broker_url.startswith(
+            ("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://")
+        ):
+            return self.broker_url
+        return None
 
     @property
     def budget_defaults(self) -> dict[str, float | int | None]:
@@ -378,7 +407,22 @@ def load_settings() -> Settings:
         ),
         delegate_max_depth=_env_bound("CHARLIE_DELEGATE_MAX_DEPTH", 3),
         delegate_max_children=_env_bound("CHARLIE_DELEGATE_MAX_CHILDREN", 16),
+        streaming=_env_flag("CHARLIE_STREAMING", default=True),
+        stream_url=_stream_url(),
+        stream_ttl=_env_float("CHARLIE_STREAM_TTL", 3600.0),
+        stream_max_events=max(100, _env_int("CHARLIE_STREAM_MAX_EVENTS", 20000)),
     )
+
+
+def _stream_url() -> str | None:
+    raw = os.environ.get("CHARLIE_STREAM_URL", "").strip()
+    schemes = ("redis://", "rediss://", "unix://", "amqp://", "amqps://", "pyamqp://", "file://")
+    if raw and not raw.startswith(schemes):
+        raise ValueError(
+            "CHARLIE_STREAM_URL must be a redis://, rediss://, unix://, amqp://, amqps:// or "
+            f"file:// URL, not {raw.split(':', 1)[0]!r}"
+        )
+    return raw or None
 
 
 SIGNING_VARIABLES = (

@@ -366,6 +366,8 @@ def _decide(
     assert decided is not None
     if decided.replayed:
         return _record(rt, decided.record_id)
+    # after the verdict's commit, for people watching (I28)
+    rt.events.emit(task_id, "verdict", call_id=call_id, action=action.value, by=actor)
     if decided.invoke is not None:
         # Lost, the sweep finds a released call that was queued and never started (I11), or
         # an answered started call, whose lease it finds lapsed (I10).

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from charlie.domain import TaskStatus
 from charlie.models.base import Model
+from charlie.streams.sink import NO_EVENTS, EventSink
 from charlie.tools.registry import ToolRegistry
 
 
@@ -41,4 +42,6 @@ class PhaseDeps:
     tools: ToolRegistry
     scheduler: SchedulerPort
     limits: PhaseLimits = field(default_factory=PhaseLimits)
+    #: where the model call's stream goes, for people watching (I28: never read back)
+    events: EventSink = NO_EVENTS
     sleep: Callable[[float], None] = time.sleep

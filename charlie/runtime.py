@@ -37,6 +37,9 @@ from charlie.scheduler import DbScheduler
 from charlie.store import scans
 from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
 from charlie.store.transcripts import TranscriptCache
+from charlie.streams.base import Transport
+from charlie.streams.open import open_transport
+from charlie.streams.sink import NO_EVENTS, EventSink, TaskEvents
 from charlie.tools.registry import REGISTRY, ToolRegistry
 
 if TYPE_CHECKING:
@@ -94,6 +97,24 @@ class Producer:
         for row in rows:
             self.publisher.tick(row.id, Phase(row.phase), row.version)
 
+    @cached_property
+    def streams(self) -> Transport | None:
+        """The transport of the events people watch (charlie/streams), or None when streaming
+        is off or this broker cannot carry them (settings.stream_target)."""
+        target = self.settings.stream_target
+        if target is None:
+            return None
+        return open_transport(
+            target, ttl=self.settings.stream_ttl, max_events=self.settings.stream_max_events
+        )
+
+    @cached_property
+    def events(self) -> EventSink:
+        """Where this process sends what people may watch (a worker's steps, a person's
+        verdicts): appended, never read back (I28)."""
+        transport = self.streams
+        return NO_EVENTS if transport is None else TaskEvents(transport)
+
 
 @dataclass
 class Runtime(Producer):
@@ -143,6 +164,7 @@ class Runtime(Producer):
                 human_deadline=s.human_deadline,
                 report_retries=s.report_retries,
             ),
+            events=self.events,
         )
 
 

@@ -8,7 +8,9 @@ Routes (every one needs the token; see :mod:`charlie.console.auth`):
   ``GET /api/tasks/<id>/revision`` changes; ``POST /tasks/<id>/<action>``: a form's action
   (protected by an XSRF token bound to the session), shown on the page it redirects back to.
 - ``/api/...``: the Python API's records as JSON (``dataclasses.asdict``, times in ISO 8601);
-  ``POST /api/tasks/<id>/<action>`` takes a JSON body and returns the ActionRecord.
+  ``POST /api/tasks/<id>/<action>`` takes a JSON body and returns the ActionRecord;
+  ``GET /api/tasks/<id>/events?after=OFFSET``: the run's stream for people watching
+  (``charlie.events``, not following), which the run page's live panel polls.
 
 The API's calls block (SQLAlchemy), so each request runs them on a small thread pool; the
 event loop only renders and writes.
@@ -744,6 +746,30 @@ class ApiTask(ApiBase):
         await self.answer(reader, task_id)
 
 
+#: at most this many events in one answer of the events read
+EVENTS_PAGE = 500
+
+
+def load_events(task_id: str, after: str | None) -> dict[str, Any]:
+    """What streamed since ``after`` (not following: what is there now), and the offset to ask
+    from next. Off or unavailable: ``{"off": why}``, and the page hides its live panel."""
+    out: list[dict[str, Any]] = []
+    try:
+        for event in api.events(task_id, after=after or None, follow=False):
+            out.append({"offset": event.offset, **event.data})
+            after = event.offset
+            if len(out) >= EVENTS_PAGE:
+                break
+    except api.StreamUnavailable as exc:
+        return {"events": [], "next": after, "off": str(exc)}
+    return {"events": out, "next": after}
+
+
+class ApiEvents(ApiBase):
+    async def get(self, task_id: str) -> None:
+        await self.answer(load_events, task_id, self.get_query_argument("after", None))
+
+
 class ApiAction(ApiBase):
     async def post(self, task_id: str, action: str) -> None:
         try:
@@ -814,6 +840,7 @@ def make_app(
             (r"/api/tasks", ApiTasks),
             (rf"/api/tasks/{TASK_ID}", ApiTask),
             (rf"/api/tasks/{TASK_ID}/{reads}", ApiTask),
+            (rf"/api/tasks/{TASK_ID}/events", ApiEvents),
             (rf"/api/tasks/{TASK_ID}/{actions}", ApiAction),
         ],
         template_path=str(HERE / "templates"),

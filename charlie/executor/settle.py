@@ -255,6 +255,16 @@ def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
             "outcome": done.outcome,
         },
     )
+    if rt.events.enabled:  # after the settle's commit (I28)
+        rt.events.emit(
+            task_id_of(call.execution_id),
+            "tool_settled",
+            turn=call.turn,
+            call_id=call.call_id,
+            name=call.name,
+            outcome=done.outcome.value,
+            late=not settled,
+        )
     faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
 
 

@@ -31,7 +31,7 @@ from charlie.domain import (
     task_id_of,
     utcnow,
 )
-from charlie.executor import boundary, fused
+from charlie.executor import boundary, fused, streamed
 from charlie.executor.events import InlineReports
 from charlie.executor.invoke import execute_call, poke_waiters, run_call
 from charlie.executor.phases import needs
@@ -1008,6 +1008,7 @@ def _after_commit(
         publish_next=not isinstance(follow, NextTick) if publish_next is None else publish_next,
         local_calls=local_calls,
     )
+    safely(streamed.committed, rt.events, view, claim.turn, transition)
     if transition.to is None:
         # Waiting (open tool calls, a stored wake-up): whoever settles the last call locks the
         # run after this commit and sees the wait (see store.calls.lock_run); the sweep wakes

@@ -248,7 +248,11 @@ class AnthropicModel:
     def _stream(self, params: JSON, request: ModelRequest, extra: dict[str, Any]) -> _Streamed:
         """One streamed message, within the retry policy."""
         return self.retry.run(
-            lambda: self._attempt(params, request), spec=self.spec, log=log, extra=extra
+            lambda: self._attempt(params, request),
+            spec=self.spec,
+            log=log,
+            extra=extra,
+            deltas=request.deltas,
         )
 
     def close(self) -> None:
@@ -359,16 +363,18 @@ class AnthropicModel:
         except (anthropic.APIConnectionError, httpx2.HTTPError) as exc:
             detail = self.redact(f"{type(exc).__name__}: {exc}")
             what = "timed out" if isinstance(exc, anthropic.APITimeoutError) else "failed"
-            return Failure(f"request {what} ({detail})", {"error": detail})
+            # (possibly after part of the stream: a watcher is told to drop it)
+            return Failure(f"request {what} ({detail})", {"error": detail}, streamed=True)
         except (ValueError, RuntimeError) as exc:
             # an event the SDK could not read (bad JSON, events out of order): a broken stream
             detail = self.redact(f"{type(exc).__name__}: {exc}")[:1000]
-            return Failure(f"the stream broke ({detail})", {"error": detail})
+            return Failure(f"the stream broke ({detail})", {"error": detail}, streamed=True)
         except anthropic.AnthropicError as exc:
             detail = self.redact(f"{type(exc).__name__}: {exc}")[:1000]
             return Failure(detail, {"error": detail}, retryable=False)
         if message is None:
-            return Failure("the stream ended before message_stop", {"error": "stream ended early"})
+            ended = "the stream ended before message_stop"
+            return Failure(ended, {"error": "stream ended early"}, streamed=True)
         data: JSON = message.to_dict(mode="json", exclude_none=True)
         # only tool_use blocks keep their streamed argument strings
         blocks: list[Any] = data.get("content") or []

@@ -41,6 +41,10 @@ class Deltas(Protocol):
 
     def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None: ...
 
+    def restart(self, reason: str) -> None:
+        """The stream was cut and the client asks again: every delta so far is void."""
+        ...
+
 
 class NoDeltas:
     """Nobody is watching: every delta is dropped."""
@@ -52,6 +56,9 @@ class NoDeltas:
         pass
 
     def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None:
+        pass
+
+    def restart(self, reason: str) -> None:
         pass
 
 

@@ -19,6 +19,14 @@ seconds or an HTTP date). A wait is slept inside the call only while it is short
 (400, 401, 403, 404, 413, 422, a 429 for exhausted quota, ...) raise :class:`ModelError` with the
 status and the first 4 KiB of the body as evidence.
 
+Streaming: when someone may be watching (``request.deltas`` is not ``NO_DELTAS``) the request
+asks for a stream (``stream: true``) and the text, reasoning and tool-call argument pieces go to
+``request.deltas`` as they come (charlie/models/openai_stream.py); the answer is still built from
+the whole stream, never from part of one (I16, I28). A stream cut or stalled mid-way (past the
+read timeout) is a transient failure like a dropped connection, retried the same way; the
+watchers are told its pieces are void (``Deltas.restart``). A server that answers a streamed
+request with plain JSON is read as before.
+
 The API key goes only into the ``Authorization`` header of the requests: it is redacted from every
 message, evidence and log line, and evidence never holds request headers.
 """
@@ -38,9 +46,15 @@ from typing import Any
 import httpx
 
 from charlie.domain import JSON
-from charlie.models.base import ModelError, ModelRequest, ModelResponse
+from charlie.models.base import NO_DELTAS, Deltas, ModelError, ModelRequest, ModelResponse
 from charlie.models.openai_chat import MalformedResponse, chat_request_body, parse_chat_completion
 from charlie.models.openai_responses import parse_response, responses_request_body
+from charlie.models.openai_stream import (
+    ChatStream,
+    ResponsesStream,
+    StreamFailed,
+    server_sent_events,
+)
 from charlie.models.retry import (
     CONNECT_TIMEOUT,
     DEFAULT_BACKOFF_BASE,
@@ -180,10 +194,19 @@ class OpenAIModel:
     def parse(self, data: Any) -> ModelResponse:
         raise NotImplementedError
 
+    def streaming(self, body: JSON) -> JSON:
+        """The request body that asks for a stream."""
+        return {**body, "stream": True}
+
+    def reader(self, deltas: Deltas) -> ChatStream | ResponsesStream:
+        raise NotImplementedError
+
     # -- the Model protocol -------------------------------------------------------------------
 
     def complete(self, request: ModelRequest) -> ModelResponse:
         body = self.build(request)
+        if request.deltas is not NO_DELTAS:
+            body = self.streaming(body)
         data, text = self._post(body, request)
         try:
             response = self.parse(data)
@@ -230,10 +253,15 @@ class OpenAIModel:
     def _extra(self, request: ModelRequest, **more: Any) -> dict[str, Any]:
         return {"task_id": request.task_id, "turn": request.turn, "model": self.spec, **more}
 
-    def _attempt(self, body: JSON) -> tuple[Any, str] | Failure:
+    def _attempt(self, body: JSON, deltas: Deltas) -> tuple[Any, str] | Failure:
         url = self.config.base_url + self.path
         try:
-            response = self._client().post(url, json=body, headers=self._headers())
+            with self._client().stream("POST", url, json=body, headers=self._headers()) as response:
+                status = response.status_code
+                kind = response.headers.get("content-type", "")
+                if 200 <= status < 300 and body.get("stream") and "event-stream" in kind:
+                    return self._read_stream(response, deltas)
+                response.read()
         except httpx.RequestError as exc:  # timeouts, connection, protocol and decoding errors
             what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
             detail = self.redact(f"{type(exc).__name__}: {exc}")
@@ -262,9 +290,37 @@ class OpenAIModel:
             summary = "context length exceeded: " + summary
         return Failure(summary, evidence, status, retryable=False)
 
+    def _read_stream(self, response: httpx.Response, deltas: Deltas) -> tuple[Any, str] | Failure:
+        """The answer a whole stream adds up to; a stream cut, stalled or ended early, or one
+        that reports an error, is a failure, never an answer (I16)."""
+        reader = self.reader(deltas)
+        try:
+            for event in server_sent_events(response.iter_lines()):
+                reader.feed(event)
+                if reader.done:
+                    break
+        except StreamFailed as exc:
+            message = self.redact(str(exc))[:500]
+            evidence: JSON = {"status": response.status_code, "stream_error": message}
+            retryable = exc.code not in UNRETRYABLE_CODES and exc.code != "context_length_exceeded"
+            return Failure(message, evidence, retryable=retryable, streamed=True)
+        except httpx.RequestError as exc:
+            what = "stalled" if isinstance(exc, httpx.TimeoutException) else "was cut"
+            detail = self.redact(f"{type(exc).__name__}: {exc}")
+            return Failure(f"the stream {what} ({detail})", {"error": detail}, streamed=True)
+        if not reader.done:
+            message = "the stream ended before it was complete"
+            return Failure(message, {"error": message}, streamed=True)
+        data = reader.response if isinstance(reader, ResponsesStream) else reader.completion()
+        return data, json.dumps(data)
+
     def _post(self, body: JSON, request: ModelRequest) -> tuple[Any, str]:
         return self.retry.run(
-            lambda: self._attempt(body), spec=self.spec, log=log, extra=self._extra(request)
+            lambda: self._attempt(body, request.deltas),
+            spec=self.spec,
+            log=log,
+            extra=self._extra(request),
+            deltas=request.deltas,
         )
 
 
@@ -279,6 +335,12 @@ class OpenAIChatModel(OpenAIModel):
     def parse(self, data: Any) -> ModelResponse:
         return parse_chat_completion(data)
 
+    def streaming(self, body: JSON) -> JSON:
+        return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+    def reader(self, deltas: Deltas) -> ChatStream:
+        return ChatStream(deltas)
+
 
 class OpenAIResponsesModel(OpenAIModel):
     """``openai-responses:NAME``: ``POST {base}/responses``, stateless (``store: false``)."""
@@ -290,6 +352,9 @@ class OpenAIResponsesModel(OpenAIModel):
 
     def parse(self, data: Any) -> ModelResponse:
         return parse_response(data)
+
+    def reader(self, deltas: Deltas) -> ResponsesStream:
+        return ResponsesStream(deltas)
 
 
 CLIENTS: dict[str, type[OpenAIModel]] = {

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from charlie.domain import JSON
-from charlie.models.base import ModelError, TransientModelError
+from charlie.models.base import Deltas, ModelError, TransientModelError
 
 DEFAULT_READ_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 10.0
@@ -133,6 +133,8 @@ class Failure:
     status: int | None = None
     retry_after: float | None = None
     retryable: bool = True
+    #: the failure came after part of a stream was read (its deltas were sent)
+    streamed: bool = False
 
 
 @dataclass
@@ -161,8 +163,11 @@ class RetryPolicy:
         spec: str,
         log: logging.Logger,
         extra: dict[str, Any],
+        deltas: Deltas | None = None,
     ) -> T:
-        """``attempt_once`` until it gives a value, within the policy (see the module)."""
+        """``attempt_once`` until it gives a value, within the policy (see the module). A
+        streamed attempt that failed is announced to ``deltas`` before the next one, so a
+        watcher drops what it showed of it."""
         attempts = self.max_attempts
         for attempt in range(1, attempts + 1):
             outcome = attempt_once()
@@ -196,6 +201,8 @@ class RetryPolicy:
                     retry_after=wait,
                     evidence=evidence,
                 )
+            if failure.streamed and deltas is not None:
+                deltas.restart(failure.message)
             log.warning(
                 "model call failed; retrying in %.2f s: %s",
                 wait,

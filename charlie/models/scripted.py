@@ -257,4 +257,19 @@ class ScriptedModel:
             args = _substitute(call.get("arguments", {}), request.task_id)
             output.append(tool_call_item(call_id, str(call["name"]), args))
         text = json.dumps([i.payload for i in output])
+        _stream(request, output)
         return ModelResponse(output=output, usage=Usage(output_tokens=len(text) // 4))
+
+
+def _stream(request: ModelRequest, output: list[NewItem]) -> None:
+    """What a streaming client would send while writing this turn, in one piece each (so
+    watchers and the benchmark see a scripted run stream too; never the answer, I28)."""
+    deltas = request.deltas
+    for item in output:
+        if item.kind is ItemKind.REASONING:
+            deltas.reasoning(str(item.payload.get("summary") or ""))
+        elif item.kind is ItemKind.MESSAGE:
+            deltas.text(str(item.payload.get("content") or ""))
+        elif item.kind is ItemKind.TOOL_CALL:
+            raw = str(item.payload.get("raw_arguments", ""))
+            deltas.tool_call(item.call_id or "", str(item.payload.get("name")), raw)

@@ -10,11 +10,19 @@ than it scripted fails loudly.
     server.enqueue(rate_limited(retry_after="0"), chat_text("hello"))
     ... client with CHARLIE_MODEL_BASE_URL=server.url ...
     server.stop()
+
+Streams: a reply with ``events`` (server-sent event frames, see :func:`chat_stream` and
+:func:`responses_stream`, which speak the two formats as OpenAI documents them) is sent as
+``text/event-stream`` with chunked transfer encoding, one frame at a time. ``hold_at=N`` stops
+after N frames until ``release`` is set (a stall, while a test looks at what was streamed so
+far; ``reached`` is set when it gets there); ``cut_at=N`` drops the connection after N frames,
+without the chunked body's end (a stream cut mid-way).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections import deque
@@ -39,6 +47,14 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     #: seconds to wait before answering (to outlast the client's read timeout).
     delay: float = 0.0
+    #: server-sent event frames: the reply is a stream of them
+    events: list[str] | None = None
+    hold_at: int | None = None
+    release: threading.Event = field(default_factory=threading.Event)
+    reached: threading.Event = field(default_factory=threading.Event)
+    #: how long a hold lasts at most (then the stream goes on)
+    hold_seconds: float = 120.0
+    cut_at: int | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -71,6 +87,9 @@ class _Handler(BaseHTTPRequestHandler):
             reply = Reply(404, {"error": {"message": f"fake: no route {self.path}"}})
         if reply.delay:
             time.sleep(reply.delay)
+        if reply.events is not None and reply.status == 200:
+            self._stream(reply)
+            return
         content = reply.body(recorded) if callable(reply.body) else reply.body
         if isinstance(content, str):
             data = content.encode()
@@ -89,6 +108,34 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client gave up waiting (a timeout test)
+
+    def _stream(self, reply: Reply) -> None:
+        events = reply.events or []
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            for name, value in reply.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            for index, frame in enumerate(events):
+                if index == reply.hold_at:
+                    reply.reached.set()
+                    reply.release.wait(reply.hold_seconds)
+                if index == reply.cut_at:
+                    self.close_connection = True
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                data = frame.encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+            reply.reached.set()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self.close_connection = True
 
 
 class _Server(ThreadingHTTPServer):
@@ -312,3 +359,146 @@ def echoing_auth(status: int) -> Reply:
         return {"error": {"message": f"Incorrect API key provided: {auth}", "code": "bad_key"}}
 
     return Reply(status, body)
+
+
+# -- streams -----------------------------------------------------------------------------------
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event frame."""
+    text = data if isinstance(data, str) else json.dumps(data)
+    head = f"event: {event}\n" if event else ""
+    return head + "".join(f"data: {line}\n" for line in text.split("\n")) + "\n"
+
+
+def pieces(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
+
+
+def chat_stream(
+    text: str | None = None,
+    calls: list[tuple[str, str, str]] | None = None,
+    *,
+    reasoning: str | None = None,
+    usage: dict[str, Any] | None = None,
+    size: int = 4,
+    **options: Any,
+) -> Reply:
+    """A streamed chat completion as OpenAI sends one: a first chunk with the role, the text
+    (and ``reasoning_content``) in pieces of ``size`` characters, each tool call's first
+    fragment with its id and name then its arguments in pieces, a chunk with the finish reason,
+    the usage chunk (no choices; ``stream_options.include_usage``), ``[DONE]``."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return sse(
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "created": 0,
+                "model": "fake",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            }
+        )
+
+    frames = [chunk({"role": "assistant", "content": ""})]
+    for piece in pieces(reasoning, size) if reasoning else []:
+        frames.append(chunk({"reasoning_content": piece}))
+    for piece in pieces(text, size) if text else []:
+        frames.append(chunk({"content": piece}))
+    for index, (call_id, name, arguments) in enumerate(calls or []):
+        first = {"index": index, "id": call_id, "type": "function"}
+        opening = {**first, "function": {"name": name, "arguments": ""}}
+        frames.append(chunk({"tool_calls": [opening]}))
+        for piece in pieces(arguments, size):
+            fragment = {"index": index, "function": {"arguments": piece}}
+            frames.append(chunk({"tool_calls": [fragment]}))
+    frames.append(chunk({}, "tool_calls" if calls else "stop"))
+    frames.append(
+        sse(
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": usage if usage is not None else usage_chat(),
+            }
+        )
+    )
+    frames.append(sse("[DONE]"))
+    return Reply(events=frames, **options)
+
+
+def responses_stream(
+    output: list[dict[str, Any]],
+    *,
+    usage: dict[str, Any] | None = None,
+    size: int = 4,
+    status: str = "completed",
+    **options: Any,
+) -> Reply:
+    """A streamed response as OpenAI sends one: ``response.created``, then per output item
+    ``response.output_item.added``, its deltas (``response.output_text.delta``,
+    ``response.reasoning_summary_text.delta``, ``response.function_call_arguments.delta``) and
+    ``response.output_item.done``, then ``response.completed`` with the whole response."""
+    seq = iter(range(1_000_000))
+    whole = {
+        "id": "resp_fake",
+        "object": "response",
+        "status": status,
+        "model": "fake",
+        "output": output,
+        "usage": usage if usage is not None else usage_responses(),
+    }
+
+    def event(kind: str, **fields: Any) -> str:
+        return sse({"type": kind, "sequence_number": next(seq), **fields}, event=kind)
+
+    frames = [event("response.created", response={**whole, "status": "in_progress", "output": []})]
+    for index, item in enumerate(output):
+        item_id = item.get("id", f"item_{index}")
+        added = dict(item)
+        kind = item.get("type")
+        if kind == "function_call":
+            added["arguments"] = ""
+        elif kind == "message":
+            added["content"] = []
+        elif kind == "reasoning":
+            added["summary"] = []
+        frames.append(event("response.output_item.added", output_index=index, item=added))
+        if kind == "message":
+            for part in item.get("content", []):
+                for piece in pieces(part.get("text", ""), size):
+                    frames.append(
+                        event(
+                            "response.output_text.delta",
+                            item_id=item_id,
+                            output_index=index,
+                            content_index=0,
+                            delta=piece,
+                        )
+                    )
+        elif kind == "reasoning":
+            for n, part in enumerate(item.get("summary", [])):
+                for piece in pieces(part.get("text", ""), size):
+                    frames.append(
+                        event(
+                            "response.reasoning_summary_text.delta",
+                            item_id=item_id,
+                            output_index=index,
+                            summary_index=n,
+                            delta=piece,
+                        )
+                    )
+        elif kind == "function_call":
+            for piece in pieces(item.get("arguments", ""), size):
+                frames.append(
+                    event(
+                        "response.function_call_arguments.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        delta=piece,
+                    )
+                )
+        frames.append(event("response.output_item.done", output_index=index, item=item))
+    final = "response.completed" if status == "completed" else f"response.{status}"
+    frames.append(event(final, response=whole))
+    return Reply(events=frames, **options)

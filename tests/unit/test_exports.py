@@ -14,6 +14,7 @@ PUBLIC = [
     "calls",
     "cancel",
     "deny",
+    "events",
     "fork",
     "get_task",
     "history",

@@ -56,6 +56,93 @@
     }
   }, true);
 
+  // The live panel: what the current model call writes, as it writes it, from the run's event
+  // stream (/api/tasks/<id>/events?after=OFFSET, polled). Text goes in with textContent only:
+  // whatever a model wrote is shown as text, never parsed.
+  var panel = document.getElementById("live-model");
+  if (panel) {
+    followEvents(panel);
+  }
+
+  function followEvents(panel) {
+    var url = panel.getAttribute("data-events-url");
+    var callLine = document.getElementById("live-call");
+    var text = document.getElementById("live-text");
+    var reasoning = document.getElementById("live-reasoning");
+    var args = document.getElementById("live-args");
+    var after = null;
+    var call = null;
+    var done = false;
+
+    function reset() {
+      text.textContent = "";
+      reasoning.textContent = "";
+      reasoning.hidden = true;
+      args.textContent = "";
+      args.hidden = true;
+    }
+
+    function apply(e) {
+      if (e.type === "model_start") {
+        call = e.call;
+        reset();
+        panel.hidden = false;
+        panel.setAttribute("data-state", "writing");
+        callLine.textContent = "turn " + e.turn + ": " + e.model + " is writing (call " + e.call + ")";
+      } else if (e.call !== call) {
+        if (e.type === "end") {
+          done = true;
+        }
+        return;
+      } else if (e.type === "text") {
+        text.textContent += e.text;
+      } else if (e.type === "reasoning") {
+        reasoning.hidden = false;
+        reasoning.textContent += e.text;
+      } else if (e.type === "tool_args") {
+        args.hidden = false;
+        args.textContent += e.text;
+      } else if (e.type === "model_restart") {
+        reset();
+        callLine.textContent += " (the stream was cut; asked again)";
+      } else if (e.type === "model_end") {
+        panel.setAttribute("data-state", e.status);
+        callLine.textContent = "turn " + e.turn + ": call " + e.call + " " + e.status +
+          (e.reason ? " (" + e.reason + ")" : "");
+      }
+    }
+
+    function poll() {
+      var query = after === null ? "" : "?after=" + encodeURIComponent(after);
+      fetch(url + query, { credentials: "same-origin", cache: "no-store" })
+        .then(function (r) { return r.ok ? r.json() : null; })
+        .then(function (page) {
+          if (!page) {
+            return;
+          }
+          if (page.off) {
+            done = true;
+            return;
+          }
+          page.events.forEach(function (e) {
+            if (e.type === "end") {
+              done = true;
+            }
+            apply(e);
+          });
+          after = page.next;
+        })
+        .catch(function () { /* try again at the next tick */ })
+        .then(function () {
+          if (!done) {
+            window.setTimeout(poll, 300);
+          }
+        });
+    }
+
+    poll();
+  }
+
   if (!live) {
     return;
   }

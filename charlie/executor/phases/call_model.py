@@ -2,10 +2,17 @@
 
 The call runs outside any transaction (I5); its output is committed before anything acts on it,
 so a crash before the commit repeats only this call (I3), and the repeat is counted.
+
+While the model writes, a streaming client sends what it writes to the run's event stream for
+people watching (``deps.events``, charlie/streams); no phase reads it back (I28). Each attempt is
+a stream of its own, named ``turn.version.attempt``: a repeat after a crash first marks the
+attempt before it abandoned, then streams again from the start; the answer is only what
+``complete`` returns, committed once (I16).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from charlie.domain import (
@@ -20,7 +27,7 @@ from charlie.domain import (
     TaskStatus,
     Transition,
 )
-from charlie.models.base import ModelError, ModelRequest, TransientModelError
+from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
 from charlie.ports import PhaseDeps
 from charlie.tools.registry import ToolRegistry
 
@@ -109,24 +116,54 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         tools=[t.spec() for t in enabled],
     )
     retries = int(view.state.get("model_retries", 0))
+    stream = deps.events.model_stream(
+        task.id, view.turn, f"{view.turn}.{view.version}.{view.attempts}"
+    )
+    if view.attempts > 1 and deps.events.enabled:
+        # I3: the attempt before this one lost its worker before its answer committed
+        deps.events.emit(
+            task.id,
+            "model_end",
+            turn=view.turn,
+            call=f"{view.turn}.{view.version}.{view.attempts - 1}",
+            status="abandoned",
+            reason="its worker stopped before the answer was recorded; the call is repeated",
+        )
+    if deps.events.enabled:
+        stream.start(model=task.model, attempt=view.attempts, retry=retries)
+        request = replace(request, deltas=stream)
     try:
         response = model.complete(request)
-    except TransientModelError as exc:
-        if retries + 1 >= deps.limits.model_retries:
-            raise ModelError(
-                f"model {task.model} kept failing after {retries + 1} attempts: {exc}",
-                evidence=exc.evidence,
-            ) from exc
-        delay = exc.retry_after if exc.retry_after is not None else min(60.0, 2.0**retries)
-        # A long wait is stored as a wake-up time for the sweep, never slept in a tick.
-        return Transition(
-            to=None,
-            state={**view.state, "model_retries": retries + 1, "last_model_error": str(exc)},
-            wake_at=view.now + timedelta(seconds=delay),
-            publish_next=False,
-            note=f"model transient failure, retry in {delay:.1f}s",
-        )
+    except BaseException as exc:
+        stream.end("abandoned", f"{type(exc).__name__}: {exc}")
+        if not isinstance(exc, TransientModelError):
+            raise
+        return _retry_later(view, deps, task.model, retries, exc)
+    stream.end("completed")
+    return _transition(view, deps, response)
 
+
+def _retry_later(
+    view: RunView, deps: PhaseDeps, model: str, retries: int, exc: TransientModelError
+) -> Transition:
+    if retries + 1 >= deps.limits.model_retries:
+        raise ModelError(
+            f"model {model} kept failing after {retries + 1} attempts: {exc}",
+            evidence=exc.evidence,
+        ) from exc
+    delay = exc.retry_after if exc.retry_after is not None else min(60.0, 2.0**retries)
+    # A long wait is stored as a wake-up time for the sweep, never slept in a tick.
+    return Transition(
+        to=None,
+        state={**view.state, "model_retries": retries + 1, "last_model_error": str(exc)},
+        wake_at=view.now + timedelta(seconds=delay),
+        publish_next=False,
+        note=f"model transient failure, retry in {delay:.1f}s",
+    )
+
+
+def _transition(view: RunView, deps: PhaseDeps, response: ModelResponse) -> Transition:
+    task = view.task
     items: list[NewItem] = []
     calls: list[NewCall] = []
     seen: set[str] = set()

@@ -1,0 +1,144 @@
+"""A RabbitMQ stream queue: the transport when the broker is RabbitMQ (3.9 or later).
+
+One stream queue (``charlie.events``) holds every task's events, each message carrying its
+task in a header; RabbitMQ bounds it (``x-max-length-bytes``) and drops what is older than the
+ttl (``x-max-age``), a segment at a time. The offset is the stream's own (``x-stream-offset``);
+a reader consumes from there over AMQP 0.9.1 (``x-stream-offset`` on ``basic.consume``) and
+keeps its task's events. So one task's reader reads past every other task's events of the
+retention window: fine for a few hundred busy tasks, and where that is too many,
+``CHARLIE_STREAM_URL=redis://...`` keeps a log per task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import amqp
+from kombu.connection import Connection as _Connection
+
+from charlie.streams.base import StreamEvent, StreamUnavailable, decode, encode
+
+#: kombu's Connection, untyped
+Connection: Any = _Connection
+
+QUEUE = "charlie.events"
+#: the stream's size bound, per event a task may keep (it holds every task's)
+BYTES_PER_EVENT = 512
+TASKS_KEPT = 100
+SEGMENT_BYTES = 8 * 1024 * 1024
+PREFETCH = 1000
+#: a read that found something stops once the stream is quiet this long
+QUIET_SECONDS = 0.05
+
+
+class RabbitStreamTransport:
+    name = "rabbitmq"
+
+    def __init__(self, url: str, *, ttl: float, max_events: int, queue: str = QUEUE) -> None:
+        self.url = url
+        self.queue = queue
+        self.arguments = {
+            "x-queue-type": "stream",
+            "x-max-age": f"{max(1, int(ttl))}s",
+            "x-max-length-bytes": max_events * BYTES_PER_EVENT * TASKS_KEPT,
+            "x-stream-max-segment-size-bytes": SEGMENT_BYTES,
+        }
+        self._lock = threading.Lock()
+        self._writer: Any = None
+        self._declared = False
+        #: (task, after) -> the last offset read past for it, so a follower does not read the
+        #: other tasks' events again on every read
+        self._scanned: dict[tuple[str, str | None], int] = {}
+
+    def _channel(self) -> Any:
+        if self._writer is None:
+            connection = Connection(self.url, connect_timeout=5)
+            connection.connect()
+            self._writer = connection
+        channel = self._writer.default_channel
+        if not self._declared:
+            channel.queue_declare(
+                self.queue, durable=True, auto_delete=False, arguments=self.arguments
+            )
+            self._declared = True
+        return channel
+
+    def append(self, task_id: str, events: list[dict[str, Any]]) -> None:
+        with self._lock:
+            try:
+                channel = self._channel()
+                for event in events:
+                    message = amqp.Message(
+                        encode(event),
+                        content_type="application/json",
+                        application_headers={"task": task_id},
+                        delivery_mode=2,
+                    )
+                    channel.basic_publish(message, exchange="", routing_key=self.queue)
+            except Exception:
+                self._reset()
+                raise
+
+    def _reset(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):  # already gone
+                self._writer.release()
+        self._writer = None
+        self._declared = False
+
+    def read(self, task_id: str, after: str | None, block: float) -> list[StreamEvent]:
+        if after is not None and not after.isdigit():
+            raise ValueError(f"{after!r} is not an offset of a RabbitMQ stream (a number)")
+        scanned = self._scanned.get((task_id, after))
+        start: int | str = (
+            scanned + 1 if scanned is not None else int(after) + 1 if after is not None else "first"
+        )
+        found: list[StreamEvent] = []
+        last = [scanned]
+
+        def take(message: Any) -> None:
+            headers = message.headers or {}
+            offset = headers.get("x-stream-offset")
+            message.channel.basic_ack(message.delivery_tag)
+            # a stream is delivered a chunk at a time: the chunk may begin before ``start``
+            if not isinstance(offset, int) or (isinstance(start, int) and offset < start):
+                return
+            last[0] = offset
+            if headers.get("task") == task_id:
+                data = decode(message.body)
+                if data is not None:
+                    found.append(StreamEvent(str(offset), data))
+
+        try:
+            with Connection(self.url, connect_timeout=5) as connection:
+                channel = connection.channel()
+                channel.queue_declare(
+                    self.queue, durable=True, auto_delete=False, arguments=self.arguments
+                )
+                channel.basic_qos(0, PREFETCH, False)
+                channel.basic_consume(
+                    self.queue, callback=take, arguments={"x-stream-offset": start}
+                )
+                deadline = time.monotonic() + block
+                while True:
+                    try:
+                        connection.drain_events(timeout=QUIET_SECONDS)
+                        continue  # more may be right behind
+                    except TimeoutError:
+                        pass
+                    if found or time.monotonic() >= deadline:
+                        break
+        except (OSError, amqp.exceptions.AMQPError) as exc:
+            raise StreamUnavailable(f"the event stream could not be read: {exc}") from exc
+        if last[0] is not None and not found:
+            if len(self._scanned) > 10000:
+                self._scanned.clear()
+            self._scanned[(task_id, after)] = last[0]
+        return found
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
