@@ -8,6 +8,7 @@ CHARLIE_TEST_BROKER_URL (unset: SQLite + the embedded broker).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -266,3 +267,32 @@ def workspace(tmp_path: Path) -> Path:
     ws = tmp_path / "ws"
     ws.mkdir()
     return ws
+
+
+#: Folders whose tests talk to no database or broker unless their module says so (below).
+_BACKEND_FREE_DIRS = ("unit", "devbox")
+#: Names whose mention in a module means its tests reach the session's backend.
+_BACKEND_NAMES = ("cluster", "get_runtime", "own_database", "BACKEND", "charlie.submit")
+
+
+@functools.cache
+def _reaches_backend(path: Path) -> bool:
+    try:
+        source = path.read_text()
+    except OSError:
+        return True
+    return any(name in source for name in _BACKEND_NAMES)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``backend_free`` what no database or broker can change the outcome of: modules
+    marked so, and those under tests/unit and tests/devbox that reach no backend. CI's second
+    backend round leaves them out (``-m "not backend_free"``): they ran in the first."""
+    marker = pytest.mark.backend_free
+    for item in items:
+        path = Path(str(item.fspath))
+        if item.get_closest_marker("backend_free") is not None:
+            continue
+        folder = path.parent.name
+        if folder in _BACKEND_FREE_DIRS and not _reaches_backend(path):
+            item.add_marker(marker)

@@ -40,7 +40,7 @@ from tests.console.conftest import CHROMEDRIVER, CHROMIUM, Console, _browser_pro
 from tests.console.test_auth_and_api import held_for_approval
 from tests.support.cluster import REPO, Cluster, free_port
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backend_free]
 
 
 @dataclass

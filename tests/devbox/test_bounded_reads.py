@@ -18,6 +18,9 @@ from charlie.devbox import DevboxClient, DevboxError, Limits
 from tests.devbox.conftest import TOKEN, ServerProcess
 from tests.integration.test_bounded_reads import GIB, MIB, peak_rss
 
+#: what is bounded is the reader's, whatever the backend
+pytestmark = pytest.mark.backend_free
+
 ADDRESS_SPACE = GIB
 PEAK_RSS = 300 * MIB
 FILES, FILE_BYTES = 3, 100 * MIB

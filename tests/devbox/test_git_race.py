@@ -28,6 +28,7 @@ from tests.support.cluster import TEST_SANDBOX
 pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(TEST_SANDBOX != "bwrap", reason="needs bubblewrap (the race is sandboxed)"),
+    pytest.mark.backend_free,
 ]
 
 #: git's clean filter as the attacker writes it: it records where it ran inside the workspace

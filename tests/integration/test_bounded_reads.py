@@ -21,6 +21,9 @@ import charlie
 from charlie.domain import TaskStatus
 from tests.support.cluster import Cluster
 
+#: what is bounded is the reader's, whatever the backend
+pytestmark = pytest.mark.backend_free
+
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 #: the workers' address space: room for Python, Celery and their threads, not for a

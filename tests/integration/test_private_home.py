@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.cluster import REPO
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.backend_free]
 
 
 def mode(path: Path) -> int:

@@ -24,10 +24,13 @@ from charlie.domain import TaskStatus
 from charlie.sandbox import SandboxPolicy, wrap
 from tests.devbox.cluster_support import DevboxProcess
 from tests.support.cluster import FAKE_MODEL_KEY, REPO, SANDBOX_PROBLEM, Cluster, free_port
+from tests.support.needs import need
 
-pytestmark = pytest.mark.skipif(
-    SANDBOX_PROBLEM is not None, reason=f"no sandbox here: {SANDBOX_PROBLEM}"
-)
+
+@pytest.fixture(autouse=True)
+def _needs_sandbox() -> None:
+    need(SANDBOX_PROBLEM, "no sandbox here")
+
 
 PROBE = """
 echo "environ:"; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'

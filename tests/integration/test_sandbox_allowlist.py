@@ -26,10 +26,15 @@ import charlie
 from charlie.domain import TaskStatus
 from tests.devbox.cluster_support import DevboxProcess
 from tests.support.cluster import SANDBOX_PROBLEM, Cluster
+from tests.support.needs import need
 
-pytestmark = pytest.mark.skipif(
-    SANDBOX_PROBLEM is not None, reason=f"no sandbox here: {SANDBOX_PROBLEM}"
-)
+pytestmark = pytest.mark.backend_free  # the sandbox's view, whatever the backend
+
+
+@pytest.fixture(autouse=True)
+def _needs_sandbox() -> None:
+    need(SANDBOX_PROBLEM, "no sandbox here")
+
 
 #: what the probe prints for what must work
 WORKS = ("sh: ok", "python: ok", "git version", "ls: ok", "workspace: mine", "operator: shared")

@@ -43,6 +43,7 @@ from charlie.sandbox import (
 )
 from tests.devbox.cluster_support import DevboxProcess
 from tests.support.cluster import REPO, SANDBOX_PROBLEM, Cluster
+from tests.support.needs import need
 
 
 def _stack_problem() -> str | None:
@@ -55,7 +56,13 @@ def _stack_problem() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_stack_problem() is not None, reason=str(_stack_problem()))
+pytestmark = pytest.mark.backend_free  # the policy is the sandbox's, whatever the backend
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_stack() -> None:
+    need(_stack_problem(), "no user-mode network stack here")
+
 
 #: connects to each host:port given, prints what it got
 PROBE = textwrap.dedent(

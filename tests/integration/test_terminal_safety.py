@@ -23,7 +23,7 @@ from tests.conftest import wait_for
 from tests.integration.test_production_path import charlie_cli
 from tests.support.cluster import REPO, Cluster
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.backend_free]
 
 #: OSC 52 (set the clipboard), clear the screen and home the cursor, CR, backspace, 8-bit CSI,
 #: RIGHT-TO-LEFT OVERRIDE, DEL.

@@ -25,6 +25,9 @@ from tests.integration.test_bounded_reads import (
 from tests.mcp.test_cluster import wait_until_workers_listed
 from tests.support.cluster import MCP_STDIO_TOKEN, Cluster, McpServers
 
+#: what is bounded is the reader's, whatever the backend
+pytestmark = pytest.mark.backend_free
+
 FLOOD = 3 * GIB
 
 
