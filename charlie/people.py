@@ -1058,7 +1058,7 @@ def fork(
             existing = store.source_of_fork(conn, new_id)
         if existing is None:
             raise
-        if (existing.metadata or {}).get("forked_from") != origin:
+        if (existing.metadata or {}).get("forked_from") != forked_from:
             raise TaskConflict(f"task id {new_id!r} is taken by another task") from None
         return new_id
     if recorded is not None:

@@ -124,7 +124,13 @@ def test_chat_streams_text_and_tool_arguments_and_answers_from_the_whole_stream(
     assert answer.output[2].payload["arguments"] == {"q": "needle"}
     assert answer.output[3].call_id == "call_b"
     assert answer.finish_reason == "tool_calls"
-    assert answer.usage.as_dict() == {"input_tokens": 12, "output_tokens": 7, "reasoning_tokens": 3}
+    assert answer.usage.as_dict() == {
+        "input_tokens": 12,
+        "output_tokens": 7,
+        "reasoning_tokens": 3,
+        "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
+    }
 
 
 def test_responses_streams_and_answers_from_response_completed(fake: FakeOpenAI) -> None:
