@@ -44,9 +44,7 @@ if _s.signs_messages:
     security_key = _s.security_key
     security_certificate = _s.security_certificate
     security_cert_store = _s.security_cert_store
-    security_key_password = (
-        _s.security_key_password.encode() if _s.security_key_password else None
-    )
+    security_key_password = _s.security_key_password.encode() if _s.security_key_password else None
 
 # Acknowledge after the task ran, and give a message back when its worker dies, so a killed
 # worker's tick is redelivered where the broker can; the database counts attempts, so a message
