@@ -127,7 +127,7 @@ class TaskInfo:
     #: what a waiting task waits for from a person: questions, approvals, held calls (I25).
     waiting_for: list[WaitingFor] = field(default_factory=list)
     #: the task's budget as stored at submit (``{"tokens": N, "usd": X, "model_calls": K}``,
-    #: any of them), or None (issue 16).
+    #: any of them), or None.
     budget: JSON | None = None
     #: what its tokens cost in USD by CHARLIE_PRICES; None when its model has no price.
     cost_usd: float | None = None
@@ -288,7 +288,7 @@ def submit(
     this task wait for a person's approve (or deny) before they are dispatched (I23).
     ``budget``: ``{"tokens": N, "usd": X, "model_calls": K}``, any of them, over the defaults
     of CHARLIE_BUDGET_* (a limit given as None drops its default); stored on the task, checked
-    before every model call: the task fails rather than call its model past it (issue 16)."""
+    before every model call: the task fails rather than call its model past it."""
     rt = get_producer()
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidSubmission("prompt must be a non-empty string")
@@ -335,7 +335,7 @@ def submit(
         if len(encoded) > MAX_METADATA_BYTES:
             raise PayloadTooLarge(f"metadata is {len(encoded)} bytes; the limit is 64 KiB")
         if metadata.get("workspace") is not None:
-            # The worker confines it again before any tool runs (issue 12 item 12).
+            # The worker confines it again before any tool runs.
             try:
                 rt.settings.confine_workspace(metadata["workspace"])
             except WorkspaceRefused as exc:

@@ -134,7 +134,7 @@ def beat(ctx: click.Context, schedule: Path | None, loglevel: str, celery_beat: 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    # Metrics (issue 16): the sweeps run here, so the fleet's gauges and the sweeps' counts are
+    # Metrics: the sweeps run here, so the fleet's gauges and the sweeps' counts are
     # served from here, on CHARLIE_BEAT_METRICS_PORT (else CHARLIE_METRICS_PORT + 1).
     try:
         server = telemetry.serve_metrics("beat")
@@ -182,7 +182,7 @@ def flower(ctx: click.Context, basic_auth: str | None) -> None:
 
 
 def _budget_options(command: Any) -> Any:
-    """--budget-tokens, --budget-usd, --budget-model-calls (issue 16)."""
+    """--budget-tokens, --budget-usd, --budget-model-calls."""
     for name, kind, what in reversed(
         (
             ("--budget-tokens", int, "tokens (input + output)"),

@@ -108,21 +108,21 @@ class Settings:
     #: straight away in the same worker instead of publishing them: each is still claimed,
     #: committed and recorded on its own, and reported to Flower as a task of its own (I21).
     #: 0 publishes every step. A chain also stops after 30 seconds. 30 steps are 15 one-call
-    #: turns: each stop costs a publish and a claim of its own (issue 17), and with a real
+    #: turns: each stop costs a publish and a claim of its own, and with a real
     #: model a chain meets the 30 s first.
     inline_phases: int = 30
     #: with inline steps on, carry the effect-free phase transitions that follow a commit in
     #: that same transaction (each its own claim, transition row and version), up to the next
     #: step with an outside effect: a model call (its claim commits in it), a tool handler (its
-    #: start commits in it), a publish (after it). False: one commit per phase (issue 17).
+    #: start commits in it), a publish (after it). False: one commit per phase.
     merge_phases: bool = True
     #: on PostgreSQL, write a merged transaction's steps in one statement (a fused commit: one
     #: round trip, the rows checked as predicted, else written step by step). False: one
-    #: statement per write, as on SQLite (issue 17).
+    #: statement per write, as on SQLite.
     fuse_commits: bool = True
     #: a turn of at most this many calls, each of a ``threadsafe`` tool, runs them in the
     #: worker that dispatched them, at once (a thread each), where each would otherwise go
-    #: through the broker to a worker of its own: K calls in K + 2 commits at most (issue 17).
+    #: through the broker to a worker of its own: K calls in K + 2 commits at most.
     #: 1: only a turn's single call runs there (any tool).
     local_calls: int = 8
     #: while more messages than this wait in the broker queue, the sweep does not re-publish
@@ -234,7 +234,7 @@ class Settings:
     #: CHARLIE_PRICES: the price table, inline JSON or a JSON file's path; read by
     #: ``charlie.pricing.price_table(settings.prices)``.
     prices: str | None = None
-    #: default budget limits, applied at submit and stored on the task (issue 16): None, none.
+    #: default budget limits, applied at submit and stored on the task: None, none.
     budget_tokens: int | None = None
     budget_usd: float | None = None
     budget_model_calls: int | None = None

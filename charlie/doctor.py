@@ -291,7 +291,7 @@ class _Doctor:
         self.add("tools", "ok", f"{len(names)} tools register ({modules}): {', '.join(names)}")
 
     def mcp(self) -> None:
-        """One line per configured MCP server: it answers and lists its tools (issue 15). The
+        """One line per configured MCP server: it answers and lists its tools. The
         configuration's secrets never show: servers are described with their env and header
         values masked, and failures are scrubbed of them."""
         if not (self.s.mcp_config or self.s.mcp_servers):

@@ -219,7 +219,7 @@ class TaskView:
     timeout_at: datetime | None
     #: tool names whose calls wait for an approve in this task (``submit(approve=...)``).
     approve: list[str] | None = None
-    #: the task's budget (``submit(budget=...)``, issue 16); loaded only by call_model's claim,
+    #: the task's budget (``submit(budget=...)``); loaded only by call_model's claim,
     #: the one boundary that checks it (None in other phases).
     budget: JSON | None = None
     #: the durable usage the budget counts (input/output/reasoning tokens, model_calls);

@@ -4,7 +4,7 @@ A killed worker stops renewing, so its lease lapses within the lease period and 
 reclaim the work. Renewal is a compare-and-set on the owner (and, for a call, the attempt it was
 taken under): once another worker has taken the lease over, renewing stops and the holder is
 told (``Held.lost``), so a live worker whose lease lapsed (a pause, long lock waits) stops acting
-for work that is no longer its own (issue 12 item 5).
+for work that is no longer its own.
 
 One keeper thread per process renews every lease its work holds. Most work (an instant tool, a
 fast model) ends long before its first renewal is due, so holding a lease costs a dictionary
@@ -47,7 +47,7 @@ class _Lease:
 class Held:
     """One lease as its holder sees it: ``lost`` is set once a renewal matched no row (another
     worker took the work over, or it was settled), and ``confirm()`` says, before an
-    irreversible step, whether the lease is still this holder's (issue 12 item 5)."""
+    irreversible step, whether the lease is still this holder's."""
 
     def __init__(self, keeper: LeaseKeeper, renew: Renew, seconds: float | None) -> None:
         self.lost = threading.Event()

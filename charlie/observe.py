@@ -1,4 +1,4 @@
-"""What the engine tells telemetry: a thin observer, switched off at no cost (issue 16).
+"""What the engine tells telemetry: a thin observer, switched off at no cost.
 
 The executor, the settlers and the sweeps call an :class:`Observer` at a few points: around a
 tick, around a model call, when a tool call settles (or reports late), after a sweep action.
@@ -140,7 +140,7 @@ class Observer:
         pass
 
     def fused_commit(self, commit: str, applied: bool) -> None:
-        """A fused commit was sent (issue 17): ``commit`` names which (``model_turn``: a model
+        """A fused commit was sent: ``commit`` names which (``model_turn``: a model
         call's result with its dispatch; ``settle_turn``: a local call's settle with the next
         claim; ``settle_held``: a published call's settle), ``applied`` False when its rows
         were not as predicted and the steps were written one by one instead."""

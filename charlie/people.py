@@ -777,7 +777,7 @@ def resume(
     ``budget`` changes the task's budget: the limits it names replace those stored (a limit
     given as None is dropped), the others stay; a task whose budget its usage has
     already reached (one that failed by its budget) is refused unless given one with room, so
-    a resume never just fails again at the next model call (issue 16).
+    a resume never just fails again at the next model call.
     A turn whose calls were closed when it ended keeps their results (the model was shown
     them, I8): the run re-enters at that turn's next model call, and no call runs again. A
     succeeded or canceled task is refused (fork it instead)."""

@@ -1,4 +1,4 @@
-"""Prices and budgets (issue 16): what a task's tokens cost, and whether it may call its model
+"""Prices and budgets: what a task's tokens cost, and whether it may call its model
 again. Pure: no SQL, no Celery, no settings read here; callers pass the table and the usage.
 
 A price table maps a model spec, or a prefix of specs, to USD per million tokens::

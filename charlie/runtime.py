@@ -221,7 +221,7 @@ def discover_mcp_tools(s: Settings) -> None:
 def get_runtime(*, mcp: bool = True) -> Runtime:
     """This process's worker runtime. ``mcp=False``: without discovering MCP servers yet (a
     prefork worker's main process, which runs no tool; the beat, whose sweeps leave a call of an
-    MCP tool they find orphaned to a worker that has its implementation, issue 12 item 3). The
+    MCP tool they find orphaned to a worker that has its implementation). The
     first ``get_runtime()`` of a process that runs tools discovers them."""
     global _runtime, _mcp_discovered
     with _lock:

@@ -369,7 +369,7 @@ def run_sweep(rt: Runtime, name: str) -> object:
                     SweepEvent(name, action, int(count), started, ended, rt.worker),
                 )
         if name == GAUGE_SWEEP:
-            # The fleet's gauges (issue 16), with one sweep so that `charlie beat` and
+            # The fleet's gauges, with one sweep so that `charlie beat` and
             # --celery-beat (the sweeps as tasks on the workers) both read them; an observer
             # that serves no metrics never does, a metrics observer at most every
             # CHARLIE_METRICS_GAUGE_SECONDS.

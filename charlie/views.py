@@ -86,7 +86,7 @@ def tokens_text(usage: dict[str, Any], sep: str = ", ") -> str:
 
 
 def budget_text(info: api.TaskInfo) -> str:
-    """``model_calls 2 of 2, tokens 340 of 1000`` (issue 16); ``none`` without a budget."""
+    """``model_calls 2 of 2, tokens 340 of 1000``; ``none`` without a budget."""
     parts = []
     for key, used, limit in info.budget_used():
         if key == "usd":

@@ -1,4 +1,4 @@
-"""The run console (issue 14): a web view of runs where people see what happened and act.
+"""The run console: a web view of runs where people see what happened and act.
 
 ``charlie ui`` serves it (:mod:`charlie.console.server`). It reads the database the workers
 use through the Python API only (``charlie.api``, ``charlie.views``), and every action it takes

@@ -292,7 +292,7 @@ def run_demo(timeout: float = 120.0) -> int:
         "CHARLIE_DEVBOX_URL": url,
         "CHARLIE_DEVBOX_TOKEN": token,
         # the compatibility check is delegated to a model of its own (its script), which a
-        # child may use only when the operator allows it (issue 12 item 1)
+        # child may use only when the operator allows it
         "CHARLIE_DELEGATE_MODELS": f"scripted:{here / 'compat_check.json'}",
         # every command is started, parked, and observed to its end by a later poll, the way a
         # long build would be; the sweep polls parked calls twice a second

@@ -136,7 +136,7 @@ class DevboxClient:
 
     def for_workspace(self, workspace_id: str) -> DevboxClient:
         """A client that speaks for one workspace only, with its credential derived from this
-        client's token (issue 12 item 9): the devbox refuses it anything else with a 403. It
+        client's token: the devbox refuses it anything else with a 403. It
         shares this client's connections; closing it leaves them open."""
         return DevboxClient(
             self.base_url, workspace_credential(self._token, workspace_id), _http=self._http

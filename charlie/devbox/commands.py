@@ -186,7 +186,7 @@ class CommandRunner:
         with self._keys_lock:
             existing = _read_key(key_file)
             if existing.startswith(SEALED):
-                # A lookup found no command under this key and sealed it (issue 12 item 4): the
+                # A lookup found no command under this key and sealed it: the
                 # caller settled its call as interrupted, so no start under the key may follow.
                 raise ApiError(
                     409,
@@ -214,7 +214,7 @@ class CommandRunner:
         before recording the execution id): found, it observes that command; not found, the
         key is sealed, so a start with it that is still on its way (from a holder that lost its
         lease, or a retry) is refused rather than run, and the caller may report the command as
-        not confirmed without it ever running later (issue 12 items 4, 5; I10)."""
+        not confirmed without it ever running later (I10)."""
         key_file = self._key_file(workspace_id, key)
         with self._keys_lock:
             existing = _read_key(key_file)

@@ -1,4 +1,4 @@
-"""Per-workspace credentials: a worker acts only on its task's workspace (issue 12 item 9).
+"""Per-workspace credentials: a worker acts only on its task's workspace.
 
 The devbox keeps one operator token. A credential for one workspace is
 ``cw1:<workspace id>:<HMAC-SHA256(key, workspace id)>``, with the key derived from the token,

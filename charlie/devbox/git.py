@@ -4,7 +4,7 @@ The agent can write anything into its workspace: ``.git/config`` (with ``run_com
 that config includes and ``.gitattributes``. Git reads program names from configuration in many
 places, so the devbox's own git (diff, commit, apply, find_commit, clone, checkout) would run
 whatever the agent named, outside any sandbox its commands get. Three layers keep it from doing
-so (issue 12 item 10):
+so:
 
 1. **No configuration but the repository's.** ``GIT_CONFIG_NOSYSTEM`` and
    ``GIT_CONFIG_GLOBAL=/dev/null`` drop the system and the user file (an unsandboxed command can

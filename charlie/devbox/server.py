@@ -23,12 +23,12 @@ Routes (every one needs ``Authorization: Bearer <token or workspace credential>`
 
 The operator token opens everything. A workspace's credential (charlie/devbox/credentials.py,
 derived from the token) opens only ``/workspaces/{that id}/...``, the commands started in that
-workspace and ``/health``; anything else is a 403 (issue 12 item 9). Workspaces are cloned or
+workspace and ``/health``; anything else is a 403. Workspaces are cloned or
 copied only from the sources the operator allows (``RepoPolicy``, ``--allow-repo``; a 403
 otherwise).
 
 Errors are ``{"error": message}`` with the HTTP status saying what kind; a 500 says only
-``request_id``, under which the devbox's log has the traceback (issue 12 item 11).
+``request_id``, under which the devbox's log has the traceback.
 
 Against slow or hostile clients (whoever can connect, before any token check): every socket
 read and write times out (``Limits.http_idle_seconds``), a whole request must arrive within

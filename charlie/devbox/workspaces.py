@@ -93,7 +93,7 @@ class Workspaces:
         return {**self.describe(workspace_id), "created": True}
 
     def _check_source(self, spec: dict[str, Any]) -> None:
-        """Only sources the operator allows (403 otherwise; issue 12 item 9), and never the
+        """Only sources the operator allows (403 otherwise), and never the
         devbox's own root, where the other workspaces and the commands' records are. Checked
         on every ensure, so a source the operator no longer allows is refused for an existing
         workspace too."""
@@ -379,7 +379,7 @@ class Workspaces:
     def find_commit(self, workspace_id: str, key: str, *, seal: bool = False) -> dict[str, Any]:
         """The commit carrying ``key``, under the workspace's lock: a reconcile asking while a
         commit with that key is being made waits for it, so it never answers "not committed"
-        in the middle of one (issue 12 item 5). With ``seal``, a key not found is sealed: a
+        in the middle of one. With ``seal``, a key not found is sealed: a
         paused holder's late commit with it is refused, so the answer stays true (I10)."""
         workspace = self.path(workspace_id)
         with self.lock(workspace_id):

@@ -66,7 +66,7 @@ RUN_FAILED = "the run failed"
 
 
 def over_budget(view: RunView, prices: PriceTable) -> Transition | None:
-    """Before a model call (issue 16): if the durable usage has reached any limit of the task's
+    """Before a model call: if the durable usage has reached any limit of the task's
     budget, the model is not called; the run fails, its error naming the budget, its limit and
     what was used. None: within budget, or no budget.
 

@@ -42,8 +42,8 @@ class DbChildren:
         parent = self.get(parent_id)
         if parent is None:
             raise ToolError(f"cannot delegate: parent task {parent_id} is gone")
-        # Whichever tool asks, a child gets no tool or model its parent may not use (issue 12
-        # item 1): delegate checks first, for its message; this is the engine's own check.
+        # Whichever tool asks, a child gets no tool or model its parent may not use: delegate
+        # checks first, for its message; this is the engine's own check.
         tools, model = child_limits(parent, tools, model, self.rt.settings.delegate_models)
         if tools is not None:
             unknown = [t for t in tools if self.rt.tools.get(t) is None]

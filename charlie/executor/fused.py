@@ -1,4 +1,4 @@
-"""Fused commits (issue 17): a turn's merged transactions, each written in one statement.
+"""Fused commits: a turn's merged transactions, each written in one statement.
 
 A one-call turn on PostgreSQL commits twice:
 

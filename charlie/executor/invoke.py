@@ -53,7 +53,7 @@ def workspace_for(rt: Runtime, task_id: str, metadata: JSON) -> Path:
 def workspace_refusal(rt: Runtime, metadata: JSON) -> str | None:
     """Why no tool may run for this task: its workspace lies outside the allowed roots (a task
     saved before the roots were set, or not through submit). Checked again here, since the
-    workers' roots are what guard their disk (issue 12 item 12); None when it is allowed."""
+    workers' roots are what guard their disk; None when it is allowed."""
     configured = metadata.get("workspace")
     if configured is None:
         return None
@@ -129,7 +129,7 @@ def _refuse(
     rt: Runtime, execution_id: str, turn: int, call_id: str
 ) -> tuple[str, int | None] | None:
     """A take-over this worker cannot do: the call was started with an implementation it
-    lacks (issue 12 item 3). It is left for a worker that has it (the sweep publishes the
+    lacks. It is left for a worker that has it (the sweep publishes the
     take-over again next stall period), and the refusal counts an attempt; the refusal that
     reaches CHARLIE_MAX_ATTEMPTS settles the call ``interrupted``, naming the implementation,
     since no worker that could run it has come for it. None: not a refusal (someone live holds
@@ -333,7 +333,7 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
     faults.hit("tool.before_settle", tool=call.name, call_id=call.call_id)
     if outcome is Outcome.ERROR and isinstance(result, dict) and bool(result.get("lease_lost")):
         # The handler stopped because this attempt lost the call (LeaseLost): it says nothing
-        # about the work, so it is neither the outcome nor a late report (issue 12 item 5).
+        # about the work, so it is neither the outcome nor a late report.
         log.warning(
             "handler stopped: lease lost",
             extra={"execution_id": call.execution_id, "call_id": call.call_id, "mode": mode},

@@ -44,7 +44,7 @@ log = logging.getLogger("charlie.tick")
 
 #: Phases a merged transaction runs whole (claim, phase, commit): nothing outside the database
 #: happens between their claim and their commit. Of the slow phases only call_model's claim is
-#: taken in a merged transaction, and the transaction ends with it (issue 17).
+#: taken in a merged transaction, and the transaction ends with it.
 MERGEABLE = frozenset(
     {Phase.LOAD_CONTEXT, Phase.DISPATCH_TOOLS, Phase.AWAIT_TOOLS, Phase.ADVANCE_TURN}
 )
@@ -275,7 +275,7 @@ def transcript_of(
 ) -> list[Item]:
     """The run's transcript for the model: the committed prefix this process remembers, the
     items this transaction wrote, and a read of only what else has committed since; no read
-    at all when the claim's next_seq says there is nothing else (issue 17)."""
+    at all when the claim's next_seq says there is nothing else."""
     known = list(rt.transcripts.get(claim.execution_id, claim.identity))
     if len(known) > claim.next_seq:
         known = []  # (cannot happen: a remembered prefix has committed) read it all
@@ -323,7 +323,7 @@ def decide_at_boundary(rt: Runtime, view: RunView) -> Transition | None:
     reason = boundary.stop_reason(view)
     if reason is not None:
         return boundary.stop(view, reason)
-    if view.task.budget:  # only call_model's claim loads one (issue 16)
+    if view.task.budget:  # only call_model's claim loads one
         prices: pricing.PriceTable = {}
         budgets = [view.task.budget, *(t.budget or {} for t in view.task.tree or ())]
         if any("usd" in b for b in budgets):  # only a cost limit needs the table
@@ -412,7 +412,7 @@ def open_settlement(
     rt: Runtime, view: RunView, done: CallResult
 ) -> tuple[RunView, Settlement | None]:
     """Apply a call's result to the view the phase sees, if the call is still open and still
-    held under the lease this worker started it with (I12, I13, issue 12 item 5); else the
+    held under the lease this worker started it with (I12, I13); else the
     view unchanged and None: the result is a late report."""
     call = done.call
     open_call = next(

@@ -150,7 +150,7 @@ def _reads_fresh(conn: Connection) -> bool:
 def _rides(
     rt: Runtime, conn: Connection, progress: Progress, claim: runs.Claim, transition: Transition
 ) -> bool:
-    """Whether this transition's move also claims the step after it (issue 17): a fast step a
+    """Whether this transition's move also claims the step after it: a fast step a
     merged transaction runs whole (_merges_next) or, on PostgreSQL, a carried slow phase's
     claim that ends the transaction (call_model's, report_terminal's: they need the task's
     status, the mailbox and the budget as they are now, which the move reads, runs.Fresh)."""
@@ -347,7 +347,7 @@ def _run_local(
     """Run the turn's local calls here (one, or several at once, a thread each), settle each as
     it ends in a commit of its own (I7, I12: first result wins, each independently), and the
     last in the await tick's transaction, which carries the turn on (see _settle_local_call):
-    a turn of K calls in at most K + 2 commits (issue 17). ``chain_next``: whether the chain
+    a turn of K calls in at most K + 2 commits. ``chain_next``: whether the chain
     may go on to the next model call after them."""
     if isinstance(step, StartCalls):
         started = _start_calls(rt, execution_id, step)
@@ -554,7 +554,7 @@ def _take_settlement(
 ) -> tuple[RunView, Settlement | None]:
     """Apply a call's result to the view the phase sees (steps.open_settlement); a call settled
     meanwhile (a deadline, a cancel), or taken over after this worker's lease lapsed, gets a
-    late report instead (I12, I13, issue 12 item 5). The turn's calls are locked in this
+    late report instead (I12, I13). The turn's calls are locked in this
     transaction, so what is checked here is what commits."""
     view, settlement = open_settlement(rt, view, done)
     if settlement is None:
@@ -647,7 +647,7 @@ def _merge(
     local_ids: tuple[str, ...] = (),
 ) -> tuple[list[Step], Carried | None]:
     """After a transition's compare-and-set, before COMMIT: run in the same transaction the
-    steps that follow it while nothing outside the database has to happen first (issue 17).
+    steps that follow it while nothing outside the database has to happen first.
 
     Each merged step is a tick of its own in all but the COMMIT: its claim's compare-and-set on
     (phase, version), its boundary, its phase, its own ``transitions`` row and version + 1 (I1,

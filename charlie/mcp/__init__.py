@@ -1,4 +1,4 @@
-"""MCP tool servers, durably (issue 15): every tool of every configured server is a Charlie
+"""MCP tool servers, durably: every tool of every configured server is a Charlie
 tool, ``mcp__SERVER__TOOL``, recovered by the same rules as any other (I9, I10, I12, I13, I20,
 I22-I25).
 

@@ -1,4 +1,4 @@
-"""The MCP servers a deployment uses, in the shape MCP clients already read (issue 15 item 1).
+"""The MCP servers a deployment uses, in the shape MCP clients already read.
 
 ``CHARLIE_MCP_CONFIG`` names a JSON file, ``CHARLIE_MCP_SERVERS`` holds the same object inline
 (both may be set; a server name may appear in only one)::
@@ -10,7 +10,7 @@
 
 Besides the keys every MCP client knows (``command``, ``args``, ``env``, ``cwd``, ``url``,
 ``headers``, ``type``, ``disabled``), a server may carry Charlie's recovery settings, which the
-operator decides rather than the server (issue 15 item 3): ``effect`` ("read" | "write"),
+operator decides rather than the server: ``effect`` ("read" | "write"),
 ``approval``, ``on_interrupt`` ("report" | "hold") and ``deadline`` for all its tools,
 ``ignore_hints`` (do not trust its ``readOnlyHint``s), ``tools`` (the same four keys per tool
 name) and ``timeout`` (seconds to connect and list its tools). Other keys (another client's)

@@ -1,5 +1,4 @@
-"""Connections to MCP servers: one background event loop per process, one session per server
-(issue 15 item 5).
+"""Connections to MCP servers: one background event loop per process, one session per server.
 
 Tool handlers are synchronous and run in a worker's pool; the MCP SDK is asynchronous and its
 sessions are long-lived. So each process has one daemon thread running an asyncio loop, made
@@ -11,7 +10,7 @@ this process and reused; an HTTP server gets one session whose HTTP client pools
 Handlers call into the loop with ``run_coroutine_threadsafe`` and wait for the answer with a
 timeout, and stop waiting when their call's lease is lost.
 
-What a failure means decides recovery, so it is classified here (issue 15 item 5, I10):
+What a failure means decides recovery, so it is classified here (I10):
 
 - :class:`Unavailable`: no session could be made (the server did not start, refused the
   connection, did not answer in time): the request was never sent.

@@ -1,4 +1,4 @@
-"""MCP tools as Charlie tools: names, effects, and how one call runs (issue 15 items 2-4).
+"""MCP tools as Charlie tools: names, effects, and how one call runs.
 
 Every tool a configured server lists is registered as ``mcp__SERVER__TOOL``, with the server's
 description and input schema (what the model is shown and what arguments are validated
@@ -6,7 +6,7 @@ against). The model-facing name keeps to what model APIs accept for a function n
 (``[A-Za-z0-9_-]``, at most 64 characters): a tool name with other characters, or too long to
 fit, has them replaced by ``_``, is cut to fit and gets ``_`` plus the first 8 hex digits of the
 SHA-256 of its real name, so the name is the same in every process and two tools do not meet
-on one name. The implementation a call records (issue 12 item 3) is ``mcp:SERVER:TOOL``, with
+on one name. The implementation a call records is ``mcp:SERVER:TOOL``, with
 the real names.
 
 Recovery comes from what the server says and what the operator decides (item 3): a tool is a
@@ -474,7 +474,7 @@ class McpCall:
             raise LeaseLost("this attempt lost the call while the MCP server worked") from None
         return self._outcome(result)
 
-    # -- tasks (the tasks extension, issue 15 item 4) -----------------------------------------
+    # -- tasks (the tasks extension) -----------------------------------------
 
     def _follow(self, created: CreatedTask) -> Any:
         handle = f"task:{created.task_id}"

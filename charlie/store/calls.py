@@ -153,7 +153,7 @@ def _claim_statement(mode: Mode, implementations: Implementations = (), many: bo
     implementation this worker starts the call with, in the statement that marks it started;
     ``resume``/``reconcile`` take over only a call started with an implementation this worker
     has (or one from before implementations were recorded): never another tool of the same name
-    in its place (issue 12 item 3)."""
+    in its place."""
     now = bindparam("b_now", type_=_c.lease_until.type)
     mine = _implementation_of_name(implementations)
     # Work starts only for a live run of an active task: never after a cancel, a timeout or a
@@ -208,7 +208,7 @@ def _claim_holding_task(
     """PostgreSQL: the claim and the task's share lock (hold_live_task) in one statement, in
     the same order: the call's row is updated (locked) first, then, for the row claimed, the
     task's row is share-locked and read as it is now (a locking read sees the latest commit,
-    not the statement's snapshot). One round trip fewer per call start (issue 17)."""
+    not the statement's snapshot). One round trip fewer per call start."""
     claimed = _claim_statement(mode, implementations, many).cte("claimed")
     held = (
         select(_t.status.label("task_status"), _t.timeout_at.label("task_timeout_at"))
@@ -543,7 +543,7 @@ def refuse_claim(
     """Count a take-over refused because the call's lapsed lease was taken under an
     implementation this worker lacks (it has another tool of that name, or none).
     Each refusal is an attempt, so a call that no worker taking it over can run reaches the
-    attempt limit and is settled interrupted by its refuser (issue 12 item 3). Only on the path
+    attempt limit and is settled interrupted by its refuser. Only on the path
     of a resume or reconcile that claimed nothing, never on the hot path."""
     row = conn.execute(
         _refuse_statement(implementations),
@@ -565,7 +565,7 @@ def refuse_claim(
 #: The lease a call was taken under: its owner and the attempt count its claim left (every
 #: claim, start or take-over, increments it; a refused take-over too, since it comes only after
 #: the lease lapsed). A holder whose lease another worker took over, or whose call was settled,
-#: matches neither, so none of its writes land (issue 12 item 5).
+#: matches neither, so none of its writes land.
 HELD_BY = and_(
     _c.state == CallState.STARTED.value,
     _c.lease_owner == bindparam("b_owner"),
@@ -682,7 +682,7 @@ SETTLE = (
 
 
 #: A holder's settle: only while the call is still held under the lease it was taken with
-#: (issue 12 item 5). A holder whose lease lapsed and was taken over settles nothing.
+#:. A holder whose lease lapsed and was taken over settles nothing.
 SETTLE_HELD = SETTLE.where(
     _c.lease_owner == bindparam("b_owner"), _c.attempts == bindparam("b_token")
 )

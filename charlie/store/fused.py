@@ -1,4 +1,4 @@
-"""Fused commits (issue 17): the steps of a merged transaction written in one statement.
+"""Fused commits: the steps of a merged transaction written in one statement.
 
 A merged transaction carries several phase transitions with nothing outside the database
 between them (see executor/tick.py, "Merged transactions"). Each of its steps needs what the

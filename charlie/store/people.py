@@ -383,7 +383,7 @@ def task_timeout_at(conn: Connection, task_id: str) -> datetime | None:
 
 
 def task_budget_usage(conn: Connection, task_id: str) -> Any | None:
-    """A task's budget, model and token usage, with its run's model calls (issue 16)."""
+    """A task's budget, model and token usage, with its run's model calls."""
     return conn.execute(
         select(
             _t.budget,

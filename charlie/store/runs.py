@@ -152,7 +152,7 @@ _DELEGATED = select(_child.c.id).where(_child.c.parent_id == _t.id).exists().lab
 _FRESH_TASK_COLUMNS = (_t.status, _t.timeout_at, _t.budget, _DELEGATED)
 
 _CLAIM = _claim_statement()
-# call_model's claim, the one boundary that checks a budget (issue 16): the budget rides along
+# call_model's claim, the one boundary that checks a budget: the budget rides along
 # as one more scalar subquery, and the run's model-call count as a plain column; a task's
 # tokens are read (one more statement) only when its budget counts them. Other phases' claims
 # carry neither.
@@ -422,7 +422,7 @@ def _commit_statement(
     """The execution row's compare-and-set for one shape of transition, built once.
 
     ``claim_next``: the move also takes the next (phase, version)'s lease for this worker, with
-    its first attempt counted, as its claim would (a merged transaction's next step, issue 17):
+    its first attempt counted, as its claim would (a merged transaction's next step):
     one statement instead of two."""
     values: dict[str, Any] = {
         "lease_owner": None,
@@ -907,7 +907,7 @@ def calls_as_left(
     dialect: str,
 ) -> list[CallView] | None:
     """The turn's calls as ``commit_transition`` left them, read back from the transition
-    instead of the table (a merged transaction's next step, issue 17): the rows this
+    instead of the table (a merged transaction's next step): the rows this
     transaction inserted (nobody else sees them yet) or locked (``calls_before``, loaded FOR
     UPDATE by this step's view), with its writes applied as its statements apply them.
 

@@ -272,7 +272,7 @@ LIVE_PHASES = tuple(p.value for p in Phase if p is not Phase.DONE)
 
 
 def fleet_gauges(conn: Connection, now: datetime, stall: timedelta) -> dict[str, Any]:
-    """The fleet's gauges for metrics (issue 16), in four bounded aggregate statements over
+    """The fleet's gauges for metrics, in four bounded aggregate statements over
     indexed columns: runs not done by phase, active tasks by status, open tool calls and the
     tasks waiting for a person by what they wait for, and the age of the oldest run that is
     due and not moving (what the stalled-run sweep looks for: a lapsed lease, or ready and

@@ -94,7 +94,7 @@ class Task(Base):
     cache_read_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     cache_write_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     #: the task's limits: {"tokens": N, "usd": X, "model_calls": K} (any of them), checked at
-    #: every turn boundary against the durable usage (issue 16).
+    #: every turn boundary against the durable usage.
     budget: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     #: the task's trace context (W3C: traceparent, tracestate): every tick continues it.
     trace: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
@@ -194,7 +194,7 @@ class ToolCall(Base):
     swept_at: Mapped[datetime | None] = mapped_column(default=None)
     duration_ms: Mapped[float | None] = mapped_column(Float, default=None)
     #: which code the call was started with (a ToolDef's ``implementation``), written by the
-    #: claim that marks it started; a resume or reconcile runs only that code (issue 12 item 3).
+    #: claim that marks it started; a resume or reconcile runs only that code.
     implementation: Mapped[str | None] = mapped_column(String(300), default=None)
     #: what a person must do before this open call can settle (domain.Hold), else NULL: an
     #: approval, a reply, a reconcile verdict (I23, I25).

@@ -1,4 +1,4 @@
-"""Each run's committed transcript as this process last saw it (issue 17).
+"""Each run's committed transcript as this process last saw it.
 
 A call_model tick needs the whole transcript, and reading it again every turn costs a round
 trip and a decode of every item so far. Transcript items are only ever appended, under the

@@ -1,4 +1,4 @@
-"""Telemetry operators already use: OpenTelemetry traces and Prometheus metrics (issue 16).
+"""Telemetry operators already use: OpenTelemetry traces and Prometheus metrics.
 
 :func:`install` gives a process's runtime the observer its environment asks for:
 

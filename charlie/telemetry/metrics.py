@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 16): counters and histograms of the work, gauges of the fleet.
+"""Prometheus metrics: counters and histograms of the work, gauges of the fleet.
 
 Switched on by ``CHARLIE_METRICS_PORT``. Prefork-safe through prometheus_client's
 multiprocess mode:

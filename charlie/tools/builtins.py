@@ -244,7 +244,7 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON:
             _kill_group(proc)
             _finished(proc, (stdout, stderr), _DRAIN_GRACE_SECONDS)
             if lost:
-                # another worker took this call over: stop acting for it (issue 12 item 5)
+                # another worker took this call over: stop acting for it
                 raise LeaseLost("run_command: stopped: this attempt lost the call's lease")
             raise ToolError(f"command timed out after {timeout} s", **_output(stdout, stderr))
     result: JSON = {"exit_code": proc.returncode, **_output(stdout, stderr)}

@@ -166,7 +166,7 @@ class ToolContext:
     #: starts and reads tasks (delegation); the engine's, or a fake under charlie.testing.
     children: Children = field(default_factory=NoChildren, repr=False)
     #: set once this attempt's lease on the call is seen lost (another worker took the call
-    #: over, or it was settled): a long handler checks it and stops (issue 12 item 5).
+    #: over, or it was settled): a long handler checks it and stops.
     lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
     _confirm_lease: Callable[[], bool] = field(default=_always_held, repr=False)
     #: a person's answer to the question this call parked with (an AskPerson), on the resumed

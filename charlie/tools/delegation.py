@@ -42,7 +42,7 @@ def child_limits(
     list must name only tools the parent may use. ``model`` None means the parent's model;
     another model only when the operator allows it (``allowed_models``, CHARLIE_DELEGATE_MODELS).
     A widening is a ToolError the model sees, naming what was refused and what is allowed
-    (issue 12 item 1, I15); nothing is created."""
+    (I15); nothing is created."""
     if tools is None:
         child_tools = None if parent.tools is None else list(parent.tools)
     else:
@@ -158,8 +158,8 @@ def wait_for_task(task_id: str, ctx: ToolContext) -> JSON | Pending:
     return its result."""
     info = ctx.children.get(task_id)
     if info is None or info.parent_id != ctx.task_id:
-        # One answer for "no such task" and "someone else's": neither says which (issue 12
-        # item 12); another task's result is not this task's to read.
+        # One answer for "no such task" and "someone else's": neither says which; another
+        # task's result is not this task's to read.
         raise ToolError(
             f"task {task_id!r} is not a child of this task: wait_for_task waits only for "
             "tasks this task started with delegate"

@@ -1,4 +1,4 @@
-"""The model's tools, run in the devbox: where work runs, not where truth lives (issue 4, I20).
+"""The model's tools, run in the devbox: where work runs, not where truth lives (I20).
 
 Where a devbox is configured (``CHARLIE_DEVBOX_URL`` and ``CHARLIE_DEVBOX_TOKEN`` in the worker's
 environment when ``charlie.tools`` is imported), this module replaces the local ``run_command``,
@@ -16,7 +16,7 @@ memory::
         "base_commit": "3f2a...",           # pins the checkout; give it for exact rebuilds
     }})
 
-Which workspace it is, is not the metadata's to choose (issue 12 item 9): its id is derived from
+Which workspace it is, is not the metadata's to choose: its id is derived from
 the id of the task that owns it, the task itself or, for a delegated child, the task at the top
 of its chain of parents (``tasks.parent_id``, written by the engine, never by a producer). A
 ``workspace_id`` in the metadata is accepted only when it is that one. Every request to the
@@ -35,7 +35,7 @@ start carries an idempotency key derived from the call, and a resume that finds 
 never starts anything: it looks the key up on the devbox, observes the command found there, and
 otherwise settles the call ``interrupted`` (the devbox seals the key, so no start of it runs
 later). A crash between the devbox starting the command and the id being recorded, or a devbox
-that lost its records, therefore never runs a command twice (issue 12 item 4). ``git_commit``
+that lost its records, therefore never runs a command twice. ``git_commit``
 writes an idempotency key as a trailer and has a reconcile hook that reads back whether that
 commit exists, so an interrupted commit settles done or not done instead of unknown.
 """
@@ -301,7 +301,7 @@ def inherited_devbox(ctx: ToolContext, metadata: JSON) -> JSON | None:
 
 def _client(ctx: ToolContext, spec: WorkspaceSpec | None = None) -> DevboxClient:
     """This process's client for the devbox, speaking with the credential of the call's own
-    workspace only (issue 12 item 9)."""
+    workspace only."""
     spec = spec or task_workspace(ctx)
     return client_for(current_config()).for_workspace(spec.workspace_id)
 
@@ -519,7 +519,7 @@ def git_commit(message: str, ctx: ToolContext) -> JSON:
     key = call_key(ctx)
     if not ctx.holds_lease():
         # Another worker took this call over (its reconcile may have answered "not
-        # committed"): committing now would contradict it (issue 12 item 5).
+        # committed"): committing now would contradict it.
         raise LeaseLost("git_commit: nothing committed: this attempt lost the call's lease")
     with _calling("git_commit"):
         # Safe to retry: the devbox returns the first commit made with this key.
@@ -548,7 +548,7 @@ def run_command(command: str, ctx: ToolContext, timeout: float = 120.0) -> JSON 
     if ctx.handle is None and ctx.resumed:
         # An earlier attempt died between starting the command and recording its id, or
         # before starting it: which, only the devbox's key files can say. A resume never
-        # starts a command (issue 12 item 4): it looks the key up, and observes what it finds.
+        # starts a command: it looks the key up, and observes what it finds.
         ctx.record_handle(_started_earlier(client, ctx))
     elif ctx.handle is None:
         box = _open(ctx, "run_command")

@@ -43,7 +43,7 @@ class ToolDef:
     context_param: str | None
     #: which code this is, stable across processes ("module:qualname" of the handler): a call
     #: records the one it was started with, and only that one resumes or reconciles it
-    #: (issue 12 item 3), never another tool of the same name.
+    #:, never another tool of the same name.
     implementation: str = ""
     #: every call waits for a person's approve (or deny) before it is dispatched (I23).
     approval: bool = False
@@ -67,7 +67,7 @@ class ToolDef:
     cancel: Handler | None = None
     #: its calls may run at the same time in one worker process, each in a thread of its own:
     #: a turn of several calls of such tools runs them in the worker that dispatched them
-    #: (CHARLIE_LOCAL_CALLS) instead of one worker each through the broker (issue 17)
+    #: (CHARLIE_LOCAL_CALLS) instead of one worker each through the broker
     threadsafe: bool = False
 
     def spec(self) -> ToolSpec:

@@ -1,4 +1,4 @@
-"""tool calls record which implementation they were started with (issue 12 item 3)
+"""tool calls record which implementation they were started with
 
 Revision ID: 0005
 Revises: 0004

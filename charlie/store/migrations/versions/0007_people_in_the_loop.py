@@ -1,4 +1,4 @@
-"""people in the loop: the mailbox, held calls and the operators' evidence (issue 13, I22-I27)
+"""people in the loop: the mailbox, held calls and the operators' evidence (I22-I27)
 
 Revision ID: 0007
 Revises: 0006

@@ -1,4 +1,4 @@
-"""telemetry: a task's budget and its trace context (issue 16)
+"""telemetry: a task's budget and its trace context
 
 Revision ID: 0008
 Revises: 0007

@@ -1,4 +1,4 @@
-"""fused commits: charlie_expect, the assertion a one-statement commit makes (issue 17)
+"""fused commits: charlie_expect, the assertion a one-statement commit makes
 
 A fused commit (charlie/store/fused.py) writes several phase transitions in one statement,
 computed from what the worker predicted the rows to be. What it assumed is checked inside the
