@@ -1379,7 +1379,10 @@ def check_messages(
                 i.seq for i in items if i.kind == "tool_result" and i.turn == prev.turn
             )
             shown = sum(1 for i in items[:k] if i.kind == "tool_result" and i.turn == prev.turn)
-            if item.turn != prev.turn or shown != ncalls[prev.turn]:
+            # Taken with the results (advance_turn), a message carries the turn it follows;
+            # committed after them and taken at call_model's boundary (take_mail), it carries
+            # the turn about to call the model. Both are the same boundary.
+            if item.turn not in (prev.turn, prev.turn + 1) or shown != ncalls[prev.turn]:
                 out.append(
                     f"{where}: after {shown} of turn {prev.turn}'s {ncalls[prev.turn]} results"
                 )
@@ -1398,7 +1401,9 @@ def check_messages(
         if after is None:
             if succeeded:
                 out.append(f"{where}: no model call came after it")
-        elif after.kind not in MODEL_KINDS or after.turn != item.turn + (prev is not None):
+        elif after.kind not in MODEL_KINDS or after.turn != (
+            prev.turn + 1 if prev is not None else item.turn
+        ):
             out.append(f"{where}: followed by a {after.kind} item of turn {after.turn}")
         if s is None:
             continue
