@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -500,9 +501,20 @@ def tools(as_json: bool) -> None:
     "--limit", type=int, default=50, show_default=True, help="At most this many (1-1000)."
 )
 @click.option("--before", default=None, help="The page after the one that ended with this id.")
+@click.option(
+    "--search",
+    default=None,
+    help="Only tasks whose id or prompt contains this text (case-insensitive), as the API's "
+    "list_tasks(search=) and the console's search box.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_(
-    statuses: tuple[str, ...], parent: str | None, limit: int, before: str | None, as_json: bool
+    statuses: tuple[str, ...],
+    parent: str | None,
+    limit: int,
+    before: str | None,
+    search: str | None,
+    as_json: bool,
 ) -> None:
     """List tasks, newest first."""
     from charlie import api
@@ -510,7 +522,11 @@ def list_(
 
     try:
         page = api.list_tasks(
-            status=list(statuses) or None, parent=parent, limit=limit, before=before
+            status=list(statuses) or None,
+            parent=parent,
+            limit=limit,
+            before=before,
+            search=search,
         )
     except (ValueError, TaskNotFound) as exc:
         _fail(str(exc))
@@ -529,6 +545,7 @@ def list_(
     if len(page) == limit:
         filters = "".join(f" --status {s}" for s in statuses)
         filters += f" --parent {parent}" if parent else ""
+        filters += f" --search {shlex.quote(search)}" if search else ""
         filters += f" --limit {limit}" if limit != 50 else ""
         _say(f"more: charlie list{filters} --before {page[-1].id}", err=True)
 

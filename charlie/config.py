@@ -91,9 +91,19 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 @dataclass(frozen=True)
 class Settings:
+    #: the home of the embedded database, broker, workspaces and beat schedule (default
+    #: ``./.charlie``); created private to its user (0700, Charlie's files in it 0600), and an
+    #: existing one open to group or others is tightened, with a warning.
     home: Path
+    #: the SQLAlchemy URL of the database (default: SQLite under the home): ``postgresql://...``
+    #: (SQLAlchemy's default driver: psycopg 3 on 2.1, psycopg2 on 2.0),
+    #: ``postgresql+psycopg://`` or ``postgresql+psycopg2://``; both drivers are installed.
     database_url: str
+    #: the broker (default ``charliefs://``, the embedded one under the home's ``broker``):
+    #: ``redis://...`` or ``amqp://...`` in production.
     broker_url: str
+    #: comma-separated modules workers import so their ``@charlie.tool`` functions register; a
+    #: producer imports them only to check a tool name it does not know.
     tool_modules: tuple[str, ...] = ()
     #: I14: at most this many new tool dispatches per tick.
     dispatch_batch: int = 8
@@ -154,6 +164,7 @@ class Settings:
     report_retries: int = 4
     #: the embedded broker's polling interval (seconds).
     embedded_poll_interval: float = 0.005
+    #: Celery task events, for Flower: on unless the broker is the embedded one.
     task_events: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     #: the devbox (``charlie devbox serve``) the tools run in; unset: the local tools. When set,

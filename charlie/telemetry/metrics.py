@@ -44,10 +44,17 @@ from charlie.observe import CallEvent, ModelCallEvent, Observer, SweepEvent, Tic
 
 log = logging.getLogger("charlie.telemetry")
 
+#: serve Prometheus metrics at ``/metrics`` from every worker on this port (unset: no metrics).
 PORT = "CHARLIE_METRICS_PORT"
+#: the address the metrics are served on (default 127.0.0.1).
 HOST = "CHARLIE_METRICS_HOST"
+#: the port ``charlie beat`` serves its metrics and the fleet's gauges on (default the
+#: workers' ``CHARLIE_METRICS_PORT`` + 1).
 BEAT_PORT = "CHARLIE_BEAT_METRICS_PORT"
+#: where each serving process makes its multiprocess directory (default the system's temporary
+#: directory); removed at exit, and one a SIGKILL left is removed by the next start.
 DIRECTORY = "CHARLIE_METRICS_DIR"
+#: the fleet's gauges are read from the database at most this often (seconds, default 5).
 GAUGE_SECONDS = "CHARLIE_METRICS_GAUGE_SECONDS"
 MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 

@@ -120,3 +120,23 @@ def test_the_cli_lists_pages_and_json(cluster: Cluster, script) -> None:  # type
     assert f"more: charlie list --limit 1 --before {task_id}" in table.stderr
     bad = charlie_cli(env, "list", "--status", "finished")
     assert bad.returncode == 2 and "unknown status 'finished'" in bad.stderr
+
+
+def test_the_cli_searches_id_and_prompt(cluster: Cluster, script) -> None:  # type: ignore[no-untyped-def]
+    """`charlie list --search` filters as list_tasks(search=) and the console's search box do:
+    a case-insensitive substring of the id or the prompt, paged with the filter kept."""
+    model, _ = script([{"say": "found"}])
+    mark = uuid.uuid4().hex[:8]
+    by_prompt = charlie.submit(f"Rotate the {mark.upper()} keys", model=model)
+    by_id = charlie.submit("an unrelated prompt", model=model, task_id=f"job-{mark}-2")
+    other = charlie.submit("nothing to see", model=model)
+    for task_id in (by_prompt, by_id, other):
+        charlie.wait(task_id, timeout=60)
+    env = cluster.settings_env
+    out = charlie_cli(env, "list", "--search", mark, "--json")
+    assert out.returncode == 0, out.stderr
+    assert [row["id"] for row in json.loads(out.stdout)] == [by_id, by_prompt]
+    table = charlie_cli(env, "list", "--search", mark, "--limit", "1")
+    assert table.returncode == 0, table.stderr
+    assert by_id in table.stdout and other not in table.stdout
+    assert f"more: charlie list --search {mark} --limit 1 --before {by_id}" in table.stderr
