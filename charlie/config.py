@@ -110,7 +110,9 @@ class Settings:
     #: I5: a lease a worker holds on an execution or a tool call while it works; renewed by a
     #: heartbeat every third of it, so a killed worker's lease lapses within this many seconds.
     lease_seconds: float = 5.0
-    #: how often beat runs the sweeps.
+    #: how often beat runs the sweeps (seconds). ``charlie beat`` runs them in its own process,
+    #: so recovery never waits for a free worker slot; ``--celery-beat`` queues them to the
+    #: workers instead.
     sweep_interval: float = 1.0
     #: I4: a run that is ready but has not moved for this long gets its tick published again.
     stall_seconds: float = 5.0
@@ -128,7 +130,8 @@ class Settings:
     merge_phases: bool = True
     #: on PostgreSQL, write a merged transaction's steps in one statement (a fused commit: one
     #: round trip, the rows checked as predicted, else written step by step). False: one
-    #: statement per write, as on SQLite.
+    #: statement per write, as on SQLite. A read this worker runs itself starts in the model's
+    #: commit: a one-call turn in two commits, each one round trip.
     fuse_commits: bool = True
     #: a turn of at most this many calls, each of a ``threadsafe`` tool, runs them in the
     #: worker that dispatched them, at once (a thread each), where each would otherwise go
@@ -162,14 +165,17 @@ class Settings:
     #: how many times report_terminal retries a transient scheduler write inside one tick before
     #: it stores a wake-up time and lets the sweep come back.
     report_retries: int = 4
-    #: the embedded broker's polling interval (seconds).
+    #: the embedded broker's polling interval (seconds); an idle worker spends about 1.5% of a
+    #: core on it.
     embedded_poll_interval: float = 0.005
     #: Celery task events, for Flower: on unless the broker is the embedded one.
     task_events: bool = False
     extra: dict[str, str] = field(default_factory=dict)
     #: the devbox (``charlie devbox serve``) the tools run in; unset: the local tools. When set,
     #: run_command, read_file, write_file and list_files are the devbox's, plus apply_patch,
-    #: git_diff and git_commit (charlie/tools/devbox_tools.py).
+    #: git_diff and git_commit (charlie/tools/devbox_tools.py). The token is at least 32
+    #: characters (``secrets.token_urlsafe(32)``), or the devbox will not start and the
+    #: workers' devbox tools fail.
     devbox_url: str | None = None
     devbox_token: str | None = field(default=None, repr=False)
     #: how long one HTTP request to the devbox may take (a first clone happens in one).
@@ -178,10 +184,12 @@ class Settings:
     #: the call and lets the sweep poll it again after ``devbox_poll_interval``.
     devbox_inline_wait: float = 5.0
     devbox_poll_interval: float = 2.0
-    #: run_command's tool deadline (I13): past it the call settles ``deadline_exceeded``.
+    #: run_command's tool deadline (I13): past it the call settles ``deadline_exceeded`` (the
+    #: command is not killed by it).
     devbox_command_deadline: float = 900.0
     #: worker log lines: ``text`` appends each record's context (run, phase, call) as
-    #: key=value pairs; ``json`` prints one JSON object per line (charlie/logs.py).
+    #: key=value pairs; ``json`` prints one JSON object per line (charlie/logs.py). With
+    #: tracing on, each line also says its ``trace_id``.
     log_format: str = "text"
     #: the queue a producer that has only Celery publishes ``charlie.submit`` to when it sets
     #: no routing: Celery's default queue. Workers consume it too; empty: none.
@@ -211,19 +219,26 @@ class Settings:
     sandbox_hide: str = ""
     #: directories (``:``-separated) commands may read besides the sandbox's allow-list (the
     #: system's programs, a few /etc files, the toolchain, the workspace): CHARLIE_SANDBOX_READ.
+    #: Nothing else of the machine is visible. The devbox reads it too.
     sandbox_read: str = ""
     #: the user-mode network stack for commands whose task allows the network: ``auto`` (pasta
-    #: where it works, else slirp4netns), ``pasta`` or ``slirp4netns``.
+    #: where it works, else slirp4netns), ``pasta`` or ``slirp4netns``. Such a command has its
+    #: own network namespace, without the host's loopback, its addresses or the networks it is
+    #: attached to; with neither stack it is refused with an error naming what to install.
     sandbox_network: str = "auto"
     #: networks (comma-separated CIDRs) such commands must not reach besides the host's own
-    #: addresses and attached networks: the cluster's services further away
+    #: addresses and attached networks and the cloud metadata address: the cluster's services
+    #: further away
     #: (CHARLIE_SANDBOX_NET_DENY).
     sandbox_net_deny: str = ""
     #: where a task's ``metadata["workspace"]`` may be (CHARLIE_WORKSPACE_ROOTS, ``:``-separated;
-    #: empty: ``home/workspaces`` only). A workspace must lie strictly inside one of them.
+    #: empty: ``home/workspaces`` only). A workspace must lie strictly inside one of them (its
+    #: real path, symlinks resolved); another is refused at submit, and by the worker before
+    #: any tool runs.
     workspace_roots: tuple[Path, ...] = ()
     #: models a delegated child may use besides its parent's (CHARLIE_DELEGATE_MODELS: a comma
-    #: list of model names or glob patterns, ``*`` for any); empty: only the parent's model.
+    #: list of model names or glob patterns, ``*`` for any); empty: only the parent's model. A
+    #: ``scripted:`` model only ever for a child of a scripted parent, whatever this says.
     delegate_models: tuple[str, ...] = ()
     #: how deep delegation may nest (CHARLIE_DELEGATE_MAX_DEPTH): a submitted task is at depth
     #: 0, its child at 1; a task at this depth cannot delegate. 0: no delegation at all.
@@ -240,12 +255,15 @@ class Settings:
     #: a server that could not be reached is tried again after this many seconds.
     mcp_retry_seconds: float = 30.0
     #: the most of one message from an MCP server that is read (a larger answer is dropped
-    #: unread and its call gets an error; charlie/mcp/bounded.py).
+    #: unread and its call gets an error; charlie/mcp/bounded.py). A server's stderr lines are
+    #: cut at 8 KiB.
     mcp_max_message_bytes: int = 4 * 1024 * 1024
     #: CHARLIE_PRICES: the price table, inline JSON or a JSON file's path; read by
-    #: ``charlie.pricing.price_table(settings.prices)``.
+    #: ``charlie.pricing.price_table(settings.prices)``. Unset: scripted models cost 0, others
+    #: have no known price (docs/models/index.md, Budgets and cost).
     prices: str | None = None
-    #: default budget limits, applied at submit and stored on the task: None, none.
+    #: default budget limits, applied at submit and stored on the task (and a ceiling for
+    #: delegated children, whose budget is what their parent has left): None, none.
     budget_tokens: int | None = None
     budget_usd: float | None = None
     budget_model_calls: int | None = None

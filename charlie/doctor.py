@@ -249,7 +249,7 @@ class _Doctor:
         shown = _safe_url(self.s.broker_url)
         problem = transport_problem(app)
         if problem:
-            self.add("broker", "FAIL", problem, "see the README's production section")
+            self.add("broker", "FAIL", problem, "see docs/production/index.md")
             return
         try:
             with app.connection_for_write(connect_timeout=self.timeout) as conn:

@@ -8,9 +8,9 @@ in its place, or replace ``.git`` with a gitfile (``gitdir: ...``) naming such a
 runs the clean filter that config names. The devbox's git runs in the same bubblewrap
 confinement as commands (its root and the token out of sight, no network, its own pid
 namespace), so the filter runs with no more than a command's rights: it cannot write outside
-the workspace, and it finds no token (README, "What Charlie protects against": commands
-cannot reach Charlie's secrets; git in the devbox runs no program the agent configured outside
-that confinement).
+the workspace, and it finds no token (docs/security.md, "What an injected model cannot do":
+commands cannot reach Charlie's secrets; git in the devbox runs no program the agent configured
+outside that confinement).
 """
 
 from __future__ import annotations
