@@ -7,11 +7,16 @@ other exception turned into the ``error`` result the model would see (I15), a ``
 as the wait it is (I10), and the reconcile hook run for a call found started without a result,
 giving the ``Reconciled`` outcome (I10). No database, no broker, no worker::
 
+    from charlie.domain import Outcome
     from charlie.testing import ToolEnvironment
 
+    (tmp_path / "README.md").write_text("hello")
     env = ToolEnvironment(workspace=tmp_path)
     done = env.run("read_file", path="README.md")
     assert done.outcome is Outcome.OK
+
+A tool of your own is looked up by name once its module is imported (importing it registers
+it); docs/examples/ has one with a reconcile hook, and its test.
 
 The fakes stand in for the ports the engine hands to phases and tools: :class:`FakeModel`
 (a Model), :class:`FakeScheduler` (the phases' SchedulerPort), :class:`FakeChildren` (a
