@@ -167,3 +167,12 @@ def test_no_machine_paths_and_the_invariants_are_in_the_repository() -> None:
     for path, text in texts.items():
         for bad in ("../shared/", "/work/", "INVARIANTS.md", "/tmp/dbosenv"):
             assert bad not in text, f"{path.relative_to(REPO)} names {bad!r}"
+
+
+def test_the_readme_links_into_the_site() -> None:
+    """Every relative link of the README names a page that is in the repository."""
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in local)
+    missing = [link for link in local if not (REPO / link).is_file()]
+    assert not missing, f"README links to files that are not there: {missing}"
