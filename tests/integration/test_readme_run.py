@@ -63,3 +63,8 @@ def test_the_readme_run_block_works_as_written(tmp_path: Path) -> None:
     assert run.stdout.count("ship-a17") >= 2, out  # listed by the search, and shown
     assert "The label for A17 is printed." in run.stdout
     assert not list((REPO / ".charlie").glob("ship-a17*"))
+
+
+def test_getting_started_shows_the_same_lines() -> None:
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    assert f"```bash\n{_run_block()}```" in page
