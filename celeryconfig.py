@@ -2,7 +2,7 @@
 
 Every setting says why: the database is the source of truth, so the broker only has to deliver
 ticks at least once, and a phase task is safe to run twice, concurrently, late or never
-(see ../shared/design/CELERY-NOTES.md and INVARIANTS.md I2, I4).
+(invariants I2 and I4 of docs/architecture.md).
 """
 
 from datetime import timedelta

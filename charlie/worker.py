@@ -118,7 +118,8 @@ class _SubmitRequest(Request):  # type: ignore[misc]
 
 # A submit that finds the database unreachable is published again with backoff (2 s doubling
 # to 60 s, about 10 minutes in all) before the message is given up with an error naming the
-# task; the countdowns stay far below Redis's visibility timeout (CELERY-NOTES.md).
+# task; the countdowns stay far below Redis's visibility timeout (6 hours, set in
+# celeryconfig.py).
 @app.task(
     name="charlie.submit",
     base=_SubmitTask,

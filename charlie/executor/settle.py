@@ -199,7 +199,7 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
 
     def settle(conn: Connection) -> bool:
         # Fenced by the lease the call was taken under: a holder whose lease lapsed and was
-        # taken over (or settled) records at most a late report, never the outcome (item 5).
+        # taken over (or settled) records at most a late report, never the outcome (I12).
         if calls.settle_call(
             conn,
             *key,
