@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection
-
 from charlie import faults
 from charlie.domain import Outcome, Phase, RunView, Settlement, task_id_of, utcnow
 from charlie.observe import CallEvent, safely
@@ -29,6 +27,7 @@ from charlie.runtime import Runtime
 from charlie.store import calls, fused
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, write, write_one
+from charlie.store.types import Connection
 
 log = logging.getLogger("charlie.tool")
 
