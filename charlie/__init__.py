@@ -33,9 +33,21 @@ __all__ = [
     "wait",
 ]
 
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("charlie")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
 #: The names served from charlie.api on first use.
 _API = frozenset(set(__all__) - {"tool"})
-__version__ = "0.1.0"
+#: The installed distribution's version (pyproject.toml's, through the package metadata: one
+#: place to change it); `charlie --version` prints the same.
+__version__ = _installed_version()
 
 
 def __getattr__(name: str) -> Any:

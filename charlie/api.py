@@ -12,8 +12,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection
-
 from charlie import people, pricing, scheduler
 from charlie.config import WorkspaceRefused, settings
 from charlie.domain import (
@@ -54,6 +52,7 @@ from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as people_store
 from charlie.store import reads, spend
 from charlie.store.engine import again_if_disconnected, read, retried_if_disconnected
+from charlie.store.types import Connection
 from charlie.streams.base import StreamEvent, StreamUnavailable
 from charlie.tools.registry import REGISTRY
 

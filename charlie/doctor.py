@@ -46,12 +46,9 @@ def _first_line(error: BaseException) -> str:
 
 def _safe_url(url: str) -> str:
     """A URL as it may be printed: without its password."""
-    from sqlalchemy.engine import make_url
+    from charlie.store.probe import printable_url
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1] if "@" in url else url
+    return printable_url(url)
 
 
 def transport_problem(app: Celery) -> str | None:
@@ -109,17 +106,13 @@ class _Doctor:
     # -- the database ------------------------------------------------------------------------
 
     def database(self) -> Any:
-        from sqlalchemy import create_engine
-
-        from charlie.store.engine import server_version
+        from charlie.store.probe import connect_once, sqlite_file
 
         url = self.s.database_url
         shown = _safe_url(url)
         if self.s.is_sqlite:
-            from sqlalchemy.engine import make_url
-
-            path = make_url(url).database
-            if path and path != ":memory:" and not Path(path).exists():
+            path = sqlite_file(url)
+            if path and not Path(path).exists():
                 # connecting would create an empty file where the workers may not look
                 self.add(
                     "database",
@@ -130,12 +123,7 @@ class _Doctor:
                 )
                 return None
         try:
-            args: dict[str, Any] = {}
-            if url.startswith("postgresql"):
-                args["connect_args"] = {"connect_timeout": max(1, int(self.timeout))}
-            engine = create_engine(url, **args)
-            with engine.connect() as conn:
-                version = server_version(conn)
+            engine, version = connect_once(url, self.timeout)
         except ImportError as exc:
             self.add(
                 "database",
@@ -157,21 +145,14 @@ class _Doctor:
         return engine
 
     def schema(self, engine: Any) -> None:
-        from alembic.runtime.migration import MigrationContext
-        from sqlalchemy import inspect
-
         from charlie.store.engine import head_revision
+        from charlie.store.probe import current_revision
 
         if engine is None:
             self.add("schema", "skip", "not checked: the database is unreachable")
             return
         head = head_revision()
-        with engine.connect() as conn:
-            current = (
-                MigrationContext.configure(conn).get_current_revision()
-                if inspect(conn).has_table("alembic_version")
-                else None
-            )
+        current = current_revision(engine)
         if current == head:
             self.schema_ok = True
             self.add("schema", "ok", f"migrated to head ({head})")

@@ -23,9 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine
-
 from charlie.store.engine import write
+from charlie.store.types import Connection, Engine
 
 log = logging.getLogger("charlie.lease")
 

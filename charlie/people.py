@@ -28,9 +28,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
-from sqlalchemy import Connection
-from sqlalchemy.exc import IntegrityError
-
 from charlie import faults, pricing
 from charlie.domain import (
     JSON,
@@ -54,6 +51,7 @@ from charlie.scheduler import TaskConflict, TaskNotFound
 from charlie.store import people as store
 from charlie.store import spend
 from charlie.store.engine import again_if_disconnected, read, write
+from charlie.store.types import Connection, ConstraintViolation
 
 T = TypeVar("T")
 
@@ -209,7 +207,7 @@ def _once(
         try:
             with write(rt.engine) as conn:
                 return act(conn), None
-        except IntegrityError:
+        except ConstraintViolation:
             if request_id is None:
                 raise
             with read(rt.engine) as conn:
@@ -287,7 +285,7 @@ def send(
 
     try:
         sent, recorded = _once(rt, request_id, "send a message", act)
-    except IntegrityError:
+    except ConstraintViolation:
         # Two sends of one message id raced and this one lost: the first one's message stands.
         with read(rt.engine) as conn:
             existing = store.message_by_id(conn, task_id, message_id)
@@ -1051,7 +1049,7 @@ def fork(
 
     try:
         made, recorded = _once(rt, request_id, "fork a task", act)
-    except IntegrityError:
+    except ConstraintViolation:
         # Another fork under this id committed between this one's check and its insert: the
         # same fork (a retried request) is this one, made; another one holds the id.
         with read(rt.engine) as conn:

@@ -8,11 +8,10 @@ import logging
 import threading
 from collections.abc import Iterable
 
-from sqlalchemy import Engine
-
 from charlie.domain import utcnow
 from charlie.store.engine import write_one
 from charlie.store.heartbeats import WORKER_PREFIX, forget_heartbeat, record_heartbeat
+from charlie.store.types import Engine
 
 log = logging.getLogger("charlie.presence")
 

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine
-
 from charlie import home
 from charlie.config import Settings, settings
 from charlie.domain import Phase
@@ -37,6 +35,7 @@ from charlie.scheduler import DbScheduler
 from charlie.store import scans
 from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
 from charlie.store.transcripts import TranscriptCache
+from charlie.store.types import Engine
 from charlie.streams.base import Transport
 from charlie.streams.open import open_transport
 from charlie.streams.sink import NO_EVENTS, EventSink, TaskEvents

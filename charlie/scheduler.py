@@ -11,9 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import IntegrityError, OperationalError
-
 from charlie import faults
 from charlie.domain import JSON, Action, Origin, TaskStatus, execution_id_for, utcnow
 from charlie.observe import new_trace
@@ -23,6 +20,7 @@ from charlie.store import tasks as task_store
 from charlie.store.calls import hold_live_task
 from charlie.store.engine import read, write
 from charlie.store.people import record_action
+from charlie.store.types import Connection, ConstraintViolation, DatabaseUnavailable, Engine
 
 
 class TaskNotFound(LookupError):
@@ -144,7 +142,7 @@ def submit(
                 trace=trace or new_trace(),
                 budget=budget,
             )
-    except IntegrityError:
+    except ConstraintViolation:
         with read(engine) as conn:
             existing = _already_submitted(conn, task_id, prompt, model)
         if existing is None:
@@ -200,7 +198,7 @@ def finish(
     try:
         with write(engine) as conn:
             return task_store.finish_task(conn, task_id, status, result, error, now)
-    except OperationalError as exc:
+    except DatabaseUnavailable as exc:
         raise TransientSchedulerError(f"scheduler write for task {task_id} failed: {exc}") from exc
 
 

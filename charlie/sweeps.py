@@ -20,8 +20,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection
-
 from charlie import scheduler
 from charlie.app import app
 from charlie.config import SWEEP_QUEUE, TICK_QUEUE
@@ -33,6 +31,7 @@ from charlie.store import calls as call_store
 from charlie.store import scans
 from charlie.store.engine import read, write, write_one
 from charlie.store.heartbeats import SWEEP_NAMES, record_heartbeat
+from charlie.store.types import Connection
 
 log = logging.getLogger("charlie.sweep")
 

@@ -34,7 +34,6 @@ from celery.signals import (
     worker_shutdown,
 )
 from celery.worker.request import Request
-from sqlalchemy.exc import OperationalError
 
 from charlie import logs, redact, runtime, sweeps, telemetry
 from charlie.app import app
@@ -43,6 +42,7 @@ from charlie.domain import Channel, Origin, Phase
 from charlie.executor import tick
 from charlie.presence import Presence
 from charlie.runtime import get_runtime
+from charlie.store.types import DatabaseUnavailable
 
 INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
 
@@ -118,14 +118,15 @@ class _SubmitRequest(Request):  # type: ignore[misc]
 
 # A submit that finds the database unreachable is published again with backoff (2 s doubling
 # to 60 s, about 10 minutes in all) before the message is given up with an error naming the
-# task; the countdowns stay far below Redis's visibility timeout (CELERY-NOTES.md).
+# task; the countdowns stay far below Redis's visibility timeout (6 hours, set in
+# celeryconfig.py).
 @app.task(
     name="charlie.submit",
     base=_SubmitTask,
     Request=_SubmitRequest,
     ignore_result=True,
     bind=True,
-    autoretry_for=(OperationalError,),
+    autoretry_for=(DatabaseUnavailable,),
     retry_backoff=2,
     retry_backoff_max=60,
     max_retries=15,
@@ -234,7 +235,7 @@ def _person_task(name: str, call: Any) -> Task:
         Request=RedactedRequest,
         ignore_result=True,
         bind=True,
-        autoretry_for=(OperationalError,),
+        autoretry_for=(DatabaseUnavailable,),
         retry_backoff=2,
         retry_backoff_max=60,
         max_retries=15,

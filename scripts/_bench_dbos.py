@@ -1,4 +1,4 @@
-"""DBOS, for comparison: the same two steps per agent turn, as a DBOS workflow (issue 6).
+"""DBOS, for comparison: the same two steps per agent turn, as a DBOS workflow.
 
 Run by ``scripts/bench.py`` with an interpreter that has the ``dbos`` package (``--dbos-python``,
 or the benchmark's own if ``dbos`` is importable there); not a Charlie dependency. Each turn is
@@ -9,7 +9,7 @@ for the single workflow (``one_``) and the concurrent ones (``many_``): ``turn_m
 over every turn), ``commits_per_turn`` (counted in this process as the benchmark counts
 Charlie's in its workers: SQLAlchemy commits and autocommit writes), ``server_commits_per_turn``
 (``pg_stat_database.xact_commit`` of its database, read after the server's stats settle) and
-``wal_bytes_per_turn`` (the server's WAL insert position before and after), issue 17.
+``wal_bytes_per_turn`` (the server's WAL insert position before and after).
 
     python scripts/_bench_dbos.py --database-url postgresql://postgres@127.0.0.1/charlie_bench_dbos
 """
@@ -37,7 +37,7 @@ def recreate(url: str) -> None:
 
 
 class Commits:
-    """Write commits this process makes (issue 17): the same rule as scripts/_bench_support.py."""
+    """Write commits this process makes: the same rule as scripts/_bench_support.py."""
 
     def __init__(self) -> None:
         self.count = 0

@@ -10,7 +10,7 @@ Counted: statements that go through a cursor (SQLite's ``BEGIN IMMEDIATE`` inclu
 counted: the driver's implicit BEGIN and COMMIT, and the ping of a connection that sat idle.
 Only worker processes count (not ``charlie beat``, whose sweeps are no part of the loop), and
 not a worker's presence heartbeat (``heartbeats``, every 10 s) either.
-Commits (issue 17): every write transaction's COMMIT (an SQLAlchemy ``commit`` event on a
+Commits: every write transaction's COMMIT (an SQLAlchemy ``commit`` event on a
 connection not opened read-only) and every write statement run in autocommit (its own
 transaction on the server, as a slow phase's claim is on PostgreSQL).
 """

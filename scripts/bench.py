@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Charlie's benchmark: what a transition and a turn cost, side by side with the floor (issue 6).
+"""Charlie's benchmark: what a transition and a turn cost, side by side with the floor.
 
     python scripts/bench.py                  # every reachable backend, 3 trials
     python scripts/bench.py --quick          # a smoke run: 1 trial, small sizes
@@ -611,7 +611,7 @@ class Cell:
 
     @staticmethod
     def loop_commits(delta: dict[str, list[int]]) -> int:
-        """The loop's write commits (issue 17), sweeps left out."""
+        """The loop's write commits, sweeps left out."""
         return sum(v[2] for k, v in delta.items() if not k.startswith("charlie.sweep."))
 
     @staticmethod
@@ -656,7 +656,7 @@ class Cell:
         ticks, invokes, statements = self.loop_counts(delta)
         self.results.add(f"{key}.tasks_per_transition", (ticks + invokes) / len(rows))
         self.results.add(f"{key}.statements_per_transition", statements / len(rows))
-        # Per agent turn (issue 17): a run's turns, its first load and last report included.
+        # Per agent turn: a run's turns, its first load and last report included.
         all_turns = runs * turns
         commits = self.loop_commits(delta)
         self.results.add(f"{key}.turn_wall_ms", wall * 1000 / all_turns)
@@ -712,7 +712,7 @@ class Cell:
         return rate
 
     def pg_counters(self, database: str, *, settle_first: bool) -> tuple[int, int] | None:
-        """PostgreSQL's own counts (issue 17): ``pg_stat_database.xact_commit`` of
+        """PostgreSQL's own counts: ``pg_stat_database.xact_commit`` of
         ``database`` (every session on it: the loop, the sweeps, this benchmark's polls) and
         the WAL insert position (``pg_current_wal_insert_lsn``: the whole server, other
         databases included; ``pg_stat_wal.wal_bytes`` counts the same bytes but, like
@@ -785,7 +785,7 @@ class Cell:
         self.results.add(
             "whole_turn_vs_dbos", self.results.values["one.turn_wall_ms"][-1] / turn_ms
         )
-        # Issue 17: the same figures for DBOS, per turn, 1 workflow and 50 at once.
+        # The same figures for DBOS, per turn, 1 workflow and 50 at once.
         for which in ("one", "many"):
             for figure in ("turn_ms", "commits_per_turn", "wal_bytes_per_turn"):
                 if doc.get(f"{which}_{figure}"):
@@ -831,7 +831,7 @@ class Cell:
 
     def local_fanout(self) -> None:
         """A turn of K = 8 calls (the dispatch batch) of the threadsafe instant tool, which the
-        worker that dispatched them runs at once (issue 17): response to the next model call,
+        worker that dispatched them runs at once: response to the next model call,
         and a steady such turn's commits (a run of 3 turns less one of 1, over 2)."""
         k = 8
         calls = [{"id": f"c{i}", "name": TOOL, "arguments": {"value": str(i)}} for i in range(k)]
@@ -1690,7 +1690,7 @@ ROWS: list[Row | str] = [
     Row("SQL statements per transition, 50 runs", "many.statements_per_transition", 1),
     Row("Per-turn overhead: model response → next model call (ms)", "turn.ms", 1),
     Row("Per-turn overhead, in floor transitions", "turn.floor_units", 1, "≤ 4"),
-    "**Per turn** (issue 17: a run's turns, its first load and last report spread over them)",
+    "**Per turn** (a run's turns, its first load and last report spread over them)",
     Row("Charlie, 1 run: ms per turn (wall / turns)", "one.turn_wall_ms", 1),
     Row("Charlie, 50 runs: ms per turn (wall / all turns)", "many.turn_wall_ms", 2),
     Row("Commits per turn, 1 run (in the workers)", "one.commits_per_turn", 2, "≤ 3"),
@@ -1925,7 +1925,7 @@ def render(
 
 
 FOOTNOTES = [
-    "- Targets are issue 6's, for PostgreSQL + Redis with 2 worker processes.",
+    "- Targets are the project's, for PostgreSQL + Redis with 2 worker processes.",
     "- A transition is a row of Charlie's `transitions` table (a turn is 4: call_model, "
     "dispatch_tools, await_tools, advance_turn); a floor link locks, updates and commits one "
     "row and publishes the next link. Ratios are taken trial by trial.",

@@ -2,8 +2,7 @@
 
 It sends ``charlie.submit`` by name, as docs/production/index.md shows, twice: once with the
 task id in the keyword arguments and once as the Celery message's own id. CI runs it from a
-virtualenv with a plain ``pip install .`` against workers on PostgreSQL + Redis and + RabbitMQ
-(issue 10).
+virtualenv with a plain ``pip install .`` against workers on PostgreSQL + Redis and + RabbitMQ.
 
     python scripts/celery_only_producer.py BROKER_URL MODEL TASK_ID [TASK_ID ...]
 """

@@ -50,7 +50,7 @@ on any violation:
   (I27).
 - a share of tasks (``--mcp-share``) also calls an MCP read and an MCP write over stdio (the
   test server of tests/support/mcp_server.py, one per worker process); no MCP write executed
-  twice according to the server's own ledger (I10, issue 15).
+  twice according to the server's own ledger (I10).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def parse_args() -> argparse.Namespace:
 
 def add_mcp_turn(plan: Plan, share: float, seed: int) -> None:
     """For a share of tasks, one more turn just before the final answer: an MCP read and an
-    MCP write over stdio (issue 15). It takes over what the final answer's turn was to be shown
+    MCP write over stdio. It takes over what the final answer's turn was to be shown
     (the turn before it may be a person's), and has its own random stream, so the rest of a
     seed's run is what it was without it."""
     rng = random.Random(f"{seed}-mcp-{plan.n}")

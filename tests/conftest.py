@@ -41,12 +41,12 @@ _HOME = Path(tempfile.mkdtemp(prefix="charlie-test-"))
 _MODEL_PORT = free_port()
 _ANTHROPIC_PORT = free_port()
 _ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, anthropic_port=_ANTHROPIC_PORT)
-#: The MCP servers the cluster's workers use, when tests/mcp is part of the run (issue 15): a
+#: The MCP servers the cluster's workers use, when tests/mcp is part of the run: a
 #: run without it configures none, so the rest of the suite starts no MCP server.
 _MCP = McpServers(_HOME, web_port=free_port(), flaky_port=free_port(), dead_port=free_port())
 _MCP_ON = False
 #: The OTLP receiver the cluster's workers export their spans to, when tests/telemetry is part
-#: of the run (issue 16): the whole session's workers trace then, into this test process.
+#: of the run: the whole session's workers trace then, into this test process.
 _OTLP_PORT = free_port()
 _OTLP: Any = None
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection
-
 from charlie import pricing, scheduler
 from charlie.domain import JSON, Phase, TaskSpend, TaskStatus
 from charlie.executor import boundary
 from charlie.runtime import Runtime
 from charlie.store import reads, spend
 from charlie.store.engine import read, retried_if_disconnected
+from charlie.store.types import Connection
 from charlie.tools.context import ChildSubmitted, TaskSnapshot, ToolError
 from charlie.tools.delegation import child_limits
 

@@ -20,8 +20,6 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import Connection
-
 from charlie import faults
 from charlie.config import WorkspaceRefused
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
@@ -32,6 +30,7 @@ from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, read, write, write_one
+from charlie.store.types import Connection
 from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
 from charlie.tools.context import AskPerson, LeaseLost, Pending, ToolContext
 

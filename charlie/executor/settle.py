@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection
-
 from charlie import faults
 from charlie.domain import Outcome, Phase, RunView, Settlement, task_id_of, utcnow
 from charlie.observe import CallEvent, safely
@@ -29,6 +27,7 @@ from charlie.runtime import Runtime
 from charlie.store import calls, fused
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, write, write_one
+from charlie.store.types import Connection
 
 log = logging.getLogger("charlie.tool")
 
@@ -199,7 +198,7 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
 
     def settle(conn: Connection) -> bool:
         # Fenced by the lease the call was taken under: a holder whose lease lapsed and was
-        # taken over (or settled) records at most a late report, never the outcome (item 5).
+        # taken over (or settled) records at most a late report, never the outcome (I12).
         if calls.settle_call(
             conn,
             *key,

@@ -13,8 +13,6 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Connection
-
 from charlie import pricing
 from charlie.domain import (
     CallState,
@@ -36,6 +34,7 @@ from charlie.runtime import Runtime
 from charlie.store import runs, spend
 from charlie.store.calls import ClaimedCall
 from charlie.store.transcripts import as_stored
+from charlie.store.types import Connection
 
 if TYPE_CHECKING:
     from charlie.executor.events import InlineReports

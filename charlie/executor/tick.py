@@ -17,9 +17,6 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Literal
 
-from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
-
 from charlie import faults
 from charlie.domain import (
     ItemKind,
@@ -72,6 +69,7 @@ from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
 from charlie.store.engine import again_if_disconnected, write, write_one
+from charlie.store.types import Connection, DatabaseError, DriverError
 
 log = logging.getLogger("charlie.tick")
 
@@ -489,7 +487,7 @@ def _observed_tick(
     try:
         try:
             return _run_tick(rt, execution_id, phase, version, progress)
-        except DBAPIError as exc:
+        except DriverError as exc:
             if not exc.connection_invalidated or progress.claim_committed:
                 raise
             # A pooled connection that died (a database restart) fails its first statement;
@@ -500,7 +498,7 @@ def _observed_tick(
             )
             progress.claim_committed = False
             return _run_tick(rt, execution_id, phase, version, progress)
-    except SQLAlchemyError as exc:
+    except DatabaseError as exc:
         # The database refused a write (or went away) mid-tick: nothing was committed. Keep the
         # error as evidence and release the lease so the sweep retries without waiting for it
         # to lapse; the attempt counter bounds the retries (then report_failure says why).
@@ -524,7 +522,7 @@ def _observed_tick(
                     error,
                     claim_committed=progress.claim_committed,
                 )
-        except SQLAlchemyError:
+        except DatabaseError:
             log.warning("could not record the refused write either; the lease will lapse")
         return "refused", None
 

@@ -180,8 +180,8 @@ def describe(exc: BaseException) -> str:
 def _scrubbed_stderr(server: ServerConfig, stack: AsyncExitStack) -> TextIO:
     """A stdio server's stderr: a pipe whose lines a thread writes on to this process's own
     (fd 2, where the server's would have gone: a worker's log) with the configuration's
-    secrets blanked, so a server that logs its token does not put it in Charlie's logs (issue
-    15 item 5), and each line cut to a bounded length as it is read (bounded.forward_stderr).
+    secrets blanked, so a server that logs its token does not put it in Charlie's logs,
+    and each line cut to a bounded length as it is read (bounded.forward_stderr).
     The pipe's write end is the server's alone once the session ends (the reader then sees
     the end of the pipe when the server exits)."""
     read_fd, write_fd = os.pipe()  # (not inherited by any other child: O_CLOEXEC)

@@ -9,13 +9,13 @@ SHA-256 of its real name, so the name is the same in every process and two tools
 on one name. The implementation a call records is ``mcp:SERVER:TOOL``, with
 the real names.
 
-Recovery comes from what the server says and what the operator decides (item 3): a tool is a
+Recovery comes from what the server says and what the operator decides: a tool is a
 ``read`` when its ``readOnlyHint`` says so, otherwise a ``write``; the configuration overrides
 that, per server and per tool (``effect``, ``approval``, ``on_interrupt``, ``deadline``), and
 ``ignore_hints`` makes every tool of a server a write unless overridden. Either way the tool is
 never resumable by itself: a call found started without a result after a crash is
 ``interrupted`` (or held, ``on_interrupt="hold"``), never sent again (I10). It becomes a
-resumable wait only once its work has an identity outside the worker (item 4, I20):
+resumable wait only once its work has an identity outside the worker (I20):
 
 - the server answers the call with a **task** (the tasks extension): its id is recorded as the
   call's handle (``task:ID``) and the call parks; any worker polls ``tasks/get`` with that id,
@@ -26,7 +26,7 @@ resumable wait only once its work has an identity outside the worker (item 4, I2
   call records that it does (handle ``input:ROUND``), so an attempt after a crash that finds it
   knows the answer may have been acted on, and reports the call ``interrupted``.
 
-Failures (item 5): no session (the server is down, refused, did not start) is a tool error
+Failures: no session (the server is down, refused, did not start) is a tool error
 saying the call was not sent; a call whose connection died or that timed out is
 ``interrupted`` for a write (what the server did is unknown) and a tool error for a read; an
 error the server answered is a tool error, and so is an answer too large to read (it says the

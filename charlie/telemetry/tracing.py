@@ -1,4 +1,4 @@
-"""OpenTelemetry traces: one trace per task, across workers and crashes (item 1).
+"""OpenTelemetry traces: one trace per task, across workers and crashes.
 
 A task's trace context is stored with it at submit (``tasks.trace``, see
 :func:`charlie.observe.new_trace`): the trace id and the id of the task's own span, whose

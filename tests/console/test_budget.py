@@ -1,4 +1,4 @@
-"""The run console shows a task's cost and budget (issue 16), in its header and the list."""
+"""The run console shows a task's cost and budget, in its header and the list."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def flash(driver: Any) -> str:
 
 
 def said(record: Any, did: str, rest: str = "") -> str:
-    """The one sentence a page shows after an action (issue 14): who did what, when."""
+    """The one sentence a page shows after an action: who did what, when."""
     return f"{record.by} {did} at {record.at.isoformat(timespec='seconds')}{rest}."
 
 
@@ -252,7 +252,7 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
         {"note": "the row is in the ledger", "result": result},
         'button[value="done"]',
     )
-    # one sentence, not "reconcile done: reconcile done by ..." (issue 14)
+    # one sentence, not "reconcile done: reconcile done by ..."
     reconciled = action_of(task_id, "reconcile", "hw")
     assert flash(browser) == said(reconciled, "reconciled call hw as done")
     call = {c.call_id: c for c in charlie.calls(task_id)}["hw"]

@@ -131,7 +131,7 @@ def test_keyed_start_returns_the_first_command_even_after_a_restart(
 def test_a_lookup_by_key_never_starts_and_seals_a_key_it_did_not_find(
     client: DevboxClient, workspace: str, devbox_root: Path
 ) -> None:
-    """Issue 12 item 4: a resume asks for its command by key: a key that started one finds it;
+    """A resume asks for its command by key: a key that started one finds it;
     a key that did not is sealed, so a start with it that arrives later is refused (409)."""
     started = client.start_command(workspace, shell="echo ran >> count", idempotency_key="k-1")
     found = client.find_command(workspace, "k-1")

@@ -149,7 +149,7 @@ def test_bad_commit_requests(client: DevboxClient, workspace: str) -> None:
 def test_find_commit_waits_for_a_commit_in_progress(
     server: DevboxServer, client: DevboxClient, workspace: str
 ) -> None:
-    """Issue 12 item 5: a reconcile's read-back takes the workspace lock that a commit holds
+    """A reconcile's read-back takes the workspace lock that a commit holds
     for its whole length, so it never answers "not committed" in the middle of one."""
     import threading
 
@@ -169,7 +169,7 @@ def test_find_commit_waits_for_a_commit_in_progress(
 def test_a_reconcile_that_finds_no_commit_seals_the_key(
     client: DevboxClient, workspace: str
 ) -> None:
-    """Issue 12 item 5: a reconcile's "not committed" stays true. A holder paused before its
+    """A reconcile's "not committed" stays true. A holder paused before its
     commit reached the devbox must not commit with the key once a reconcile found nothing."""
     assert client.find_commit(workspace, "call-late", seal=True) is None
     with pytest.raises(DevboxError) as refused:

@@ -1,4 +1,4 @@
-"""Issue 12 item 10: the devbox's own git never runs a program the agent configured.
+"""The devbox's own git never runs a program the agent configured.
 
 An agent can write its workspace's ``.git/config`` (with ``run_command``), files the config
 includes and ``.gitattributes`` (with the file tools). Each test plants one program-running

@@ -1,4 +1,4 @@
-"""Issue 12 item 11: the devbox's HTTP server against slow, oversized, malformed and careless
+"""The devbox's HTTP server against slow, oversized, malformed and careless
 clients. Real sockets against real servers on 127.0.0.1."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tenancy in the devbox (issue 12 item 9), against real servers over HTTP.
+"""Tenancy in the devbox, against real servers over HTTP.
 
 A workspace's credential (derived from the operator token) opens that workspace and its
 commands only; the operator token opens everything. Workspaces are cloned or copied only from

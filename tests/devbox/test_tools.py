@@ -132,7 +132,7 @@ def test_workspace_is_built_from_metadata_and_named_by_the_task_id() -> None:
         "t1", {"devbox": {"repo": "/r", "branch": "b", "workspace_id": "t1"}}
     )
     assert (spec.workspace_id, spec.repo, spec.branch, spec.base_commit) == ("t1", "/r", "b", None)
-    # the metadata may not name another workspace (issue 12 item 9); a child's is its owner's
+    # the metadata may not name another workspace; a child's is its owner's
     with pytest.raises(ToolError, match="not this task's workspace"):
         devbox_tools.workspace_spec("t1", {"devbox": {"workspace_id": "shared"}})
     child = devbox_tools.workspace_spec("t1.0.d1", {"devbox": {"workspace_id": "t1"}}, owner="t1")

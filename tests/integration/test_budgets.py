@@ -1,4 +1,4 @@
-"""Budgets through real workers (issue 16): a scripted run stops before the model call that
+"""Budgets through real workers: a scripted run stops before the model call that
 would start past its budget, fails saying which budget and how much was used, and its later
 turns are never asked for; a resume needs room in the budget; defaults come from settings."""
 

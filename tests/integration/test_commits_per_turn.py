@@ -1,4 +1,4 @@
-"""What a turn costs in commits (issue 17): a one-call turn in at most three, a turn of K calls
+"""What a turn costs in commits: a one-call turn in at most three, a turn of K calls
 in at most K + 2.
 
 A worker of its own on the session's backend counts its commits (tests/support/commits.py);

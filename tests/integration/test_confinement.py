@@ -1,4 +1,4 @@
-"""A task stays inside its limits (issue 12 items 1 and 12), through real workers.
+"""A task stays inside its limits, through real workers.
 
 Its workspace lies inside the operator's workspace roots (refused at submit, and again by the
 worker before any tool runs); ``wait_for_task`` reads only the task's own children; a delegated
@@ -58,7 +58,7 @@ def outside() -> Any:
     shutil.rmtree(path, ignore_errors=True)
 
 
-# -- item 12: the workspace is confined to the roots --------------------------------------------
+# -- the workspace is confined to the roots --------------------------------------------
 
 
 def test_submit_refuses_a_workspace_outside_the_roots(
@@ -115,7 +115,7 @@ def test_the_worker_refuses_a_saved_workspace_outside_the_roots(
     assert not outside.exists()
 
 
-# -- item 12: wait_for_task reads only the task's own children ---------------------------------
+# -- wait_for_task reads only the task's own children ---------------------------------
 
 
 def test_wait_for_task_reads_only_the_tasks_own_children(cluster: Cluster, script) -> None:
@@ -146,7 +146,7 @@ def test_wait_for_task_reads_only_the_tasks_own_children(cluster: Cluster, scrip
     ].replace("no-such-task-anywhere", "X")
 
 
-# -- item 1: a child gets no more than its parent ------------------------------------------
+# -- a child gets no more than its parent ------------------------------------------
 
 
 def test_delegate_cannot_widen_the_parents_tools_or_model(cluster: Cluster, script) -> None:

@@ -114,7 +114,7 @@ def test_canceled_fan_out_starts_nothing_after_the_cancel(cluster: Cluster, scri
     assert late_starts == []
 
 
-# -- a child is bound by its parent's approvals and budget (I23, issue 16) -------------------
+# -- a child is bound by its parent's approvals and budget (I23) -----------------------------
 
 
 def call(cid: str, name: str, **arguments: object) -> dict:
@@ -215,7 +215,7 @@ def budget_family(script, parent_budget: dict) -> tuple[str, str, list]:
 def test_a_childs_budget_is_what_its_parent_has_left_and_its_spend_is_the_parents(
     cluster: Cluster, script
 ) -> None:
-    """Issue 16 through delegation: delegated after its parent's first model call, the child
+    """Budgets through delegation: delegated after its parent's first model call, the child
     gets the 4 calls left of the parent's 5; its 2 calls show in its parent's usage, and the
     parent's 3 calls of its own fill the budget exactly."""
     parent, child, child_ledger = budget_family(script, {"model_calls": 5})
@@ -229,7 +229,7 @@ def test_a_childs_budget_is_what_its_parent_has_left_and_its_spend_is_the_parent
 
 
 def test_a_parents_budget_counts_its_childs_spend(cluster: Cluster, script) -> None:
-    """Issue 16 through delegation: with 4 model calls, the parent's own 2 and its child's 2
+    """Budgets through delegation: with 4 model calls, the parent's own 2 and its child's 2
     spend the budget, so its third call is never made: it fails by its budget, which names
     its delegated tasks' spend (it used to see only its own 2 and go on)."""
     parent, child, _ = budget_family(script, {"model_calls": 4})
@@ -253,7 +253,7 @@ def test_a_parents_budget_counts_its_childs_spend(cluster: Cluster, script) -> N
 def test_a_child_stops_when_its_parents_budget_is_spent_though_its_own_has_room(
     cluster: Cluster, script
 ) -> None:
-    """Issue 16 through delegation: the child's budget (2 calls: its parent's 3 less the 1
+    """Budgets through delegation: the child's budget (2 calls: its parent's 3 less the 1
     spent) still has room after its first call, but its parent's second call has meanwhile
     spent the rest of the parent's 3, so the child's second call is never made: it fails
     naming its parent's budget. (The approve its parent asked for holds the child's first

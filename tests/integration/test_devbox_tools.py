@@ -1,4 +1,4 @@
-"""The devbox tools through real workers (issue 4, I13, I19, I20).
+"""The devbox tools through real workers (I13, I19, I20).
 
 The module's workers run with a devbox configured (see tests/devbox/cluster_support.py), so
 ``run_command``, ``read_file``, ``write_file`` and ``list_files`` are the devbox's, beside
@@ -211,7 +211,7 @@ def test_escapes_refused_and_output_cap_reported_to_the_model(
 def test_a_task_works_only_in_its_own_devbox_workspace(
     cluster: Cluster, devbox: DevboxProcess, script
 ) -> None:
-    """Issue 12 item 9: metadata cannot point a task at another task's workspace, not even
+    """Metadata cannot point a task at another task's workspace, not even
     dressed up as a delegated child; its worker's credential opens its own workspace only."""
     owner_model, _ = script(
         [

@@ -131,7 +131,7 @@ def test_flower_shows_every_phase(backend: Backend, tmp_path: Path) -> None:
                 "report_terminal",
             )
         } | {"charlie.tool.invoke"}
-        # Prompts and metadata never reach Flower (issue 12, item 13): sent through Charlie's
+        # Prompts and metadata never reach Flower: sent through Charlie's
         # Celery task, and by a producer whose plain Celery app puts them in its reprs.
         sent = (
             "from celery import Celery; from charlie.worker import submit_task\n"

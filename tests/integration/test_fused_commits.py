@@ -1,4 +1,4 @@
-"""Fused commits (issue 17): the same run, its merged transactions written in one statement each
+"""Fused commits: the same run, its merged transactions written in one statement each
 or step by step, leaves the same rows.
 
 On PostgreSQL a worker computes a merged transaction's steps from what it knows and writes

@@ -1,4 +1,4 @@
-"""A fused commit's statement (charlie/store/fused.py, issue 17) writes nothing when the rows
+"""A fused commit's statement (charlie/store/fused.py) writes nothing when the rows
 are not as its steps assumed, whatever plan PostgreSQL picks for it, on the real database with
 no workers: a task stopped meanwhile (I18), a call settled meanwhile (I12), a message sent
 meanwhile (I22). The ordinary path then writes the steps, reading the rows as they are.

@@ -1,5 +1,5 @@
 """Whole runs through the executor with the OpenAI-compatible HTTP client, against a real HTTP
-server on 127.0.0.1 that the worker processes call (issue 5)."""
+server on 127.0.0.1 that the worker processes call."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Listing tasks (issue 13, item 1): newest first, paged by keyset, filtered by status and by
+"""Listing tasks: newest first, paged by keyset, filtered by status and by
 parent, through the Python API and the CLI; each page walks an index, whatever the table's size."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a merged transaction's next step knows without reading it again (issue 17), checked
+"""What a merged transaction's next step knows without reading it again, checked
 against the table on the real database, with no workers.
 
 - ``runs.calls_as_left``: the turn's calls as a commit left them (its new calls, its queue and
@@ -216,7 +216,7 @@ def test_the_items_a_move_writes_are_known_as_the_table_returns_them(engine: Eng
         assert runs.load_items(conn, claim.execution_id, loaded[:1]) == loaded
 
     # Floats: jsonb keeps a number's decimal digits, so one written without an exponent comes
-    # back as itself (predicted, issue 17), and one with an exponent, or -0.0, may not.
+    # back as itself (predicted), and one with an exponent, or -0.0, may not.
     plain = {"m": 0.5, "t": 0.30000000000000004, "k": 12345678.9, "one": 1.0, "neg": -2.25}
     for payload, predicted in ((plain, True), ({"n": 1e16}, False), ({"z": -0.0}, False)):
         claim = claim_at(engine, Phase.ADVANCE_TURN)
@@ -291,7 +291,7 @@ def test_a_cancel_that_commits_while_the_move_waits_is_seen(
 ) -> None:
     """I18: a cancel holds the task's row when the move starts, and commits while the move
     waits for it; what the move returns for the next claim is the canceled task, not the
-    statement's snapshot (review of issue 17: the snapshot said running, and the model was
+    statement's snapshot (a review found the snapshot said running, and the model was
     called for a canceled task)."""
     claim = claim_at(engine, Phase.CALL_MODEL)
     with engine.connect() as canceler:

@@ -204,7 +204,7 @@ def test_per_model_overrides_win(fake: FakeOpenAI, env: pytest.MonkeyPatch) -> N
 def test_the_shared_key_never_goes_to_a_models_own_host(
     fake: FakeOpenAI, env: pytest.MonkeyPatch
 ) -> None:
-    # Issue 12, item 12: CHARLIE_MODEL_API_KEY belongs to CHARLIE_MODEL_BASE_URL. A model whose
+    # CHARLIE_MODEL_API_KEY belongs to CHARLIE_MODEL_BASE_URL. A model whose
     # own base URL is another host must not receive it (it would hand the key to that host).
     shared = FakeOpenAI().start()
     try:

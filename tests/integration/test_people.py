@@ -1,4 +1,4 @@
-"""People in the loop through real workers (issue 13): messages, questions, approvals, held
+"""People in the loop through real workers: messages, questions, approvals, held
 uncertainty, resume, fork, and the evidence each leaves (I22-I27)."""
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def test_an_approved_call_held_after_it_ran_takes_its_reconcile_verdict(
 ) -> None:
     """I24 holds per question: the approve that released a call is no verdict on the
     uncertainty its run left (on_interrupt="hold"), so the operator's reconcile is taken, not
-    refused as a second verdict naming the approve (a bug before issue 15); a second reconcile
+    refused as a second verdict naming the approve (a bug once); a second reconcile
     is refused naming the first."""
     model, _ = script(
         [

@@ -1,6 +1,5 @@
-"""People in the loop from the `charlie` command and as Celery tasks sent by name (issue 13,
-item 8): each action works, is recorded with who did it (I27), and a refusal is one clear line
-and exit status 2."""
+"""People in the loop from the `charlie` command and as Celery tasks sent by name: each action
+works, is recorded with who did it (I27), and a refusal is one clear line and exit status 2."""
 
 from __future__ import annotations
 

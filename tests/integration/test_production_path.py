@@ -1,4 +1,4 @@
-"""The production path as operators and Celery-only producers meet it (issue 10).
+"""The production path as operators and Celery-only producers meet it.
 
 `charlie doctor` names each cause of a broken deployment on its own line; a producer with only a
 plain Celery app, no Charlie import and no routing, gets its `charlie.submit` run by the

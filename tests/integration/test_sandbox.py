@@ -1,4 +1,4 @@
-"""Commands run in a sandbox (issue 12, item 8): a command the model asked for cannot read the
+"""Commands run in a sandbox: a command the model asked for cannot read the
 worker's or the devbox's secrets, Charlie's state or other workspaces, nor reach the network
 unless its task allows it; where no sandbox can run, commands are refused unless the operator
 opted out explicitly."""
@@ -199,7 +199,7 @@ def test_wrap_hides_home_secrets_but_keeps_the_interpreter(tmp_path: Path) -> No
 
 
 def test_other_workspace_roots_and_an_sqlite_file_elsewhere_are_hidden(tmp_path: Path) -> None:
-    """Review of issue 12 item 8: the sandbox hides every workspace root (other tasks'
+    """The sandbox hides every workspace root (other tasks'
     workspaces) and an SQLite database kept outside Charlie's home, not only the home."""
     from dataclasses import replace
 
@@ -253,7 +253,7 @@ def test_write_file_never_writes_through_a_planted_link(tmp_path: Path) -> None:
 
 
 def test_a_local_command_stops_when_its_lease_is_lost(tmp_path: Path) -> None:
-    """Issue 12 item 5: once the keeper sees the call's lease lost (another worker took it
+    """Once the keeper sees the call's lease lost (another worker took it
     over), the local run_command ends its command instead of running on for the old holder."""
     import threading
 

@@ -129,7 +129,7 @@ def test_a_backlog_is_not_mistaken_for_lost_ticks(
 ) -> None:
     """I4 without a feedback loop: while the broker queue is deep, runs that only look stalled
     (their ticks are queued) are not re-published; once it drains they are. A run stalled past
-    CHARLIE_SWEEP_BACKLOG_MAX_WAIT is re-published even in a backlog (issue 12, item 6: a tick
+    CHARLIE_SWEEP_BACKLOG_MAX_WAIT is re-published even in a backlog (a tick
     really lost meanwhile waits that long at most), once per that period. Every re-published
     tick is durable (its worker commits the claim and the attempt first), so the sweep itself
     counts no attempt: a tick that only waited in the queue is not taken for poison."""

@@ -1,7 +1,7 @@
 """MCP tools against real servers (the official SDK's MCPServer, over stdio and streamable HTTP),
 run the way a worker runs them (charlie.testing.ToolEnvironment) but without a cluster: what the
 model is shown, results and errors, a server that dies mid-call, one that is down, input a
-person gives, tasks, and secrets (issue 15 items 2-5)."""
+person gives, tasks, and secrets."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_a_read_a_write_and_a_tool_error(remote: Remote, server: str) -> None:
 def test_one_stdio_server_per_process_and_one_pooled_http_session_serve_every_call(
     remote: Remote,
 ) -> None:
-    """Issue 15 item 5: the calls of one process reuse its stdio server (no process per call)
+    """The calls of one process reuse its stdio server (no process per call)
     and its HTTP session, whose client keeps its connection for the next request (a session
     made per call would show a new server process, or a new client port, each time)."""
     keys = [f"reuse-{i}" for i in range(6)]
@@ -177,7 +177,7 @@ def test_what_a_stdio_server_writes_to_stderr_reaches_the_log_scrubbed(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """A stdio server's stderr is its client's (a worker's log): a server that logs its token
-    there shows ``***`` (issue 15 item 5), and the rest of what it writes is still shown."""
+    there shows ``***``, and the rest of what it writes is still shown."""
     config = load(
         None,
         json.dumps(

@@ -1,4 +1,4 @@
-"""MCP tools through real workers (issue 15): the cluster's workers are configured with the MCP
+"""MCP tools through real workers: the cluster's workers are configured with the MCP
 test servers (tests/support/cluster.py McpServers): ``files`` over stdio, ``web`` and
 ``web_strict`` over streamable HTTP, ``flaky`` (stopped by a test), ``down`` and ``broken``.
 Side effects are counted in the servers' own ledger, outside Charlie."""
@@ -144,7 +144,7 @@ def test_a_read_and_a_destructive_tool_through_real_workers(
 def test_each_worker_process_starts_its_stdio_server_on_its_first_call_and_keeps_it(
     cluster: Cluster, mcp_servers: McpServers, script
 ) -> None:
-    """Issue 15 item 5: a stdio server is started by the pool process that calls it (not
+    """A stdio server is started by the pool process that calls it (not
     inherited from the main process's listing) and serves that process's later calls: eight
     calls over at most four pool processes, so some process makes two or more."""
     keys = [uuid.uuid4().hex[:8] for _ in range(8)]
@@ -411,8 +411,8 @@ def test_a_stdio_server_that_cannot_start_is_a_clear_tool_error(
 def test_charlie_tools_lists_every_tool_with_its_recovery_and_source(
     cluster: Cluster, mcp_servers: McpServers
 ) -> None:
-    """Overrides and ignore_hints as the operator configured them (item 3), next to the
-    built-in and user tools (item 2)."""
+    """Overrides and ignore_hints as the operator configured them, next to the
+    built-in and user tools."""
     done = run_charlie(cluster, "tools", "--json")
     assert done.returncode == 0, done.stderr
     listed = json.loads(done.stdout)
@@ -420,7 +420,7 @@ def test_charlie_tools_lists_every_tool_with_its_recovery_and_source(
     assert tools["read_file"]["source"] == "built-in"
     assert tools["ledger_write"]["source"] == "user"
     assert tools["wait_for_task"]["resumable"] == "yes"
-    # whose calls a turn may run at once in one worker (issue 17): built-ins, MCP tools, and
+    # whose calls a turn may run at once in one worker: built-ins, MCP tools, and
     # user tools that say so
     assert tools["read_file"]["threadsafe"] is True
     assert tools["ledger_write"]["threadsafe"] is True

@@ -1,4 +1,4 @@
-"""The MCP configuration (issue 15 items 1-3): the shape MCP clients use, errors that name the
+"""The MCP configuration: the shape MCP clients use, errors that name the
 key and never a secret, Charlie's overrides, tool names a model API accepts, and secrets kept
 out of everything shown. No server, no cluster."""
 
@@ -176,7 +176,7 @@ def test_the_sdks_log_records_and_surprises_are_scrubbed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Secrets stay out of the MCP SDK's own log lines, and out of any error a call shows,
-    whatever raised it (item 5)."""
+    whatever raised it."""
     import logging
 
     from charlie.domain import Outcome

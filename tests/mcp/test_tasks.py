@@ -1,4 +1,4 @@
-"""MCP tasks through real workers (issue 15 item 4; I10, I12, I19-I20, I23-I25): a call the
+"""MCP tasks through real workers (I10, I12, I19-I20, I23-I25): a call the
 server answers with a task is a resumable wait whose handle is the task's id. It parks holding
 no worker, any worker polls it by that id (after a SIGKILL too), Charlie's cancel sends
 tasks/cancel, and a task's input_required is a question to a person, answered with charlie

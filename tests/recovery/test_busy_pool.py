@@ -1,4 +1,4 @@
-"""Recovery does not wait for a free slot in a busy pool (issue 12, item 6; I4).
+"""Recovery does not wait for a free slot in a busy pool (I4).
 
 With every worker process busy in a long tool handler, a run whose tick was lost is still found
 and re-published by the beat within the stall period: the sweeps run in `charlie beat`'s own

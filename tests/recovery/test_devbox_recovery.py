@@ -161,7 +161,7 @@ def test_devbox_restart_while_a_command_runs_is_reported_lost(
 def test_resume_without_a_handle_never_starts_the_command_again(
     cluster: Cluster, devbox: DevboxProcess, script
 ) -> None:
-    """Issue 12 item 4, I10, I20: the worker dies after the devbox started the command and
+    """I10, I20: the worker dies after the devbox started the command and
     before its id was recorded, and the devbox then loses its idempotency-key files (a root
     restored from an older copy, a devbox replaced). The resume cannot confirm the command, so
     it settles the call `interrupted` with the evidence; it never starts the command again."""
@@ -194,7 +194,7 @@ def test_resume_without_a_handle_never_starts_the_command_again(
 def test_a_worker_without_the_devbox_never_runs_a_devbox_command_in_its_place(
     cluster: Cluster, devbox: DevboxProcess, script
 ) -> None:
-    """Issue 12 item 3, I10: a devbox worker starts run_command and is SIGKILLed mid-command;
+    """I10: a devbox worker starts run_command and is SIGKILLed mid-command;
     the workers that come back have no devbox, so their run_command is the local shell tool of
     the same name. They leave the call to a worker with the devbox's implementation; none
     comes, so once its attempts are spent the call settles `interrupted`, naming the missing

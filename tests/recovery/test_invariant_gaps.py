@@ -1,6 +1,6 @@
-"""Recovery tests for invariants the rest of the suite covered weakly or not at all (issue 12,
-item 7): real workers over the real broker and database, SIGKILL or SIGSTOP where a crash or a
-pause is the point.
+"""Recovery tests for invariants the rest of the suite covered weakly or not at all: real
+workers over the real broker and database, SIGKILL or SIGSTOP where a crash or a pause is the
+point.
 
 - I11: calls never marked started, lost with their invoke messages, start normally.
 - I5: no transaction or row lock is held while a tool handler or a model call runs.
@@ -506,7 +506,7 @@ def test_two_beats_and_a_killed_worker_recover_each_thing_once(
             {
                 "expect": {"tool_results": [{"call_id": "w", "outcome": "interrupted"}]},
                 # A write, so that the crash just after this commit leaves it pending (its
-                # start commits on its own) whether or not the commit is fused (issue 17).
+                # start commits on its own) whether or not the commit is fused.
                 "tool_calls": [
                     {"id": "r", "name": "ledger_write", "arguments": {"key": "beats-r"}}
                 ],

@@ -365,7 +365,7 @@ def test_duplicated_invoke_messages_run_a_tool_once(cluster: Cluster, script) ->
 def test_a_paused_holder_whose_call_was_taken_over_changes_nothing(
     cluster: Cluster, script
 ) -> None:
-    """Issue 12 item 5, I5, I10, I12: a worker is SIGSTOPped inside a write tool until its
+    """I5, I10, I12: a worker is SIGSTOPped inside a write tool until its
     lease lapses; recovery takes the call over (its reconcile hook, slow on purpose, is still
     reading back when the old holder wakes). SIGCONT: the old holder sees it lost the lease,
     does not do the tool's second step, and its result is at most a late report; the

@@ -1,4 +1,4 @@
-"""Recovery: a worker SIGKILLed while it runs a turn's calls itself, at once (issue 17).
+"""Recovery: a worker SIGKILLed while it runs a turn's calls itself, at once.
 
 A turn of up to CHARLIE_LOCAL_CALLS calls of threadsafe tools runs in the worker that
 dispatched it, each call in a thread of its own: started in one commit (reads on PostgreSQL in

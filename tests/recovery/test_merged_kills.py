@@ -1,4 +1,4 @@
-"""Recovery: a worker SIGKILLed inside a merged transaction, and just after it (issue 17).
+"""Recovery: a worker SIGKILLed inside a merged transaction, and just after it.
 
 With inline steps on, a turn of one call commits in at most three transactions: A (call_model's
 result with the dispatch that queues the call), the call's start (I9), and B (the call's settle,

@@ -1,4 +1,4 @@
-"""People in the loop under SIGKILL (issue 13): a worker killed right after a message's commit,
+"""People in the loop under SIGKILL: a worker killed right after a message's commit,
 inside and just after the boundary that takes it in, after an approve's commit, and during a
 `not_done` repeat, which is then an ordinary dispatch (I9, I10, I22-I24)."""
 

@@ -1,4 +1,4 @@
-"""Error state belongs to the attempt that raised it (issue 12, item 2; I8, I17).
+"""Error state belongs to the attempt that raised it (I8, I17).
 
 A write the database refused early in a run is evidence for that attempt only: once the run
 moves on, a later poison in a tool phase must neither blame the old refusal nor drop the turn's

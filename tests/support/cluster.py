@@ -111,7 +111,7 @@ class Cluster:
     _stopping: threading.Event = field(default_factory=threading.Event)
     want_workers: int = 2
     restarts: int = 0
-    #: serve Prometheus metrics (issue 16): every worker and beat started gets a port of its
+    #: serve Prometheus metrics: every worker and beat started gets a port of its
     #: own (CHARLIE_METRICS_PORT, CHARLIE_BEAT_METRICS_PORT), recorded here by process id.
     metrics: bool = False
     #: the workers' pool (metered clusters may run threads or solo)
@@ -422,7 +422,7 @@ MCP_SERVER_SCRIPT = REPO / "tests" / "support" / "mcp_server.py"
 
 @dataclass(frozen=True)
 class McpServers:
-    """The MCP servers of a test cluster (issue 15): ``files`` over stdio (one per worker
+    """The MCP servers of a test cluster: ``files`` over stdio (one per worker
     process), ``web`` and ``web_strict`` (one HTTP server, two configurations: the second
     ignores its hints, holds interrupted calls, needs approval for ``delete_record``), ``flaky``
     (an HTTP server a test stops), ``down`` (nothing listens) and ``broken`` (its command
@@ -552,7 +552,7 @@ def kill_mcp_server(pid: int) -> bool:
 
 def fused_commits(backend: Backend) -> bool:
     """Whether the cluster writes a merged transaction's steps in one statement (PostgreSQL,
-    inline steps on, CHARLIE_FUSE_COMMITS not 0; issue 17): its kill points and its costs
+    inline steps on, CHARLIE_FUSE_COMMITS not 0): its kill points and its costs
     differ from the statement-by-statement path's."""
     return (
         bool(backend.database_url and backend.database_url.startswith("postgresql"))
@@ -591,10 +591,10 @@ def cluster_env(
         # A directory the operator lets commands read besides the sandbox's allow-list (made
         # by the sandbox's tests, tests/integration/test_sandbox_allowlist.py).
         "CHARLIE_SANDBOX_READ": str(operator_read_dir(home)),
-        # Tests give tasks workspaces under pytest's tmp dirs (issue 12 item 12).
+        # Tests give tasks workspaces under pytest's tmp dirs.
         "CHARLIE_WORKSPACE_ROOTS": f"{home / 'workspaces'}:{tempfile.gettempdir()}",
-        # Every test script is a model of its own: children may use any scripted model
-        # (issue 12 item 1); no other model.
+        # Every test script is a model of its own: children may use any scripted model; no
+        # other model.
         "CHARLIE_DELEGATE_MODELS": "scripted:*",
     }
     # Another inline-step budget for a whole suite (0: every step published):
@@ -618,7 +618,7 @@ def cluster_env(
         env["ANTHROPIC_API_KEY"] = FAKE_ANTHROPIC_KEY
         env["CHARLIE_MODEL_CLAUDE_FAKE_THINKER_THINKING_BUDGET"] = "2048"
     if mcp is not None:
-        # The workers' MCP servers (issue 15): a server that is down is tried again soon.
+        # The workers' MCP servers: a server that is down is tried again soon.
         env["CHARLIE_MCP_CONFIG"] = str(mcp.write_config())
         env["CHARLIE_MCP_RETRY_SECONDS"] = "2"
         env["CHARLIE_MCP_TIMEOUT"] = "15"

@@ -1,4 +1,4 @@
-"""Scraping a process's Prometheus metrics in tests (issue 16)."""
+"""Scraping a process's Prometheus metrics in tests."""
 
 from __future__ import annotations
 

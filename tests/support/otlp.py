@@ -1,6 +1,6 @@
 """A real OTLP/HTTP receiver for tests: decodes what OpenTelemetry exporters POST to
 ``/v1/traces`` (protobuf, ``opentelemetry-proto``) and keeps the spans, so a test can check
-what the workers exported (issue 16)."""
+what the workers exported."""
 
 from __future__ import annotations
 

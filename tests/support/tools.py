@@ -109,7 +109,7 @@ def big_result(size: int) -> str:
 
 
 def _holds_lease(ctx: ToolContext) -> bool:
-    # getattr: on an SDK without lease fencing (before issue 12 item 5) the tool still runs,
+    # getattr: on an SDK without lease fencing (an older one) the tool still runs,
     # so its test shows what an old holder did there.
     holds = getattr(ctx, "holds_lease", None)
     return True if holds is None else bool(holds())
@@ -126,7 +126,7 @@ def fenced_write(
     key: str, ctx: ToolContext, hold: float = 0.0, reconcile_hold: float = 0.0
 ) -> dict[str, object]:
     """A write in two steps with ``hold`` seconds between them, the second done only while this
-    attempt still holds the call (issue 12 item 5); its reconcile hook takes ``reconcile_hold``
+    attempt still holds the call; its reconcile hook takes ``reconcile_hold``
     seconds to read back whether the first step happened."""
     record("write", task=ctx.task_id, call=ctx.call_id, key=key)
     end = time.monotonic() + hold
@@ -179,5 +179,5 @@ def uncertain_write(key: str, ctx: ToolContext) -> dict[str, object]:
 @tool(effect="read", threadsafe=True)
 def echo_number(value: float) -> dict[str, float]:
     """Return ``value`` and its half: a result with a float in it, whose stored form PostgreSQL's
-    jsonb may change (so a worker cannot predict it and reads it back, issue 17)."""
+    jsonb may change (so a worker cannot predict it and reads it back)."""
     return {"value": value, "half": value / 2}

@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 16, item 2): scraped over HTTP from real prefork workers and a beat,
+"""Prometheus metrics: scraped over HTTP from real prefork workers and a beat,
 and the Grafana dashboard checked against what the observer registers."""
 
 from __future__ import annotations

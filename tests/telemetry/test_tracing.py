@@ -1,4 +1,4 @@
-"""Traces through real workers into a real OTLP receiver (issue 16, item 1).
+"""Traces through real workers into a real OTLP receiver.
 
 The session's workers export with the OpenTelemetry SDK's OTLP/HTTP exporter to the receiver in
 this test process (tests/support/otlp.py decodes the protobuf). A task is one trace, whatever

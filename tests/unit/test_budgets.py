@@ -1,4 +1,4 @@
-"""Prices and budgets (issue 16) as plain functions: the price table, what tokens cost, the
+"""Prices and budgets as plain functions: the price table, what tokens cost, the
 limits a submit stores, and the boundary that fails a run rather than call its model past them."""
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def test_only_call_model_checks_the_budget() -> None:
     assert boundary.over_budget(view, TABLE) is None
 
 
-# -- delegation trees: a child's spend is its ancestors' (issue 24) ---------------------------
+# -- delegation trees: a child's spend is its ancestors' --------------------------------------
 
 
 def spend_of(

@@ -1,4 +1,4 @@
-"""The pure rules of confinement (issue 12 items 1 and 12); the cluster tests are in
+"""The pure rules of confinement; the cluster tests are in
 tests/integration/test_confinement.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""index tasks newest first, by status and by parent, for list_tasks (item 1)
+"""index tasks newest first, by status and by parent, for list_tasks
 
 Revision ID: 0006
 Revises: 0005
