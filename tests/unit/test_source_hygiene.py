@@ -18,8 +18,11 @@ pytestmark = pytest.mark.backend_free
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: What is read: the package, its tests, the scripts, CI and the top-level configuration.
-SCANNED = ("charlie", "tests", "scripts", ".ci", "celeryconfig.py", "pyproject.toml")
+#: What is read: the package, its tests, the scripts, CI, the docs and the top-level files.
+SCANNED = (
+    "charlie", "tests", "scripts", ".ci", "docs", "README.md", "CONTRIBUTING.md", "celeryconfig.py",
+    "pyproject.toml", "mkdocs.yml", "docker-compose.yml",
+)  # fmt: skip
 SUFFIXES = {".py", ".toml", ".ini", ".cfg", ".sh", ".html", ".js", ".css", ".md", ".txt", ""}
 
 #: Built from pieces, so this file does not match itself.
