@@ -10,7 +10,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, distinct, exists, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    distinct,
+    exists,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 
 from charlie.domain import JSON, CallState, Hold, Outcome, Phase, TaskStatus
 from charlie.store.runs import ACTIVE
@@ -26,6 +36,13 @@ ENDING = (Phase.REPORT_TERMINAL.value, Phase.REPORT_FAILURE.value, Phase.DONE.va
 
 #: Why a run's tick is re-published (see sweeps.sweep_stalled_runs).
 RUN_REASONS = ("lapsed", "wake", "stalled", "stopping")
+
+
+#: Runs not done and calls not settled, said as literals: the partial indexes of migration 0015
+#: hold exactly these rows, and a planner can use one only where the query says its predicate
+#: with the same constant (a bound parameter is not known when a plan is made for many values).
+LIVE_RUN = _e.phase != literal_column("'done'")
+OPEN_CALL = _c.state != literal_column("'settled'")
 
 
 def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
@@ -74,7 +91,7 @@ def runs_due(
         conn.execute(
             select(_e.id, _e.phase, _e.version)
             .where(
-                _e.phase != Phase.DONE.value,
+                LIVE_RUN,
                 _throttle(_e.swept_at, now, stall),
                 _run_clause(reason, now, stall),
             )
@@ -119,7 +136,7 @@ def abandoned_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
         conn.execute(
             select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
             .where(
-                _c.state != CallState.SETTLED.value,
+                OPEN_CALL,
                 ~_run_live(),
                 or_(_c.lease_owner.is_(None), _lapsed(now)),
             )
@@ -141,7 +158,7 @@ def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
                 _c.queued_at,
                 _c.deadline_at,
             )
-            .where(_c.state != CallState.SETTLED.value, _c.deadline_at < now)
+            .where(OPEN_CALL, _c.deadline_at < now)
             .limit(limit)
         ).all()
     )
