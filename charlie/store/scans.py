@@ -132,18 +132,19 @@ def _run_live() -> Any:
 
 def abandoned_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
     """Open calls of a run that has ended (a failure, a race with a stop), held by no live
-    worker: they settle canceled so each still has its one outcome."""
-    return list(
-        conn.execute(
-            select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
-            .where(
-                OPEN_CALL,
-                ~_run_live(),
-                or_(_c.lease_owner.is_(None), _lapsed(now)),
-            )
-            .limit(limit)
-        ).all()
+    worker: they settle canceled so each still has its one outcome.
+
+    Driven from the open calls (the partial index of migration 0015), each then looked up in
+    its run: the cost follows the calls in flight, not the calls kept. (Said as one anti-join
+    with a LIMIT, PostgreSQL merge-joined both tables whole, expecting to stop early.)"""
+    open_calls = (
+        select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
+        .where(OPEN_CALL, or_(_c.lease_owner.is_(None), _lapsed(now)))
+        .cte("open_calls")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
     )
+    live = exists().where(_e.id == open_calls.c.execution_id, _e.phase.not_in(ENDING))
+    return list(conn.execute(select(open_calls).where(~live).limit(limit)).all())
 
 
 def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
