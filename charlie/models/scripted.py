@@ -9,8 +9,10 @@ A turn without tool calls is the final answer. ``arguments`` may be a string (se
 malformed model output); ``{task_id}`` in string arguments is replaced by the running task's id.
 ``sleep`` delays the answer (to stand for a slow model); ``raise`` makes the call fail, to exercise
 failure handling (with ``raise_while: path``, only while that file exists: a fault that can be
-fixed, for a resume). With a ``ledger``, every call appends one JSON line to that file, outside
-Charlie's tables, so repeats after a crash can be counted. The ledger is a path relative to the
+fixed, for a resume). ``until: path`` holds the answer, after any ``sleep``, until that file
+exists (two minutes at most): a model call that ends when a test says so. With a ``ledger``,
+every call appends one JSON line to that file, outside Charlie's tables, so repeats after a
+crash can be counted. The ledger is a path relative to the
 script's directory and must stay in it (no absolute path, no ``..``, no symlink out of it).
 
 A turn may also say what the model must have been shown, so a script checks its input the way a
@@ -214,6 +216,16 @@ def _substitute(value: Any, task_id: str) -> Any:
     return value
 
 
+#: the longest a turn's ``until`` holds its answer (seconds)
+UNTIL_LIMIT = 120.0
+
+
+def _wait_for_file(path: Path, limit: float) -> None:
+    end = time.monotonic() + limit
+    while not path.exists() and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 class ScriptedModel:
     def __init__(self, spec: str, path: Path) -> None:
         self.spec = spec
@@ -243,6 +255,8 @@ class ScriptedModel:
                 )
         if turn.get("sleep"):
             time.sleep(float(turn["sleep"]))
+        if turn.get("until"):
+            _wait_for_file(Path(str(turn["until"])), UNTIL_LIMIT)
         if turn.get("raise") and (
             not turn.get("raise_while") or Path(str(turn["raise_while"])).exists()
         ):

@@ -10,7 +10,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, distinct, exists, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    and_,
+    distinct,
+    exists,
+    func,
+    literal_column,
+    or_,
+    select,
+    update,
+)
 
 from charlie.domain import JSON, CallState, Hold, Outcome, Phase, TaskStatus
 from charlie.store.runs import ACTIVE
@@ -28,6 +38,13 @@ ENDING = (Phase.REPORT_TERMINAL.value, Phase.REPORT_FAILURE.value, Phase.DONE.va
 RUN_REASONS = ("lapsed", "wake", "stalled", "stopping")
 
 
+#: Runs not done and calls not settled, said as literals: the partial indexes of migration 0015
+#: hold exactly these rows, and a planner can use one only where the query says its predicate
+#: with the same constant (a bound parameter is not known when a plan is made for many values).
+LIVE_RUN = _e.phase != literal_column("'done'")
+OPEN_CALL = _c.state != literal_column("'settled'")
+
+
 def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
     return or_(column.is_(None), column < now - stall)
 
@@ -40,17 +57,18 @@ def _run_clause(reason: str, now: datetime, stall: timedelta) -> Any:
         return and_(free, _e.wake_at.is_not(None), _e.wake_at <= now)
     if reason == "stalled":
         # An await whose turn has settled, quietly, for the stall period: its poke was lost.
-        turn_quiet = ~exists().where(
-            _c.execution_id == _e.id,
-            _c.turn == _e.turn,
-            or_(_c.state != CallState.SETTLED.value, _c.settled_at > now - stall),
-        )
+        # (Two conditions, not one with an OR: each is then found through an index, the open
+        # calls' (migration 0015) and the settled calls' by time, rather than by reading every
+        # call there is.)
+        in_turn = and_(_c.execution_id == _e.id, _c.turn == _e.turn)
+        turn_open = exists().where(in_turn, OPEN_CALL)
+        settled_lately = exists().where(in_turn, _c.settled_at > now - stall)
         return and_(
             free,
             _e.updated_at < now - stall,
             or_(
                 and_(_e.phase != Phase.AWAIT_TOOLS.value, _e.wake_at.is_(None)),
-                and_(_e.phase == Phase.AWAIT_TOOLS.value, turn_quiet),
+                and_(_e.phase == Phase.AWAIT_TOOLS.value, ~turn_open, ~settled_lately),
             ),
         )
     if reason == "stopping":
@@ -74,7 +92,7 @@ def runs_due(
         conn.execute(
             select(_e.id, _e.phase, _e.version)
             .where(
-                _e.phase != Phase.DONE.value,
+                LIVE_RUN,
                 _throttle(_e.swept_at, now, stall),
                 _run_clause(reason, now, stall),
             )
@@ -114,18 +132,19 @@ def _run_live() -> Any:
 
 def abandoned_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
     """Open calls of a run that has ended (a failure, a race with a stop), held by no live
-    worker: they settle canceled so each still has its one outcome."""
-    return list(
-        conn.execute(
-            select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
-            .where(
-                _c.state != CallState.SETTLED.value,
-                ~_run_live(),
-                or_(_c.lease_owner.is_(None), _lapsed(now)),
-            )
-            .limit(limit)
-        ).all()
+    worker: they settle canceled so each still has its one outcome.
+
+    Driven from the open calls (the partial index of migration 0015), each then looked up in
+    its run: the cost follows the calls in flight, not the calls kept. (Said as one anti-join
+    with a LIMIT, PostgreSQL merge-joined both tables whole, expecting to stop early.)"""
+    open_calls = (
+        select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
+        .where(OPEN_CALL, or_(_c.lease_owner.is_(None), _lapsed(now)))
+        .cte("open_calls")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
     )
+    live = exists().where(_e.id == open_calls.c.execution_id, _e.phase.not_in(ENDING))
+    return list(conn.execute(select(open_calls).where(~live).limit(limit)).all())
 
 
 def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
@@ -141,7 +160,7 @@ def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
                 _c.queued_at,
                 _c.deadline_at,
             )
-            .where(_c.state != CallState.SETTLED.value, _c.deadline_at < now)
+            .where(OPEN_CALL, _c.deadline_at < now)
             .limit(limit)
         ).all()
     )

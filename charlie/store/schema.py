@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     false,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Dialect
@@ -107,6 +108,13 @@ class Execution(Base):
     __table_args__ = (
         Index("ix_executions_phase_lease", "phase", "lease_until"),
         Index("ix_executions_wake_at", "wake_at"),
+        # the live runs the sweeps scan (migration 0015; the literal is scans.LIVE_RUN's)
+        Index(
+            "ix_executions_live_updated",
+            "updated_at",
+            postgresql_where=text("phase <> 'done'"),
+            sqlite_where=text("phase <> 'done'"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -160,6 +168,13 @@ class ToolCall(Base):
         Index("ix_tool_calls_state_deadline", "state", "deadline_at"),
         Index("ix_tool_calls_handle", "handle"),
         Index("ix_tool_calls_outcome_settled", "outcome", "settled_at"),
+        # the open calls the sweeps scan (migration 0015; the literal is scans.OPEN_CALL's)
+        Index(
+            "ix_tool_calls_open_deadline",
+            "deadline_at",
+            postgresql_where=text("state <> 'settled'"),
+            sqlite_where=text("state <> 'settled'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

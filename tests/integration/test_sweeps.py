@@ -218,3 +218,85 @@ def test_the_late_watch_looks_only_at_overdue_waits_in_its_window(private_databa
     with engine.connect() as conn:
         found = overdue_waits(conn, now - timedelta(hours=1), now - timedelta(seconds=5), 100)
     assert sorted(r.call_id for r in found) == ["looked-at-last-period", "watched"]
+
+
+def test_open_calls_of_an_ended_run_settle_canceled_and_live_ones_stay_open(cluster) -> None:
+    """An open call left on a run that has ended (its run `done`) settles `canceled` by the
+    tool-call sweep, so it still has its one outcome; an open call of a live run, and a call
+    already settled, are left as they are (I8, I12). The scan is driven from the open calls
+    (store/scans.py abandoned_calls)."""
+    from sqlalchemy import insert
+
+    from charlie.domain import execution_id_for
+    from charlie.runtime import get_runtime
+    from charlie.store.engine import read
+    from charlie.store.schema import tasks
+    from tests.conftest import wait_for
+
+    engine = get_runtime().engine
+    now = datetime.now(UTC)
+    tag = uuid.uuid4().hex[:8]
+    rows = {
+        "ended": ("succeeded", Phase.DONE.value, CallState.PENDING.value),
+        "live": ("waiting", Phase.AWAIT_TOOLS.value, CallState.PENDING.value),
+        "settled": ("succeeded", Phase.DONE.value, CallState.SETTLED.value),
+    }
+    with write(engine) as conn:
+        for name, (status, phase, state) in rows.items():
+            task_id = f"abandoned-{name}-{tag}"
+            conn.execute(
+                insert(tasks),
+                {
+                    "id": task_id,
+                    "prompt": "rows only",
+                    "model": "scripted:none.json",
+                    "metadata": {},
+                    "status": status,
+                    "created_at": now,
+                },
+            )
+            conn.execute(
+                insert(executions),
+                {
+                    "id": execution_id_for(task_id),
+                    "task_id": task_id,
+                    "phase": phase,
+                    "version": 3,
+                    "state": {},
+                    "turn": 1,
+                    "next_seq": 2,
+                    "updated_at": now + timedelta(hours=1),  # not a stalled run
+                    "created_at": now,
+                },
+            )
+            settled = state == CallState.SETTLED.value
+            conn.execute(
+                insert(tool_calls),
+                {
+                    "execution_id": execution_id_for(task_id),
+                    "call_id": "c0",
+                    "turn": 1,
+                    "idx": 0,
+                    "name": "ledger_write",
+                    "arguments": {"key": name},
+                    "effect": "write",
+                    "state": state,
+                    # held for a person: no worker, no deadline, nothing else settles it
+                    "hold": None if settled else "approval",
+                    "outcome": "ok" if settled else None,
+                },
+            )
+
+    def call(name: str) -> tuple[str, str | None]:
+        with read(engine) as conn:
+            row = conn.execute(
+                select(tool_calls.c.state, tool_calls.c.outcome).where(
+                    tool_calls.c.execution_id == execution_id_for(f"abandoned-{name}-{tag}")
+                )
+            ).one()
+        return row.state, row.outcome
+
+    wait_for(lambda: call("ended") == (CallState.SETTLED.value, "canceled"), timeout=30)
+    time.sleep(1.5)  # a few more sweep rounds
+    assert call("live") == (CallState.PENDING.value, None)
+    assert call("settled") == (CallState.SETTLED.value, "ok")

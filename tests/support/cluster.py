@@ -144,6 +144,7 @@ class Cluster:
         log_name: str,
         env: dict[str, str] | None = None,
         address_space: int | None = None,
+        prefix: list[str] | None = None,
     ) -> subprocess.Popen[bytes]:
         def limit() -> None:
             if address_space is not None:
@@ -151,7 +152,8 @@ class Cluster:
 
         with open(self.home / log_name, "ab") as log:
             return subprocess.Popen(
-                [sys.executable, "-m", "charlie", *args],
+                # (a prefix that execs, as ``ip netns exec`` does, keeps the process's pid)
+                [*(prefix or []), sys.executable, "-m", "charlie", *args],
                 env={**self.env, **self.extra_env, **(env or {})},
                 cwd=REPO,
                 stdout=log,
@@ -160,15 +162,23 @@ class Cluster:
                 preexec_fn=limit if address_space is not None else None,
             )
 
-    def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+    def start_worker(
+        self,
+        concurrency: int = 2,
+        prefix: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """A worker; ``prefix`` runs it through another command (``ip netns exec NS``: on
+        another host), with ``env`` besides the cluster's settings."""
         self._serial += 1
         name = f"w{self._serial}"
         port = free_port() if self.metrics else None
         proc = self._spawn(
             ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "--pool", self.pool],
             f"worker-{name}.log",
-            {"CHARLIE_METRICS_PORT": str(port)} if port else None,
+            {**(env or {}), **({"CHARLIE_METRICS_PORT": str(port)} if port else {})},
             address_space=self.address_space,
+            prefix=prefix,
         )
         if port:
             self.metrics_ports[proc.pid] = port
@@ -262,6 +272,23 @@ class Cluster:
             with self._lock:
                 self._terminate(self.workers)
                 self.workers, self.address_space = [], None
+                self.ensure(workers=kept, beat=True)
+
+    @contextlib.contextmanager
+    def without_workers(self) -> Iterator[Cluster]:
+        """The cluster's workers stopped for a while (the beat keeps running): the workers a
+        test starts meanwhile (start_worker) are the only ones, and the supervisor restarts
+        none of them. On exit those are stopped and the plain ones come back."""
+        with self._lock:
+            self._terminate(self.workers)
+            self.workers = []
+            kept, self.want_workers = self.want_workers, 0
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._terminate(self.workers)
+                self.workers = []
                 self.ensure(workers=kept, beat=True)
 
     def worker_processes(self) -> dict[int, list[int]]:

@@ -74,10 +74,19 @@ def boom(message: str) -> str:
 
 
 @tool(effect="write", deadline=60, threadsafe=True)
-def ledger_write(key: str, ctx: ToolContext, hold: float = 0.0) -> dict[str, object]:
-    """A write whose every real execution is recorded; ``hold`` keeps it running afterwards."""
+def ledger_write(
+    key: str, ctx: ToolContext, hold: float = 0.0, until: str = ""
+) -> dict[str, object]:
+    """A write whose every real execution is recorded; ``hold`` keeps it running afterwards,
+    and ``until`` (a path) then keeps it running until that file exists (two minutes at most;
+    its end is recorded then, ``write.held_end``)."""
     record("write", task=ctx.task_id, call=ctx.call_id, key=key)
     time.sleep(hold)
+    end = time.monotonic() + 120
+    while until and not Path(until).exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    if until:
+        record("write.held_end", task=ctx.task_id, call=ctx.call_id, key=key)
     return {"written": key}
 
 
