@@ -11,6 +11,7 @@ import pytest
 
 import charlie
 from charlie.domain import TaskStatus
+from charlie.views import transcript_rows
 from tests.integration.test_loop import assert_every_call_has_one_result
 from tests.support.cluster import FAKE_WINDOW_TOKENS, Cluster
 from tests.support.fake_openai import FakeOpenAI, Reply, chat_text, chat_tool_calls
@@ -89,6 +90,10 @@ def test_forty_turns_stay_under_the_configured_window(
     for c in compactions:
         assert c.payload["tokens_after"] < c.payload["tokens_before"]
         assert c.payload["model"] == "openai:fake-windowed"
+    # charlie show marks each compaction: what it covers, tokens before and after
+    shown = [line for _, line in transcript_rows(task_id) if "compaction of items" in line]
+    first, last = compactions[0].payload["covers"]
+    assert len(shown) == len(compactions) and f"compaction of items {first}-{last}" in shown[0]
 
 
 def test_forty_turns_fit_a_window_learned_from_the_refusal(
