@@ -14,7 +14,7 @@ from charlie.domain import TaskStatus
 from charlie.views import transcript_rows
 from tests.integration.test_loop import assert_every_call_has_one_result
 from tests.support.cluster import FAKE_WINDOW_TOKENS, Cluster
-from tests.support.fake_openai import FakeOpenAI, Reply, chat_text, chat_tool_calls
+from tests.support.fake_openai import FakeOpenAI, Reply, chat_text, chat_tool_calls, error
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,3 +109,75 @@ def test_forty_turns_fit_a_window_learned_from_the_refusal(
     assert 1 <= len(model_server.refused) <= 3
     assert len(model_server.summaries) >= 1
     assert_record_whole(task_id)
+
+
+def test_a_worker_killed_during_a_summary_repeats_only_that_call(
+    cluster: Cluster, model_server: FakeOpenAI, workspace: Path
+) -> None:
+    """SIGKILL after the summary came back, before it was recorded: the next worker makes the
+    summary call again (the only work repeated, I3), and the record holds one summary of the
+    range (I29)."""
+    cluster.set_faults({"call_model.summarised": {"action": "kill", "times": 1}})
+    model_server.window = FAKE_WINDOW_TOKENS
+    script_long_run(model_server, workspace)
+    task_id = submit_long_run("openai:fake-windowed", workspace)
+    info = charlie.wait(task_id, timeout=200)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("call_model.summarised") == 1
+    compactions = [i for i in charlie.transcript(task_id) if i.kind == "compaction"]
+    covered = [tuple(c.payload["covers"]) for c in compactions]
+    assert covered and len(set(covered)) == len(covered)
+    # the killed summary call was made twice, with the same input; nothing else repeated
+    assert len(model_server.summaries) == len(compactions) + 1
+    assert model_server.summaries[0].body == model_server.summaries[1].body
+    assert info.model_repeats == 1
+    assert model_server.refused == []
+    assert_record_whole(task_id)
+
+
+def test_resume_and_fork_after_a_compaction(
+    cluster: Cluster, model_server: FakeOpenAI, workspace: Path
+) -> None:
+    """A run that failed after compacting resumes with the same model input (a pure function
+    of the durable transcript, I29); a fork from after the compaction starts from its summary
+    and runs no tool call again (I26)."""
+    model_server.window = FAKE_WINDOW_TOKENS
+    replies = script_long_run(model_server, workspace)
+    model_server.reset()
+    model_server.window = FAKE_WINDOW_TOKENS
+    model_server.enqueue(*replies[:-1], error(400, "fake: refused once", code="invalid_request"))
+    task_id = submit_long_run("openai:fake-windowed", workspace)
+    info = charlie.wait(task_id, timeout=200)
+    assert info.status is TaskStatus.FAILED, info
+    assert any(i.kind == "compaction" for i in charlie.transcript(task_id))
+    failed_input = model_server.requests[-1].body
+
+    model_server.enqueue(chat_text("resumed and done"))
+    charlie.resume(task_id)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert model_server.requests[-1].body == failed_input  # the same input, again
+    assert_record_whole(task_id)
+
+    last_turn = charlie.transcript(task_id)[-1].turn
+    model_server.enqueue(chat_text("the fork's answer"))
+    fork_id = charlie.fork(task_id, turn=last_turn, message="and one line more")
+    forked = charlie.wait(fork_id, timeout=60)
+    assert forked.status is TaskStatus.SUCCEEDED, forked.error
+    assert forked.result["answer"] == "the fork's answer"
+    sent = model_server.bodies[-1]["messages"]
+    assert sent[1]["content"] == "read every page, one at a time"
+    assert "Summary of the earlier work" in sent[2]["content"]
+    assert sent[-1]["content"] == "and one line more"
+    assert model_server.refused == []
+    assert charlie.calls(fork_id) == []  # no tool call ran again (I26)
+
+
+def test_a_window_too_small_for_the_prompt_fails_the_task_at_once(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    task_id = charlie.submit("x " * 12_000, model="openai:fake-windowed", tools=["read_file"])
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.FAILED
+    assert "CHARLIE_MODEL_FAKE_WINDOWED_CONTEXT_TOKENS" in str(info.error)
+    assert model_server.requests == []  # nothing was sent
