@@ -13,7 +13,9 @@ import charlie
 from charlie.domain import TaskStatus
 from charlie.views import transcript_rows
 from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.support import fake_anthropic as anthropic
 from tests.support.cluster import FAKE_WINDOW_TOKENS, Cluster
+from tests.support.fake_anthropic import FakeAnthropic
 from tests.support.fake_openai import FakeOpenAI, Reply, chat_text, chat_tool_calls, error
 
 pytestmark = pytest.mark.timeout(240)
@@ -181,3 +183,27 @@ def test_a_window_too_small_for_the_prompt_fails_the_task_at_once(
     assert info.status is TaskStatus.FAILED
     assert "CHARLIE_MODEL_FAKE_WINDOWED_CONTEXT_TOKENS" in str(info.error)
     assert model_server.requests == []  # nothing was sent
+
+
+@pytest.mark.parametrize("model", ["claude-fake-windowed", "claude-fake"])
+def test_forty_turns_on_anthropic_stay_under_its_window(
+    cluster: Cluster, anthropic_server: FakeAnthropic, workspace: Path, model: str
+) -> None:
+    """Anthropic's Messages API: with the window configured nothing is refused; without it,
+    its 400 "prompt is too long" is enough."""
+    anthropic_server.window = FAKE_WINDOW_TOKENS
+    for n in range(TURNS):
+        (workspace / f"p{n:03d}.txt").write_text(page(n))
+        args = {"path": f"p{n:03d}.txt"}
+        anthropic_server.enqueue(
+            anthropic.message(anthropic.tool_use(f"t{n:03d}", "read_file", args))
+        )
+    anthropic_server.enqueue(anthropic.message(anthropic.text("read them all")))
+    task_id = submit_long_run(f"anthropic:{model}", workspace)
+    info = charlie.wait(task_id, timeout=200)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "read them all"
+    refused = len(anthropic_server.refused)
+    assert refused == 0 if model == "claude-fake-windowed" else 1 <= refused <= 3
+    assert len(anthropic_server.summaries) >= 1
+    assert_record_whole(task_id)

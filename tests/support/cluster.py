@@ -620,6 +620,7 @@ def cluster_env(
         # "claude-fake-thinker" thinks (extended thinking, a budget of 2048 tokens).
         env["ANTHROPIC_BASE_URL"] = f"http://127.0.0.1:{anthropic_port}"
         env["ANTHROPIC_API_KEY"] = FAKE_ANTHROPIC_KEY
+        env["CHARLIE_MODEL_CLAUDE_FAKE_WINDOWED_CONTEXT_TOKENS"] = str(FAKE_WINDOW_TOKENS)
         env["CHARLIE_MODEL_CLAUDE_FAKE_THINKER_THINKING_BUDGET"] = "2048"
     if mcp is not None:
         # The workers' MCP servers (issue 15): a server that is down is tried again soon.
