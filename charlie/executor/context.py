@@ -421,7 +421,7 @@ def _render(item: Item, limit_tokens: int) -> str:
 
 def summary_request(task_id: str, execution_id: str, turn: int, summary: Summary) -> ModelRequest:
     """The summary call: no tools, no stream (no one watches a compaction's text)."""
-    return ModelRequest(task_id, execution_id, turn, summary.request_items, [])
+    return ModelRequest(task_id, execution_id, turn, summary.request_items, [], purpose="summary")
 
 
 def compacted(
