@@ -229,7 +229,14 @@ class ScriptedModel:
             _append_ledger(
                 self.path,
                 self.ledger,
-                json.dumps({"task_id": request.task_id, "turn": request.turn, "pid": os.getpid()})
+                json.dumps(
+                    {
+                        "task_id": request.task_id,
+                        "turn": request.turn,
+                        "pid": os.getpid(),
+                        "input_chars": _input_chars(request.items),
+                    }
+                )
                 + "\n",
             )
         if request.turn >= len(self.turns):
@@ -263,6 +270,14 @@ class ScriptedModel:
         text = json.dumps([i.payload for i in output])
         _stream(request, output)
         return ModelResponse(output=output, usage=Usage(output_tokens=len(text) // 4))
+
+
+def _input_chars(items: list[Item]) -> int:
+    """The characters of content the model was sent (a ledger's measure of its input)."""
+    return sum(
+        len(str(i.payload.get("content") or "")) + len(str(i.payload.get("raw_arguments") or ""))
+        for i in items
+    )
 
 
 def _summary(request: ModelRequest) -> ModelResponse:
