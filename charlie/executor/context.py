@@ -47,6 +47,8 @@ HEADROOM = 0.8
 LOW_WATER = 0.6
 #: a single tool result longer than this share of the window is cut in the input
 RESULT_SHARE = 0.25
+#: elided results' stubs past this share of the budget are summarised with their turns
+STUB_SHARE = 0.25
 #: a summary keeps the newest turns whole up to this share of the budget
 KEEP_SHARE = 0.4
 #: the most of the budget one summary call's input takes
@@ -275,7 +277,8 @@ def plan(
         return int(raw * ratio)
 
     budget = int(window.tokens * HEADROOM)
-    fixed = calibrated(raw_tools + sum(item_tokens(i) for i in head))
+    raw_head = sum(item_tokens(i) for i in head)
+    fixed = calibrated(raw_tools + raw_head)
     if fixed > budget:
         raise ContextTooSmall(
             f"the model's context window ({window.tokens} tokens, from {window.source}) cannot "
@@ -284,24 +287,34 @@ def plan(
             "prompt",
             evidence={"window": window.tokens, "fixed_tokens": fixed, "budget": budget},
         )
-    fixed += calibrated(sum(item_tokens(i) for i in summary))
+    raw_head += sum(item_tokens(i) for i in summary)
+    fixed = calibrated(raw_tools + raw_head)
     newest = len(tail)
     while newest > 0 and tail[newest - 1].turn >= turn - 1:
         newest -= 1
     result_limit = int(window.tokens * RESULT_SHARE)
-    cut = 0
-    for n, item in enumerate(tail):
-        if item.kind is ItemKind.TOOL_RESULT and calibrated(item_tokens(item)) > result_limit:
-            tail[n] = _cut(item, int(result_limit / ratio), recall)
-            cut += 1
     elide_through = int(context.get("elide_through", -1))
-    costs = [calibrated(item_tokens(i)) for i in tail]
-    elided = 0
-    for n in range(newest):
-        if tail[n].kind is ItemKind.TOOL_RESULT and tail[n].seq <= elide_through:
-            tail[n] = _stub(tail[n], recall)
-            costs[n] = calibrated(item_tokens(tail[n]))
-            elided += 1
+    # One pass, one estimate per item (a stub's is of the stub only): assembly costs what the
+    # items after the newest compaction cost, and their number is bounded by the window.
+    raws: list[int] = []
+    cut = elided = stubs = 0
+    for n, item in enumerate(tail):
+        if item.kind is ItemKind.TOOL_RESULT:
+            if n < newest and item.seq <= elide_through:
+                tail[n] = _stub(item, recall)
+                raws.append(item_tokens(tail[n]))
+                elided += 1
+                stubs += raws[-1]
+                continue
+            cost = item_tokens(item)
+            if calibrated(cost) > result_limit:
+                tail[n] = _cut(item, int(result_limit / ratio), recall)
+                cost = item_tokens(tail[n])
+                cut += 1
+            raws.append(cost)
+        else:
+            raws.append(item_tokens(item))
+    costs = [calibrated(r) for r in raws]
     total = fixed + sum(costs)
     if total > budget:
         # Elide older results, oldest first, down to the low-water mark: the turns after this
@@ -312,17 +325,21 @@ def plan(
             item = tail[n]
             if item.kind is ItemKind.TOOL_RESULT and item.seq > elide_through:
                 tail[n] = _stub(item, recall)
-                total += calibrated(item_tokens(tail[n])) - costs[n]
-                costs[n] = calibrated(item_tokens(tail[n]))
+                raws[n] = item_tokens(tail[n])
+                total += calibrated(raws[n]) - costs[n]
+                costs[n] = calibrated(raws[n])
+                stubs += raws[n]
                 elide_through = item.seq
                 elided += 1
     context["elide_through"] = elide_through
-    if total > budget:
+    # Stubs are small, not free: past STUB_SHARE of the budget the turns they stand in are
+    # summarised too, so the items after the newest compaction stay few.
+    if total > budget or calibrated(stubs) > budget * STUB_SHARE:
         wanted = _summary(items, head, compaction, tail, costs, newest, budget, total, ratio)
         if wanted is not None:
             return Plan([], total, 0, context, window, elided, cut, wanted, compaction)
     input_items = head + summary + tail
-    raw = raw_tools + sum(item_tokens(i) for i in input_items)
+    raw = raw_tools + raw_head + sum(raws)
     return Plan(input_items, total, raw, context, window, elided, cut, None, compaction)
 
 
@@ -394,7 +411,8 @@ def _summary(
         Item(0, turn, ItemKind.INPUT, None, {"role": "system", "content": SUMMARY_PROMPT}),
         Item(1, turn, ItemKind.INPUT, None, {"role": "user", "content": "\n\n".join(parts)}),
     ]
-    return Summary((first, last), request_items, total, kept)
+    # what stays besides the summary: the system prompt, the goal, the tools and the kept turns
+    return Summary((first, last), request_items, total, kept + total - sum(costs))
 
 
 def _render(item: Item, limit_tokens: int) -> str:
@@ -439,12 +457,7 @@ def compacted(
             f"model {model} answered a summary call with no text; the run cannot compact",
             evidence={"output": [i.payload for i in response.output][:4]},
         )
-    after = (
-        int(text_tokens(text) * _ratio(plan.state))
-        + ITEM_OVERHEAD
-        + summary.tokens_kept
-        + (plan.tokens - summary.tokens_before if plan.tokens > summary.tokens_before else 0)
-    )
+    after = int(text_tokens(text) * _ratio(plan.state)) + ITEM_OVERHEAD + summary.tokens_kept
     payload: JSON = {
         "covers": list(summary.covers),
         "content": text,
