@@ -207,3 +207,33 @@ def test_forty_turns_on_anthropic_stay_under_its_window(
     assert refused == 0 if model == "claude-fake-windowed" else 1 <= refused <= 3
     assert len(anthropic_server.summaries) >= 1
     assert_record_whole(task_id)
+
+
+def test_a_message_sent_during_a_summary_enters_once_at_a_boundary(
+    cluster: Cluster, model_server: FakeOpenAI, workspace: Path
+) -> None:
+    """I22 across a compaction: a message committed while the summary call runs enters the
+    transcript once, after the compaction and before the next model call, and that call
+    shows it."""
+    model_server.window = FAKE_WINDOW_TOKENS
+    model_server.summary_delay = 1.5
+    script_long_run(model_server, workspace)
+    task_id = submit_long_run("openai:fake-windowed", workspace)
+    assert model_server.summary_started.wait(120)
+    charlie.send(task_id, "a note sent during the summary", message_id="m-during")
+    info = charlie.wait(task_id, timeout=200)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    items = charlie.transcript(task_id)
+    notes = [i for i in items if i.payload.get("content") == "a note sent during the summary"]
+    assert len(notes) == 1
+    first_compaction = next(i for i in items if i.kind == "compaction")
+    assert notes[0].seq > first_compaction.seq
+    # it came at a boundary: no tool_call of its turn is without its result before it (I8)
+    before = items[: notes[0].seq]
+    calls = {i.call_id for i in before if i.kind == "tool_call"}
+    assert calls == {i.call_id for i in before if i.kind == "tool_result"}
+    shown = [
+        body for body in model_server.bodies if "a note sent during the summary" in json.dumps(body)
+    ]
+    assert shown and model_server.refused == []
+    assert_record_whole(task_id)

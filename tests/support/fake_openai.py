@@ -91,6 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
                 # a compaction's summary call: answered here, apart from the scripted turns
                 fake.summaries.append(recorded)
                 reply = chat_text(f"summary {len(fake.summaries)} of the work so far")
+                reply.delay = fake.summary_delay
+                fake.summary_started.set()
             else:
                 reply = fake.queue.popleft() if fake.queue else None
             if reply is not None and fake.window is not None and isinstance(reply.body, dict):
@@ -170,6 +172,9 @@ class FakeOpenAI:
         self.refused: list[Recorded] = []
         #: compaction summary calls (answered without the queue)
         self.summaries: list[Recorded] = []
+        #: seconds a summary call's answer takes; set when one arrives
+        self.summary_delay = 0.0
+        self.summary_started = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -213,6 +218,8 @@ class FakeOpenAI:
             self.refused.clear()
             self.summaries.clear()
             self.window = None
+            self.summary_delay = 0.0
+            self.summary_started.clear()
 
     @property
     def bodies(self) -> list[Any]:
