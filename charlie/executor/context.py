@@ -335,7 +335,9 @@ def plan(
     # Stubs are small, not free: past STUB_SHARE of the budget the turns they stand in are
     # summarised too, so the items after the newest compaction stay few.
     if total > budget or calibrated(stubs) > budget * STUB_SHARE:
-        wanted = _summary(items, head, compaction, tail, costs, newest, budget, total, ratio)
+        wanted = _summary(
+            head, compaction, tail, costs, newest, budget, total, ratio, elide_through
+        )
         if wanted is not None:
             return Plan([], total, 0, context, window, elided, cut, wanted, compaction)
     input_items = head + summary + tail
@@ -348,7 +350,6 @@ def _turn_starts(tail: Sequence[Item], end: int) -> list[int]:
 
 
 def _summary(
-    items: Sequence[Item],
     head: list[Item],
     compaction: Item | None,
     tail: list[Item],
@@ -357,11 +358,13 @@ def _summary(
     budget: int,
     total: int,
     ratio: float,
+    elide_through: int,
 ) -> Summary | None:
     """The summary that brings the input under its budget: it covers the oldest whole turns
-    of ``tail`` (never the newest), keeping the newest up to ``KEEP_SHARE`` of the budget, and
-    no more than one call's input can hold (the next step summarises again if that is not
-    enough)."""
+    of ``tail`` (never the newest), keeping the newest whose results are all shown up to
+    ``KEEP_SHARE`` of the budget (an elided result's turn is summarised: its stub would ask
+    for the next summary at once), and no more than one call's input can hold (the next step
+    summarises again if that is not enough)."""
     starts = _turn_starts(tail, newest)
     if not starts:
         return None
@@ -369,6 +372,11 @@ def _summary(
     kept = sum(costs[newest:])
     for begin in reversed(starts):
         if kept + sum(costs[begin:keep_from]) > budget * KEEP_SHARE:
+            break
+        if any(
+            tail[n].kind is ItemKind.TOOL_RESULT and tail[n].seq <= elide_through
+            for n in range(begin, keep_from)
+        ):
             break
         kept += sum(costs[begin:keep_from])
         keep_from = begin
