@@ -97,8 +97,13 @@ def window_for(spec: str, limits: PhaseLimits, state: JSON) -> Window | None:
 # -- estimates ---------------------------------------------------------------------------------
 
 
+def _size(text: str) -> int:
+    """UTF-8 bytes of ``text`` (without encoding it when it is ASCII, as most results are)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+
+
 def text_tokens(text: str) -> int:
-    return -(-len(text.encode("utf-8", "replace")) // BYTES_PER_TOKEN)
+    return -(-_size(text) // BYTES_PER_TOKEN)
 
 
 def item_tokens(item: Item) -> int:
@@ -208,7 +213,7 @@ def summary_item(compaction: Item) -> Item:
 
 def _stub(item: Item, recall: bool) -> Item:
     payload = item.payload
-    size = len(str(payload.get("content") or "").encode("utf-8", "replace"))
+    size = _size(str(payload.get("content") or ""))
     how = (
         f'call the `recall` tool with {{"call_id": {json.dumps(item.call_id)}}} to read it again'
         if recall
