@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import charlie
+from charlie.console.rows import transcript_rows as console_rows
 from charlie.domain import TaskStatus
 from charlie.views import transcript_rows
 from tests.integration.test_loop import assert_every_call_has_one_result
@@ -96,6 +97,12 @@ def test_forty_turns_stay_under_the_configured_window(
     shown = [line for _, line in transcript_rows(task_id) if "compaction of items" in line]
     first, last = compactions[0].payload["covers"]
     assert len(shown) == len(compactions) and f"compaction of items {first}-{last}" in shown[0]
+    # ...and so does the console, the summary's text beside it
+    rows = console_rows(charlie.transcript(task_id), charlie.calls(task_id))
+    marked = [r for r in rows if r.kind == "compaction"]
+    assert len(marked) == len(compactions)
+    assert marked[0].who.startswith(f"compaction of items {first}-{last}")
+    assert marked[0].text == compactions[0].payload["content"]
 
 
 def test_forty_turns_fit_a_window_learned_from_the_refusal(
