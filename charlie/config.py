@@ -245,6 +245,11 @@ class Settings:
     delegate_max_depth: int = 3
     #: how many children one task may start in all (CHARLIE_DELEGATE_MAX_CHILDREN).
     delegate_max_children: int = 16
+    #: a model's context window in tokens (CHARLIE_MODEL_CONTEXT_TOKENS); per model,
+    #: CHARLIE_MODEL_<NAME>_CONTEXT_TOKENS (``context_tokens_by_model``, keyed by ``<NAME>``).
+    #: Unset: Charlie learns the window from the provider's refusal (charlie/executor/context.py).
+    model_context_tokens: int | None = None
+    context_tokens_by_model: dict[str, int] = field(default_factory=dict)
     #: MCP tool servers (charlie/mcp/): CHARLIE_MCP_CONFIG, a path to a JSON file in the shape
     #: MCP clients use ({"mcpServers": {...}}), and/or the same object inline in
     #: CHARLIE_MCP_SERVERS (which may hold secrets: never printed).
@@ -365,6 +370,18 @@ def _paths(raw: str) -> tuple[Path, ...]:
     return tuple(Path(p).expanduser().resolve() for p in raw.split(":") if p.strip())
 
 
+def _context_overrides() -> dict[str, int]:
+    """CHARLIE_MODEL_<NAME>_CONTEXT_TOKENS, by ``<NAME>`` (models.retry.env_name)."""
+    found: dict[str, int] = {}
+    for key in os.environ:
+        if key.startswith("CHARLIE_MODEL_") and key.endswith("_CONTEXT_TOKENS"):
+            name = key[len("CHARLIE_MODEL_") : -len("_CONTEXT_TOKENS")]
+            value = _env_limit_int(key)
+            if name and value is not None:
+                found[name] = value
+    return found
+
+
 def load_settings() -> Settings:
     home = Path(os.environ.get("CHARLIE_HOME", ".charlie")).resolve()
     database_url = os.environ.get("CHARLIE_DATABASE_URL") or f"sqlite:///{home / 'charlie.db'}"
@@ -436,6 +453,8 @@ def load_settings() -> Settings:
         ),
         delegate_max_depth=_env_bound("CHARLIE_DELEGATE_MAX_DEPTH", 3),
         delegate_max_children=_env_bound("CHARLIE_DELEGATE_MAX_CHILDREN", 16),
+        model_context_tokens=_env_limit_int("CHARLIE_MODEL_CONTEXT_TOKENS"),
+        context_tokens_by_model=_context_overrides(),
         streaming=_env_flag("CHARLIE_STREAMING", default=True),
         stream_url=_stream_url(),
         stream_ttl=_env_float("CHARLIE_STREAM_TTL", 3600.0),

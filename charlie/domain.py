@@ -82,6 +82,9 @@ class ItemKind(enum.StrEnum):
     TOOL_CALL = "tool_call"
     TOOL_RESULT = "tool_result"
     FINAL = "final"
+    #: a summary of earlier items, standing for them in the model input (I29); the items it
+    #: covers stay in the record untouched
+    COMPACTION = "compaction"
 
 
 class CallState(enum.StrEnum):

@@ -52,6 +52,9 @@ class TickScope:
     #: transcript (advance_turn, or a stop closing a turn): every call's outcome once, whoever
     #: settled it (a worker, a sweep, a person's deny). Filled only when an observer is on.
     results: tuple[tuple[str, str], ...] = ()
+    #: compaction items the committed transition recorded (a summary of older turns, I29):
+    #: (the model, tokens before, tokens after) of each
+    compactions: tuple[tuple[str, int, int], ...] = ()
     #: whatever the observer keeps for itself between entering and leaving (a span, a timer)
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +78,8 @@ class ModelCallEvent:
     #: parts of input_tokens read from / written to the provider's prompt cache
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    #: "turn" (the agent's next turn) or "summary" (a compaction's summary call, I29)
+    purpose: str = "turn"
 
 
 @dataclass(frozen=True, slots=True)

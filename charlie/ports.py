@@ -34,6 +34,11 @@ class PhaseLimits:
     report_retries: int = 4
     report_backoff: float = 0.05
     model_retries: int = 8
+    #: the context window of a model without one of its own (CHARLIE_MODEL_CONTEXT_TOKENS);
+    #: None: learned from the provider's refusal (executor/context.py)
+    context_tokens: int | None = None
+    #: per model, by ``<NAME>`` as in CHARLIE_MODEL_<NAME>_CONTEXT_TOKENS
+    context_tokens_by_model: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -49,11 +49,23 @@ def transcript_rows(task_id: str, *, after_seq: int = -1) -> list[tuple[int, str
             line = f"{payload.get('role')}: {short(payload.get('content'), 100)}"
         elif entry.kind == "final":
             line = "final: " + _body(payload.get("content"), indent=" " * 8 + "| ")
+        elif entry.kind == "compaction":
+            line = f"{compaction_text(payload)}: {short(payload.get('content'), 100)}"
         else:
             text = payload.get("content") or payload.get("summary") or ""
             line = f"{entry.kind}: {short(text, 120)}"
         rows.append((entry.seq, f"{entry.seq:>3} t{entry.turn}  {line}"))
     return rows
+
+
+def compaction_text(payload: dict[str, Any]) -> str:
+    """What a compaction covers and what it saved: ``compaction of items 2-41 (about 5200 ->
+    1300 tokens, by openai:gpt-4.1)``; the items it covers stay in the record (I29)."""
+    covers = payload.get("covers") or ["?", "?"]
+    return (
+        f"compaction of items {covers[0]}-{covers[-1]} (about {payload.get('tokens_before')} -> "
+        f"{payload.get('tokens_after')} tokens, by {short(payload.get('model'), 60)})"
+    )
 
 
 def _body(value: Any, *, indent: str) -> str:

@@ -37,6 +37,13 @@ def bench_echo(value: str = "") -> str:
     return value
 
 
+@tool(effect="read", deadline=60, threadsafe=True)
+def bench_page(size: int = 4096) -> str:
+    """Return ``size`` characters of text at once: the long run's tool result."""
+    line = "the quick brown fox jumps over the lazy dog, page after page of it\n"
+    return (line * (size // len(line) + 1))[:size]
+
+
 STATS_DIR = os.environ.get("BENCH_STATS_DIR")
 FLUSH_SECONDS = 0.5
 OUTSIDE_TASKS = "-"

@@ -38,6 +38,14 @@ waiting
     runs, without and then with the N waiting; meanwhile, what the N hold (leases, started
     calls), their transitions, the sweeps' re-publishes and scans, the broker queue. Then every
     held call is approved and the N timed to the end.
+longrun
+    one run of 200 turns, each a tool call with a 4 KiB result (800 KiB in all), its scripted
+    model given a context window of 16,000 tokens (CHARLIE_MODEL_<NAME>_CONTEXT_TOKENS): the
+    largest model input (characters of content / 4, as the model's ledger saw it) against the
+    window, the compactions made, and the turn time (call_model's commit to the next one's:
+    the input's assembly included) and call_model's own tick, medians over turns 5-55 and
+    150-200; then the same run with no window
+    (every input the whole transcript), for comparison.
 console
     the run console (``charlie ui``) on a real run of 2,000 transcript items (scripted turns of
     a message and four instant tool calls): the task page's server time over HTTP, its live
@@ -102,10 +110,15 @@ SCENARIOS = (
     "scale",
     "waiting",
     "console",
+    "longrun",
     "growth",
 )
 #: what runs without --only: growth inserts 100,000 tasks, so it is asked for by name
 DEFAULT_SCENARIOS = tuple(s for s in SCENARIOS if s != "growth")
+#: the long run: turns, each a 4 KiB tool result, and the model's context window (tokens)
+LONGRUN_TURNS = 200
+LONGRUN_RESULT_BYTES = 4096
+LONGRUN_WINDOW = 16_000
 PG_ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres"}
 # BENCH_PG_DATABASE / BENCH_REDIS_DB: another database and Redis db, so that two benchmarks on
 # one machine do not wipe each other's
@@ -448,6 +461,13 @@ class Cell:
         env["BENCH_FLOOR_BROKER_DIR"] = str(self.floor_dir / "broker")
         # This process publishes the floor's first links: to the floor's queue directory too.
         os.environ["BENCH_FLOOR_BROKER_DIR"] = env["BENCH_FLOOR_BROKER_DIR"]
+        from charlie.models.retry import env_name
+
+        # the long run's model has a window of its own; its twin without one has none
+        windowed = f"scripted:{self.script_dir / 'longrun-windowed.json'}"
+        env[f"CHARLIE_MODEL_{env_name(windowed.partition(':')[2])}_CONTEXT_TOKENS"] = str(
+            LONGRUN_WINDOW
+        )
         env.update(worker_env)
         self.procs = Processes(home, env)
         self.rt = get_runtime()
@@ -818,6 +838,51 @@ class Cell:
         progress(f"DBOS {doc['version']}: {turn_ms:.1f} ms per turn (a model and a tool step)")
 
     # ---- 3. fan-out
+
+    # ---- long runs: the context window
+
+    def longrun(self) -> None:
+        for label in ("windowed", "whole"):
+            for _ in range(self.sizes.trials):
+                self.longrun_trial(label)
+
+    def longrun_trial(self, label: str) -> None:
+        from charlie import api
+
+        turns = LONGRUN_TURNS
+        call = {"name": "bench_page", "arguments": {"size": LONGRUN_RESULT_BYTES}}
+        steps = [{"tool_calls": [{**call, "id": f"p{n}"}]} for n in range(turns)]
+        ledger = self.script_dir / f"longrun-{label}.jsonl"
+        ledger.unlink(missing_ok=True)
+        model = self.script(f"longrun-{label}", [*steps, {"say": "done"}], ledger)
+        prefix = self.new_prefix(f"longrun-{label}")
+        api.submit("bench", model=model, tools=["bench_page"], task_id=f"{prefix}00000")
+        self.wait_done(prefix, 1, timeout=900)
+        rows = self.transitions(prefix)
+        commits = [r for r in rows if r.from_phase == "call_model" and r.to_phase != "call_model"]
+        gaps = [ts(b.at) - ts(a.at) for a, b in itertools.pairwise(commits)]
+        # 50 turns each (one turn's time is a few ms, noisy on a shared machine)
+        early, late = gaps[5:55], gaps[-51:-1]
+        key = f"longrun.{label}"
+        self.results.add(f"{key}.turn10_ms", statistics.median(early) * 1000)
+        self.results.add(f"{key}.turn200_ms", statistics.median(late) * 1000)
+        self.results.add(f"{key}.growth", statistics.median(late) / statistics.median(early))
+        # call_model's own tick: the input's assembly and the (instant) model call
+        ticks = [r.duration_ms for r in commits]
+        tick_early, tick_late = statistics.median(ticks[5:55]), statistics.median(ticks[-51:-1])
+        self.results.add(f"{key}.tick10_ms", tick_early)
+        self.results.add(f"{key}.tick200_ms", tick_late)
+        sent = [line.get("input_chars", 0) / 4 for line in read_jsonl(ledger)]
+        self.results.add(f"{key}.max_input_tokens", max(sent) if sent else 0)
+        items = api.transcript(f"{prefix}00000")
+        compactions = sum(1 for i in items if i.kind == "compaction")
+        self.results.add(f"{key}.compactions", compactions)
+        progress(
+            f"long run ({label}): turns 5-55 {statistics.median(early) * 1000:.1f} ms, turns "
+            f"150-200 {statistics.median(late) * 1000:.1f} ms (call_model tick {tick_early:.1f} "
+            f"-> {tick_late:.1f} ms), largest input {max(sent or [0]):.0f} tokens, "
+            f"{compactions} compactions"
+        )
 
     def fanout(self) -> None:
         n = self.sizes.fanout_calls
@@ -1802,7 +1867,7 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     steps.update(
         {
             name: getattr(cell, name)
-            for name in ("fanout", "recovery", "scale", "waiting", "console", "growth")
+            for name in ("fanout", "recovery", "scale", "waiting", "console", "longrun", "growth")
         }
     )
     failed = False
@@ -1984,6 +2049,20 @@ ROWS: list[Row | str] = [
     Row("Tasks/s", "scale.tasks_per_s", 1),
     Row("Celery tasks per transition", "scale.tasks_per_transition", 2),
     Row("Broker queue depth, most seen (messages)", "scale.queue_max"),
+    "**Long run** (200 turns of 4 KiB results, 800 KiB in all; a 16,000-token window, then none)",
+    Row("Windowed: turn time, turns 5-55 (ms, median)", "longrun.windowed.turn10_ms", 1),
+    Row("Windowed: turn time, turns 150-200 (ms, median)", "longrun.windowed.turn200_ms", 1),
+    Row("Windowed: late / early turn time", "longrun.windowed.growth", 2, "≤ 1.20"),
+    Row("Windowed: call_model tick, turns 5-55 (ms)", "longrun.windowed.tick10_ms", 1),
+    Row("Windowed: call_model tick, turns 150-200 (ms)", "longrun.windowed.tick200_ms", 1),
+    Row("Windowed: largest model input (tokens, chars/4)", "longrun.windowed.max_input_tokens"),
+    Row("Windowed: compactions", "longrun.windowed.compactions"),
+    Row("No window: turn time, turns 5-55 (ms, median)", "longrun.whole.turn10_ms", 1),
+    Row("No window: turn time, turns 150-200 (ms, median)", "longrun.whole.turn200_ms", 1),
+    Row("No window: late / early turn time", "longrun.whole.growth", 2),
+    Row("No window: call_model tick, turns 5-55 (ms)", "longrun.whole.tick10_ms", 1),
+    Row("No window: call_model tick, turns 150-200 (ms)", "longrun.whole.tick200_ms", 1),
+    Row("No window: largest model input (tokens, chars/4)", "longrun.whole.max_input_tokens"),
     Row("Worker RSS after 10% of tasks (MiB)", "scale.rss_tenth_mib"),
     Row("Worker RSS at the end (MiB)", "scale.rss_end_mib", 0, "not growing"),
     Row("Database bytes per finished task", "scale.bytes_per_task"),

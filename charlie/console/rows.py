@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from charlie import api
-from charlie.views import short
+from charlie.views import compaction_text, short
 
 #: the badge of each outcome, and of each state a call is in before it has one
 OUTCOME_LABELS = {
@@ -363,6 +363,11 @@ def transcript_rows(
             rows.append(Row(key, e.seq, e.turn, "reasoning", "reasoning", text, copied=copied))
         elif e.kind == "final":
             rows.append(Row(key, e.seq, e.turn, "final", "final answer", _text(p), copied=copied))
+        elif e.kind == "compaction":
+            # the model's summary stood for these items in later inputs; they stay below (I29)
+            rows.append(
+                Row(key, e.seq, e.turn, "compaction", compaction_text(p), _text(p), copied=copied)
+            )
         else:
             who = str(p.get("role") or e.kind)
             kind = "assistant" if e.kind == "message" else e.kind

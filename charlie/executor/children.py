@@ -13,11 +13,23 @@ from charlie import pricing, scheduler
 from charlie.domain import JSON, Phase, TaskSpend, TaskStatus
 from charlie.executor import boundary
 from charlie.runtime import Runtime
-from charlie.store import reads, spend
+from charlie.store import reads, runs, spend
 from charlie.store.engine import read, retried_if_disconnected
 from charlie.store.types import Connection
 from charlie.tools.context import ChildSubmitted, TaskSnapshot, ToolError
 from charlie.tools.delegation import child_limits
+
+
+class DbRecord:
+    """The run's durable transcript, for the ``recall`` tool (I29: it keeps what the model
+    input elided or cut)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def result_of(self, execution_id: str, call_id: str) -> JSON | None:
+        with read(self.rt.engine) as conn:
+            return runs.recorded_result(conn, execution_id, call_id)
 
 
 class DbChildren:

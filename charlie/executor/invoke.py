@@ -23,7 +23,7 @@ from pathlib import Path
 from charlie import faults
 from charlie.config import WorkspaceRefused
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
-from charlie.executor.children import DbChildren
+from charlie.executor.children import DbChildren, DbRecord
 from charlie.executor.settle import CallResult, log_settled, settle_in_turn, settle_result
 from charlie.leases import Held
 from charlie.runtime import Runtime
@@ -311,6 +311,7 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
             _record_handle=keep_handle,
             overdue=mode == "observe",
             children=DbChildren(rt),
+            record=DbRecord(rt),
             answer=str(asked_info["answer"]) if answered else None,
             asked=(asked_info.get("asked") or {}) if answered else None,
         )

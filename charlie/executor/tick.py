@@ -606,6 +606,15 @@ def _observed(rt: Runtime, progress: Progress, claim: runs.Claim, transition: Tr
                 for i in transition.items
                 if i.kind is ItemKind.TOOL_RESULT
             )
+            scope.compactions = tuple(
+                (
+                    str(i.payload.get("model")),
+                    int(i.payload.get("tokens_before") or 0),
+                    int(i.payload.get("tokens_after") or 0),
+                )
+                for i in transition.items
+                if i.kind is ItemKind.COMPACTION
+            )
 
 
 def _start_local(

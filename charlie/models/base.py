@@ -75,6 +75,9 @@ class ModelRequest:
     tools: list[ToolSpec]
     #: where a streaming client sends deltas as they arrive (not part of the request's identity)
     deltas: Deltas = field(default=NO_DELTAS, compare=False, repr=False)
+    #: ``"turn"``: the agent's next turn; ``"summary"``: a compaction's summary of older turns
+    #: (executor/context.py), answered with text only
+    purpose: str = "turn"
 
 
 @dataclass(frozen=True)

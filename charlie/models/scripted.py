@@ -10,10 +10,11 @@ malformed model output); ``{task_id}`` in string arguments is replaced by the ru
 ``sleep`` delays the answer (to stand for a slow model); ``raise`` makes the call fail, to exercise
 failure handling (with ``raise_while: path``, only while that file exists: a fault that can be
 fixed, for a resume). ``until: path`` holds the answer, after any ``sleep``, until that file
-exists (two minutes at most): a model call that ends when a test says so. With a ``ledger``,
-every call appends one JSON line to that file, outside Charlie's tables, so repeats after a
-crash can be counted. The ledger is a path relative to the
-script's directory and must stay in it (no absolute path, no ``..``, no symlink out of it).
+exists (two minutes at most): a model call that ends when a test says so. A compaction's summary
+call (``request.purpose == "summary"``) is answered outside the turns with a fixed text. With a
+``ledger``, every call appends one JSON line to that file, outside Charlie's tables, so repeats
+after a crash can be counted. The ledger is a path relative to the script's directory and must
+stay in it (no absolute path, no ``..``, no symlink out of it).
 
 A turn may also say what the model must have been shown, so a script checks its input the way a
 real model depends on it (I6, I7)::
@@ -233,11 +234,20 @@ class ScriptedModel:
         self.turns, self.ledger = load_script(path)
 
     def complete(self, request: ModelRequest) -> ModelResponse:
+        if request.purpose == "summary":
+            return _summary(request)
         if self.ledger is not None:
             _append_ledger(
                 self.path,
                 self.ledger,
-                json.dumps({"task_id": request.task_id, "turn": request.turn, "pid": os.getpid()})
+                json.dumps(
+                    {
+                        "task_id": request.task_id,
+                        "turn": request.turn,
+                        "pid": os.getpid(),
+                        "input_chars": _input_chars(request.items),
+                    }
+                )
                 + "\n",
             )
         if request.turn >= len(self.turns):
@@ -273,6 +283,25 @@ class ScriptedModel:
         text = json.dumps([i.payload for i in output])
         _stream(request, output)
         return ModelResponse(output=output, usage=Usage(output_tokens=len(text) // 4))
+
+
+def _input_chars(items: list[Item]) -> int:
+    """The characters of content the model was sent (a ledger's measure of its input)."""
+    return sum(
+        len(str(i.payload.get("content") or "")) + len(str(i.payload.get("raw_arguments") or ""))
+        for i in items
+    )
+
+
+def _summary(request: ModelRequest) -> ModelResponse:
+    """A compaction's summary call, outside the script's turns (its turn is being played): a
+    fixed text naming how much it was given, so the same input gets the same summary."""
+    given = sum(len(str(i.payload.get("content", ""))) for i in request.items)
+    text = f"(scripted summary of {given} characters of the record before turn {request.turn})"
+    return ModelResponse(
+        output=[NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": text})],
+        usage=Usage(output_tokens=len(text) // 4),
+    )
 
 
 def _stream(request: ModelRequest, output: list[NewItem]) -> None:

@@ -292,6 +292,25 @@ _LOAD_ITEMS = (
 _LOAD_ITEMS_FROM = _LOAD_ITEMS.where(_i.seq >= bindparam("b_from"))
 
 
+_RESULT_OF = (
+    select(_i.payload)
+    .where(
+        _i.execution_id == bindparam("b_execution"),
+        _i.kind == ItemKind.TOOL_RESULT.value,
+        _i.call_id == bindparam("b_call"),
+    )
+    .order_by(_i.seq)
+    .limit(1)
+)
+
+
+def recorded_result(conn: Connection, execution_id: str, call_id: str) -> JSON | None:
+    """The ``tool_result`` payload the run's transcript holds for ``call_id`` (the record
+    keeps every result whole, whatever the model input showed of it, I29)."""
+    row = conn.execute(_RESULT_OF, {"b_execution": execution_id, "b_call": call_id}).first()
+    return row.payload if row else None
+
+
 def load_items(conn: Connection, execution_id: str, known: Sequence[Item] = ()) -> list[Item]:
     """The run's transcript. ``known``: a prefix of it already read (seq 0 ...): only the items
     after it are read."""

@@ -174,6 +174,7 @@ class ObservedModel:
             else (response.finish_reason or ("tool_calls" if calls else "stop")),
             tool_calls=calls,
             error=None if error is None else f"{type(error).__name__}: {error}"[:500],
+            purpose=str(getattr(request, "purpose", "turn")),
         )
         self.observer.model_call(event)
 

@@ -68,6 +68,8 @@ LABEL_CAP = 200
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
                  120, 300)  # fmt: skip
 CALL_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600)
+#: tokens of one model input: 1K to 1M
+TOKEN_BUCKETS = (1000, 2000, 4000, 8000, 16000, 32000, 64000, 128000, 200000, 400000, 1000000)
 
 #: results of a tick that ran a phase (a stale tick claimed nothing and ran nothing).
 _RAN = frozenset({"moved", "waiting", "done", "lost_lease", "refused", None})
@@ -340,6 +342,25 @@ class MetricsObserver(Observer):
             buckets=CALL_BUCKETS,
             registry=registry,
         )
+        self.input_tokens = Histogram(
+            "charlie_model_input_tokens",
+            "The input tokens of each model call as its provider counted them, by model and "
+            "purpose (turn, or a compaction's summary): under the model's context window (I29)",
+            ("model", "purpose"),
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.compactions = counter(
+            "charlie_compactions",
+            "Compactions recorded (older turns summarised to fit the context window, I29), by "
+            "model",
+            ("model",),
+        )
+        self.compacted_tokens = counter(
+            "charlie_compacted_tokens",
+            "Estimated tokens of the model input before and after each compaction, by model",
+            ("model", "when"),
+        )
         self.fused_commits = counter(
             "charlie_fused_commits",
             "Fused commits sent (a merged transaction's steps in one statement, PostgreSQL), by "
@@ -388,11 +409,19 @@ class MetricsObserver(Observer):
             self.model_repeats.inc(scope.model_repeats)
         for tool, outcome in scope.results:
             self.tool_calls.labels(self._tools(tool_label(tool)), outcome).inc()
+        for spec, before, after in scope.compactions:
+            model = self._models(model_label(spec))
+            self.compactions.labels(model).inc()
+            self.compacted_tokens.labels(model, "before").inc(before)
+            self.compacted_tokens.labels(model, "after").inc(after)
 
     def model_call(self, event: ModelCallEvent) -> None:
         model = self._models(model_label(event.model))
         self.model_calls.labels(model, event.outcome).inc()
         self.model_seconds.labels(model).observe(max(0.0, event.ended - event.started))
+        if event.outcome == "ok" and event.input_tokens:
+            purpose = event.purpose if event.purpose in ("turn", "summary") else "turn"
+            self.input_tokens.labels(model, purpose).observe(event.input_tokens)
         for kind, count in (
             ("input", event.input_tokens),
             ("output", event.output_tokens),

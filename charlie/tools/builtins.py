@@ -89,6 +89,29 @@ def write_file(path: str, content: str, ctx: ToolContext) -> JSON:
     return {"path": path, "bytes": len(data)}
 
 
+#: recall returns at most this many characters of a result at a time
+RECALL_CHARS = 16_000
+
+
+@tool(effect="read", deadline=60, threadsafe=True)
+def recall(call_id: str, ctx: ToolContext, offset: int = 0) -> str:
+    """Read again the recorded result of an earlier tool call of this task, by its call id:
+    what an input elided or cut to fit the context window. Long results come a part at a time
+    (``offset``: the character to start from)."""
+    payload = ctx.record.result_of(ctx.execution_id, call_id)
+    if not isinstance(payload, dict):
+        raise ToolError(f"no recorded result for call {call_id!r} in this task")
+    content = str(payload.get("content") or "")
+    offset = max(0, offset)
+    part = content[offset : offset + RECALL_CHARS]
+    end = offset + len(part)
+    if end < len(content):
+        part += (
+            f"\n[characters {offset}-{end} of {len(content)}; recall with offset={end} for more]"
+        )
+    return part
+
+
 @tool(effect="read", deadline=60, threadsafe=True)
 def list_files(ctx: ToolContext, path: str = ".") -> list[str]:
     """List files under a directory of the workspace (recursively, hidden entries skipped)."""

@@ -134,6 +134,19 @@ class Children(Protocol):
         ...
 
 
+class Record(Protocol):
+    """The port through which a tool reads the run's durable record (the ``recall`` tool)."""
+
+    def result_of(self, execution_id: str, call_id: str) -> JSON | None:
+        """The recorded ``tool_result`` payload of a call of the run, or None."""
+        ...
+
+
+class NoRecord:
+    def result_of(self, execution_id: str, call_id: str) -> JSON | None:
+        raise ToolError("this tool context has no Record port (no transcript here)")
+
+
 class NoChildren:
     """The Children of a context built without one: every use says so."""
 
@@ -165,6 +178,8 @@ class ToolContext:
     overdue: bool = False
     #: starts and reads tasks (delegation); the engine's, or a fake under charlie.testing.
     children: Children = field(default_factory=NoChildren, repr=False)
+    #: reads the run's durable transcript (the ``recall`` tool)
+    record: Record = field(default_factory=NoRecord, repr=False)
     #: set once this attempt's lease on the call is seen lost (another worker took the call
     #: over, or it was settled): a long handler checks it and stops.
     lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)

@@ -438,6 +438,8 @@ SANDBOX_PROBLEM = _sandbox_problem()
 TEST_SANDBOX = "off" if SANDBOX_PROBLEM else "bwrap"
 
 #: The key the workers send to the fake model server; tests check it never leaks.
+#: the context window the cluster's workers are configured with for "fake-windowed" models
+FAKE_WINDOW_TOKENS = 5000
 FAKE_MODEL_KEY = "sk-charlie-test-0123456789"
 
 
@@ -636,6 +638,8 @@ def cluster_env(
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY
         env["CHARLIE_MODEL_TIMEOUT"] = "10"
+        # "fake-windowed" has a context window of its own (tests/integration/test_long_runs.py)
+        env["CHARLIE_MODEL_FAKE_WINDOWED_CONTEXT_TOKENS"] = str(FAKE_WINDOW_TOKENS)
     if anthropic_port is not None:
         from tests.support.fake_anthropic import FAKE_ANTHROPIC_KEY
 
@@ -643,6 +647,7 @@ def cluster_env(
         # "claude-fake-thinker" thinks (extended thinking, a budget of 2048 tokens).
         env["ANTHROPIC_BASE_URL"] = f"http://127.0.0.1:{anthropic_port}"
         env["ANTHROPIC_API_KEY"] = FAKE_ANTHROPIC_KEY
+        env["CHARLIE_MODEL_CLAUDE_FAKE_WINDOWED_CONTEXT_TOKENS"] = str(FAKE_WINDOW_TOKENS)
         env["CHARLIE_MODEL_CLAUDE_FAKE_THINKER_THINKING_BUDGET"] = "2048"
     if mcp is not None:
         # The workers' MCP servers: a server that is down is tried again soon.

@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from charlie.executor.context import SUMMARY_PROMPT
+
+#: what marks a compaction's summary call (its system prompt, as JSON carries it)
+_SUMMARY_MARK = json.dumps(SUMMARY_PROMPT)[1:-1]
+
 FAKE_ANTHROPIC_KEY = "sk-ant-charlie-test-9876543210"
 VERSION_HEADER = "anthropic-version"
 
@@ -89,9 +94,26 @@ class _Handler(BaseHTTPRequestHandler):
         if refused is not None:
             self._json(*refused)
             return
+        counted = len(raw) // 4  # the window's count: every byte of the request, 4 a token
         with fake.lock:
-            reply = fake.queue.popleft() if fake.queue else None
             number = len(fake.requests)
+            if fake.window is not None and counted > fake.window:
+                # as Anthropic refuses a prompt over the model's window
+                fake.refused.append(fake.requests[-1])
+                reply = None
+            elif _SUMMARY_MARK in raw.decode("utf-8", "replace"):
+                # a compaction's summary call: answered here, apart from the scripted turns
+                fake.summaries.append(fake.requests[-1])
+                said = f"summary {len(fake.summaries)} of the work so far"
+                reply = Reply(content=[{"type": "text", "text": said}])
+            else:
+                reply = fake.queue.popleft() if fake.queue else None
+        if fake.window is not None and counted > fake.window:
+            too_long = f"prompt is too long: {counted} tokens > {fake.window} maximum"
+            self._json(*_error(400, "invalid_request_error", too_long))
+            return
+        if reply is not None and fake.window is not None:
+            reply = Reply(**{**reply.__dict__, "usage": {**reply.usage, "input_tokens": counted}})
         if reply is None:
             self._json(*_error(418, "not_found_error", "fake: nothing scripted"))
             return
@@ -237,6 +259,12 @@ class FakeAnthropic:
         self.lock = threading.Lock()
         self.requests: list[Recorded] = []
         self.queue: deque[Reply] = deque()
+        #: the model's context window in tokens (len(body) // 4): a request over it is refused
+        #: as Anthropic refuses it (400, "prompt is too long"); None: no window
+        self.window: int | None = None
+        self.refused: list[Recorded] = []
+        #: compaction summary calls (answered without the queue)
+        self.summaries: list[Recorded] = []
         #: tool_use id -> the thinking blocks sent with it (what a tool loop must send back)
         self.thinking_of_call: dict[str, list[dict[str, Any]]] = {}
         self._server: _Server | None = None
@@ -280,6 +308,9 @@ class FakeAnthropic:
             self.requests.clear()
             self.queue.clear()
             self.thinking_of_call.clear()
+            self.refused.clear()
+            self.summaries.clear()
+            self.window = None
 
     @property
     def bodies(self) -> list[Any]:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from charlie.executor.context import SUMMARY_PROMPT
+
 
 @dataclass
 class Recorded:
@@ -78,9 +80,23 @@ class _Handler(BaseHTTPRequestHandler):
             raw=raw,
         )
         fake = self.server.fake
+        counted = len(raw) // 4  # the window's count: every byte of the request, 4 a token
         with fake.lock:
             fake.requests.append(recorded)
-            reply = fake.queue.popleft() if fake.queue else None
+            if fake.window is not None and counted > fake.window:
+                # as OpenAI refuses an input over the model's window (the request is not served)
+                fake.refused.append(recorded)
+                reply = context_length_error(fake.window, counted)
+            elif _SUMMARY_MARK in raw.decode("utf-8", "replace"):
+                # a compaction's summary call: answered here, apart from the scripted turns
+                fake.summaries.append(recorded)
+                reply = chat_text(f"summary {len(fake.summaries)} of the work so far")
+                reply.delay = fake.summary_delay
+                fake.summary_started.set()
+            else:
+                reply = fake.queue.popleft() if fake.queue else None
+            if reply is not None and fake.window is not None and isinstance(reply.body, dict):
+                reply = _with_prompt_tokens(reply, counted)
         if reply is None:
             reply = Reply(418, {"error": {"message": f"fake: nothing scripted for {self.path}"}})
         if self.path not in ("/v1/chat/completions", "/v1/responses"):
@@ -150,6 +166,15 @@ class FakeOpenAI:
         self.lock = threading.Lock()
         self.requests: list[Recorded] = []
         self.queue: deque[Reply] = deque()
+        #: the model's context window in tokens (len(body) // 4): a request over it is refused
+        #: with OpenAI's 400 ``context_length_exceeded``; None: no window
+        self.window: int | None = None
+        self.refused: list[Recorded] = []
+        #: compaction summary calls (answered without the queue)
+        self.summaries: list[Recorded] = []
+        #: seconds a summary call's answer takes; set when one arrives
+        self.summary_delay = 0.0
+        self.summary_started = threading.Event()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -190,6 +215,11 @@ class FakeOpenAI:
         with self.lock:
             self.requests.clear()
             self.queue.clear()
+            self.refused.clear()
+            self.summaries.clear()
+            self.window = None
+            self.summary_delay = 0.0
+            self.summary_started.clear()
 
     @property
     def bodies(self) -> list[Any]:
@@ -337,13 +367,33 @@ def server_error(status: int = 500) -> Reply:
     return Reply(status, {"error": {"message": "The server had an error", "type": "server_error"}})
 
 
-def context_length_error() -> Reply:
-    return error(
+def context_length_error(window: int = 128000, sent: int = 130000) -> Reply:
+    """OpenAI's refusal of an input over the model's window, in its real shape."""
+    reply = error(
         400,
-        "This model's maximum context length is 128000 tokens. However, your messages resulted "
-        "in 130000 tokens. Please reduce the length of the messages.",
+        f"This model's maximum context length is {window} tokens. However, your messages "
+        f"resulted in {sent} tokens. Please reduce the length of the messages.",
         code="context_length_exceeded",
     )
+    reply.body["error"]["param"] = "messages"
+    return reply
+
+
+#: what marks a compaction's summary call (its system prompt, as JSON carries it)
+_SUMMARY_MARK = json.dumps(SUMMARY_PROMPT)[1:-1]
+
+
+def _with_prompt_tokens(reply: Reply, counted: int) -> Reply:
+    """A reply whose usage reports the input as this window counted it (as a provider's does)."""
+    body = json.loads(json.dumps(reply.body))
+    usage = body.get("usage")
+    if isinstance(usage, dict):
+        if "prompt_tokens" in usage:
+            usage["prompt_tokens"] = counted
+            usage["total_tokens"] = counted + int(usage.get("completion_tokens", 0))
+        elif "input_tokens" in usage:
+            usage["input_tokens"] = counted
+    return Reply(reply.status, body, dict(reply.headers), delay=reply.delay)
 
 
 def slow(reply: Reply, seconds: float) -> Reply:

@@ -116,6 +116,27 @@ def test_the_observer_counts_ticks_calls_models_and_gauges() -> None:
     assert ("charlie_broker_queue_depth", (("queue", "charlie.sweeps"),)) not in got
 
 
+def test_compactions_and_the_tokens_of_each_model_input_are_counted() -> None:
+    """I29: each compaction a transition recorded, with its tokens before and after, and the
+    input tokens of each model call (a turn's, a summary's) as the provider counted them."""
+    observer, registry = _registry()
+    scope = TickScope("x-1", Phase.CALL_MODEL, 3, "w")
+    with observer.tick(scope):
+        scope.result, scope.to = "moved", Phase.CALL_MODEL
+        scope.compactions = (("openai:m", 5200, 1300),)
+    observer.model_call(ModelCallEvent("t", "x", 1, "openai:m", 1.0, 2.0, "ok", 4100, 20))
+    summary = ModelCallEvent("t", "x", 1, "openai:m", 1.0, 2.0, "ok", 3000, 50, purpose="summary")
+    observer.model_call(summary)
+    got = _samples(registry)
+    model = ("model", "openai:m")
+    assert got[("charlie_compactions_total", (model,))] == 1
+    assert got[("charlie_compacted_tokens_total", (model, ("when", "before")))] == 5200
+    assert got[("charlie_compacted_tokens_total", (model, ("when", "after")))] == 1300
+    turn = (model, ("purpose", "turn"))
+    assert got[("charlie_model_input_tokens_sum", turn)] == 4100
+    assert got[("charlie_model_input_tokens_count", (model, ("purpose", "summary")))] == 1
+
+
 def test_label_values_are_bounded() -> None:
     labels = _Bounded()
     assert [labels(f"m{i}") for i in range(LABEL_CAP)][-1] == f"m{LABEL_CAP - 1}"

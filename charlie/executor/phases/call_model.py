@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+from charlie import faults
 from charlie.domain import (
     Effect,
     Hold,
@@ -27,6 +28,7 @@ from charlie.domain import (
     TaskStatus,
     Transition,
 )
+from charlie.executor import context
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
 from charlie.ports import PhaseDeps
 from charlie.tools.registry import ToolRegistry
@@ -108,14 +110,21 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
     task = view.task
     model = deps.model_for(task.model)
     enabled = deps.tools.enabled(task.tools)
+    tools = [t.spec() for t in enabled]
+    retries = int(view.state.get("model_retries", 0))
+    # The input under the model's window (I29): the transcript, elided or summarised.
+    window = context.window_for(task.model, deps.limits, view.state)
+    recall = any(t.name == context.RECALL_TOOL for t in enabled)
+    plan = context.plan(view.items, view.turn, window, view.state, tools, recall=recall)
+    if plan.summary is not None:
+        return _compact(view, deps, plan, retries)
     request = ModelRequest(
         task_id=task.id,
         execution_id=view.execution_id,
         turn=view.turn,
-        items=view.items,
-        tools=[t.spec() for t in enabled],
+        items=plan.items,
+        tools=tools,
     )
-    retries = int(view.state.get("model_retries", 0))
     stream = deps.events.model_stream(
         task.id, view.turn, f"{view.turn}.{view.version}.{view.attempts}"
     )
@@ -136,11 +145,33 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         response = model.complete(request)
     except BaseException as exc:
         stream.end("abandoned", f"{type(exc).__name__}: {exc}")
+        refused = context.refusal(exc)
+        if refused is not None:
+            assert isinstance(exc, Exception)
+            return context.learn(view.state, plan, refused, task.model, exc)
         if not isinstance(exc, TransientModelError):
             raise
         return _retry_later(view, deps, task.model, retries, exc)
     stream.end("completed")
-    return _transition(view, deps, response)
+    return _transition(view, deps, response, context.after_call(plan, response.usage))
+
+
+def _compact(view: RunView, deps: PhaseDeps, plan: context.Plan, retries: int) -> Transition:
+    """The input does not fit: summarise older turns first, in a step of its own (I29)."""
+    assert plan.summary is not None
+    task = view.task
+    request = context.summary_request(task.id, view.execution_id, view.turn, plan.summary)
+    try:
+        response = deps.model_for(task.model).complete(request)
+    except TransientModelError as exc:
+        return _retry_later(view, deps, task.model, retries, exc)
+    except ModelError as exc:
+        refused = context.refusal(exc)
+        if refused is None:
+            raise
+        return context.learn(view.state, plan, refused, task.model, exc)
+    faults.hit("call_model.summarised", task_id=task.id, turn=view.turn)
+    return context.compacted(view.state, plan, response, task.model, view.attempts)
 
 
 def _retry_later(
@@ -162,7 +193,9 @@ def _retry_later(
     )
 
 
-def _transition(view: RunView, deps: PhaseDeps, response: ModelResponse) -> Transition:
+def _transition(
+    view: RunView, deps: PhaseDeps, response: ModelResponse, window_state: dict[str, object]
+) -> Transition:
     task = view.task
     items: list[NewItem] = []
     calls: list[NewCall] = []
@@ -175,6 +208,8 @@ def _transition(view: RunView, deps: PhaseDeps, response: ModelResponse) -> Tran
         items.append(item)
 
     state = {k: v for k, v in view.state.items() if k not in ("model_retries", "last_model_error")}
+    if window_state or context.STATE_KEY in state:
+        state[context.STATE_KEY] = window_state
     usage = response.usage.as_dict()
     repeats = max(0, view.attempts - 1)
     # A fork starts at this phase, its task still queued: its first model call starts it.

@@ -1,0 +1,242 @@
+"""The model input under the context window (charlie/executor/context.py, I29): pure, fast."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from charlie.domain import Item, ItemKind, Phase
+from charlie.executor import context
+from charlie.executor.phases import call_model
+from charlie.models.base import ModelError, ModelResponse, NewItem, Usage
+from charlie.ports import PhaseLimits
+from tests.unit.test_phases import FakeModel, deps, view
+
+pytestmark = pytest.mark.backend_free
+
+WINDOW = context.Window(5000, "CHARLIE_MODEL_CONTEXT_TOKENS")
+
+
+def transcript(turns: int, size: int = 4096, goal: str = "read every page") -> list[Item]:
+    items = [
+        Item(0, 0, ItemKind.INPUT, None, {"role": "system", "content": "be brief"}),
+        Item(1, 0, ItemKind.INPUT, None, {"role": "user", "content": goal}),
+    ]
+    for t in range(turns):
+        call_id = f"c{t}"
+        args = json.dumps({"path": f"p{t}"})
+        payload = {"name": "read", "arguments": {"path": f"p{t}"}, "raw_arguments": args}
+        items.append(Item(len(items), t, ItemKind.TOOL_CALL, call_id, payload))
+        result = {
+            "name": "read",
+            "outcome": "ok",
+            "result": "r",
+            "content": f"{t:04d}" * (size // 4),
+        }
+        items.append(Item(len(items), t, ItemKind.TOOL_RESULT, call_id, result))
+    return items
+
+
+def compaction(seq: int, turn: int, covers: tuple[int, int], text: str = "S") -> Item:
+    payload = {"covers": list(covers), "content": text, "model": "m", "usage": {}}
+    return Item(seq, turn, ItemKind.COMPACTION, None, payload)
+
+
+def results_shown(plan: context.Plan) -> dict[str, str]:
+    return {
+        i.call_id or "": i.payload["content"] for i in plan.items if i.kind is ItemKind.TOOL_RESULT
+    }
+
+
+def test_without_a_window_the_transcript_is_sent_as_it_is() -> None:
+    items = transcript(30)
+    plan = context.plan(items, 30, None, {})
+    assert plan.items == items and plan.summary is None
+
+
+def test_the_input_stays_under_the_window_goal_and_newest_turn_whole() -> None:
+    items = transcript(12)
+    plan = context.plan(items, 12, WINDOW, {}, recall=True)
+    assert plan.summary is None
+    assert plan.tokens <= WINDOW.tokens * context.HEADROOM
+    assert plan.items[:2] == items[:2]  # the system prompt and the goal, always
+    shown = results_shown(plan)
+    assert shown["c11"] == items[-1].payload["content"]  # the newest turn, whole
+    # older results go first, oldest first, each stub saying how to read it again
+    stubbed = [c for c, text in shown.items() if text.startswith("[elided")]
+    assert stubbed == [f"c{t}" for t in range(len(stubbed))] and stubbed
+    assert 'recall` tool with {"call_id": "c0"}' in shown["c0"]
+    # every call keeps its result in the input (I8)
+    assert [i.call_id for i in plan.items if i.kind is ItemKind.TOOL_CALL] == list(shown)
+
+
+def test_elision_keeps_one_prefix_across_turns() -> None:
+    """Down to the low-water mark: the next turns send the same elided prefix (a provider's
+    prompt cache keeps it), until the input outgrows its budget again."""
+    first = context.plan(transcript(6), 6, WINDOW, {})
+    second = context.plan(transcript(7), 7, WINDOW, {"context": first.state})
+    assert second.items[: len(first.items) - 2] == first.items[:-2]
+
+
+def test_when_stubs_are_not_enough_older_whole_turns_are_summarised() -> None:
+    items = transcript(60)
+    plan = context.plan(items, 60, WINDOW, {})
+    assert plan.summary is not None
+    first, last = plan.summary.covers
+    assert first == 2  # from the goal on
+    assert items[last].kind is ItemKind.TOOL_RESULT and items[last + 1].turn > items[last].turn
+    request = plan.summary.request_items
+    assert request[0].payload["content"] == context.SUMMARY_PROMPT
+    assert context.text_tokens(request[1].payload["content"]) < WINDOW.tokens * context.HEADROOM
+
+
+def test_a_compaction_stands_for_what_it_covers() -> None:
+    items = transcript(60)
+    covered = context.plan(items, 60, WINDOW, {}).summary
+    assert covered is not None
+    items.append(compaction(len(items), 59, covered.covers, "the summary"))
+    plan = context.plan(items, 60, WINDOW, {})
+    assert plan.summary is None
+    assert (
+        plan.items[2].kind is ItemKind.INPUT and "the summary" in plan.items[2].payload["content"]
+    )
+    seqs = [i.seq for i in plan.items]
+    assert seqs == sorted(seqs) and covered.covers[1] + 1 in seqs
+    assert not any(covered.covers[0] <= s <= covered.covers[1] for s in seqs[3:])
+
+
+def test_a_later_summary_covers_the_earlier_one() -> None:
+    items = transcript(60)
+    first = context.plan(items, 60, WINDOW, {}).summary
+    assert first is not None
+    items.append(compaction(len(items), 59, first.covers, "first summary"))
+    items += [
+        Item(len(items) + n, i.turn + 60, i.kind, f"d{i.call_id}", i.payload)
+        for n, i in enumerate(transcript(60)[2:])
+    ]
+    second = context.plan(items, 120, WINDOW, {}).summary
+    assert second is not None and second.covers[0] == first.covers[0]
+    assert second.covers[1] > first.covers[1]
+    assert "first summary" in second.request_items[1].payload["content"]
+
+
+def test_a_result_over_a_share_of_the_window_is_cut_in_the_input_only() -> None:
+    items = transcript(2, size=40_000)
+    plan = context.plan(items, 2, WINDOW, {})
+    shown = results_shown(plan)["c1"]
+    assert "[cut to fit the context window" in shown
+    assert context.text_tokens(shown) <= WINDOW.tokens * context.RESULT_SHARE
+    assert len(items[-1].payload["content"]) == 40_000  # the item itself is untouched
+
+
+def test_a_window_too_small_for_the_prompt_and_goal_fails_naming_the_setting() -> None:
+    items = transcript(0, goal="x" * 20_000)
+    with pytest.raises(context.ContextTooSmall, match="CHARLIE_MODEL_CONTEXT_TOKENS"):
+        context.plan(items, 0, WINDOW, {})
+
+
+def test_the_input_is_a_pure_function_of_the_transcript_and_its_state() -> None:
+    items = transcript(40)
+    a = context.plan(items, 40, WINDOW, {"context": {"elide_through": 9}})
+    b = context.plan(list(items), 40, WINDOW, {"context": {"elide_through": 9}})
+    assert a == b
+
+
+def test_assembly_is_bounded_by_the_window_not_the_transcript() -> None:
+    """After a compaction only the items after it are read: planning turn 2000 costs about
+    what planning turn 50 does."""
+
+    def cost(turns: int) -> float:
+        items = transcript(turns)
+        items.append(compaction(len(items), turns - 1, (2, len(items) - 9)))
+        started = time.perf_counter()
+        for _ in range(20):
+            context.plan(items, turns, WINDOW, {})
+        return time.perf_counter() - started
+
+    cost(50)
+    assert cost(2000) < cost(50) * 5  # (a linear scan would be about 40 times)
+
+
+def test_a_window_per_model_wins_over_the_default_and_a_refusal_lowers_it() -> None:
+    limits = PhaseLimits(context_tokens=8000, context_tokens_by_model={"GPT_4_1": 1000})
+    own = context.window_for("openai:gpt-4.1", limits, {})
+    assert own == context.Window(1000, "CHARLIE_MODEL_GPT_4_1_CONTEXT_TOKENS")
+    assert context.window_for("openai:other", limits, {}) == context.Window(
+        8000, "CHARLIE_MODEL_CONTEXT_TOKENS"
+    )
+    learned = context.window_for("openai:other", limits, {"context": {"window": 6000}})
+    assert learned is not None and learned.tokens == 6000
+    assert context.window_for("openai:other", PhaseLimits(), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("message", "body", "limit", "sent"),
+    [
+        (
+            "context length exceeded: HTTP 400 context_length_exceeded",
+            '{"error": {"message": "This model\'s maximum context length is 8192 tokens. However,'
+            ' your messages resulted in 9000 tokens.", "code": "context_length_exceeded"}}',
+            8192,
+            9000,
+        ),
+        (
+            "context length exceeded: HTTP 400 invalid_request_error: prompt is too long: "
+            "208000 tokens > 200000 maximum",
+            "{}",
+            200000,
+            208000,
+        ),
+    ],
+)
+def test_the_providers_refusals_are_recognised(
+    message: str, body: str, limit: int, sent: int
+) -> None:
+    found = context.refusal(ModelError(message, evidence={"status": 400, "body": body}))
+    assert found == context.Refusal(limit, sent)
+    assert context.refusal(ModelError("HTTP 401", evidence={"status": 401})) is None
+
+
+def text(reply: str) -> ModelResponse:
+    return ModelResponse([NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": reply})])
+
+
+def test_call_model_summarises_in_a_step_of_its_own_before_any_input_uses_it() -> None:
+    model = FakeModel(text("what happened"))
+    items = transcript(60)
+    v = view(Phase.CALL_MODEL, items=items)
+    v = type(v)(**{**v.__dict__, "turn": 60})
+    moved = call_model.run(v, deps(model, context_tokens=5000))
+    assert moved.to is Phase.CALL_MODEL and moved.model_calls == 1
+    [item] = moved.items
+    assert item.kind is ItemKind.COMPACTION and item.payload["content"] == "what happened"
+    assert model.requests[0].tools == []  # the summary call: no tools
+
+
+def test_call_model_learns_the_window_from_a_refusal() -> None:
+    refusal = ModelError(
+        "context length exceeded: HTTP 400",
+        evidence={
+            "status": 400,
+            "body": "This model's maximum context length is 3000 tokens. However, your "
+            "messages resulted in 12000 tokens. context_length_exceeded",
+        },
+    )
+    v = view(Phase.CALL_MODEL, items=transcript(10))
+    moved = call_model.run(v, deps(FakeModel(refusal)))
+    assert moved.to is Phase.CALL_MODEL and not moved.items
+    assert moved.state is not None
+    learned: dict[str, Any] = moved.state["context"]
+    assert learned["window"] == 3000 and learned["refusals"] == 1 and learned["ratio"] > 1
+    # ...and a refusal again and again fails the run rather than looping
+    again = view(Phase.CALL_MODEL, items=transcript(10), state={"context": {"refusals": 3}})
+    with pytest.raises(ModelError, match="refused the input as too long"):
+        call_model.run(again, deps(FakeModel(refusal)))
+
+
+def test_the_providers_count_calibrates_the_estimate() -> None:
+    plan = context.plan(transcript(3), 3, WINDOW, {})
+    assert context.after_call(plan, Usage(input_tokens=plan.raw_tokens * 2))["ratio"] == 2.0
