@@ -253,7 +253,7 @@ def submit(
             approve=list(approve) or None,
             budget=_budget(budget_tokens, budget_usd, budget_model_calls),
         )
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: a CHARLIE_TOOL_MODULES module
         _fail(str(exc))
     _say(tid)
     if wait_:

@@ -153,6 +153,17 @@ def test_doctor_names_a_tool_module_that_does_not_import(tmp_path: Path) -> None
     assert "CHARLIE_TOOL_MODULES" in checks["tools"]["fix"]
 
 
+def test_submit_names_a_tool_module_that_does_not_import_in_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "turns.json"
+    script.write_text(json.dumps([{"say": "done"}]))
+    env = fresh_env(tmp_path, CHARLIE_TOOL_MODULES="no_such_package.tools")
+    done = charlie_cli(env, "submit", "x", "--model", f"scripted:{script}", "--tool", "mine")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("charlie: CHARLIE_TOOL_MODULES names 'no_such_package.tools'")
+
+
 def test_doctor_names_a_devbox_that_refuses_the_token(tmp_path: Path) -> None:
     from charlie.devbox.server import DevboxServer
 
