@@ -285,6 +285,22 @@ def _list_mcp_tools(**_: Any) -> None:
 
 
 @worker_init.connect
+def _import_tool_modules(**_: Any) -> None:
+    # Before the worker consumes anything: one that cannot import a module of
+    # CHARLIE_TOOL_MODULES would take its tools' calls and fail each as an unknown tool, and an
+    # exception in worker_ready is only logged by Celery (the worker then says it is ready).
+    # SystemExit is not caught by Celery's signal dispatch: the worker stops, naming the module.
+    try:
+        runtime.import_tool_modules(settings().tool_modules)
+    except ImportError as exc:
+        logging.getLogger("charlie.tool").critical("%s", exc)
+        raise SystemExit(
+            f"charlie: {exc} (set PYTHONPATH to the module's directory, or install the package "
+            "that provides it)"
+        ) from None
+
+
+@worker_init.connect
 def _serve_metrics(**_: Any) -> None:
     # CHARLIE_METRICS_PORT: the main process serves /metrics for its pool, and sets up the
     # directory the pool processes count into before it forks them (charlie.telemetry.metrics).

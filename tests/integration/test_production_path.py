@@ -153,6 +153,17 @@ def test_doctor_names_a_tool_module_that_does_not_import(tmp_path: Path) -> None
     assert "CHARLIE_TOOL_MODULES" in checks["tools"]["fix"]
 
 
+def test_a_worker_whose_tool_module_cannot_import_stops_before_consuming(tmp_path: Path) -> None:
+    # It used to log the ImportError from worker_ready, say "ready" and take calls of the
+    # missing tools, failing each as unknown (a worker started outside the directory that
+    # PYTHONPATH=. names, as the getting-started block sets it).
+    env = fresh_env(tmp_path, CHARLIE_TOOL_MODULES="no_such_package.tools")
+    done = charlie_cli(env, "worker", "--pool", "solo", timeout=60)
+    assert done.returncode != 0
+    assert "charlie: CHARLIE_TOOL_MODULES names 'no_such_package.tools'" in done.stderr
+    assert "ready" not in done.stdout + done.stderr
+
+
 def test_submit_names_a_tool_module_that_does_not_import_in_one_line(tmp_path: Path) -> None:
     script = tmp_path / "turns.json"
     script.write_text(json.dumps([{"say": "done"}]))
