@@ -253,7 +253,7 @@ def submit(
             approve=list(approve) or None,
             budget=_budget(budget_tokens, budget_usd, budget_model_calls),
         )
-    except ValueError as exc:
+    except (ValueError, ImportError) as exc:  # ImportError: a CHARLIE_TOOL_MODULES module
         _fail(str(exc))
     _say(tid)
     if wait_:
@@ -992,7 +992,13 @@ def upgrade() -> None:
 
 
 @main.command()
-@click.option("--timeout", type=float, default=120.0)
+@click.option(
+    "--timeout",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="Seconds the demo's task may run before it times out.",
+)
 def demo(timeout: float) -> None:
     """Run a whole agent task on this machine, no servers needed."""
     from charlie.demo.run import run_demo

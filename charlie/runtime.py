@@ -189,6 +189,14 @@ def import_tool_modules(modules: Iterable[str]) -> None:
             ) from exc
 
 
+def check_worker_ready(s: Settings) -> None:
+    """What a worker needs before it consumes anything: the database at Charlie's schema head
+    (brought there first on the embedded SQLite default) and every module of
+    CHARLIE_TOOL_MODULES imported. Raises SchemaMissing or ImportError, each naming the fix."""
+    _database_ready(s)
+    import_tool_modules(s.tool_modules)
+
+
 def _database_ready(s: Settings) -> Engine:
     home.prepare(s.home)
     ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)

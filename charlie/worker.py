@@ -42,6 +42,7 @@ from charlie.domain import Channel, Origin, Phase
 from charlie.executor import tick
 from charlie.presence import Presence
 from charlie.runtime import get_runtime
+from charlie.store.engine import SchemaMissing
 from charlie.store.types import DatabaseUnavailable
 
 INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
@@ -283,6 +284,27 @@ def _list_mcp_tools(**_: Any) -> None:
         from charlie.tools.registry import REGISTRY
 
         mcp.start(s, REGISTRY, keep=False)
+
+
+@worker_init.connect
+def _refuse_to_start_unready(**_: Any) -> None:
+    # Before the worker consumes anything: one on a database without Charlie's schema, or that
+    # cannot import a module of CHARLIE_TOOL_MODULES (it would take its tools' calls and fail
+    # each as an unknown tool), must not start. An exception in worker_ready is only logged by
+    # Celery, which then says the worker is ready; a SystemExit here is not caught by Celery's
+    # signal dispatch: the worker stops with one line naming the cause. (A pool child that
+    # forks later disposes of this process's connections: runtime.reset_after_fork.)
+    try:
+        runtime.check_worker_ready(settings())
+    except SchemaMissing as exc:
+        logging.getLogger("charlie.worker").critical("%s", exc)
+        raise SystemExit(f"charlie: {exc}") from None
+    except ImportError as exc:
+        logging.getLogger("charlie.worker").critical("%s", exc)
+        raise SystemExit(
+            f"charlie: {exc} (set PYTHONPATH to the module's directory, or install the package "
+            "that provides it)"
+        ) from None
 
 
 @worker_init.connect

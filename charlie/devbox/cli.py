@@ -67,9 +67,27 @@ def devbox() -> None:
     multiple=True,
     help=f"Programs refused (repeatable; replaces the default {', '.join(DEFAULT_DENY)}).",
 )
-@click.option("--command-timeout", type=float, default=600.0, show_default=True)
-@click.option("--output-bytes", type=int, default=MIB, show_default=True)
-@click.option("--workspace-bytes", type=int, default=200 * MIB, show_default=True)
+@click.option(
+    "--command-timeout",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="Seconds a command may run before it is killed (a request may ask for less, not more).",
+)
+@click.option(
+    "--output-bytes",
+    type=int,
+    default=MIB,
+    show_default=True,
+    help="Bytes kept of each of a command's output streams; the rest is dropped, and says so.",
+)
+@click.option(
+    "--workspace-bytes",
+    type=int,
+    default=200 * MIB,
+    show_default=True,
+    help="A workspace's disk cap: a command that grows it past this is killed.",
+)
 @click.option(
     "--no-sandbox",
     is_flag=True,

@@ -153,6 +153,60 @@ def test_doctor_names_a_tool_module_that_does_not_import(tmp_path: Path) -> None
     assert "CHARLIE_TOOL_MODULES" in checks["tools"]["fix"]
 
 
+def test_a_worker_whose_tool_module_cannot_import_stops_before_consuming(tmp_path: Path) -> None:
+    # It used to log the ImportError from worker_ready, say "ready" and take calls of the
+    # missing tools, failing each as unknown (a worker started outside the directory that
+    # PYTHONPATH=. names, as the getting-started block sets it).
+    env = fresh_env(tmp_path, CHARLIE_TOOL_MODULES="no_such_package.tools")
+    done = charlie_cli(env, "worker", "--pool", "solo", timeout=60)
+    assert done.returncode != 0
+    assert "charlie: CHARLIE_TOOL_MODULES names 'no_such_package.tools'" in done.stderr
+    assert "ready" not in done.stdout + done.stderr
+
+
+def test_a_worker_on_an_unmigrated_postgresql_database_stops_before_consuming(
+    tmp_path: Path,
+) -> None:
+    # It used to log SchemaMissing from worker_ready, say "ready" and consume (a newcomer who
+    # skipped `charlie db upgrade`). An empty schema of the test database stands for a fresh
+    # database: its search_path sees no Charlie table.
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from tests.support.needs import need
+
+    url = os.environ.get("CHARLIE_TEST_DATABASE_URL", "")
+    need(None if url.startswith("postgresql") else "no CHARLIE_TEST_DATABASE_URL", "PostgreSQL")
+    schema = f"unmigrated_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        empty = make_url(url).update_query_dict({"options": f"-csearch_path={schema}"})
+        env = fresh_env(tmp_path, CHARLIE_DATABASE_URL=empty.render_as_string(False))
+        done = charlie_cli(env, "worker", "--pool", "solo", timeout=60)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+    assert done.returncode != 0
+    assert "run `charlie db upgrade` first" in done.stderr.splitlines()[-1]
+    assert "ready" not in done.stdout + done.stderr
+
+
+def test_submit_names_a_tool_module_that_does_not_import_in_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "turns.json"
+    script.write_text(json.dumps([{"say": "done"}]))
+    env = fresh_env(tmp_path, CHARLIE_TOOL_MODULES="no_such_package.tools")
+    done = charlie_cli(env, "submit", "x", "--model", f"scripted:{script}", "--tool", "mine")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("charlie: CHARLIE_TOOL_MODULES names 'no_such_package.tools'")
+
+
 def test_doctor_names_a_devbox_that_refuses_the_token(tmp_path: Path) -> None:
     from charlie.devbox.server import DevboxServer
 

@@ -62,6 +62,11 @@ def test_the_readme_run_block_works_as_written(tmp_path: Path) -> None:
     assert "succeeded" in run.stdout
     assert run.stdout.count("ship-a17") >= 2, out  # listed by the search, and shown
     assert "The label for A17 is printed." in run.stdout
+    # the block's `cat` (under set -e) found the label where the pages say a task's default
+    # workspace is: ./.charlie/workspaces/TASK_ID
+    assert "cat .charlie/workspaces/ship-a17/labels/A17.txt" in block
+    label = tmp_path / ".charlie" / "workspaces" / "ship-a17" / "labels" / "A17.txt"
+    assert label.read_text() == "1 Main St"
     assert not list((REPO / ".charlie").glob("ship-a17*"))
 
 

@@ -144,6 +144,8 @@ def test_the_cli_reference_has_every_command_and_option() -> None:
             assert f"## `{' '.join(path)}`" in page, f"{' '.join(path)} is not in the reference"
             for param in command.params:
                 if isinstance(param, click.Option) and not param.hidden:
+                    # an option the reference lists without a meaning leaves a reader guessing
+                    assert param.help, f"{' '.join(path)} {param.opts[0]} has no help text"
                     for flag in param.opts:
                         assert flag in page, f"{' '.join(path)} {flag} is not in the reference"
         if isinstance(command, click.Group):

@@ -38,6 +38,20 @@ def test_a_tool_runs_with_its_context_and_its_result(tmp_path: Path) -> None:
     assert env.run(add, a=2).result == 3  # a plain function works too
 
 
+def test_a_tool_that_needs_approval_runs_its_handler_here(tmp_path: Path) -> None:
+    """docs/tools.md: holding a call for a person is the engine's part (I23); the environment
+    runs the handler as a worker does once the call was approved."""
+
+    def deploy(service: str, ctx: ToolContext) -> str:
+        ctx.resolve("deployed").write_text(service)
+        return service
+
+    env = ToolEnvironment(workspace=tmp_path)
+    done = env.run(build_tool(deploy, effect="write", approval=True), service="api")
+    assert done.ok and done.result == "api" and done.pending is None
+    assert (tmp_path / "deployed").read_text() == "api"
+
+
 def test_failures_are_results_the_model_sees() -> None:
     env = ToolEnvironment()
     refused = env.run(refuse, reason="no")

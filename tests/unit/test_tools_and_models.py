@@ -125,6 +125,20 @@ def test_bad_model_specs_are_refused_with_clear_errors(tmp_path: Path) -> None:
         validate_model_spec(f"scripted:{bad}")
 
 
+def test_a_relative_script_is_recorded_by_its_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/models/index.md: a relative scripted PATH is taken from the submitter's directory
+    and recorded absolute, which the workers read; one that does not load is refused then."""
+    from charlie.models import normalise_model
+
+    (tmp_path / "turns.json").write_text(json.dumps([{"say": "done"}]))
+    monkeypatch.chdir(tmp_path)
+    assert normalise_model("scripted:turns.json") == f"scripted:{tmp_path.resolve()}/turns.json"
+    with pytest.raises(ScriptError):
+        normalise_model("scripted:missing.json")
+
+
 def test_uncertain_outcomes_are_rendered_plainly() -> None:
     text = render_tool_result(Outcome.INTERRUPTED, {"started_at": "T", "started_by": "w1"})
     assert "cannot tell whether it took effect" in text and "w1" in text
