@@ -381,10 +381,10 @@ class _Watch:
             self.line(f"tool call {_short(data.get('call_id'), 60)}: {name}({arguments}){held}")
         elif kind == "tool_started":
             self.line(f"  started {_short(data.get('call_id'), 60)}")
-        elif kind == "tool_settled":
-            late = " (late report)" if data.get("late") else ""
+        elif kind in ("tool_settled", "tool_late_report"):
+            what = "settled" if kind == "tool_settled" else "late report of"
             cid, name = _short(data.get("call_id"), 60), _short(data.get("name"), 60)
-            self.line(f"  settled {cid} {name}: {_short(data.get('outcome'), 30)}{late}")
+            self.line(f"  {what} {cid} {name}: {_short(data.get('outcome'), 30)}")
         elif kind == "waiting":
             for held in data.get("calls") or []:
                 what = (
