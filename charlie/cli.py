@@ -294,19 +294,31 @@ def wait(task_id: str, timeout: float) -> None:
 @click.argument("task_id")
 @click.option("--after", default=None, help="Resume after this offset (an event's offset).")
 @click.option("--offsets", is_flag=True, help="Print each event's offset before it.")
-@click.option("--timeout", type=float, default=None, help="Stop following after this long.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Stop following after this long (and wait this long at most, 3600 s when not given, "
+    "for a task not created yet).",
+)
 def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None) -> None:
     """Follow a task live: the model's text as it is written, tool calls as they start and
     settle, waits for people, the end. Exits as `charlie wait` does: 0 only if it succeeded.
 
-    What streams is a watcher's view, never the record (a model call cut mid-way and asked
-    again streams again); the answer is the task's result."""
+    A task not created yet is waited for, as `charlie wait` does. What streams is a watcher's
+    view, never the record (a model call cut mid-way and asked again streams again); the
+    answer is the task's result."""
+    import time
+
     from charlie import api
     from charlie.scheduler import TaskNotFound
 
+    started = time.monotonic()
+    _await_task(task_id, WAIT_FOR_TASK if timeout is None else timeout)
+    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
     view = _Watch(offsets)
     try:
-        for event in api.events(task_id, after=after, timeout=timeout):
+        for event in api.events(task_id, after=after, timeout=left):
             view.show(event)
     except TaskNotFound as exc:
         _fail(str(exc))
@@ -319,6 +331,34 @@ def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None)
         view.line("charlie: still running; watch again with --after " + (view.offset or ""))
         sys.exit(1)
     sys.exit(0 if view.status == "succeeded" else 1)
+
+
+#: how long `charlie watch` without --timeout waits for a task to be created
+WAIT_FOR_TASK = 3600.0
+
+
+def _await_task(task_id: str, timeout: float) -> None:
+    """Return once the task exists: a producer's `charlie.submit` may still be crossing the
+    broker. Exits 2 with the reason after ``timeout`` seconds."""
+    import time
+
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            api.get_task(task_id)
+            return
+        except TaskNotFound as exc:
+            if time.monotonic() >= deadline:
+                _fail(f"{exc}: it was not created within {timeout:g} s")
+            if not said:
+                waiting = f"charlie: no task {task_id} yet; waiting up to {timeout:g} s for it"
+                _say(waiting, err=True)
+                said = True
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 class _Watch:

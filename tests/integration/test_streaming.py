@@ -332,3 +332,43 @@ def test_each_call_settles_once_in_the_stream_and_an_event_delivered_twice_is_dr
         time.sleep(0.1)
     reread = list(charlie.events(task_id))
     assert [e.data.get("id") for e in reread] == [e.data.get("id") for e in seen]
+
+
+def test_charlie_watch_waits_for_a_task_not_created_yet_as_wait_does(
+    cluster: Cluster, script: Any
+) -> None:
+    """A watcher started before the producer's submit crossed the broker follows the task
+    once it appears; one whose task never appears stops at its timeout, saying so."""
+    model, _ = script([{"say": "Here at last.", "tool_calls": []}])
+    task_id = f"watched-early-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "charlie", "watch", task_id, "--timeout", "120"],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        waiting = proc.stderr.readline()  # said before the task exists
+        assert f"no task {task_id} yet; waiting up to 120 s" in waiting, waiting
+        assert proc.poll() is None
+        charlie.submit("arrive", model=model, task_id=task_id)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert "Here at last." in out and "succeeded:" in out
+
+    never = subprocess.run(
+        [sys.executable, "-m", "charlie", "watch", f"never-{task_id}", "--timeout", "1.5"],
+        cwd=REPO,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert never.returncode == 2
+    assert f"no task with id 'never-{task_id}': it was not created within 1.5 s" in never.stderr
