@@ -1016,11 +1016,18 @@ def upgrade() -> None:
 
 @main.command()
 @click.option("--timeout", type=float, default=120.0)
-def demo(timeout: float) -> None:
+@click.option(
+    "--model",
+    default=None,
+    help="A real provider's model (openai:NAME, openai-responses:NAME, anthropic:NAME) instead "
+    "of the demo's script; its key from OPENAI_API_KEY / ANTHROPIC_API_KEY (and base URL) or "
+    "the CHARLIE_MODEL_ settings.",
+)
+def demo(timeout: float, model: str | None) -> None:
     """Run a whole agent task on this machine, no servers needed."""
     from charlie.demo.run import run_demo
 
-    sys.exit(run_demo(timeout=timeout))
+    sys.exit(run_demo(timeout=timeout, model_spec=model))
 
 
 try:
