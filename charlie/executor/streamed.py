@@ -79,6 +79,8 @@ def committed(events: EventSink, view: RunView, turn: int, transition: Transitio
     for item in transition.items:
         if item.kind is ItemKind.FINAL:
             text = clip(str(item.payload.get("content")))
-            events.emit(task_id, "final", event_id="final", turn=turn, text=text)
+            events.emit(task_id, "final", event_id=f"final:{view.version}", turn=turn, text=text)
     if transition.to is Phase.DONE:
-        events.emit(task_id, "end", event_id="end", turn=turn, note=transition.note)
+        # (by the step's version: a resumed task that ends again ends in another step)
+        end_id = f"end:{view.version}"
+        events.emit(task_id, "end", event_id=end_id, turn=turn, note=transition.note)
