@@ -125,6 +125,7 @@ def test_a_denied_calls_result_names_who_denied_it_as_every_other_place_does(
         (f"ui:{OPERATOR}", claimed),
     ]
     assert f"denied by {signed_in}" in page and f"denied by {claimed}" in page
+    assert f"acting as <strong>{signed_in}</strong>" in page  # who the page acts as, the same
     assert f'"denied_by": "{signed_in}"' in full["s"] and f'"denied_by": "{claimed}"' in full["c"]
     assert f'"denied_by": "ui:{OPERATOR}"' not in page + full["s"] + full["c"]  # never the raw one
     verdicts = {
