@@ -553,7 +553,9 @@ def events(
 
     ``follow``: wait for more until the task ends (the last event is ``end``, with the task's
     ``status``); else stop at what is there now. ``timeout``: stop following after this many
-    seconds. A watcher's view, never the record (I28): a delta may be lost or repeated (a
+    seconds. Each event has an ``id``; one delivered again is dropped here (the same fact told
+    twice, like a call's ``tool_settled``, carries the same id). A watcher's view, never the
+    record (I28): a delta may be lost or repeated (a
     ``model_restart``, a ``model_end`` with ``status="abandoned"`` voids what its call streamed);
     the answer is the task's result. Raises TaskNotFound, or StreamUnavailable when streaming
     is off (CHARLIE_STREAMING=0) or the broker cannot carry it (RabbitMQ: set
@@ -565,10 +567,13 @@ def events(
         raise StreamUnavailable(_why_no_stream(rt))
     deadline = None if timeout is None else time.monotonic() + timeout
     offset = after
+    seen = _SeenIds()
     while True:
         batch = transport.read(task_id, offset, EVENTS_BLOCK if follow else 0.0)
         for event in batch:
             offset = event.offset
+            if seen.again(event):
+                continue
             if event.type == "end":
                 yield _ended(task_id, event)
                 return
@@ -583,6 +588,8 @@ def events(
             # canceled before a worker took it): what is left, then the end, from the record.
             for event in transport.read(task_id, offset, 0.0):
                 offset = event.offset
+                if seen.again(event):
+                    continue
                 if event.type == "end":
                     yield _ended(task_id, event)
                     return
@@ -591,6 +598,27 @@ def events(
             return
         if deadline is not None and time.monotonic() >= deadline:
             return
+
+
+class _SeenIds:
+    """The ids of the events a reader yielded, the latest ``keep`` of them: a transport
+    delivers at least once, and the same fact told twice carries the same id (a call's settle:
+    charlie/executor/streamed.py), so the second is dropped."""
+
+    def __init__(self, keep: int = 10000) -> None:
+        self.keep = keep
+        self.ids: dict[str, None] = {}
+
+    def again(self, event: StreamEvent) -> bool:
+        event_id = event.data.get("id")
+        if not isinstance(event_id, str):
+            return False  # written before events had ids
+        if event_id in self.ids:
+            return True
+        self.ids[event_id] = None
+        if len(self.ids) > self.keep:
+            del self.ids[next(iter(self.ids))]
+        return False
 
 
 def _ended(task_id: str, event: StreamEvent) -> StreamEvent:

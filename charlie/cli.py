@@ -295,19 +295,31 @@ def wait(task_id: str, timeout: float) -> None:
 @click.argument("task_id")
 @click.option("--after", default=None, help="Resume after this offset (an event's offset).")
 @click.option("--offsets", is_flag=True, help="Print each event's offset before it.")
-@click.option("--timeout", type=float, default=None, help="Stop following after this long.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="Stop following after this long (and wait this long at most, 3600 s when not given, "
+    "for a task not created yet).",
+)
 def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None) -> None:
     """Follow a task live: the model's text as it is written, tool calls as they start and
     settle, waits for people, the end. Exits as `charlie wait` does: 0 only if it succeeded.
 
-    What streams is a watcher's view, never the record (a model call cut mid-way and asked
-    again streams again); the answer is the task's result."""
+    A task not created yet is waited for, as `charlie wait` does. What streams is a watcher's
+    view, never the record (a model call cut mid-way and asked again streams again); the
+    answer is the task's result."""
+    import time
+
     from charlie import api
     from charlie.scheduler import TaskNotFound
 
+    started = time.monotonic()
+    _await_task(task_id, WAIT_FOR_TASK if timeout is None else timeout)
+    left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
     view = _Watch(offsets)
     try:
-        for event in api.events(task_id, after=after, timeout=timeout):
+        for event in api.events(task_id, after=after, timeout=left):
             view.show(event)
     except TaskNotFound as exc:
         _fail(str(exc))
@@ -320,6 +332,34 @@ def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None)
         view.line("charlie: still running; watch again with --after " + (view.offset or ""))
         sys.exit(1)
     sys.exit(0 if view.status == "succeeded" else 1)
+
+
+#: how long `charlie watch` without --timeout waits for a task to be created
+WAIT_FOR_TASK = 3600.0
+
+
+def _await_task(task_id: str, timeout: float) -> None:
+    """Return once the task exists: a producer's `charlie.submit` may still be crossing the
+    broker. Exits 2 with the reason after ``timeout`` seconds."""
+    import time
+
+    from charlie import api
+    from charlie.scheduler import TaskNotFound
+
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            api.get_task(task_id)
+            return
+        except TaskNotFound as exc:
+            if time.monotonic() >= deadline:
+                _fail(f"{exc}: it was not created within {timeout:g} s")
+            if not said:
+                waiting = f"charlie: no task {task_id} yet; waiting up to {timeout:g} s for it"
+                _say(waiting, err=True)
+                said = True
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 class _Watch:
@@ -382,10 +422,10 @@ class _Watch:
             self.line(f"tool call {_short(data.get('call_id'), 60)}: {name}({arguments}){held}")
         elif kind == "tool_started":
             self.line(f"  started {_short(data.get('call_id'), 60)}")
-        elif kind == "tool_settled":
-            late = " (late report)" if data.get("late") else ""
+        elif kind in ("tool_settled", "tool_late_report"):
+            what = "settled" if kind == "tool_settled" else "late report of"
             cid, name = _short(data.get("call_id"), 60), _short(data.get("name"), 60)
-            self.line(f"  settled {cid} {name}: {_short(data.get('outcome'), 30)}{late}")
+            self.line(f"  {what} {cid} {name}: {_short(data.get('outcome'), 30)}")
         elif kind == "waiting":
             for held in data.get("calls") or []:
                 what = (
@@ -999,11 +1039,18 @@ def upgrade() -> None:
     show_default=True,
     help="Seconds the demo's task may run before it times out.",
 )
-def demo(timeout: float) -> None:
+@click.option(
+    "--model",
+    default=None,
+    help="A real provider's model (openai:NAME, openai-responses:NAME, anthropic:NAME) instead "
+    "of the demo's script; its key from OPENAI_API_KEY / ANTHROPIC_API_KEY (and base URL) or "
+    "the CHARLIE_MODEL_ settings.",
+)
+def demo(timeout: float, model: str | None) -> None:
     """Run a whole agent task on this machine, no servers needed."""
     from charlie.demo.run import run_demo
 
-    sys.exit(run_demo(timeout=timeout))
+    sys.exit(run_demo(timeout=timeout, model_spec=model))
 
 
 try:

@@ -124,6 +124,16 @@ class ActionRecord:
         return f"{what} by {self.by} at {self.at.isoformat(timespec='seconds')}"
 
 
+def shown_actor(actor: str, origin: Origin | None) -> str:
+    """Who acted, rendered the one way every place shows it (I32): a result the model reads
+    (``denied_by``), the event stream, the console's badges and the CLI all say
+    ``alice (console, signed in)`` or ``ui:alice (claimed, via celery)``, as
+    :attr:`ActionRecord.by` does for the action's record, which itself keeps the raw principal
+    with its channel (``origin`` None: the record's default, an unauthenticated API call)."""
+    origin = origin or Origin()
+    return describe_actor(actor, origin.channel.value, origin.authenticated)
+
+
 class VerdictConflict(ActionRefused):
     """A second verdict on a call: the first one stands (I24)."""
 
@@ -325,6 +335,7 @@ def _decide(
     request_id: str | None,
     note: str | None,
     decide: Callable[[Connection, Any, Any, str, datetime], _Decided],
+    origin: Origin | None = None,
 ) -> ActionRecord:
     """The frame of every verdict: lock the run, find the call, refuse a second verdict, let
     ``decide`` write the effect and its evidence, then publish what the verdict allows."""
@@ -365,7 +376,8 @@ def _decide(
     if decided.replayed:
         return _record(rt, decided.record_id)
     # after the verdict's commit, for people watching (I28)
-    rt.events.emit(task_id, "verdict", call_id=call_id, action=action.value, by=actor)
+    shown = shown_actor(actor, origin)
+    rt.events.emit(task_id, "verdict", call_id=call_id, action=action.value, by=shown)
     if decided.invoke is not None:
         # Lost, the sweep finds a released call that was queued and never started (I11), or
         # an answered started call, whose lease it finds lapsed (I10).
@@ -517,7 +529,7 @@ def approve(
 
     return _decide(
         rt, task_id, call_id, action=Action.APPROVE, operator=operator,
-        request_id=request_id, note=note, decide=decide,
+        request_id=request_id, note=note, decide=decide, origin=origin,
     )  # fmt: skip
 
 
@@ -545,7 +557,7 @@ def deny(
             call.call_id,
             held=Hold.APPROVAL,
             outcome=Outcome.DENIED.value,
-            result={"reason": reason, "denied_by": actor},
+            result={"reason": reason, "denied_by": shown_actor(actor, origin)},
             by=f"operator:{actor}"[:200],
             now=now,
         )
@@ -565,7 +577,7 @@ def deny(
 
     return _decide(
         rt, task_id, call_id, action=Action.DENY, operator=operator,
-        request_id=request_id, note=reason, decide=decide,
+        request_id=request_id, note=reason, decide=decide, origin=origin,
     )  # fmt: skip
 
 
@@ -605,7 +617,7 @@ def reply(
             answered = {
                 **info,
                 "answer": text,
-                "answered_by": actor,
+                "answered_by": shown_actor(actor, origin),
                 "answered_at": now.isoformat(),
             }
             store.answer_parked_call(
@@ -639,7 +651,7 @@ def reply(
 
     return _decide(
         rt, task_id, call_id, action=Action.REPLY, operator=operator,
-        request_id=request_id, note=None, decide=decide,
+        request_id=request_id, note=None, decide=decide, origin=origin,
     )  # fmt: skip
 
 
@@ -712,7 +724,7 @@ def reconcile(
                 value = {
                     **(evidence if isinstance(evidence, dict) else {"evidence": evidence}),
                     "reconciled": "unknown",
-                    "by": actor,
+                    "by": shown_actor(actor, origin),
                     "note": note,
                 }
             store.settle_held_call(
@@ -735,7 +747,7 @@ def reconcile(
 
     return _decide(
         rt, task_id, call_id, action=Action.RECONCILE, operator=operator,
-        request_id=request_id, note=note, decide=decide,
+        request_id=request_id, note=note, decide=decide, origin=origin,
     )  # fmt: skip
 
 

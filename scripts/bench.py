@@ -46,6 +46,14 @@ longrun
     the input's assembly included) and call_model's own tick, medians over turns 5-55 and
     150-200; then the same run with no window
     (every input the whole transcript), for comparison.
+streaming
+    what streaming for people watching costs (charlie/streams): one run's per-turn overhead
+    with streaming off, to Redis and to a RabbitMQ stream queue (CHARLIE_STREAM_URL; the worker
+    restarted for each, trial by trial); and each transport's events/s: 20,000 text deltas of
+    24 characters emitted through the writer's sink from one process, in bursts of 1,000 each
+    sent before the next, then read back from the first. Redis at BENCH_STREAM_REDIS_URL
+    (default the Redis db above), RabbitMQ at BENCH_STREAM_AMQP_URL (default
+    amqp://guest:guest@127.0.0.1:5672//); one not reachable is skipped and the table says so.
 console
     the run console (``charlie ui``) on a real run of 2,000 transcript items (scripted turns of
     a message and four instant tool calls): the task page's server time over HTTP, its live
@@ -109,6 +117,7 @@ SCENARIOS = (
     "recovery",
     "scale",
     "waiting",
+    "streaming",
     "console",
     "longrun",
     "growth",
@@ -125,6 +134,14 @@ PG_ADMIN = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "po
 PG_DATABASE = os.environ.get("BENCH_PG_DATABASE", "charlie_bench")
 PG_URL = f"postgresql://postgres@127.0.0.1:5432/{PG_DATABASE}"
 REDIS_URL = f"redis://127.0.0.1:6379/{os.environ.get('BENCH_REDIS_DB', '14')}"
+STREAM_URLS = {
+    "redis": os.environ.get("BENCH_STREAM_REDIS_URL", REDIS_URL),
+    "rabbitmq": os.environ.get("BENCH_STREAM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//"),
+}
+#: text deltas the events/s figure sends through each transport, and each one's text
+STREAM_EVENTS = 20_000
+STREAM_DELTA = "x" * 24
+STREAM_BURST = 1000
 TOOL = "bench_echo"
 RANGE = "\u2013"  # an en dash, between a minimum and a maximum
 NONE = "-"
@@ -476,13 +493,13 @@ class Cell:
 
     # ---- processes
 
-    def start_worker(self) -> None:
+    def start_worker(self, extra_env: dict[str, str] | None = None) -> None:
         self.serial += 1
         argv = [sys.executable, "-m", "charlie", "worker", "-c", "2", "--pool", "prefork"]
         # --include imports the counters before the pool forks, so that a child counts its
         # first task too (CHARLIE_TOOL_MODULES would import them only inside that task).
         argv += ["-n", f"bench{self.serial}@%h", "--include", "_bench_support"]
-        self.procs.spawn("worker", argv)
+        self.procs.spawn("worker", argv, extra_env)
 
     def start_beat(self) -> None:
         schedule = self.home / "beat.schedule"
@@ -711,6 +728,46 @@ class Cell:
             message += f", {statistics.median(overheads) * 1000:.1f} ms per turn"
         progress(message)
         return rate
+
+    # ---- streaming for people watching
+
+    def streaming(self) -> None:
+        """One run's per-turn overhead with streaming off and on (to each transport reachable),
+        the worker restarted for each, interleaved trial by trial; then each transport's
+        events/s from this process."""
+        reachable = {}
+        for name, url in STREAM_URLS.items():
+            problem = stream_problem(url)
+            if problem:
+                self.results.notes.append(f"streaming to {name} not measured: {problem}")
+            else:
+                reachable[name] = url
+        configs = [("off", {"CHARLIE_STREAMING": "0"})] + [
+            (name, {"CHARLIE_STREAMING": "1", "CHARLIE_STREAM_URL": url})
+            for name, url in reachable.items()
+        ]
+        try:
+            for _ in range(self.sizes.trials):
+                for name, env in configs:
+                    self.procs.kill("worker")
+                    self.start_worker(env)
+                    self.warm_up()
+                    self.charlie_runs(
+                        1, self.sizes.turns_one, f"stream_{name}", f"stream_{name}.turn_ms"
+                    )
+        finally:
+            self.procs.kill("worker")
+            self.start_worker()  # the default settings again, for what follows
+        for name, url in reachable.items():
+            sent, read = stream_rates(url, self.sizes.trials)
+            for rate in sent:
+                self.results.add(f"stream_{name}.sent_per_s", rate)
+            for rate in read:
+                self.results.add(f"stream_{name}.read_per_s", rate)
+            progress(
+                f"{name} stream: {statistics.median(sent):.0f} events/s sent, "
+                f"{statistics.median(read):.0f} events/s read"
+            )
 
     # ---- 2. the floor
 
@@ -1766,6 +1823,61 @@ class Cell:
         return sorted(set(found))
 
 
+def stream_problem(url: str) -> str | None:
+    """Why the transport at ``url`` cannot be used here, or None."""
+    from charlie.streams.open import open_transport
+
+    transport = open_transport(url, ttl=600, max_events=STREAM_EVENTS * 2)
+    try:
+        transport.append(f"bench-probe-{uuid.uuid4().hex[:8]}", [{"type": "probe"}])
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        transport.close()
+    return None
+
+
+def stream_rates(url: str, trials: int) -> tuple[list[float], list[float]]:
+    """Events/s through the transport at ``url``, trial by trial: STREAM_EVENTS text deltas
+    emitted through the writer's sink (charlie.streams.sink.TaskEvents, its writer thread
+    batching them) until flushed; then read back from the first event, as a late reader."""
+    from charlie.streams.open import open_transport
+    from charlie.streams.sink import TaskEvents
+
+    sent: list[float] = []
+    read: list[float] = []
+    for _ in range(trials):
+        transport = open_transport(url, ttl=600, max_events=STREAM_EVENTS * 2)
+        sink = TaskEvents(transport)
+        task_id = f"bench-stream-{uuid.uuid4().hex[:8]}"
+        try:
+            sink.emit(task_id, "model_start", turn=0, call="0.0.1")
+            if not sink.flush(60):
+                raise RuntimeError(f"the first event was not sent to {url} within 60 s")
+            started = time.perf_counter()
+            # in bursts the sink keeps whole (past MAX_QUEUED waiting, it drops deltas), each
+            # waited for: what a fast model's stream asks of it, over and over
+            for burst in range(0, STREAM_EVENTS, STREAM_BURST):
+                for _ in range(min(STREAM_BURST, STREAM_EVENTS - burst)):
+                    sink.emit(task_id, "text", turn=0, call="0.0.1", text=STREAM_DELTA)
+                if not sink.flush(600):
+                    raise RuntimeError(f"{STREAM_EVENTS} events not sent to {url} within 600 s")
+            sent.append(STREAM_EVENTS / (time.perf_counter() - started))
+            got = 0
+            offset = None
+            started = time.perf_counter()
+            while got < STREAM_EVENTS + 1:
+                batch = transport.read(task_id, offset, 5.0)
+                if not batch:
+                    raise RuntimeError(f"read {got} of {STREAM_EVENTS + 1} events back from {url}")
+                got += len(batch)
+                offset = batch[-1].offset
+            read.append(got / (time.perf_counter() - started))
+        finally:
+            transport.close()
+    return sent, read
+
+
 def free_port() -> int:
     import socket
 
@@ -1867,7 +1979,16 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     steps.update(
         {
             name: getattr(cell, name)
-            for name in ("fanout", "recovery", "scale", "waiting", "console", "longrun", "growth")
+            for name in (
+                "fanout",
+                "recovery",
+                "scale",
+                "waiting",
+                "streaming",
+                "console",
+                "longrun",
+                "growth",
+            )
         }
     )
     failed = False
@@ -2125,6 +2246,20 @@ ROWS: list[Row | str] = [
     Row("Approved calls that settled ok (%)", "waiting.approved_ok_pct", 0, "100"),
     Row("... settled deadline_exceeded (calls)", "waiting.approved_deadline", 0, "0"),
     Row("... started past their deadline (calls)", "waiting.started_late", 0, "0"),
+    "**Streaming** (events for people watching: 1 run's per-turn overhead with streaming off "
+    "and on, the worker restarted for each; events/s of each transport from one process)",
+    Row("1 run: per-turn overhead, streaming off (ms)", "stream_off.turn_ms", 1),
+    Row("1 run: per-turn overhead, streaming to Redis (ms)", "stream_redis.turn_ms", 1),
+    Row("1 run: per-turn overhead, streaming to RabbitMQ (ms)", "stream_rabbitmq.turn_ms", 1),
+    Row("Per-turn overhead, Redis streaming / off", "stream_redis.turn_ratio", 2, "≈ 1"),
+    Row("Per-turn overhead, RabbitMQ streaming / off", "stream_rabbitmq.turn_ratio", 2, "≈ 1"),
+    Row("1 run: ms per turn (wall / turns), streaming off", "stream_off.turn_wall_ms", 1),
+    Row("... streaming to Redis", "stream_redis.turn_wall_ms", 1),
+    Row("... streaming to RabbitMQ", "stream_rabbitmq.turn_wall_ms", 1),
+    Row("Redis: events/s sent (text deltas through the sink)", "stream_redis.sent_per_s"),
+    Row("Redis: events/s read back (a late reader)", "stream_redis.read_per_s"),
+    Row("RabbitMQ: events/s sent (text deltas through the sink)", "stream_rabbitmq.sent_per_s"),
+    Row("RabbitMQ: events/s read back (a late reader)", "stream_rabbitmq.read_per_s"),
     "**Console** (`charlie ui`: one run's page, the task list; sizes above)",
     Row("Task page (the latest 300 rows): server time over HTTP (ms)", "console.page_ms"),
     Row("Task page: size (KiB)", "console.page_kib"),
@@ -2185,6 +2320,12 @@ def derive(values: dict[str, list[float]]) -> None:
     ):
         if values.get(base) and values.get(held):
             values[ratio] = [statistics.median(values[held]) / statistics.median(values[base])]
+    # Streaming: off and on interleave trial by trial, so the ratios are too.
+    off = values.get("stream_off.turn_ms")
+    for name in STREAM_URLS:
+        on = values.get(f"stream_{name}.turn_ms")
+        if off and on:
+            values[f"stream_{name}.turn_ratio"] = [b / a for a, b in zip(off, on, strict=False)]
 
 
 def render(
@@ -2353,7 +2494,10 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
         argv += ["--dbos-python", args.dbos_python]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
     env.update(
-        {k: os.environ[k] for k in ("BENCH_PG_DATABASE", "BENCH_REDIS_DB") if k in os.environ}
+        {k: v for k, v in os.environ.items() if k in ("BENCH_PG_DATABASE", "BENCH_REDIS_DB")}
+    )
+    env.update(  # where the streaming scenario's transports are
+        {k: v for k, v in os.environ.items() if k.startswith("BENCH_STREAM_")}
     )
     env.update(backend.env(home))
     env["CHARLIE_TOOL_MODULES"] = "_bench_support"

@@ -46,7 +46,7 @@ from tornado.escape import url_escape
 
 from charlie import api, views
 from charlie.console import auth, guard, rows, scrub, timeline
-from charlie.domain import TaskStatus
+from charlie.domain import Channel, TaskStatus, describe_actor
 
 TaskNotFound = api.TaskNotFound
 TaskConflict = api.TaskConflict
@@ -533,7 +533,8 @@ class Base(Redacted):
             short=api_short,
             url_escape=lambda v: url_escape(str(v), plus=False),
             request_id=lambda: f"ui-{secrets.token_hex(12)}",
-            operator=self.config.operator,
+            # who the page's actions will be recorded as, shown as every record of them is (I32)
+            operator=describe_actor(self.config.operator, Channel.UI.value, True),
             STATUSES=STATUSES,
             json_pretty=rows.pretty,
             usd=views.usd,

@@ -13,6 +13,12 @@ command's execution id and how it was observed.
 With ``CHARLIE_DEVBOX_URL``/``CHARLIE_DEVBOX_TOKEN`` set, that devbox is used instead of starting
 one (it must be able to read the repository path the demo creates under ``CHARLIE_HOME``, and
 allow it: ``--allow-repo`` with that directory or one above it).
+
+``charlie demo --model openai:NAME`` (or ``openai-responses:NAME``, ``anthropic:NAME``) gives the
+same task, repository, devbox and tools to a real provider's model instead of the script (it may
+delegate to that same model): the provider's key and base URL as the model clients read them
+(:func:`provider_settings`). What a real model does is its own: the demo succeeds when the task
+does, and says whether it committed a fix.
 """
 
 from __future__ import annotations
@@ -245,11 +251,60 @@ def transcript_lines(task_id: str, after_seq: int = -1, indent: str = "") -> lis
     return rows
 
 
+# -- a real provider ---------------------------------------------------------------------------
+
+
+class NoProvider(ValueError):
+    """The demo cannot call the provider a model names: no key, or not a provider's model."""
+
+
+def provider_settings(spec: str, environ: dict[str, str]) -> dict[str, str]:
+    """What the demo's worker needs in its environment to call ``spec``'s provider: nothing
+    for a key the model clients read already (``CHARLIE_MODEL_API_KEY`` with
+    ``CHARLIE_MODEL_BASE_URL``, or ``CHARLIE_MODEL_<NAME>_API_KEY``, for ``openai:`` and
+    ``openai-responses:``; ``ANTHROPIC_API_KEY`` with ``ANTHROPIC_BASE_URL``, or the per-model
+    key, for ``anthropic:``); for OpenAI, the ``OPENAI_API_KEY`` (with ``OPENAI_BASE_URL``, the
+    pair the OpenAI SDK reads) as those, when no CHARLIE_MODEL_ setting is made. A key goes only
+    with its own base URL. Raises NoProvider naming what to set."""
+    from charlie.models.retry import env_name
+
+    provider, _, name = spec.partition(":")
+    own = f"CHARLIE_MODEL_{env_name(name)}_API_KEY"
+    if provider == "anthropic":
+        if environ.get(own) or environ.get("ANTHROPIC_API_KEY"):
+            return {}
+        raise NoProvider(f"{spec} needs a key: set ANTHROPIC_API_KEY (or {own})")
+    if provider not in ("openai", "openai-responses"):
+        raise NoProvider(
+            f"{spec!r} is not a provider's model: openai:NAME, openai-responses:NAME or "
+            "anthropic:NAME"
+        )
+    if environ.get(own) or environ.get("CHARLIE_MODEL_API_KEY"):
+        return {}
+    key = environ.get("OPENAI_API_KEY", "").strip()
+    if key and not environ.get("CHARLIE_MODEL_BASE_URL"):
+        shared = {"CHARLIE_MODEL_API_KEY": key}
+        url = environ.get("OPENAI_BASE_URL", "").strip()
+        return {**shared, "CHARLIE_MODEL_BASE_URL": url} if url else shared
+    raise NoProvider(
+        f"{spec} needs a key: set OPENAI_API_KEY (and OPENAI_BASE_URL for another endpoint), "
+        f"or CHARLIE_MODEL_API_KEY with CHARLIE_MODEL_BASE_URL, or {own}"
+    )
+
+
 # -- the run -----------------------------------------------------------------------------------
 
 
-def run_demo(timeout: float = 120.0) -> int:
+def run_demo(timeout: float = 120.0, model_spec: str | None = None) -> int:
+    """The demo's task with its scripted model, or ``model_spec``'s (a real provider's)."""
     s = settings()
+    provider_env: dict[str, str] = {}
+    if model_spec is not None:
+        try:
+            provider_env = provider_settings(model_spec, dict(os.environ))
+        except NoProvider as exc:
+            click.echo(f"charlie demo: {exc}", err=True)
+            return 2
     prepare_home(s.home)
     task_id = f"demo-{uuid.uuid4().hex[:8]}"
     here = s.home / "demo" / task_id
@@ -258,7 +313,9 @@ def run_demo(timeout: float = 120.0) -> int:
         click.echo("the demo needs git (the devbox keeps workspaces as git checkouts)", err=True)
         return 2
     repo = make_repository(here / "confparse")
-    model = _write_scripts(here)
+    model = model_spec or _write_scripts(here)
+    # a real model may delegate the compatibility check to itself; the script to its child's
+    delegates = model_spec or f"scripted:{here / 'compat_check.json'}"
     started_devbox: DevboxServer | None = None
     if s.devbox_url and s.devbox_token:
         url, token = s.devbox_url, s.devbox_token
@@ -283,17 +340,20 @@ def run_demo(timeout: float = 120.0) -> int:
         f"broker {s.broker_url.split('://')[0]}"
     )
     click.echo(where)
+    if model_spec is not None:
+        click.echo(f"model {model_spec} (a real provider's, instead of the demo's script)")
     click.echo(
         f"repository {repo} @ {metadata['devbox']['base_commit'][:12]}, branch {BRANCH} "
         "(recorded in the task's metadata)"
     )
     env = {
         **os.environ,
+        **provider_env,
         "CHARLIE_DEVBOX_URL": url,
         "CHARLIE_DEVBOX_TOKEN": token,
         # the compatibility check is delegated to a model of its own (its script), which a
         # child may use only when the operator allows it
-        "CHARLIE_DELEGATE_MODELS": f"scripted:{here / 'compat_check.json'}",
+        "CHARLIE_DELEGATE_MODELS": delegates,
         # every command is started, parked, and observed to its end by a later poll, the way a
         # long build would be; the sweep polls parked calls twice a second
         "CHARLIE_DEVBOX_INLINE_WAIT": os.environ.get("CHARLIE_DEVBOX_INLINE_WAIT", "0"),
@@ -319,14 +379,14 @@ def run_demo(timeout: float = 120.0) -> int:
             time.sleep(0.2)
         for _, line in transcript_lines(task_id, after_seq=shown):
             click.echo(printable(line, multiline=True))
-        return _summary(task_id, url, token)
+        return _summary(task_id, url, token, scripted=model_spec is None)
     finally:
         _stop(worker)
         if started_devbox is not None:
             started_devbox.stop()
 
 
-def _summary(task_id: str, url: str, token: str) -> int:
+def _summary(task_id: str, url: str, token: str, *, scripted: bool = True) -> int:
     info = api.get_task(task_id)
     elapsed = (info.finished_at - info.created_at).total_seconds() if info.finished_at else None
     click.echo(
@@ -354,6 +414,10 @@ def _summary(task_id: str, url: str, token: str) -> int:
     )
     click.echo(f"inspect it again with: charlie show {task_id}")
     click.echo(f"or in the run console: charlie ui --task {task_id}  (then open the address)")
+    if not scripted:
+        # a real model's run is its own: the task's end is the demo's
+        click.echo("a fix was committed" if committed else "no fix commit was made")
+        return 0 if info.status.value == "succeeded" else 1
     return 0 if info.status.value == "succeeded" and committed else 1
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from charlie import faults
 from charlie.domain import Outcome, Phase, RunView, Settlement, task_id_of, utcnow
+from charlie.executor.streamed import settled_id
 from charlie.observe import CallEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls, fused
@@ -230,7 +231,10 @@ def _first_wins(rt: Runtime, done: CallResult) -> Callable[[Connection], bool]:
     return settle
 
 
-def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
+def log_settled(rt: Runtime, done: CallResult, settled: bool, *, streamed: bool = False) -> None:
+    """Report a call's settle (or late report) once it committed. ``streamed``: the commit was
+    a tick's whose transition carried the settle, and streamed it already (a call settles once
+    in the stream too)."""
     call = done.call
     report_call(
         rt,
@@ -254,15 +258,16 @@ def log_settled(rt: Runtime, done: CallResult, settled: bool) -> None:
             "outcome": done.outcome,
         },
     )
-    if rt.events.enabled:  # after the settle's commit (I28)
+    if rt.events.enabled and not (settled and streamed):  # after the settle's commit (I28)
+        # a late report is not a settle: the call had its outcome already (I12)
         rt.events.emit(
             task_id_of(call.execution_id),
-            "tool_settled",
+            "tool_settled" if settled else "tool_late_report",
+            event_id=settled_id(call.turn, call.call_id) if settled else None,
             turn=call.turn,
             call_id=call.call_id,
             name=call.name,
             outcome=done.outcome.value,
-            late=not settled,
         )
     faults.hit("tool.after_settle", tool=call.name, call_id=call.call_id)
 

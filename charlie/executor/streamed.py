@@ -14,6 +14,12 @@ from charlie.domain import ItemKind, Phase, RunView, Transition
 from charlie.streams.sink import EventSink, clip
 
 
+def settled_id(turn: int, call_id: str) -> str:
+    """A call's settle event's id: a call settles once (I12), so every event telling it, from
+    whichever process committed it, carries this id and a reader keeps one."""
+    return f"tool_settled:{turn}:{call_id}"
+
+
 def _arguments(value: Any) -> str:
     return clip(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
 
@@ -27,6 +33,7 @@ def committed(events: EventSink, view: RunView, turn: int, transition: Transitio
         events.emit(
             task_id,
             "tool_call",
+            event_id=f"tool_call:{turn}:{call.call_id}",
             turn=turn,
             call_id=call.call_id,
             name=call.name,
@@ -37,6 +44,7 @@ def committed(events: EventSink, view: RunView, turn: int, transition: Transitio
             events.emit(
                 task_id,
                 "tool_settled",
+                event_id=settled_id(turn, call.call_id),
                 turn=turn,
                 call_id=call.call_id,
                 name=call.name,
@@ -62,6 +70,7 @@ def committed(events: EventSink, view: RunView, turn: int, transition: Transitio
         events.emit(
             task_id,
             "tool_settled",
+            event_id=settled_id(turn, settled.call_id),
             turn=turn,
             call_id=settled.call_id,
             name=names.get(settled.call_id),
@@ -69,6 +78,9 @@ def committed(events: EventSink, view: RunView, turn: int, transition: Transitio
         )
     for item in transition.items:
         if item.kind is ItemKind.FINAL:
-            events.emit(task_id, "final", turn=turn, text=clip(str(item.payload.get("content"))))
+            text = clip(str(item.payload.get("content")))
+            events.emit(task_id, "final", event_id=f"final:{view.version}", turn=turn, text=text)
     if transition.to is Phase.DONE:
-        events.emit(task_id, "end", turn=turn, note=transition.note)
+        # (by the step's version: a resumed task that ends again ends in another step)
+        end_id = f"end:{view.version}"
+        events.emit(task_id, "end", event_id=end_id, turn=turn, note=transition.note)

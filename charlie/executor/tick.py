@@ -452,7 +452,8 @@ def _settle_local_call(
             rt, execution_id, Phase.AWAIT_TOOLS, step.await_version, progress=progress
         )
         if progress.settled is not None:
-            log_settled(rt, done, progress.settled)
+            # the tick's committed transition carried the settle, and streamed it
+            log_settled(rt, done, progress.settled, streamed=True)
             return moved, follow
     settled, await_version = settle_result(rt, done)
     if await_version is None:

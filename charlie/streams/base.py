@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 #: the event types (``type``) a reader may see; see charlie/streams/sink.py for their fields.
+#: Every event also has an ``id`` (the same fact told twice has the same one), ``task_id`` and
+#: ``at``.
 EVENT_TYPES = (
     "model_start",  # a model call attempt began: turn, call, attempt, model
     "text",  # model text delta: call, text
@@ -16,7 +18,8 @@ EVENT_TYPES = (
     "model_end",  # call, status ("completed" or "abandoned"), reason
     "tool_call",  # a tool call the model made, committed: call_id, name, arguments, held
     "tool_started",  # a tool call was dispatched (I9): call_id
-    "tool_settled",  # a tool call has its outcome: call_id, name, outcome
+    "tool_settled",  # a tool call has its outcome, once a call (I12): call_id, name, outcome
+    "tool_late_report",  # a call's handler reported after it had its outcome: call_id, outcome
     "final",  # the final answer committed (I16): text
     "waiting",  # the task waits for people: calls (call_id, name, hold, question)
     "verdict",  # a person's approve, deny, reply or reconcile committed: call_id, action, by

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, Protocol
 
@@ -38,9 +39,15 @@ def clip(text: str, limit: int = FIELD_CHARS) -> str:
 
 
 class EventSink(Protocol):
+    """Where events go. ``event_id`` names what the event says: the same fact told twice
+    (a call's settle, the task's end) carries the same id, so a reader that gets it twice (a
+    transport is at-least-once) drops the second; left out, the event gets an id of its own."""
+
     enabled: bool
 
-    def emit(self, task_id: str, kind: str, **fields: Any) -> None: ...
+    def emit(
+        self, task_id: str, kind: str, *, event_id: str | None = None, **fields: Any
+    ) -> None: ...
 
     def model_stream(self, task_id: str, turn: int, call: str, **fields: Any) -> ModelStream: ...
 
@@ -50,7 +57,7 @@ class NoEvents:
 
     enabled = False
 
-    def emit(self, task_id: str, kind: str, **fields: Any) -> None:
+    def emit(self, task_id: str, kind: str, *, event_id: str | None = None, **fields: Any) -> None:
         pass
 
     def model_stream(self, task_id: str, turn: int, call: str, **fields: Any) -> ModelStream:
@@ -84,10 +91,16 @@ class TaskEvents:
         self._queue = deque()
         self._busy = False
 
-    def emit(self, task_id: str, kind: str, **fields: Any) -> None:
+    def emit(self, task_id: str, kind: str, *, event_id: str | None = None, **fields: Any) -> None:
         if time.monotonic() - self._failed_at < BACKOFF_SECONDS:
             return
-        event = {"type": kind, "task_id": task_id, "at": round(time.time(), 3), **fields}
+        event = {
+            "type": kind,
+            "id": event_id or uuid.uuid4().hex,
+            "task_id": task_id,
+            "at": round(time.time(), 3),
+            **fields,
+        }
         with self._ready:
             if self._pid != os.getpid():  # first use in this process (a forked pool child)
                 self._start()

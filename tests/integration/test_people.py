@@ -246,7 +246,9 @@ def test_a_denied_call_never_runs_and_the_model_sees_the_reason(cluster: Cluster
                         {
                             "call_id": "w",
                             "outcome": "denied",
-                            "contains": 'DENIED by "bo": "not on Fridays.\\nIgnore',
+                            # named as every place shows who acted (I32)
+                            "contains": 'DENIED by "bo (claimed, via Python API)": '
+                            '"not on Fridays.\\nIgnore',
                         }
                     ]
                 },
@@ -330,7 +332,9 @@ def test_an_unknown_verdict_tells_the_model_who_looked_and_their_note(
                         {
                             "call_id": "w",
                             "outcome": "interrupted",
-                            "contains": 'the operator "bo" looked and could not tell',
+                            # named as every place shows who acted (I32)
+                            "contains": 'the operator "bo (claimed, via Python API)" looked '
+                            "and could not tell",
                         }
                     ],
                     "contains": [

@@ -291,3 +291,84 @@ def test_charlie_watch_of_a_failed_task_exits_1_and_resumes_after_an_offset(
     assert rest.returncode == 1
     assert "First words." not in rest.stdout and "failed:" in rest.stdout
     assert "list_files" in rest.stdout  # the tool call came after the text
+
+
+def test_each_call_settles_once_in_the_stream_and_an_event_delivered_twice_is_dropped(
+    cluster: Cluster, script: Any
+) -> None:
+    """A local call settled inline is committed by the await tick's transaction: that tick's
+    events and the settle's own report both told its ``tool_settled`` (I12: a call settles
+    once; I28). Two local calls at once: one settled in a commit of its own, the last in the
+    tick's. Every event has an id, and a reader drops one delivered again (at-least-once)."""
+    model, _ = script(
+        [
+            {
+                "say": "Looking twice.",
+                "tool_calls": [
+                    {"id": "l1", "name": "list_files"},
+                    {"id": "l2", "name": "list_files"},
+                ],
+            },
+            {"say": "Looked.", "tool_calls": [{"id": "l3", "name": "list_files"}]},
+            {"say": "Done looking.", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit("look", model=model)
+    seen = list(charlie.events(task_id, timeout=150))
+    assert seen[-1].type == "end" and seen[-1].data["status"] == "succeeded"
+    settled = sorted(e.data["call_id"] for e in seen if e.type == "tool_settled")
+    assert settled == ["l1", "l2", "l3"]
+    ids = [e.data.get("id") for e in seen[:-1]]  # (the end from the record may have none)
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == len(ids)
+
+    # the transport delivers a settle and the end again: a reader keeps one of each
+    transport = charlie.api.get_producer().streams
+    assert transport is not None
+    again = [e.data for e in seen if e.type in ("tool_settled", "end")]
+    transport.append(task_id, again)
+    deadline = time.monotonic() + 30
+    while len(list(charlie.api.get_producer().streams.read(task_id, None, 0.0))) < len(seen) + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    reread = list(charlie.events(task_id))
+    assert [e.data.get("id") for e in reread] == [e.data.get("id") for e in seen]
+
+
+def test_charlie_watch_waits_for_a_task_not_created_yet_as_wait_does(
+    cluster: Cluster, script: Any
+) -> None:
+    """A watcher started before the producer's submit crossed the broker follows the task
+    once it appears; one whose task never appears stops at its timeout, saying so."""
+    model, _ = script([{"say": "Here at last.", "tool_calls": []}])
+    task_id = f"watched-early-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "charlie", "watch", task_id, "--timeout", "120"],
+        cwd=REPO,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        waiting = proc.stderr.readline()  # said before the task exists
+        assert f"no task {task_id} yet; waiting up to 120 s" in waiting, waiting
+        assert proc.poll() is None
+        charlie.submit("arrive", model=model, task_id=task_id)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + err
+    assert "Here at last." in out and "succeeded:" in out
+
+    never = subprocess.run(
+        [sys.executable, "-m", "charlie", "watch", f"never-{task_id}", "--timeout", "1.5"],
+        cwd=REPO,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert never.returncode == 2
+    assert f"no task with id 'never-{task_id}': it was not created within 1.5 s" in never.stderr

@@ -72,7 +72,12 @@
     var args = document.getElementById("live-args");
     var after = null;
     var call = null;
+    var model = "";
+    var attempt = 1;
+    var argsOf = null;
     var done = false;
+    // an event delivered twice (the stream is at-least-once) carries the id it had
+    var seenIds = new Set();
 
     function reset() {
       text.textContent = "";
@@ -80,19 +85,33 @@
       reasoning.hidden = true;
       args.textContent = "";
       args.hidden = true;
+      argsOf = null;
+    }
+
+    // a model call is named as the rest of the page names things: its turn, the model, and
+    // the attempt when it is a repeat; never the stream's internal call id
+    function writer(e) {
+      return "turn " + e.turn + ": " + model + (attempt > 1 ? " (attempt " + attempt + ")" : "");
     }
 
     function apply(e) {
+      if (e.type === "end") {
+        done = true;
+        panel.setAttribute("data-finished", "true");
+        if (!panel.hidden) {
+          callLine.textContent += " · the task finished";
+        }
+        return;
+      }
       if (e.type === "model_start") {
         call = e.call;
+        model = String(e.model || "the model");
+        attempt = Number(e.attempt) || 1;
         reset();
         panel.hidden = false;
         panel.setAttribute("data-state", "writing");
-        callLine.textContent = "turn " + e.turn + ": " + e.model + " is writing (call " + e.call + ")";
+        callLine.textContent = writer(e) + " is writing";
       } else if (e.call !== call) {
-        if (e.type === "end") {
-          done = true;
-        }
         return;
       } else if (e.type === "text") {
         text.textContent += e.text;
@@ -101,14 +120,18 @@
         reasoning.textContent += e.text;
       } else if (e.type === "tool_args") {
         args.hidden = false;
+        if (e.call_id !== argsOf) {
+          // each tool call's arguments under its tool's name, as the transcript shows calls
+          args.textContent += (argsOf === null ? "" : "\n") + (e.name || "a tool") + " ";
+          argsOf = e.call_id;
+        }
         args.textContent += e.text;
       } else if (e.type === "model_restart") {
         reset();
         callLine.textContent += " (the stream was cut; asked again)";
       } else if (e.type === "model_end") {
         panel.setAttribute("data-state", e.status);
-        callLine.textContent = "turn " + e.turn + ": call " + e.call + " " + e.status +
-          (e.reason ? " (" + e.reason + ")" : "");
+        callLine.textContent = writer(e) + ": " + e.status + (e.reason ? " (" + e.reason + ")" : "");
       }
     }
 
@@ -125,8 +148,11 @@
             return;
           }
           page.events.forEach(function (e) {
-            if (e.type === "end") {
-              done = true;
+            if (e.id) {
+              if (seenIds.has(e.id)) {
+                return;
+              }
+              seenIds.add(e.id);
             }
             apply(e);
           });
