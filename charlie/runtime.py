@@ -35,7 +35,13 @@ from charlie.ports import PhaseDeps, PhaseLimits
 from charlie.presence import Presence
 from charlie.scheduler import DbScheduler
 from charlie.store import scans
-from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
+from charlie.store.engine import (
+    PoolLimits,
+    dispose_after_fork,
+    ensure_schema,
+    get_engine,
+    read,
+)
 from charlie.store.transcripts import TranscriptCache
 from charlie.streams.base import Transport
 from charlie.streams.open import open_transport
@@ -188,10 +194,17 @@ def import_tool_modules(modules: Iterable[str]) -> None:
             ) from exc
 
 
+def database_engine(s: Settings) -> Engine:
+    """This process's engine, its pool bounded by CHARLIE_DB_POOL_SIZE and
+    CHARLIE_DB_MAX_OVERFLOW (the connection budget)."""
+    return get_engine(s.database_url, PoolLimits(s.db_pool_size, s.db_max_overflow))
+
+
 def _database_ready(s: Settings) -> Engine:
     home.prepare(s.home)
+    engine = database_engine(s)  # made first, so that the pool has the configured limits
     ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)
-    return get_engine(s.database_url)
+    return engine
 
 
 def get_producer() -> Producer:

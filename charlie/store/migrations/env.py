@@ -3,6 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+from charlie.store.engine import server_connect_args
 from charlie.store.schema import Base
 
 config = context.config
@@ -16,7 +17,8 @@ def run_offline() -> None:
 
 
 def run_online() -> None:
-    engine = create_engine(url, poolclass=pool.NullPool)
+    args = {} if url.startswith("sqlite") else {"connect_args": server_connect_args(url)}
+    engine = create_engine(url, poolclass=pool.NullPool, **args)
     with engine.connect() as connection:
         context.configure(
             connection=connection,
