@@ -552,17 +552,20 @@ class _Doctor:
             if (beat.detail or "").startswith(WAITING)
         }
         alive = {node: beat for node, beat in recent.items() if node not in waiting}
-        if waiting:
-            self.add(
-                "workers",
-                "FAIL" if not alive else "WARN",
-                f"{len(waiting)} waiting, claiming no work: "
-                + "; ".join(f"{node}: {why}" for node, why in sorted(waiting.items())),
-                "run `charlie db upgrade` for workers newer than the schema; upgrade Charlie on "
-                "the machines of workers older than its floor",
-            )
+        said = (
+            f"{len(waiting)} waiting, claiming no work: "
+            + "; ".join(f"{node}: {why}" for node, why in sorted(waiting.items()))
+            if waiting
+            else ""
+        )
+        upgrade = (
+            "run `charlie db upgrade` for workers newer than the schema; upgrade Charlie on the "
+            "machines of workers older than its floor"
+        )
         if not alive:
-            if not waiting:
+            if waiting:
+                self.add("workers", "FAIL", said, upgrade)
+            else:
                 self.add(
                     "workers",
                     "FAIL",
@@ -577,12 +580,17 @@ class _Doctor:
             self.add(
                 "workers",
                 "FAIL",
-                f"{len(alive)} alive, but none consumes {', '.join(map(repr, unserved))}",
+                f"{len(alive)} alive, but none consumes {', '.join(map(repr, unserved))}"
+                + (f"; {said}" if said else ""),
                 f"start workers with `-Q {','.join(self.s.worker_queues)}` (the default of "
                 "`charlie worker`)",
             )
             return
-        self.add("workers", "ok", f"{len(alive)} alive: {', '.join(sorted(alive))}")
+        detail = f"{len(alive)} alive: {', '.join(sorted(alive))}"
+        if waiting:
+            self.add("workers", "WARN", f"{detail}; {said}", upgrade)
+        else:
+            self.add("workers", "ok", detail)
 
     def connections(self, engine: Any) -> None:
         """Connections in use against the server's max_connections, and what the running
