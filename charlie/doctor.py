@@ -602,8 +602,11 @@ class _Doctor:
         from charlie.presence import BUDGET_PREFIX, EVERY, WAITING
         from charlie.store.heartbeats import WORKER_PREFIX
 
-        if engine is None or self.s.is_sqlite:
+        if self.s.is_sqlite:
             self.add("connections", "skip", "SQLite: no server connection limit")
+            return
+        if engine is None:
+            self.add("connections", "skip", "not checked: the database is unreachable")
             return
         try:
             with engine.connect() as conn:
