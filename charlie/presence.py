@@ -129,4 +129,5 @@ class Presence:
             return
         if not fit.can_claim and self.on_unfit is not None:
             log.error("this worker's code no longer fits the schema: %s", fit.why)
-            self.on_unfit(fit)
+            on_unfit, self.on_unfit = self.on_unfit, None  # once: it stops the worker
+            on_unfit(fit)
