@@ -454,7 +454,8 @@ class _Watch:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(timeout: float, as_json: bool) -> None:
     """Check this machine's view of the deployment: database, schema, broker, tools, devbox,
-    beat and workers. Exit 0 only when every check passes."""
+    beat, workers and database connections. Exit 0 only when no check fails (a WARN does
+    not)."""
     from charlie import doctor as checks
 
     results, code = checks.diagnose(timeout=timeout)
@@ -464,7 +465,9 @@ def doctor(timeout: float, as_json: bool) -> None:
         for check in results:
             _say(check.line())
         failed = sum(c.failed for c in results)
-        _say("all checks passed" if not failed else f"{failed} check(s) failed")
+        warned = sum(c.status == "WARN" for c in results)
+        summary = "all checks passed" if not failed else f"{failed} check(s) failed"
+        _say(summary + (f", {warned} warning(s)" if warned else ""))
     sys.exit(code)
 
 

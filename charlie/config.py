@@ -46,6 +46,13 @@ def _env_bound(name: str, default: int) -> int:
     return value
 
 
+def _env_at_least_one(name: str, default: int) -> int:
+    value = _env_int(name, default)
+    if value < 1:
+        raise ValueError(f"{name}={os.environ.get(name)!r} must be 1 or more")
+    return value
+
+
 def _env_limit_int(name: str) -> int | None:
     """A positive whole budget limit, or None when unset (no default limit)."""
     if not os.environ.get(name, "").strip():
@@ -285,6 +292,13 @@ class Settings:
     stream_ttl: float = 3600.0
     #: at most about this many events kept per task (Redis MAXLEN ~; files: x 512 bytes).
     stream_max_events: int = 20000
+    #: CHARLIE_DB_POOL_SIZE: database connections each process (a worker's pool process, its
+    #: main process, beat, a producer, the console) keeps open to a server database.
+    db_pool_size: int = 5
+    #: CHARLIE_DB_MAX_OVERFLOW: more connections a process may open under load beyond
+    #: CHARLIE_DB_POOL_SIZE (closed when returned). A process holds at most the sum; the fleet's
+    #: budget against PostgreSQL's max_connections is in docs/production/pgbouncer.md.
+    db_max_overflow: int = 10
 
     @property
     def stream_target(self) -> str | None:
@@ -459,6 +473,8 @@ def load_settings() -> Settings:
         stream_url=_stream_url(),
         stream_ttl=_env_float("CHARLIE_STREAM_TTL", 3600.0),
         stream_max_events=max(100, _env_int("CHARLIE_STREAM_MAX_EVENTS", 20000)),
+        db_pool_size=_env_at_least_one("CHARLIE_DB_POOL_SIZE", 5),
+        db_max_overflow=_env_bound("CHARLIE_DB_MAX_OVERFLOW", 10),
     )
 
 

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Check:
     name: str
-    #: "ok", "FAIL", or "skip" (not applicable here, or not checked because of an earlier FAIL).
+    #: "ok", "FAIL", "WARN" (works now, but may not: the exit status stays 0), or "skip" (not
+    #: applicable here, or not checked because of an earlier FAIL).
     status: str
     detail: str
     #: what to do about a FAIL.
@@ -79,6 +80,8 @@ class _Doctor:
         self.timeout = timeout
         self.checks: list[Check] = []
         self.schema_ok = False
+        #: the schema is migrated, at whatever revision (its heartbeats can be read)
+        self.schema_read = False
         #: every heartbeat in the database, once read (None: it could not be).
         self.heartbeats: dict[str, Any] | None = None
 
@@ -101,6 +104,7 @@ class _Doctor:
         self.telemetry()
         self.beat(engine)
         self.workers()
+        self.connections(engine)
         return self.checks
 
     # -- the database ------------------------------------------------------------------------
@@ -145,25 +149,42 @@ class _Doctor:
         return engine
 
     def schema(self, engine: Any) -> None:
-        from charlie.store.engine import head_revision
-        from charlie.store.probe import current_revision
+        from charlie.store.revisions import SchemaFit, check_schema
 
         if engine is None:
             self.add("schema", "skip", "not checked: the database is unreachable")
             return
-        head = head_revision()
-        current = current_revision(engine)
-        if current == head:
+        with engine.connect() as conn:
+            fit = check_schema(conn)
+        # Heartbeats (the beat's, waiting workers') are readable on any migrated schema.
+        self.schema_read = fit.fit is not SchemaFit.NOT_MIGRATED
+        if fit.can_claim:
             self.schema_ok = True
-            self.add("schema", "ok", f"migrated to head ({head})")
+            if fit.fit is SchemaFit.CURRENT:
+                self.add("schema", "ok", f"migrated to head ({fit.code})")
+            else:
+                self.add("schema", "ok", fit.why)
             return
         fix = "run `charlie db upgrade` (once per release, from any machine)"
         if self.s.is_sqlite:
             fix += "; a worker also migrates the embedded database when it starts"
-        if current is None:
+        if fit.fit is SchemaFit.NOT_MIGRATED:
             self.add("schema", "FAIL", "not migrated: Charlie's tables are missing", fix)
+        elif fit.fit is SchemaFit.DATABASE_BEHIND:
+            self.add(
+                "schema",
+                "FAIL",
+                f"at revision {fit.database}, head is {fit.code}: workers of this code wait",
+                fix,
+            )
         else:
-            self.add("schema", "FAIL", f"at revision {current}, head is {head}", fix)
+            self.add(
+                "schema",
+                "FAIL",
+                f"at revision {fit.database}, whose floor {fit.floor} is newer than this code "
+                f"({fit.code}): workers of this code claim no work",
+                "upgrade Charlie on this machine (pip install -U charlie)",
+            )
 
     # -- the broker --------------------------------------------------------------------------
 
@@ -467,7 +488,7 @@ class _Doctor:
         from charlie.domain import utcnow
         from charlie.store.heartbeats import SWEEP_NAMES, load_heartbeats
 
-        if engine is None or not self.schema_ok:
+        if engine is None or not self.schema_read:
             self.add("beat", "skip", "not checked: the database is unreachable or not migrated")
             return
         try:
@@ -497,25 +518,45 @@ class _Doctor:
 
     def workers(self) -> None:
         from charlie.domain import utcnow
-        from charlie.presence import EVERY
+        from charlie.presence import EVERY, WAITING
         from charlie.store.heartbeats import WORKER_PREFIX
 
         if self.heartbeats is None:
             self.add("workers", "skip", "not checked: the database is unreachable or not migrated")
             return
         now = utcnow()
-        alive = {
+        recent = {
             name.removeprefix(WORKER_PREFIX): beat
             for name, beat in self.heartbeats.items()
             if name.startswith(WORKER_PREFIX) and (now - beat.at).total_seconds() <= 6 * EVERY
         }
+        # Rolling upgrades: a worker whose code does not fit the schema waits, and says why.
+        waiting = {
+            node: (beat.detail or "").removeprefix(WAITING)
+            for node, beat in recent.items()
+            if (beat.detail or "").startswith(WAITING)
+        }
+        alive = {node: beat for node, beat in recent.items() if node not in waiting}
+        said = (
+            f"{len(waiting)} waiting, claiming no work: "
+            + "; ".join(f"{node}: {why}" for node, why in sorted(waiting.items()))
+            if waiting
+            else ""
+        )
+        upgrade = (
+            "run `charlie db upgrade` for workers newer than the schema; upgrade Charlie on the "
+            "machines of workers older than its floor"
+        )
         if not alive:
-            self.add(
-                "workers",
-                "FAIL",
-                f"no worker has said it is alive in the last {6 * EVERY:.0f} s",
-                "start `charlie worker` (each records a heartbeat in the database)",
-            )
+            if waiting:
+                self.add("workers", "FAIL", said, upgrade)
+            else:
+                self.add(
+                    "workers",
+                    "FAIL",
+                    f"no worker has said it is alive in the last {6 * EVERY:.0f} s",
+                    "start `charlie worker` (each records a heartbeat in the database)",
+                )
             return
         consumed = {q for beat in alive.values() for q in (beat.detail or "").split(",") if q}
         wanted = [TICK_QUEUE, *([self.s.intake_queue] if self.s.intake_queue else [])]
@@ -524,14 +565,98 @@ class _Doctor:
             self.add(
                 "workers",
                 "FAIL",
-                f"{len(alive)} alive, but none consumes {', '.join(map(repr, unserved))}",
+                f"{len(alive)} alive, but none consumes {', '.join(map(repr, unserved))}"
+                + (f"; {said}" if said else ""),
                 f"start workers with `-Q {','.join(self.s.worker_queues)}` (the default of "
                 "`charlie worker`)",
             )
             return
-        self.add("workers", "ok", f"{len(alive)} alive: {', '.join(sorted(alive))}")
+        detail = f"{len(alive)} alive: {', '.join(sorted(alive))}"
+        if waiting:
+            self.add("workers", "WARN", f"{detail}; {said}", upgrade)
+        else:
+            self.add("workers", "ok", detail)
+
+    def connections(self, engine: Any) -> None:
+        """Connections in use against the server's max_connections, and what the running
+        fleet may open (docs/production/pgbouncer.md, the connection budget)."""
+        from charlie.domain import utcnow
+        from charlie.presence import BUDGET_PREFIX, EVERY, WAITING
+        from charlie.store.heartbeats import WORKER_PREFIX
+        from charlie.store.probe import connection_counts, port_of
+
+        if self.s.is_sqlite:
+            self.add("connections", "skip", "SQLite: no server connection limit")
+            return
+        if engine is None:
+            self.add("connections", "skip", "not checked: the database is unreachable")
+            return
+        try:
+            row = connection_counts(engine)
+        except Exception as exc:
+            self.add("connections", "skip", f"not checked: {_first_line(exc)}")
+            return
+        in_use, here, limit, reserved, server_port = row
+        usable = int(limit) - int(reserved)
+        per_process = self.s.db_pool_size + self.s.db_max_overflow
+        url_port = port_of(self.s.database_url)
+        pooled = server_port is not None and int(server_port) != url_port
+        detail = (
+            f"{in_use} of max_connections {limit} in use ({here} on this database, "
+            f"{reserved} reserved for superusers); a process here may hold "
+            f"{per_process} (CHARLIE_DB_POOL_SIZE {self.s.db_pool_size} + "
+            f"CHARLIE_DB_MAX_OVERFLOW {self.s.db_max_overflow})"
+        )
+        fleet = None
+        if self.heartbeats is not None:
+            now = utcnow()
+            recent = {
+                name.removeprefix(WORKER_PREFIX)
+                for name, beat in self.heartbeats.items()
+                if name.startswith(WORKER_PREFIX)
+                and (now - beat.at).total_seconds() <= 6 * EVERY
+                and not (beat.detail or "").startswith(WAITING)
+            }
+            budgets = [
+                int(beat.detail or 0)
+                for name, beat in self.heartbeats.items()
+                if name.startswith(BUDGET_PREFIX)
+                and name.removeprefix(BUDGET_PREFIX) in recent
+                and (beat.detail or "").isdigit()
+            ]
+            fleet = sum(budgets) + per_process  # the workers that said, and one beat
+            detail += (
+                f"; the running fleet may open {fleet} ({len(budgets)} worker(s) and a beat), "
+                f"plus {per_process} per producer or console process"
+            )
+        if pooled:
+            self.add(
+                "connections",
+                "ok",
+                f"through a pooler (the server listens on {server_port}, the URL names "
+                f"{url_port}): {detail}; the processes' pools count against the pooler's "
+                "client limit (PgBouncer: max_client_conn), PostgreSQL sees its pool",
+            )
+            return
+        fix = (
+            "lower CHARLIE_DB_POOL_SIZE / CHARLIE_DB_MAX_OVERFLOW, raise max_connections, or put "
+            "PgBouncer (transaction pooling) in front (docs/production/pgbouncer.md)"
+        )
+        if int(in_use) >= 0.9 * usable:
+            self.add("connections", "WARN", f"nearly full: {detail}", fix)
+        elif fleet is not None and fleet > usable - (int(in_use) - int(here)):
+            self.add(
+                "connections",
+                "WARN",
+                f"the fleet could exceed max_connections: {detail}",
+                fix,
+            )
+        else:
+            self.add("connections", "ok", detail)
 
 
+#: in use server-wide and on this database, the limit, the superusers' reserve, and the port
+#: the server listens on (another than the URL's: a pooler is in between)
 def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 

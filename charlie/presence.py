@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from charlie.domain import utcnow
-from charlie.store.engine import write_one
+from charlie.store.engine import read, write_one
 from charlie.store.heartbeats import WORKER_PREFIX, forget_heartbeat, record_heartbeat
+from charlie.store.revisions import SchemaCheck, SchemaFit, check_schema
 from charlie.store.types import Engine
 
 log = logging.getLogger("charlie.presence")
@@ -18,13 +20,73 @@ log = logging.getLogger("charlie.presence")
 #: how often a worker says it is alive; doctor counts one silent for 6 times this as gone.
 EVERY = 10.0
 
+#: how often a worker that waits for the schema to fit its code looks again
+SCHEMA_POLL = 2.0
+
+#: a worker's connection budget is a heartbeat of this name, then its node (detail: how many)
+BUDGET_PREFIX = "connections:"
+
+#: a waiting worker's heartbeat detail starts with this, then why (doctor shows it)
+WAITING = "waiting: "
+
+
+def schema_fit(engine: Engine) -> SchemaCheck:
+    with read(engine) as conn:
+        return check_schema(conn)
+
+
+def wait_until_schema_fits(engine: Engine, node: str, stop: threading.Event) -> SchemaCheck | None:
+    """Block a starting worker, before it consumes anything, until its code fits the
+    database's schema (charlie.store.revisions): a worker newer than the schema waits for
+    `charlie db upgrade`; one older than the schema's floor waits for its own upgrade. Meanwhile
+    its heartbeat says why (`charlie doctor` lists it as waiting). None: ``stop`` was set."""
+    name = WORKER_PREFIX + node
+    said = None
+    while not stop.is_set():
+        try:
+            fit = schema_fit(engine)
+        except Exception as error:  # the database away for a while: say so, try again
+            log.warning("cannot read the database's schema revision: %s", error)
+            stop.wait(SCHEMA_POLL)
+            continue
+        if fit.can_claim:
+            if fit.fit is SchemaFit.NEWER_COMPATIBLE:
+                log.info("%s", fit.why)
+            if said is not None:
+                log.warning("the schema fits this worker's code now: claiming work")
+            return fit
+        if fit.why != said:
+            log.error("this worker claims no work: %s", fit.why)
+            said = fit.why
+        try:
+            with write_one(engine) as conn:
+                record_heartbeat(conn, name, node, utcnow(), WAITING + fit.why)
+        except Exception:
+            log.debug("could not record the waiting worker's heartbeat", exc_info=True)
+        stop.wait(SCHEMA_POLL)
+    return None
+
 
 class Presence:
-    def __init__(self, engine: Engine, node: str, queues: Iterable[str]) -> None:
+    """A worker's heartbeat, every EVERY seconds; each also checks that the schema still fits
+    the worker's code (a `charlie db upgrade` may have raised its floor past this code) and
+    calls ``on_unfit`` with why when it does not."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        node: str,
+        queues: Iterable[str],
+        on_unfit: Callable[[SchemaCheck], object] | None = None,
+        connections: int | None = None,
+    ) -> None:
         self.engine = engine
         self.name = WORKER_PREFIX + node
         self.node = node
         self.detail = ",".join(sorted(queues))
+        self.on_unfit = on_unfit
+        #: the most database connections this worker's processes may hold (doctor adds them up)
+        self.connections = connections
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="charlie-presence", daemon=True)
 
@@ -37,14 +99,34 @@ class Presence:
         try:
             with write_one(self.engine) as conn:
                 forget_heartbeat(conn, self.name)
+                forget_heartbeat(conn, BUDGET_PREFIX + self.node)
         except Exception:
             log.warning("could not clear the worker's heartbeat", exc_info=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 with write_one(self.engine) as conn:
-                    record_heartbeat(conn, self.name, self.node, utcnow(), self.detail)
+                    now = utcnow()
+                    record_heartbeat(conn, self.name, self.node, now, self.detail)
+                    if self.connections is not None:
+                        record_heartbeat(
+                            conn, BUDGET_PREFIX + self.node, self.node, now, str(self.connections)
+                        )
             except Exception:  # the database away for a while: say so, keep beating
                 log.warning("could not record the worker's heartbeat", exc_info=True)
-            self._stop.wait(EVERY)
+            if self.on_unfit is not None:
+                self._check_schema()
+            self._stop.wait(max(0.0, EVERY - (time.monotonic() - started)))
+
+    def _check_schema(self) -> None:
+        try:
+            fit = schema_fit(self.engine)
+        except Exception:
+            log.warning("could not read the database's schema revision", exc_info=True)
+            return
+        if not fit.can_claim and self.on_unfit is not None:
+            log.error("this worker's code no longer fits the schema: %s", fit.why)
+            on_unfit, self.on_unfit = self.on_unfit, None  # once: it stops the worker
+            on_unfit(fit)

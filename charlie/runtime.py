@@ -30,10 +30,18 @@ from charlie.leases import LeaseKeeper
 from charlie.models import Model, resolve_model
 from charlie.observe import NOOP, Observer
 from charlie.ports import PhaseDeps, PhaseLimits
-from charlie.presence import Presence
+from charlie.presence import Presence, schema_fit
 from charlie.scheduler import DbScheduler
 from charlie.store import scans
-from charlie.store.engine import dispose_after_fork, ensure_schema, get_engine, read
+from charlie.store.engine import (
+    PoolLimits,
+    SchemaMissing,
+    dispose_after_fork,
+    ensure_schema,
+    get_engine,
+    read,
+)
+from charlie.store.revisions import SchemaFit
 from charlie.store.transcripts import TranscriptCache
 from charlie.store.types import Engine
 from charlie.streams.base import Transport
@@ -190,17 +198,37 @@ def import_tool_modules(modules: Iterable[str]) -> None:
 
 
 def check_worker_ready(s: Settings) -> None:
-    """What a worker needs before it consumes anything: the database at Charlie's schema head
-    (brought there first on the embedded SQLite default) and every module of
-    CHARLIE_TOOL_MODULES imported. Raises SchemaMissing or ImportError, each naming the fix."""
-    _database_ready(s)
+    """What a worker needs before it consumes anything: Charlie's schema in the database
+    (brought to head first on the embedded SQLite default) and every module of
+    CHARLIE_TOOL_MODULES imported. Raises SchemaMissing or ImportError, each naming the fix.
+
+    On a server database only a schema never migrated stops the worker here: one behind this
+    code or past its floor is a rolling upgrade in progress, and the worker waits for it to fit
+    (presence.wait_until_schema_fits), saying why in its heartbeat."""
+    if s.is_sqlite:
+        _database_ready(s)
+    else:
+        home.prepare(s.home)
+        fit = schema_fit(database_engine(s))
+        if fit.fit is SchemaFit.NOT_MIGRATED:
+            raise SchemaMissing(
+                f"the database has no Charlie schema (this code needs {fit.code}): run "
+                "`charlie db upgrade` first"
+            )
     import_tool_modules(s.tool_modules)
+
+
+def database_engine(s: Settings) -> Engine:
+    """This process's engine, its pool bounded by CHARLIE_DB_POOL_SIZE and
+    CHARLIE_DB_MAX_OVERFLOW (the connection budget)."""
+    return get_engine(s.database_url, PoolLimits(s.db_pool_size, s.db_max_overflow))
 
 
 def _database_ready(s: Settings) -> Engine:
     home.prepare(s.home)
+    engine = database_engine(s)  # made first, so that the pool has the configured limits
     ensure_schema(s.database_url, auto_upgrade=s.is_sqlite, lock_dir=s.home)
-    return get_engine(s.database_url)
+    return engine
 
 
 def get_producer() -> Producer:

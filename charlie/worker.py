@@ -18,6 +18,9 @@ producer that only submits never imports it.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import socket
 from typing import Any
 
 from celery import Task
@@ -40,9 +43,10 @@ from charlie.app import app
 from charlie.config import settings
 from charlie.domain import Channel, Origin, Phase
 from charlie.executor import tick
-from charlie.presence import Presence
+from charlie.presence import Presence, wait_until_schema_fits
 from charlie.runtime import get_runtime
 from charlie.store.engine import SchemaMissing
+from charlie.store.revisions import SchemaCheck
 from charlie.store.types import DatabaseUnavailable
 
 INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
@@ -272,6 +276,31 @@ def _structured_logs(logger: logging.Logger, **_: Any) -> None:
 
 
 @celeryd_after_setup.connect
+def _wait_for_schema(sender: Any = None, **_: Any) -> None:
+    # Rolling upgrades: before it consumes anything, a worker whose code does not fit the
+    # database's schema (newer: `charlie db upgrade` has not run yet; older than the schema's
+    # floor) waits, saying why in its log and in its heartbeat (`charlie doctor`). The embedded
+    # database is migrated by the worker itself (runtime).
+    import threading
+
+    s = settings()
+    if s.is_sqlite:
+        return
+    node = str(sender) if sender else f"{socket.gethostname()}:{os.getpid()}"
+    wait_until_schema_fits(runtime.database_engine(s), node, threading.Event())
+
+
+def _stop_claiming(fit: SchemaCheck) -> None:
+    # A `charlie db upgrade` raised the schema's floor past this worker's code: a warm
+    # shutdown (the running tasks finish, nothing more is taken); restarted with the same code,
+    # the worker waits in _wait_for_schema, listed by `charlie doctor`.
+    logging.getLogger("charlie.presence").error(
+        "stopping: this worker's code no longer fits the database (%s)", fit.why
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+@celeryd_after_setup.connect
 def _list_mcp_tools(**_: Any) -> None:
     # After logging is set up, before the pool forks: list the MCP servers' tools once, in the
     # main process, so every pool process inherits them (and the SDK, imported) instead of
@@ -351,7 +380,22 @@ def _ready(sender: Any = None, **_: Any) -> None:
     # The main process says it is alive, and what it consumes, for `charlie doctor`.
     queues = [q.name for q in getattr(getattr(sender, "task_consumer", None), "queues", [])]
     node = getattr(sender, "hostname", None) or rt.worker
-    rt.presence = Presence(rt.engine, node, queues).start()
+    on_unfit = None if rt.settings.is_sqlite else _stop_claiming
+    rt.presence = Presence(
+        rt.engine, node, queues, on_unfit=on_unfit, connections=_connection_budget(sender, rt)
+    ).start()
+
+
+def _connection_budget(consumer: Any, rt: runtime.Runtime) -> int:
+    """The most database connections this worker may hold: each process's pool
+    (CHARLIE_DB_POOL_SIZE + CHARLIE_DB_MAX_OVERFLOW) times its processes (a prefork pool's
+    children and the main process; threads share one pool)."""
+    controller = getattr(consumer, "controller", None)
+    pool_cls = getattr(controller, "pool_cls", None)
+    concurrency = int(getattr(controller, "concurrency", 0) or 0)
+    prefork = str(getattr(pool_cls, "__module__", "")).endswith("prefork")
+    processes = concurrency + 1 if prefork and concurrency else 1
+    return processes * (rt.settings.db_pool_size + rt.settings.db_max_overflow)
 
 
 #: a running task's trace context, entered at its prerun and left at its postrun

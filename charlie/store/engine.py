@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -79,15 +80,47 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
-def _server_engine(url: str) -> Engine:
+@dataclass(frozen=True)
+class PoolLimits:
+    """How many connections one process's engine may hold to a server database: ``size`` kept
+    open, plus up to ``overflow`` opened under load and closed when returned
+    (CHARLIE_DB_POOL_SIZE, CHARLIE_DB_MAX_OVERFLOW). The fleet's connection budget is the sum
+    over its processes (docs/production/pgbouncer.md)."""
+
+    size: int = 5
+    overflow: int = 10
+
+    @property
+    def most(self) -> int:
+        return self.size + self.overflow
+
+
+def server_connect_args(url: str) -> dict[str, Any]:
+    """Driver arguments that keep every connection safe behind a transaction-pooling PgBouncer,
+    where consecutive transactions of one client may run on different server connections.
+
+    psycopg 3 prepares a statement on the server after its fifth execution and then refers to
+    it by name (``_pg3_0``); on another server connection that name does not exist, or names
+    another client's statement ("bind message supplies 28 parameters, but prepared statement
+    "_pg3_1" requires 7"). ``prepare_threshold=None`` turns server-side prepares off. psycopg2
+    never prepares on the server. Nothing else Charlie does outlives a transaction: no SET
+    (isolation levels ride on BEGIN), no advisory lock, LISTEN or temporary table, and the pool
+    rolls a connection back when it is returned."""
+    if make_url(url).get_dialect().driver == "psycopg":
+        return {"prepare_threshold": None}
+    return {}
+
+
+def _server_engine(url: str, pool: PoolLimits) -> Engine:
     # LIFO: a busy worker keeps reusing its warm connection, and the others age out.
     engine = create_engine(
         url,
-        pool_size=5,
-        max_overflow=10,
+        pool_size=pool.size,
+        max_overflow=pool.overflow,
         pool_use_lifo=True,
         pool_recycle=1800,
         hide_parameters=True,  # see _sqlite_engine
+        connect_args=server_connect_args(url),
     )
 
     def ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
@@ -160,12 +193,17 @@ def database_identity(conn: Connection) -> object:
     return conn.info.get(IDENTITY)
 
 
-def get_engine(url: str) -> Engine:
-    """One engine per URL per process (the engine is the pool; it is this process's state)."""
+def get_engine(url: str, pool: PoolLimits | None = None) -> Engine:
+    """One engine per URL per process (the engine is the pool; it is this process's state).
+    ``pool``: its limits on a server database, taken by the call that makes the engine (a
+    process's runtime makes it first, with its settings)."""
     with _engines_lock:
         engine = _engines.get(url)
         if engine is None:
-            engine = _sqlite_engine(url) if url.startswith("sqlite") else _server_engine(url)
+            if url.startswith("sqlite"):
+                engine = _sqlite_engine(url)
+            else:
+                engine = _server_engine(url, pool or PoolLimits())
             _engines[url] = engine
         return engine
 
@@ -301,9 +339,16 @@ def ensure_schema(url: str, *, auto_upgrade: bool, lock_dir: Path | None = None)
     head = head_revision()
     if current_revision(url) != head:
         if not auto_upgrade:
+            from charlie.store.revisions import check_schema
+
+            with get_engine(url).connect() as conn:
+                fit = check_schema(conn)
+            if fit.can_claim:  # a newer schema this code still works on (rolling upgrades)
+                _migrated.add(url)
+                return
             raise SchemaMissing(
-                f"the database {make_url(url).render_as_string(hide_password=True)} is not at "
-                f"Charlie's schema revision {head}; run `charlie db upgrade` first"
+                f"the database {make_url(url).render_as_string(hide_password=True)} does not "
+                f"fit this code: {fit.why}"
             )
         lock_path = (lock_dir or Path(".")) / ".migrate.lock"
         lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -319,6 +364,7 @@ def ensure_schema(url: str, *, auto_upgrade: bool, lock_dir: Path | None = None)
 
 
 __all__ = [
+    "PoolLimits",
     "again_if_disconnected",
     "database_identity",
     "dispose_after_fork",
@@ -326,6 +372,7 @@ __all__ = [
     "get_engine",
     "read",
     "retried_if_disconnected",
+    "server_connect_args",
     "sqlstate",
     "upgrade",
     "write",

@@ -300,6 +300,18 @@ class Heartbeat(Base):
     detail: Mapped[str | None] = mapped_column(Text, default=None)
 
 
+class SchemaFloor(Base):
+    """The oldest code revision that can still run on this schema (one row, or none: every
+    migration so far only added, so older code keeps working). A migration that removes or
+    changes what older code uses (a contract step) raises it; a worker whose code does not
+    know the floor's revision stops claiming work (charlie.store.revisions)."""
+
+    __tablename__ = "schema_floor"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    revision: Mapped[str] = mapped_column(String(32))
+
+
 # The Core tables the hot path uses (the ORM classes above are their typed description).
 tasks = cast(Table, Task.__table__)
 executions = cast(Table, Execution.__table__)
@@ -309,3 +321,4 @@ transitions = cast(Table, TransitionRecord.__table__)
 heartbeats = cast(Table, Heartbeat.__table__)
 messages = cast(Table, Message.__table__)
 operator_actions = cast(Table, OperatorAction.__table__)
+schema_floor = cast(Table, SchemaFloor.__table__)

@@ -31,6 +31,7 @@ import charlie
 from charlie import api
 from charlie.config import settings
 from charlie.domain import Phase, TaskStatus
+from charlie.store.engine import server_connect_args
 from tests.conftest import model_calls, wait_for
 from tests.integration.test_loop import assert_every_call_has_one_result
 from tests.support.cluster import Cluster
@@ -125,7 +126,9 @@ def test_never_started_calls_lost_with_their_messages_start_normally(
 def pg_monitor() -> Iterator[Callable[[], dict[tuple[int, datetime], dict[str, Any]]]]:
     """A sampler of the open transactions of every other backend on the test database, with
     the transaction-id and tuple locks each holds."""
-    engine = create_engine(settings().database_url, isolation_level="AUTOCOMMIT")
+    # (through a PgBouncer too: no statement prepared on the server, server_connect_args)
+    url = settings().database_url
+    engine = create_engine(url, isolation_level="AUTOCOMMIT", connect_args=server_connect_args(url))
     query = text(
         """
         SELECT a.pid, a.xact_start, a.state, a.application_name, a.backend_xid::text AS xid,
@@ -422,8 +425,10 @@ def run_row_held(execution_id: str) -> Iterator[Callable[[], int]]:
     is held and the sweeps only run side by side)."""
     url = settings().database_url
     if url.startswith("postgresql"):
-        engine = create_engine(url)
-        monitor = create_engine(url, isolation_level="AUTOCOMMIT")
+        engine = create_engine(url, connect_args=server_connect_args(url))
+        monitor = create_engine(
+            url, isolation_level="AUTOCOMMIT", connect_args=server_connect_args(url)
+        )
         waiting = text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
             "AND wait_event_type = 'Lock'"

@@ -90,6 +90,25 @@ def recreate_postgres_database(url: str) -> None:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{target.database}" WITH (FORCE)'))
         conn.execute(text(f'CREATE DATABASE "{target.database}"'))
     admin.dispose()
+    # Through a PgBouncer, a login it tried between the drop and the create failed, and it
+    # refuses logins to the database for server_login_retry: wait until one succeeds.
+    from sqlalchemy import pool
+    from sqlalchemy.exc import OperationalError
+
+    probe = create_engine(url, poolclass=pool.NullPool)
+    deadline = time.monotonic() + 20
+    try:
+        while True:
+            try:
+                with probe.connect() as conn:
+                    conn.execute(text("SELECT 1"))
+                return
+            except OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+    finally:
+        probe.dispose()
 
 
 def flush_redis(url: str) -> None:

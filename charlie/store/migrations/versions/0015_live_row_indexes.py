@@ -8,7 +8,7 @@ grew with the tables, see scripts/bench.py --only growth). Each index holds the 
 so it stays as small as the work in flight.
 
 Revision ID: 0015
-Revises: 0011
+Revises: 0014
 Create Date: 2026-12-04
 """
 
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0015"
-down_revision = "0011"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 
