@@ -282,14 +282,21 @@ def submit(
     metadata: JSON | None = None,
     approve: list[str] | None = None,
     budget: JSON | None = None,
+    priority: int = 0,
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
     id again returns it without starting a second run. ``approve``: tool names whose calls in
     this task wait for a person's approve (or deny) before they are dispatched (I23).
     ``budget``: ``{"tokens": N, "usd": X, "model_calls": K}``, any of them, over the defaults
     of CHARLIE_BUDGET_* (a limit given as None drops its default); stored on the task, checked
-    before every model call: the task fails rather than call its model past it."""
+    before every model call: the task fails rather than call its model past it.
+    ``priority``: a whole number, higher first, that orders this task's model calls among those
+    waiting for a provider limit's capacity (CHARLIE_MODEL_LIMITS); 0 by default."""
     rt = get_producer()
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidSubmission(f"priority must be a whole number, got {priority!r}")
+    if not -1000 <= priority <= 1000:
+        raise InvalidSubmission(f"priority must be between -1000 and 1000, got {priority}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidSubmission("prompt must be a non-empty string")
     size = len(prompt.encode())
@@ -364,6 +371,7 @@ def submit(
             metadata=metadata,
             approve=approve,
             budget=budget,
+            priority=priority,
         )
 
     submitted = again_if_disconnected(save, "submit a task")

@@ -222,6 +222,13 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
     help="A tool whose calls wait for `charlie approve` before they run (repeatable).",
 )
 @_budget_options
+@click.option(
+    "--priority",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Higher goes first among model calls waiting for a provider limit (CHARLIE_MODEL_LIMITS).",
+)
 @click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
 def submit(
     prompt: str,
@@ -234,6 +241,7 @@ def submit(
     budget_tokens: int | None,
     budget_usd: float | None,
     budget_model_calls: int | None,
+    priority: int,
     wait_: bool,
 ) -> None:
     """Submit a task and print its id."""
@@ -251,6 +259,7 @@ def submit(
             metadata=metadata,
             approve=list(approve) or None,
             budget=_budget(budget_tokens, budget_usd, budget_model_calls),
+            priority=priority,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine
 
 from charlie import home
+from charlie.capacity import FleetLimits
 from charlie.config import Settings, settings
 from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
+from charlie.limits import limit_table
 from charlie.models import Model, resolve_model
 from charlie.observe import NOOP, Observer
-from charlie.ports import PhaseDeps, PhaseLimits
+from charlie.ports import NO_LIMITS, CapacityPort, PhaseDeps, PhaseLimits
 from charlie.presence import Presence
 from charlie.scheduler import DbScheduler
 from charlie.store import scans
@@ -165,6 +167,22 @@ class Runtime(Producer):
                 report_retries=s.report_retries,
             ),
             events=self.events,
+            capacity=self.capacity(),
+        )
+
+    def capacity(self) -> CapacityPort:
+        """The provider limits the fleet keeps; none declared, nothing is counted."""
+        s = self.settings
+        table = limit_table(s.model_limits)
+        if not table:
+            return NO_LIMITS
+        publisher = self.publisher
+        return FleetLimits(
+            self.engine,
+            table,
+            lambda xid, version: publisher.tick(xid, Phase.CALL_MODEL, version),
+            s.lease_seconds,
+            s.stall_seconds,
         )
 
 

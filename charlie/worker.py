@@ -141,6 +141,7 @@ def submit_task(
     metadata: dict[str, object] | None = None,
     approve: list[str] | None = None,
     budget: dict[str, object] | None = None,
+    priority: int = 0,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
     ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
@@ -164,6 +165,7 @@ def submit_task(
             metadata=metadata,
             approve=approve,
             budget=budget,
+            priority=priority,
         )
 
 

@@ -16,6 +16,7 @@ maps to and from:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,6 +76,9 @@ class ModelRequest:
     tools: list[ToolSpec]
     #: where a streaming client sends deltas as they arrive (not part of the request's identity)
     deltas: Deltas = field(default=NO_DELTAS, compare=False, repr=False)
+    #: told the seconds a provider asked to wait (a 429 or 529 with retry-after), so every
+    #: caller of its limit waits, fleet-wide, not only this call (charlie/capacity.py)
+    throttled: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

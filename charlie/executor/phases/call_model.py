@@ -28,8 +28,11 @@ from charlie.domain import (
     Transition,
 )
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
-from charlie.ports import PhaseDeps
+from charlie.ports import CapacityWait, PhaseDeps
 from charlie.tools.registry import ToolRegistry
+
+#: what a run's state holds only while its model call is retried or waits for capacity
+_CALL_STATE = ("model_retries", "last_model_error", "capacity")
 
 #: messages: its boundary takes in any that wait before the model is called (I22, boundary.
 #: take_mail); read only when the claim counts some, so a steady turn reads no mailbox
@@ -129,18 +132,47 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
             status="abandoned",
             reason="its worker stopped before the answer was recorded; the call is repeated",
         )
+    # A provider limit the fleet keeps may hold the call back: the run waits with a stored
+    # wake-up, holding no worker and no lease (I30); no limit, no statement.
+    slot = deps.capacity.acquire(view, task.model, request)
+    if isinstance(slot, CapacityWait):
+        return _wait_for_capacity(view, slot)
+    if slot is not None:
+        held = slot
+        request = replace(request, throttled=lambda s: deps.capacity.throttled(held, s))
     if deps.events.enabled:
         stream.start(model=task.model, attempt=view.attempts, retry=retries)
         request = replace(request, deltas=stream)
     try:
         response = model.complete(request)
     except BaseException as exc:
+        deps.capacity.release(slot, None)
         stream.end("abandoned", f"{type(exc).__name__}: {exc}")
         if not isinstance(exc, TransientModelError):
             raise
         return _retry_later(view, deps, task.model, retries, exc)
+    deps.capacity.release(slot, response.usage)
     stream.end("completed")
     return _transition(view, deps, response)
+
+
+def _wait_for_capacity(view: RunView, wait: CapacityWait) -> Transition:
+    """Wait as a stored wake-up (the sweep, or the release of a slot, publishes the tick
+    again), never in a tick; the wait is not a failed attempt of the model."""
+    capacity = {
+        "limit": wait.limit,
+        "reason": wait.reason,
+        "in_flight": wait.in_flight,
+        "waiting": wait.waiting,
+        "until": wait.until.isoformat(),
+    }
+    return Transition(
+        to=None,
+        state={**view.state, "capacity": capacity},
+        wake_at=wait.until,
+        publish_next=False,
+        note=wait.describe(),
+    )
 
 
 def _retry_later(
@@ -155,7 +187,11 @@ def _retry_later(
     # A long wait is stored as a wake-up time for the sweep, never slept in a tick.
     return Transition(
         to=None,
-        state={**view.state, "model_retries": retries + 1, "last_model_error": str(exc)},
+        state={
+            **{k: v for k, v in view.state.items() if k != "capacity"},
+            "model_retries": retries + 1,
+            "last_model_error": str(exc),
+        },
         wake_at=view.now + timedelta(seconds=delay),
         publish_next=False,
         note=f"model transient failure, retry in {delay:.1f}s",
@@ -174,7 +210,7 @@ def _transition(view: RunView, deps: PhaseDeps, response: ModelResponse) -> Tran
             calls.append(plan_call(len(calls), item, task.tools, deps.tools, task.approve))
         items.append(item)
 
-    state = {k: v for k, v in view.state.items() if k not in ("model_retries", "last_model_error")}
+    state = {k: v for k, v in view.state.items() if k not in _CALL_STATE}
     usage = response.usage.as_dict()
     repeats = max(0, view.attempts - 1)
     # A fork starts at this phase, its task still queued: its first model call starts it.

@@ -1,0 +1,133 @@
+"""The provider limits the fleet keeps, as the phases' CapacityPort (I30).
+
+Before a limited model call, one short transaction locks the limit's row, counts what is in
+flight, sent in the last minute and waiting ahead, and either takes a slot or records the run
+as a waiter; the call_model phase then waits with a stored wake-up, holding no worker and no
+lease. After the call, another releases the slot (its tokens corrected by the reported usage)
+and publishes the tick of the next waiter in line, so a freed slot is taken at once rather than
+at the next sweep. A provider's 429 (or 529) pauses every caller of the limit, fleet-wide.
+Nothing is held across the model call: the slot's liveness is its run's lease (store.limits).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+from sqlalchemy import Engine
+
+from charlie.domain import RunView, utcnow
+from charlie.limits import LimitTable, decide, estimate_tokens, limit_for
+from charlie.models.base import ModelRequest, Usage
+from charlie.ports import CapacitySlot, CapacityWait
+from charlie.store import limits as store
+from charlie.store.engine import write
+
+log = logging.getLogger("charlie.capacity")
+
+
+def request_size(request: ModelRequest) -> int:
+    """The characters a request sends: what its tokens are estimated from."""
+    items = sum(len(json.dumps(item.payload, default=str)) for item in request.items)
+    return items + len(json.dumps(request.tools, default=str))
+
+
+class FleetLimits:
+    """The CapacityPort over the database every worker shares."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        table: LimitTable,
+        wake: Callable[[str, int], object],
+        lease_seconds: float,
+        stall_seconds: float,
+    ) -> None:
+        self.engine = engine
+        self.table = table
+        self.wake = wake
+        #: when a waiter for a held slot looks again by itself (a release wakes it sooner);
+        #: a slot whose holder died lapses within a lease, so a lease is the longest wait
+        self.fallback = timedelta(seconds=max(0.5, lease_seconds))
+        #: a waiter that stopped asking this long ago holds no one back (its run was stopped,
+        #: or its wake-up is late): a few of its own waits, and a stalled sweep's
+        self.stale = self.fallback * 3 + timedelta(seconds=2 * stall_seconds)
+        #: a waiter woken this recently is not woken again: the next release wakes the next
+        self.woken_grace = timedelta(seconds=max(1.0, lease_seconds / 2))
+
+    def acquire(
+        self, view: RunView, model: str, request: ModelRequest
+    ) -> CapacitySlot | CapacityWait | None:
+        limit = limit_for(model, self.table)
+        if limit is None:
+            return None
+        tokens = estimate_tokens(request_size(request)) if limit.tpm is not None else 0
+        with write(self.engine) as conn:
+            now = utcnow()
+            paused = store.lock_limit(conn, limit.key)
+            counted, priority, since = store.count(
+                conn, limit.key, view.execution_id, view.task.id, now, self.stale, paused
+            )
+            verdict = decide(limit, counted, tokens, self.fallback)
+            if verdict.wake_at is None:
+                slot_id = store.take_slot(
+                    conn,
+                    limit.key,
+                    view.execution_id,
+                    view.version,
+                    view.attempts,
+                    tokens,
+                    now,
+                    waited=since is not None,
+                )
+                return CapacitySlot(limit.key, slot_id, tokens)
+            store.wait(conn, limit.key, view.execution_id, view.version, priority, since, now)
+        log.info(
+            "model call waits for capacity on %s (%s)",
+            limit.key,
+            verdict.reason,
+            extra={"execution_id": view.execution_id, "wake_at": verdict.wake_at.isoformat()},
+        )
+        return CapacityWait(
+            limit.key, verdict.wake_at, verdict.reason, counted.in_flight, counted.waiting + 1
+        )
+
+    def release(self, slot: CapacitySlot | None, usage: Usage | None) -> None:
+        if slot is None:
+            return
+        tokens = None if usage is None else usage.input_tokens + usage.output_tokens
+        try:
+            with write(self.engine) as conn:
+                woken = store.release(
+                    conn,
+                    slot.limit,
+                    slot.slot_id,
+                    tokens,
+                    utcnow(),
+                    self.stale,
+                    wake=1,
+                    woken_grace=self.woken_grace,
+                )
+        except Exception:
+            # Not released, the slot still lapses with the run's lease or its next claim
+            # (store.limits: a slot's liveness is its run's lease); the waiters' own wake-ups
+            # stand.
+            log.exception("could not release a slot of %s", slot.limit)
+            return
+        for waiter in woken:
+            self.wake(waiter.execution_id, waiter.version)
+
+    def throttled(self, slot: CapacitySlot, seconds: float) -> None:
+        until = utcnow() + timedelta(seconds=seconds)
+        log.warning(
+            "the provider of %s asked to wait %.1f s: every caller of the limit waits",
+            slot.limit,
+            seconds,
+        )
+        try:
+            with write(self.engine) as conn:
+                store.pause(conn, slot.limit, until)
+        except Exception:
+            log.exception("could not record the pause of %s", slot.limit)
