@@ -126,6 +126,10 @@ class TaskInfo:
     usage: dict[str, int]
     #: what a waiting task waits for from a person: questions, approvals, held calls (I25).
     waiting_for: list[WaitingFor] = field(default_factory=list)
+    #: a model call held back by a provider limit (CHARLIE_MODEL_LIMITS, I30), as its last
+    #: look at the limit saw it: "waiting for capacity on openai:gpt-4.1 (2 in flight, 14
+    #: waiting)"; None when it is not waiting for capacity
+    capacity: str | None = None
     #: the task's budget as stored at submit (``{"tokens": N, "usd": X, "model_calls": K}``,
     #: any of them), or None.
     budget: JSON | None = None
@@ -506,8 +510,24 @@ def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInf
             "cache_write_tokens": row.cache_write_tokens,
         },
         waiting_for=waiting_for or [],
+        capacity=_capacity(row),
         budget=row.budget,
         cost_usd=_cost(row),
+    )
+
+
+def _capacity(row: Any) -> str | None:
+    """What a run waiting for a provider limit's capacity waits for: its model call, at
+    call_model with no lease (a run that holds one has its slot, or is looking)."""
+    state = getattr(row, "x_state", None) or {}
+    waiting = state.get("capacity") if isinstance(state, dict) else None
+    if not isinstance(waiting, dict) or row.x_phase != Phase.CALL_MODEL.value:
+        return None
+    if getattr(row, "x_lease_owner", None) is not None:
+        return None
+    return (
+        f"waiting for capacity on {waiting.get('limit')} ({waiting.get('in_flight')} in "
+        f"flight, {waiting.get('waiting')} waiting)"
     )
 
 

@@ -578,6 +578,8 @@ def status(task_id: str) -> None:
         ("error", _short(info.error, 400) if info.error is not None else "-"),
     ]
     rows += [("waiting for", _short(w.describe(), 200)) for w in info.waiting_for]
+    if info.capacity:
+        rows.append(("waiting", info.capacity))
     for key, value in rows:
         _say(f"{key:>12}  {value}")
 
