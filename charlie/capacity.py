@@ -19,8 +19,16 @@ from datetime import timedelta
 from sqlalchemy import Engine
 
 from charlie.domain import RunView, utcnow
-from charlie.limits import LimitTable, decide, estimate_tokens, limit_for
+from charlie.limits import (
+    LimitTable,
+    decide,
+    estimate_tokens,
+    limit_for,
+    look_again_after,
+    stale_after,
+)
 from charlie.models.base import ModelRequest, Usage
+from charlie.observe import NOOP, Observer, safely
 from charlie.ports import CapacitySlot, CapacityWait
 from charlie.store import limits as store
 from charlie.store.engine import write
@@ -44,16 +52,15 @@ class FleetLimits:
         wake: Callable[[str, int], object],
         lease_seconds: float,
         stall_seconds: float,
+        observer: Callable[[], Observer] = lambda: NOOP,
     ) -> None:
         self.engine = engine
+        #: this process's telemetry, as it is when a call is made (installed after start)
+        self.observer = observer
         self.table = table
         self.wake = wake
-        #: when a waiter for a held slot looks again by itself (a release wakes it sooner);
-        #: a slot whose holder died lapses within a lease, so a lease is the longest wait
-        self.fallback = timedelta(seconds=max(0.5, lease_seconds))
-        #: a waiter that stopped asking this long ago holds no one back (its run was stopped,
-        #: or its wake-up is late): a few of its own waits, and a stalled sweep's
-        self.stale = self.fallback * 3 + timedelta(seconds=2 * stall_seconds)
+        self.fallback = look_again_after(lease_seconds)
+        self.stale = stale_after(lease_seconds, stall_seconds)
         #: a waiter woken this recently is not woken again: the next release wakes the next
         self.woken_grace = timedelta(seconds=max(1.0, lease_seconds / 2))
 
@@ -82,8 +89,18 @@ class FleetLimits:
                     now,
                     waited=since is not None,
                 )
-                return CapacitySlot(limit.key, slot_id, tokens)
-            store.wait(conn, limit.key, view.execution_id, view.version, priority, since, now)
+                slot = CapacitySlot(limit.key, slot_id, tokens)
+            else:
+                slot = None
+                store.wait(conn, limit.key, view.execution_id, view.version, priority, since, now)
+        observer = self.observer()
+        if slot is not None:
+            if observer.enabled:
+                safely(observer.model_limit, limit.key, "granted")
+            return slot
+        assert verdict.wake_at is not None
+        if observer.enabled:
+            safely(observer.model_limit, limit.key, "waited")
         log.info(
             "model call waits for capacity on %s (%s)",
             limit.key,
@@ -126,6 +143,9 @@ class FleetLimits:
             slot.limit,
             seconds,
         )
+        observer = self.observer()
+        if observer.enabled:
+            safely(observer.model_limit, slot.limit, "throttled")
         try:
             with write(self.engine) as conn:
                 store.pause(conn, slot.limit, until)

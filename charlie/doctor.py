@@ -190,7 +190,7 @@ class _Doctor:
     def model_limits(self, engine: Any) -> None:
         """CHARLIE_MODEL_LIMITS parsed, each limit shown, with what the fleet holds of it now
         (in flight, waiting, sent in the last minute, pauses the provider asked for)."""
-        from charlie.limits import LimitsError, parse_limits
+        from charlie.limits import LimitsError, parse_limits, stale_after
 
         try:
             table = parse_limits(self.s.model_limits)
@@ -202,13 +202,11 @@ class _Doctor:
             return
         held: dict[str, Any] = {}
         if engine is not None and self.schema_ok:
-            from datetime import timedelta
-
             from charlie.domain import utcnow
             from charlie.store import limits as store
             from charlie.store.engine import read
 
-            stale = timedelta(seconds=3 * self.s.lease_seconds + 2 * self.s.stall_seconds)
+            stale = stale_after(self.s.lease_seconds, self.s.stall_seconds)
             with read(engine) as conn:
                 held = {s.key: s for s in store.statuses(conn, utcnow(), stale)}
         parts = []

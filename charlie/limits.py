@@ -135,6 +135,18 @@ def limit_for(model: str, table: LimitTable) -> Limit | None:
     return table[max(prefixes, key=len)] if prefixes else None
 
 
+def look_again_after(lease_seconds: float) -> timedelta:
+    """When a call waiting for a held slot looks again by itself (a release wakes it sooner):
+    a slot whose holder died lapses within a lease, so a lease is the longest it waits."""
+    return timedelta(seconds=max(0.5, lease_seconds))
+
+
+def stale_after(lease_seconds: float, stall_seconds: float) -> timedelta:
+    """A waiter that stopped asking this long ago holds no one back (its run was stopped, or
+    its wake-up is late): a few of its own waits, and a stalled sweep's."""
+    return look_again_after(lease_seconds) * 3 + timedelta(seconds=2 * stall_seconds)
+
+
 def estimate_tokens(characters: int) -> int:
     """A request's tokens before it is sent, from its size (corrected after by its usage)."""
     return max(1, characters // CHARS_PER_TOKEN)

@@ -183,6 +183,7 @@ class Runtime(Producer):
             lambda xid, version: publisher.tick(xid, Phase.CALL_MODEL, version),
             s.lease_seconds,
             s.stall_seconds,
+            lambda: self.observer,
         )
 
 

@@ -27,9 +27,11 @@ from charlie.app import app
 from charlie.config import SWEEP_QUEUE, TICK_QUEUE
 from charlie.domain import JSON, Outcome, Phase, utcnow
 from charlie.executor.settle import report_call, settle_and_move
+from charlie.limits import stale_after
 from charlie.observe import SweepEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
+from charlie.store import limits as limits_store
 from charlie.store import scans
 from charlie.store.engine import read, write, write_one
 from charlie.store.heartbeats import SWEEP_NAMES, record_heartbeat
@@ -400,6 +402,12 @@ def fleet_gauges(rt: Runtime) -> dict[str, Any]:
     queue depths (each None where the broker cannot say)."""
     with read(rt.engine) as conn:
         found = scans.fleet_gauges(conn, utcnow(), timedelta(seconds=rt.settings.stall_seconds))
+        if rt.settings.model_limits:
+            stale = stale_after(rt.settings.lease_seconds, rt.settings.stall_seconds)
+            found["model_limits"] = {
+                s.key: (s.in_flight, s.waiting)
+                for s in limits_store.statuses(conn, utcnow(), stale)
+            }
     found["queue_depth"] = {queue: queue_depth(queue) for queue in GAUGE_QUEUES}
     return found
 

@@ -81,8 +81,8 @@ def count(
             .where(_w.limit_key == key, _w.execution_id == execution_id)
             .scalar_subquery(),
         ).where(tasks.c.id == task_id)
-    ).one()
-    priority, since = int(mine[0] or 0), mine[1]
+    ).first()
+    priority, since = (int(mine[0] or 0), mine[1]) if mine is not None else (0, None)
     my_since = since or now
     cutoff = now - WINDOW
     others_waiting = and_(_fresh_waiter(key, now, stale), _w.execution_id != execution_id)
