@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -59,6 +60,9 @@ class FleetLimits:
         self.observer = observer
         self.table = table
         self.wake = wake
+        #: the runs this process woke (handed_over), for it to run once its tick is done
+        self._handed: list[tuple[str, int]] = []
+        self._lock = threading.Lock()
         self.fallback = look_again_after(lease_seconds)
         self.stale = stale_after(lease_seconds, stall_seconds)
         #: a waiter woken this recently is not woken again: the next release wakes the next
@@ -75,7 +79,7 @@ class FleetLimits:
             now = utcnow()
             paused = store.lock_limit(conn, limit.key)
             counted, priority, since = store.count(
-                conn, limit.key, view.execution_id, view.task.id, now, self.stale, paused
+                conn, limit.key, view.execution_id, view.task.id, now, paused
             )
             verdict = decide(limit, counted, tokens, self.fallback)
             if verdict.wake_at is None:
@@ -92,7 +96,17 @@ class FleetLimits:
                 slot = CapacitySlot(limit.key, slot_id, tokens)
             else:
                 slot = None
-                store.wait(conn, limit.key, view.execution_id, view.version, priority, since, now)
+                expires = verdict.wake_at + self.stale
+                store.wait(
+                    conn,
+                    limit.key,
+                    view.execution_id,
+                    view.version,
+                    priority,
+                    since,
+                    now,
+                    expires,
+                )
         observer = self.observer()
         if slot is not None:
             if observer.enabled:
@@ -123,7 +137,6 @@ class FleetLimits:
                     slot.slot_id,
                     tokens,
                     utcnow(),
-                    self.stale,
                     wake=1,
                     woken_grace=self.woken_grace,
                 )
@@ -135,6 +148,13 @@ class FleetLimits:
             return
         for waiter in woken:
             self.wake(waiter.execution_id, waiter.version)
+        with self._lock:
+            self._handed.extend((w.execution_id, w.version) for w in woken)
+
+    def handed_over(self) -> list[tuple[str, int]]:
+        with self._lock:
+            handed, self._handed = self._handed, []
+        return handed
 
     def throttled(self, slot: CapacitySlot, seconds: float) -> None:
         until = utcnow() + timedelta(seconds=seconds)

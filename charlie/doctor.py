@@ -190,7 +190,7 @@ class _Doctor:
     def model_limits(self, engine: Any) -> None:
         """CHARLIE_MODEL_LIMITS parsed, each limit shown, with what the fleet holds of it now
         (in flight, waiting, sent in the last minute, pauses the provider asked for)."""
-        from charlie.limits import LimitsError, parse_limits, stale_after
+        from charlie.limits import LimitsError, parse_limits
 
         try:
             table = parse_limits(self.s.model_limits)
@@ -206,9 +206,8 @@ class _Doctor:
             from charlie.store import limits as store
             from charlie.store.engine import read
 
-            stale = stale_after(self.s.lease_seconds, self.s.stall_seconds)
             with read(engine) as conn:
-                held = {s.key: s for s in store.statuses(conn, utcnow(), stale)}
+                held = {s.key: s for s in store.statuses(conn, utcnow())}
         parts = []
         for key, limit in sorted(table.items()):
             line = f"{key} {limit.describe()}"

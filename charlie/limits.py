@@ -31,6 +31,8 @@ LIMIT_KEYS = ("concurrency", "rpm", "tpm")
 #: the window rpm and tpm are counted over: a minute, and a second more, because a request is
 #: counted from when its slot was taken, a little before the provider sees it arrive.
 WINDOW = timedelta(seconds=61)
+#: a caller far back in line looks again by itself after at most this many leases
+MAX_ROUNDS = 12
 #: roughly how many characters of a request make one token (the estimate before the call).
 CHARS_PER_TOKEN = 4
 
@@ -188,7 +190,11 @@ def decide(limit: Limit, counted: Counted, tokens: int, fallback: timedelta) -> 
     if limit.concurrency is not None:
         free = limit.concurrency - counted.in_flight
         if free <= counted.ahead:
-            return Verdict(now + fallback, f"{counted.in_flight} in flight")
+            # A release wakes the next in line; by itself a caller looks again after a lease
+            # (a dead holder's slot has lapsed by then), later the further back it is, so a
+            # long line does not all wake at once to find its place unchanged.
+            rounds = min(MAX_ROUNDS, 1 + counted.ahead // limit.concurrency)
+            return Verdict(now + fallback * rounds, f"{counted.in_flight} in flight")
     if limit.rpm is not None:
         free = limit.rpm - counted.recent
         if free <= counted.ahead:

@@ -65,6 +65,12 @@ class CapacityPort(Protocol):
 
     def throttled(self, slot: CapacitySlot, seconds: float) -> None: ...
 
+    def handed_over(self) -> list[tuple[str, int]]:
+        """The runs (execution id, version) whose call_model this process woke by releasing a
+        slot since it last asked, cleared: the worker may run them itself once its own tick
+        is done (their ticks were published too; the later one is stale, I2)."""
+        ...
+
 
 class NoLimits:
     """No limit declared: every call goes, nothing is counted."""
@@ -79,6 +85,9 @@ class NoLimits:
 
     def throttled(self, slot: CapacitySlot, seconds: float) -> None:
         return None
+
+    def handed_over(self) -> list[tuple[str, int]]:
+        return []
 
 
 NO_LIMITS = NoLimits()

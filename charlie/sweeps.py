@@ -27,7 +27,6 @@ from charlie.app import app
 from charlie.config import SWEEP_QUEUE, TICK_QUEUE
 from charlie.domain import JSON, Outcome, Phase, utcnow
 from charlie.executor.settle import report_call, settle_and_move
-from charlie.limits import stale_after
 from charlie.observe import SweepEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
@@ -403,10 +402,8 @@ def fleet_gauges(rt: Runtime) -> dict[str, Any]:
     with read(rt.engine) as conn:
         found = scans.fleet_gauges(conn, utcnow(), timedelta(seconds=rt.settings.stall_seconds))
         if rt.settings.model_limits:
-            stale = stale_after(rt.settings.lease_seconds, rt.settings.stall_seconds)
             found["model_limits"] = {
-                s.key: (s.in_flight, s.waiting)
-                for s in limits_store.statuses(conn, utcnow(), stale)
+                s.key: (s.in_flight, s.waiting) for s in limits_store.statuses(conn, utcnow())
             }
     found["queue_depth"] = {queue: queue_depth(queue) for queue in GAUGE_QUEUES}
     return found

@@ -945,6 +945,14 @@ class Cell:
             self.start_worker()
         arrivals = sorted(at for at, _ in limit.admitted)
         allowed = concurrency / latency
+        quarters = [
+            arrivals[i * len(arrivals) // 4 : (i + 1) * len(arrivals) // 4] for i in range(4)
+        ]
+        filled = [
+            f"{(len(q) - 1) / (q[-1] - q[0]) / allowed:.0%}" if len(q) > 1 and q[-1] > q[0] else "-"
+            for q in quarters
+        ]
+        progress(f"limits: requests/s against the allowed, by quarter of the run: {filled}")
         rate = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
         self.results.add("limits.refusals", limit.refusals)
         self.results.add("limits.peak", limit.peak)

@@ -325,8 +325,7 @@ class LimitSlot(Base):
 
 class LimitWaiter(Base):
     """A run whose model call waits for capacity: it holds no lease and no worker (I30); the
-    order callers go in (priority, then since), and when it last asked (a waiter that stopped
-    asking no longer holds anyone back)."""
+    order callers go in (priority, then since), and until when it holds its place."""
 
     __tablename__ = "limit_waiters"
     __table_args__ = (Index("ix_limit_waiters_order", "limit_key", "priority", "since"),)
@@ -336,7 +335,9 @@ class LimitWaiter(Base):
     version: Mapped[int] = mapped_column(Integer)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     since: Mapped[datetime]
-    seen_at: Mapped[datetime]
+    #: a waiter that has not asked again by then (its run stopped, its wake-up was lost)
+    #: holds no one back
+    expires_at: Mapped[datetime]
     #: when a release woke it (published its tick): the next release wakes the one after it
     woken_at: Mapped[datetime | None] = mapped_column(default=None)
 

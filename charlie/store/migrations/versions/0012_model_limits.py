@@ -45,7 +45,7 @@ def upgrade() -> None:
         sa.Column("version", sa.Integer(), nullable=False),
         sa.Column("priority", sa.Integer(), nullable=False),
         sa.Column("since", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("seen_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("woken_at", sa.DateTime(timezone=True), nullable=True),
     )
     op.create_index("ix_limit_waiters_order", "limit_waiters", ["limit_key", "priority", "since"])
