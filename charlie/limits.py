@@ -28,8 +28,9 @@ LIMITS_SETTING = "CHARLIE_MODEL_LIMITS"
 #: what a limits key may end at to be a prefix of specs (as a price table's).
 SEPARATORS = frozenset(":/-._@")
 LIMIT_KEYS = ("concurrency", "rpm", "tpm")
-#: the window rpm and tpm are counted over: a minute, and a second more, because a request is
-#: counted from when its slot was taken, a little before the provider sees it arrive.
+#: the window rpm and tpm are counted over: a minute, and a second more. A request counts for
+#: that long from when its slot was taken and from when it ended (store.limits): the provider
+#: counts it from its arrival, between the two.
 WINDOW = timedelta(seconds=61)
 #: a caller far back in line looks again by itself after at most this many leases
 MAX_ROUNDS = 12
@@ -160,7 +161,8 @@ class Counted:
 
     now: datetime
     in_flight: int
-    #: requests and tokens in the last WINDOW, and when the oldest of them was taken
+    #: requests and tokens that count (taken or ended in the last WINDOW), and the earliest
+    #: time one of them ended, or was taken if it has not: when it stops counting, less WINDOW
     recent: int
     recent_tokens: int
     oldest: datetime | None

@@ -51,9 +51,10 @@ limits
     (``tests/support/fake_openai.py``) that allows 4 requests in flight and 600 a minute and
     refuses any more with 429 and retry-after, as OpenAI does; 200 one-call tasks through a
     worker of 6 processes with the same limits declared: the provider's refusals, and the
-    throughput against what the provider allows (4 in flight / its latency: 200 requests stay
-    under the 600 a minute). Then the limiter's own cost per model call, uncontended, in this
-    process: the statements and milliseconds of taking and releasing a slot.
+    throughput against what the provider allows (4 in flight / its latency, 0.5 s or
+    ``BENCH_LIMITS_LATENCY``: 200 requests stay under the 600 a minute). Then the limiter's
+    own cost per model call, uncontended, in this process: the statements and milliseconds of
+    taking and releasing a slot.
 
 sandbox start (``--sandbox-start N``, alone: no backend, no worker)
     what the local ``run_command`` costs before the command does anything: a sandboxed ``true``
@@ -914,8 +915,10 @@ class Cell:
             usage_chat,
         )
 
-        latency = 0.5
+        # how long the provider takes to answer (BENCH_LIMITS_LATENCY, seconds)
+        latency = float(os.environ.get("BENCH_LIMITS_LATENCY", "0.5"))
         concurrency, rpm, n = 4, 600, 200
+        self.results.info["limits.latency_s"] = latency
 
         def answer(_request: Any) -> Reply:
             return Reply(200, chat_text("done", usage=usage_chat(10, 5)).body)
@@ -2163,7 +2166,11 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
         argv += ["--dbos-python", args.dbos_python]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLIE_", "BENCH_"))}
     env.update(
-        {k: os.environ[k] for k in ("BENCH_PG_DATABASE", "BENCH_REDIS_DB") if k in os.environ}
+        {
+            k: os.environ[k]
+            for k in ("BENCH_PG_DATABASE", "BENCH_REDIS_DB", "BENCH_LIMITS_LATENCY")
+            if k in os.environ
+        }
     )
     env.update(backend.env(home))
     env["CHARLIE_TOOL_MODULES"] = "_bench_support"

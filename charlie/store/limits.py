@@ -107,7 +107,10 @@ def _count_statement() -> Any:
         _w.priority > priority,
         and_(_w.priority == priority, _w.since < func.coalesce(since, _NOW)),
     )
-    recent = and_(_s.limit_key == _KEY, _s.taken_at > _CUTOFF)
+    # A request counts for a minute from when its slot was taken and for a minute after it
+    # ended: the provider counts it from its arrival, between the two, whatever the delay
+    # between taking the slot and sending (a client's first connection, a busy machine).
+    recent = and_(_s.limit_key == _KEY, or_(_s.taken_at > _CUTOFF, _s.released_at > _CUTOFF))
     return select(
         select(func.count())
         .select_from(_SLOTS_WITH_RUNS)
@@ -119,7 +122,10 @@ def _count_statement() -> Any:
         .where(recent)
         .scalar_subquery()
         .label("recent_tokens"),
-        select(func.min(_s.taken_at)).where(recent).scalar_subquery().label("oldest"),
+        select(func.min(func.coalesce(_s.released_at, _s.taken_at)))
+        .where(recent)
+        .scalar_subquery()
+        .label("oldest"),
         select(func.count())
         .select_from(_WAITERS_WITH_RUNS)
         .where(others, ahead)
