@@ -15,9 +15,9 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from charlie.domain import RunView, utcnow
 from charlie.limits import (
@@ -32,7 +32,7 @@ from charlie.models.base import ModelRequest, Usage
 from charlie.observe import NOOP, Observer, safely
 from charlie.ports import CapacitySlot, CapacityWait
 from charlie.store import limits as store
-from charlie.store.engine import write
+from charlie.store.engine import write, write_one
 
 log = logging.getLogger("charlie.capacity")
 
@@ -75,38 +75,40 @@ class FleetLimits:
         if limit is None:
             return None
         tokens = estimate_tokens(request_size(request)) if limit.tpm is not None else 0
-        with write(self.engine) as conn:
+        # First a look without the limit's lock: a call that has to wait (most of them, when
+        # many wait) records itself as a waiter without holding the lock every grant takes.
+        with write_one(self.engine) as conn:
             now = utcnow()
-            paused = store.lock_limit(conn, limit.key)
             counted, priority, since = store.count(
-                conn, limit.key, view.execution_id, view.task.id, now, paused
+                conn, limit.key, view.execution_id, view.task.id, now
             )
             verdict = decide(limit, counted, tokens, self.fallback)
-            if verdict.wake_at is None:
-                slot_id = store.take_slot(
-                    conn,
-                    limit.key,
-                    view.execution_id,
-                    view.version,
-                    view.attempts,
-                    tokens,
-                    now,
-                    waited=since is not None,
+            if verdict.wake_at is not None:
+                self._wait(conn, limit.key, view, verdict.wake_at, priority, since, now)
+        slot: CapacitySlot | None = None
+        if verdict.wake_at is None:
+            # It may go: look again holding the lock, so no two callers take one slot.
+            with write(self.engine) as conn:
+                now = utcnow()
+                store.lock_limit(conn, limit.key)
+                counted, priority, since = store.count(
+                    conn, limit.key, view.execution_id, view.task.id, now
                 )
-                slot = CapacitySlot(limit.key, slot_id, tokens)
-            else:
-                slot = None
-                expires = verdict.wake_at + self.stale
-                store.wait(
-                    conn,
-                    limit.key,
-                    view.execution_id,
-                    view.version,
-                    priority,
-                    since,
-                    now,
-                    expires,
-                )
+                verdict = decide(limit, counted, tokens, self.fallback)
+                if verdict.wake_at is None:
+                    slot_id = store.take_slot(
+                        conn,
+                        limit.key,
+                        view.execution_id,
+                        view.version,
+                        view.attempts,
+                        tokens,
+                        now,
+                        waited=since is not None,
+                    )
+                    slot = CapacitySlot(limit.key, slot_id, tokens)
+                else:
+                    self._wait(conn, limit.key, view, verdict.wake_at, priority, since, now)
         observer = self.observer()
         if slot is not None:
             if observer.enabled:
@@ -124,6 +126,19 @@ class FleetLimits:
         return CapacityWait(
             limit.key, verdict.wake_at, verdict.reason, counted.in_flight, counted.waiting + 1
         )
+
+    def _wait(
+        self,
+        conn: Connection,
+        key: str,
+        view: RunView,
+        wake_at: datetime,
+        priority: int,
+        since: datetime | None,
+        now: datetime,
+    ) -> None:
+        expires = wake_at + self.stale
+        store.wait(conn, key, view.execution_id, view.version, priority, since, now, expires)
 
     def release(self, slot: CapacitySlot | None, usage: Usage | None) -> None:
         if slot is None:

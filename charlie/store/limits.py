@@ -138,6 +138,7 @@ def _count_statement() -> Any:
         .label("waiting"),
         priority.label("priority"),
         since.label("since"),
+        select(_l.paused_until).where(_l.limit_key == _KEY).scalar_subquery().label("paused"),
     )
 
 
@@ -150,10 +151,10 @@ def count(
     execution_id: str,
     task_id: str,
     now: datetime,
-    paused_until: datetime | None,
 ) -> tuple[Counted, int, datetime | None]:
-    """What the limit holds now (the caller holds its row), seen from this run, in one
-    statement: (the counts, the task's priority, since when this run has waited, or None)."""
+    """What the limit holds now, seen from this run, in one statement: (the counts, the
+    task's priority, since when this run has waited, or None). Exact when the caller holds
+    the limit's row (lock_limit); without it, a look that may be a moment old."""
     row = conn.execute(
         _COUNT,
         {
@@ -172,7 +173,7 @@ def count(
         oldest=_aware(row.oldest),
         ahead=int(row.ahead),
         waiting=int(row.waiting),
-        paused_until=paused_until,
+        paused_until=_aware(row.paused),
     )
     return counted, int(row.priority or 0), _aware(row.since)
 
