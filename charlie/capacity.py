@@ -145,7 +145,9 @@ class FleetLimits:
             return
         tokens = None if usage is None else usage.input_tokens + usage.output_tokens
         try:
-            with write(self.engine) as conn:
+            # Each statement on its own (autocommit on a server database): what they do is
+            # idempotent, and a waiter two releases both pick is woken twice (one tick stale).
+            with write_one(self.engine) as conn:
                 woken = store.release(
                     conn,
                     slot.limit,
