@@ -77,6 +77,7 @@ class FleetLimits:
         tokens = estimate_tokens(request_size(request)) if limit.tpm is not None else 0
         # First a look without the limit's lock: a call that has to wait (most of them, when
         # many wait) records itself as a waiter without holding the lock every grant takes.
+        woken: list[store.Woken] = []
         with write_one(self.engine) as conn:
             now = utcnow()
             counted, priority, since = store.count(
@@ -85,6 +86,10 @@ class FleetLimits:
             verdict = decide(limit, counted, tokens, self.fallback)
             if verdict.wake_at is not None:
                 self._wait(conn, limit.key, view, verdict.wake_at, priority, since, now)
+                # Room is free while the callers ahead sleep: wake them to use it.
+                woken = store.next_in_line(
+                    conn, limit.key, now, verdict.wake_ahead, self.woken_grace
+                )
         slot: CapacitySlot | None = None
         if verdict.wake_at is None:
             # It may go: look again holding the lock, so no two callers take one slot.
@@ -109,6 +114,9 @@ class FleetLimits:
                     slot = CapacitySlot(limit.key, slot_id, tokens)
                 else:
                     self._wait(conn, limit.key, view, verdict.wake_at, priority, since, now)
+        if verdict.wake_at is not None:
+            for waiter in woken:
+                self.wake(waiter.execution_id, waiter.version)
         observer = self.observer()
         if slot is not None:
             if observer.enabled:

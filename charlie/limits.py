@@ -178,6 +178,9 @@ class Verdict:
 
     wake_at: datetime | None
     reason: str = ""
+    #: free room the callers ahead of this one are asleep on: wake this many of them, so the
+    #: room is used while this caller keeps its place behind them
+    wake_ahead: int = 0
 
 
 def decide(limit: Limit, counted: Counted, tokens: int, fallback: timedelta) -> Verdict:
@@ -189,6 +192,12 @@ def decide(limit: Limit, counted: Counted, tokens: int, fallback: timedelta) -> 
     if counted.paused_until is not None and counted.paused_until > now:
         return Verdict(counted.paused_until, "the provider asked to wait")
     window_end = (counted.oldest + WINDOW) if counted.oldest is not None else now + fallback
+    room = [
+        n - used
+        for n, used in ((limit.concurrency, counted.in_flight), (limit.rpm, counted.recent))
+        if n is not None
+    ]
+    wake_ahead = max(0, min(min(room, default=0), counted.ahead))
     if limit.concurrency is not None:
         free = limit.concurrency - counted.in_flight
         if free <= counted.ahead:
@@ -196,11 +205,13 @@ def decide(limit: Limit, counted: Counted, tokens: int, fallback: timedelta) -> 
             # (a dead holder's slot has lapsed by then), later the further back it is, so a
             # long line does not all wake at once to find its place unchanged.
             rounds = min(MAX_ROUNDS, 1 + counted.ahead // limit.concurrency)
-            return Verdict(now + fallback * rounds, f"{counted.in_flight} in flight")
+            reason = f"{counted.in_flight} in flight"
+            return Verdict(now + fallback * rounds, reason, wake_ahead)
     if limit.rpm is not None:
         free = limit.rpm - counted.recent
         if free <= counted.ahead:
-            return Verdict(max(window_end, now + timedelta(milliseconds=50)), "requests/min")
+            wake = max(window_end, now + timedelta(milliseconds=50))
+            return Verdict(wake, "requests/min", wake_ahead)
     if limit.tpm is not None:
         over = counted.recent_tokens > 0 and counted.recent_tokens + tokens > limit.tpm
         if over or (counted.ahead and counted.recent_tokens >= limit.tpm):

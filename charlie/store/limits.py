@@ -330,11 +330,18 @@ def release(
             )
         )
         conn.execute(delete(limit_waiters).where(_w.limit_key == key, _w.expires_at < now - FORGET))
+    return next_in_line(conn, key, now, wake, woken_grace)
+
+
+def next_in_line(
+    conn: Connection, key: str, now: datetime, wake: int, woken_grace: timedelta
+) -> list[Woken]:
+    """The first ``wake`` waiters of the limit free to run (no lease) and not woken in the
+    last ``woken_grace``, marked woken: the caller publishes their call_model ticks."""
     if wake <= 0:
         return []
-    rows = conn.execute(
-        _NEXT_IN_LINE, {**params, "b_woken": now - woken_grace, "b_wake": wake}
-    ).all()
+    params = {"b_key": key, "b_now": now, "b_woken": now - woken_grace, "b_wake": wake}
+    rows = conn.execute(_NEXT_IN_LINE, params).all()
     if rows:
         conn.execute(_MARK_WOKEN, {**params, "b_woken_ids": [r.execution_id for r in rows]})
     return [Woken(r.execution_id, r.version) for r in rows]
