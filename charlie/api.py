@@ -125,6 +125,10 @@ class TaskInfo:
     usage: dict[str, int]
     #: what a waiting task waits for from a person: questions, approvals, held calls (I25).
     waiting_for: list[WaitingFor] = field(default_factory=list)
+    #: a model call held back by a provider limit (CHARLIE_MODEL_LIMITS, I30), as its last
+    #: look at the limit saw it: "waiting for capacity on openai:gpt-4.1 (2 in flight, 14
+    #: waiting)"; None when it is not waiting for capacity
+    capacity: str | None = None
     #: the task's budget as stored at submit (``{"tokens": N, "usd": X, "model_calls": K}``,
     #: any of them), or None.
     budget: JSON | None = None
@@ -281,14 +285,21 @@ def submit(
     metadata: JSON | None = None,
     approve: list[str] | None = None,
     budget: JSON | None = None,
+    priority: int = 0,
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
     id again returns it without starting a second run. ``approve``: tool names whose calls in
     this task wait for a person's approve (or deny) before they are dispatched (I23).
     ``budget``: ``{"tokens": N, "usd": X, "model_calls": K}``, any of them, over the defaults
     of CHARLIE_BUDGET_* (a limit given as None drops its default); stored on the task, checked
-    before every model call: the task fails rather than call its model past it."""
+    before every model call: the task fails rather than call its model past it.
+    ``priority``: a whole number, higher first, that orders this task's model calls among those
+    waiting for a provider limit's capacity (CHARLIE_MODEL_LIMITS); 0 by default."""
     rt = get_producer()
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidSubmission(f"priority must be a whole number, got {priority!r}")
+    if not -1000 <= priority <= 1000:
+        raise InvalidSubmission(f"priority must be between -1000 and 1000, got {priority}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidSubmission("prompt must be a non-empty string")
     size = len(prompt.encode())
@@ -363,6 +374,7 @@ def submit(
             metadata=metadata,
             approve=approve,
             budget=budget,
+            priority=priority,
         )
 
     submitted = again_if_disconnected(save, "submit a task")
@@ -497,8 +509,24 @@ def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInf
             "cache_write_tokens": row.cache_write_tokens,
         },
         waiting_for=waiting_for or [],
+        capacity=_capacity(row),
         budget=row.budget,
         cost_usd=_cost(row),
+    )
+
+
+def _capacity(row: Any) -> str | None:
+    """What a run waiting for a provider limit's capacity waits for: its model call, at
+    call_model with no lease (a run that holds one has its slot, or is looking)."""
+    state = getattr(row, "x_state", None) or {}
+    waiting = state.get("capacity") if isinstance(state, dict) else None
+    if not isinstance(waiting, dict) or row.x_phase != Phase.CALL_MODEL.value:
+        return None
+    if getattr(row, "x_lease_owner", None) is not None:
+        return None
+    return (
+        f"waiting for capacity on {waiting.get('limit')} ({waiting.get('in_flight')} in "
+        f"flight, {waiting.get('waiting')} waiting)"
     )
 
 

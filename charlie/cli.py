@@ -223,6 +223,13 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
     help="A tool whose calls wait for `charlie approve` before they run (repeatable).",
 )
 @_budget_options
+@click.option(
+    "--priority",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Higher goes first among model calls waiting for a provider limit (CHARLIE_MODEL_LIMITS).",
+)
 @click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
 def submit(
     prompt: str,
@@ -235,6 +242,7 @@ def submit(
     budget_tokens: int | None,
     budget_usd: float | None,
     budget_model_calls: int | None,
+    priority: int,
     wait_: bool,
 ) -> None:
     """Submit a task and print its id."""
@@ -252,6 +260,7 @@ def submit(
             metadata=metadata,
             approve=list(approve) or None,
             budget=_budget(budget_tokens, budget_usd, budget_model_calls),
+            priority=priority,
         )
     except (ValueError, ImportError) as exc:  # ImportError: a CHARLIE_TOOL_MODULES module
         _fail(str(exc))
@@ -629,6 +638,8 @@ def status(task_id: str) -> None:
         ("error", _short(info.error, 400) if info.error is not None else "-"),
     ]
     rows += [("waiting for", _short(w.describe(), 200)) for w in info.waiting_for]
+    if info.capacity:
+        rows.append(("waiting", info.capacity))
     for key, value in rows:
         _say(f"{key:>12}  {value}")
 

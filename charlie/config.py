@@ -274,6 +274,10 @@ class Settings:
     #: ``charlie.pricing.price_table(settings.prices)``. Unset: scripted models cost 0, others
     #: have no known price (docs/models/index.md, Budgets and cost).
     prices: str | None = None
+    #: CHARLIE_MODEL_LIMITS: the provider limits the fleet keeps (concurrency, rpm, tpm per
+    #: model spec or prefix), inline JSON or a JSON file's path; read by
+    #: ``charlie.limits.limit_table(settings.model_limits)``.
+    model_limits: str | None = None
     #: default budget limits, applied at submit and stored on the task (and a ceiling for
     #: delegated children, whose budget is what their parent has left): None, none.
     budget_tokens: int | None = None
@@ -457,6 +461,7 @@ def load_settings() -> Settings:
         mcp_retry_seconds=_env_float("CHARLIE_MCP_RETRY_SECONDS", 30.0),
         mcp_max_message_bytes=_env_int("CHARLIE_MCP_MAX_MESSAGE_BYTES", 4 * 1024 * 1024),
         prices=os.environ.get("CHARLIE_PRICES", "").strip() or None,
+        model_limits=os.environ.get("CHARLIE_MODEL_LIMITS", "").strip() or None,
         budget_tokens=_env_limit_int("CHARLIE_BUDGET_TOKENS"),
         budget_usd=_env_limit_float("CHARLIE_BUDGET_USD"),
         budget_model_calls=_env_limit_int("CHARLIE_BUDGET_MODEL_CALLS"),

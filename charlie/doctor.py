@@ -98,6 +98,7 @@ class _Doctor:
         else:
             self.add("broker", "skip", "not checked: this process cannot sign its messages")
         self.tools()
+        self.model_limits(engine)
         self.mcp()
         self.sandbox()
         self.devbox()
@@ -185,6 +186,41 @@ class _Doctor:
                 f"({fit.code}): workers of this code claim no work",
                 "upgrade Charlie on this machine (pip install -U charlie)",
             )
+
+    # -- provider limits ---------------------------------------------------------------------
+
+    def model_limits(self, engine: Any) -> None:
+        """CHARLIE_MODEL_LIMITS parsed, each limit shown, with what the fleet holds of it now
+        (in flight, waiting, sent in the last minute, pauses the provider asked for)."""
+        from charlie.limits import LimitsError, parse_limits
+
+        try:
+            table = parse_limits(self.s.model_limits)
+        except LimitsError as exc:
+            self.add("model limits", "FAIL", str(exc), "fix CHARLIE_MODEL_LIMITS")
+            return
+        if not table:
+            self.add("model limits", "ok", "none declared (CHARLIE_MODEL_LIMITS): no call waits")
+            return
+        held: dict[str, Any] = {}
+        if engine is not None and self.schema_ok:
+            from charlie.domain import utcnow
+            from charlie.store import limits as store
+            from charlie.store.engine import read
+
+            with read(engine) as conn:
+                held = {s.key: s for s in store.statuses(conn, utcnow())}
+        parts = []
+        for key, limit in sorted(table.items()):
+            line = f"{key} {limit.describe()}"
+            now = held.get(key)
+            if now is not None:
+                line += (
+                    f" (now {now.in_flight} in flight, {now.waiting} waiting, {now.recent} in "
+                    f"the last minute, {now.throttles} pause(s) asked by the provider)"
+                )
+            parts.append(line)
+        self.add("model limits", "ok", "; ".join(parts))
 
     # -- the broker --------------------------------------------------------------------------
 

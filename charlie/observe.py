@@ -150,6 +150,11 @@ class Observer:
         claim; ``settle_held``: a published call's settle), ``applied`` False when its rows
         were not as predicted and the steps were written one by one instead."""
 
+    def model_limit(self, limit: str, event: str) -> None:
+        """A provider limit the fleet keeps (CHARLIE_MODEL_LIMITS, I30) let a model call
+        through (``granted``), held it back (``waited``), or its provider refused one for load
+        and asked the fleet to pause (``throttled``: a 429 or 529)."""
+
     def gauges(self, read: Callable[[], dict[str, Any]]) -> None:
         """A sweep offers the fleet's gauges; ``read`` queries the database, so an observer
         that serves no metrics never calls it."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
-from charlie.domain import TaskStatus
-from charlie.models.base import Model
+from charlie.domain import RunView, TaskStatus
+from charlie.models.base import Model, ModelRequest, Usage
 from charlie.streams.sink import NO_EVENTS, EventSink
 from charlie.tools.registry import ToolRegistry
 
@@ -24,6 +25,72 @@ class SchedulerPort(Protocol):
         """Record a terminal status. Returns False when the task was already terminal or is
         gone: a benign outcome, not a new result (I16). Raises TransientSchedulerError."""
         ...
+
+
+@dataclass(frozen=True)
+class CapacitySlot:
+    """A request a provider limit let through: counted in flight until released."""
+
+    limit: str
+    slot_id: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class CapacityWait:
+    """A request a provider limit holds back until ``until`` (or a release wakes it)."""
+
+    limit: str
+    until: datetime
+    reason: str
+    in_flight: int
+    waiting: int
+
+    def describe(self) -> str:
+        return (
+            f"waiting for capacity on {self.limit} "
+            f"({self.in_flight} in flight, {self.waiting} waiting)"
+        )
+
+
+class CapacityPort(Protocol):
+    """The provider limits the fleet keeps (charlie/capacity.py; I30). A model without a
+    limit is None at once, with no statement."""
+
+    def acquire(
+        self, view: RunView, model: str, request: ModelRequest
+    ) -> CapacitySlot | CapacityWait | None: ...
+
+    def release(self, slot: CapacitySlot | None, usage: Usage | None) -> None: ...
+
+    def throttled(self, slot: CapacitySlot, seconds: float) -> None: ...
+
+    def handed_over(self) -> list[tuple[str, int]]:
+        """The runs (execution id, version) whose call_model this process woke by releasing a
+        slot since it last asked, cleared: the worker may run them itself once its own tick
+        is done (their ticks were published too; the later one is stale, I2)."""
+        ...
+
+
+class NoLimits:
+    """No limit declared: every call goes, nothing is counted."""
+
+    def acquire(
+        self, view: RunView, model: str, request: ModelRequest
+    ) -> CapacitySlot | CapacityWait | None:
+        return None
+
+    def release(self, slot: CapacitySlot | None, usage: Usage | None) -> None:
+        return None
+
+    def throttled(self, slot: CapacitySlot, seconds: float) -> None:
+        return None
+
+    def handed_over(self) -> list[tuple[str, int]]:
+        return []
+
+
+NO_LIMITS = NoLimits()
 
 
 @dataclass(frozen=True)
@@ -49,4 +116,6 @@ class PhaseDeps:
     limits: PhaseLimits = field(default_factory=PhaseLimits)
     #: where the model call's stream goes, for people watching (I28: never read back)
     events: EventSink = NO_EVENTS
+    #: the provider limits the fleet keeps: asked before each model call
+    capacity: CapacityPort = NO_LIMITS
     sleep: Callable[[float], None] = time.sleep

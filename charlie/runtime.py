@@ -24,12 +24,14 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from charlie import home
+from charlie.capacity import FleetLimits
 from charlie.config import Settings, settings
 from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
+from charlie.limits import limit_table
 from charlie.models import Model, resolve_model
 from charlie.observe import NOOP, Observer
-from charlie.ports import PhaseDeps, PhaseLimits
+from charlie.ports import NO_LIMITS, CapacityPort, PhaseDeps, PhaseLimits
 from charlie.presence import Presence, schema_fit
 from charlie.scheduler import DbScheduler
 from charlie.store import scans
@@ -174,6 +176,23 @@ class Runtime(Producer):
                 context_tokens_by_model=s.context_tokens_by_model,
             ),
             events=self.events,
+            capacity=self.capacity(),
+        )
+
+    def capacity(self) -> CapacityPort:
+        """The provider limits the fleet keeps; none declared, nothing is counted."""
+        s = self.settings
+        table = limit_table(s.model_limits)
+        if not table:
+            return NO_LIMITS
+        publisher = self.publisher
+        return FleetLimits(
+            self.engine,
+            table,
+            lambda xid, version: publisher.tick(xid, Phase.CALL_MODEL, version),
+            s.lease_seconds,
+            s.stall_seconds,
+            lambda: self.observer,
         )
 
 

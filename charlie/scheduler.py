@@ -89,6 +89,7 @@ def submit(
     trace: JSON | None = None,
     budget: JSON | None = None,
     rules: ChildRules | None = None,
+    priority: int = 0,
 ) -> Submitted:
     """Write the task and its execution in one transaction; idempotent on ``task_id``,
     whatever has happened to its parent since the first submit.
@@ -141,6 +142,7 @@ def submit(
                 # the producer's span (a delegate's: its parent task's) parents the task's
                 trace=trace or new_trace(),
                 budget=budget,
+                priority=priority,
             )
     except ConstraintViolation:
         with read(engine) as conn:

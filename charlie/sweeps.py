@@ -28,6 +28,7 @@ from charlie.executor.settle import report_call, settle_and_move
 from charlie.observe import SweepEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
+from charlie.store import limits as limits_store
 from charlie.store import scans
 from charlie.store.engine import read, write, write_one
 from charlie.store.heartbeats import SWEEP_NAMES, record_heartbeat
@@ -399,6 +400,10 @@ def fleet_gauges(rt: Runtime) -> dict[str, Any]:
     queue depths (each None where the broker cannot say)."""
     with read(rt.engine) as conn:
         found = scans.fleet_gauges(conn, utcnow(), timedelta(seconds=rt.settings.stall_seconds))
+        if rt.settings.model_limits:
+            found["model_limits"] = {
+                s.key: (s.in_flight, s.waiting) for s in limits_store.statuses(conn, utcnow())
+            }
     found["queue_depth"] = {queue: queue_depth(queue) for queue in GAUGE_QUEUES}
     return found
 

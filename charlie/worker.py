@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import Any
 
 from celery import Task
@@ -63,9 +64,12 @@ def _phase_task(phase: Phase) -> Task:
         # its claim is committed on its own, so the attempt is counted even if this worker dies
         # too (poison messages), and a tick that merely waited in a busy queue counts none.
         redelivered = bool((self.request.delivery_info or {}).get("redelivered"))
-        return tick.run_tick(
-            get_runtime(), execution_id, phase, version, durable_claim=redelivered or durable
+        rt = get_runtime()
+        result = tick.run_tick(
+            rt, execution_id, phase, version, durable_claim=redelivered or durable
         )
+        _run_handed_over(rt)
+        return result
 
     run.__name__ = phase.value
     run.__doc__ = f"Run the {phase.value} phase of one execution at one version."
@@ -79,7 +83,29 @@ PHASE_TASKS = {phase: _phase_task(phase) for phase in Phase if phase is not Phas
 def invoke_task(execution_id: str, turn: int, call_id: str, mode: str = "start") -> str:
     if mode not in INVOKE_MODES:
         raise ValueError(f"unknown invoke mode {mode!r}")
-    return tick.invoke(get_runtime(), execution_id, turn, call_id, mode)  # type: ignore[arg-type]
+    rt = get_runtime()
+    result = tick.invoke(rt, execution_id, turn, call_id, mode)  # type: ignore[arg-type]
+    _run_handed_over(rt)
+    return result
+
+
+#: how long a task goes on running the model calls its releases woke
+HANDOVER_SECONDS = 30.0
+
+
+def _run_handed_over(rt: runtime.Runtime) -> None:
+    """Run here the model calls this process woke by releasing a provider limit's slot
+    (charlie/capacity.py): a freed slot is taken at once, not after the woken tick has crossed
+    a busy queue. Their ticks were published too, so whichever comes second is stale (I2);
+    for a while only, then the published ticks carry on."""
+    deadline = time.monotonic() + HANDOVER_SECONDS
+    capacity = rt.deps.capacity
+    while time.monotonic() < deadline:
+        handed = capacity.handed_over()
+        if not handed:
+            return
+        for execution_id, version in handed:
+            tick.run_tick(rt, execution_id, Phase.CALL_MODEL, version, inline_first=True)
 
 
 # The sweeps as Celery tasks, for `celery -A charlie.app beat` (celeryconfig's beat_schedule):
@@ -147,6 +173,7 @@ def submit_task(
     metadata: dict[str, object] | None = None,
     approve: list[str] | None = None,
     budget: dict[str, object] | None = None,
+    priority: int = 0,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
     ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
@@ -170,6 +197,7 @@ def submit_task(
             metadata=metadata,
             approve=approve,
             budget=budget,
+            priority=priority,
         )
 
 

@@ -253,6 +253,7 @@ class AnthropicModel:
             log=log,
             extra=extra,
             deltas=request.deltas,
+            throttled=request.throttled,
         )
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ maps to and from:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,6 +79,9 @@ class ModelRequest:
     #: ``"turn"``: the agent's next turn; ``"summary"``: a compaction's summary of older turns
     #: (executor/context.py), answered with text only
     purpose: str = "turn"
+    #: told the seconds a provider asked to wait (a 429 or 529 with retry-after), so every
+    #: caller of its limit waits, fleet-wide, not only this call (charlie/capacity.py)
+    throttled: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

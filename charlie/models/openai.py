@@ -321,6 +321,7 @@ class OpenAIModel:
             log=log,
             extra=self._extra(request),
             deltas=request.deltas,
+            throttled=request.throttled,
         )
 
 

@@ -35,6 +35,8 @@ DEFAULT_BACKOFF_BASE = 0.5
 DEFAULT_BACKOFF_CAP = 60.0
 EVIDENCE_BODY_BYTES = 4096
 REDACTED = "[REDACTED]"
+#: a provider refusing for load: too many requests, and Anthropic's overloaded
+THROTTLE_STATUSES = frozenset({429, 529})
 
 T = TypeVar("T")
 
@@ -164,10 +166,13 @@ class RetryPolicy:
         log: logging.Logger,
         extra: dict[str, Any],
         deltas: Deltas | None = None,
+        throttled: Callable[[float], None] | None = None,
     ) -> T:
         """``attempt_once`` until it gives a value, within the policy (see the module). A
         streamed attempt that failed is announced to ``deltas`` before the next one, so a
-        watcher drops what it showed of it."""
+        watcher drops what it showed of it. A provider's refusal for load (429, Anthropic's
+        529) is told to ``throttled`` with the wait before anything else: the fleet's callers
+        of its limit wait that long too, not only this call."""
         attempts = self.max_attempts
         for attempt in range(1, attempts + 1):
             outcome = attempt_once()
@@ -179,6 +184,8 @@ class RetryPolicy:
                 log.warning("model call refused: %s", failure.message, extra=more)
                 raise ModelError(f"{spec}: {failure.message}", evidence=failure.evidence)
             evidence = {**failure.evidence, "attempts": attempt}
+            if throttled is not None and failure.status in THROTTLE_STATUSES:
+                throttled(failure.retry_after if failure.retry_after is not None else 1.0)
             if attempt >= attempts:
                 log.warning("model call failed; no attempts left: %s", failure.message, extra=more)
                 raise TransientModelError(

@@ -35,6 +35,8 @@ def _with_run() -> Any:
         _e.turn.label("x_turn"),
         _e.model_calls.label("x_model_calls"),
         _e.model_repeats.label("x_model_repeats"),
+        _e.state.label("x_state"),
+        _e.lease_owner.label("x_lease_owner"),
     ).select_from(tasks.outerjoin(executions, _e.task_id == _t.id))
 
 

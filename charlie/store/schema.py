@@ -99,6 +99,9 @@ class Task(Base):
     budget: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     #: the task's trace context (W3C: traceparent, tracestate): every tick continues it.
     trace: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    #: submit(priority=...): higher goes first among model calls waiting for a provider's
+    #: capacity (charlie/limits.py) and, where the broker has priorities, among its messages.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Execution(Base):
@@ -312,6 +315,60 @@ class SchemaFloor(Base):
     revision: Mapped[str] = mapped_column(String(32))
 
 
+class LimitState(Base):
+    """One provider limit the fleet keeps (a CHARLIE_MODEL_LIMITS key): the row every caller
+    of the limit locks while it counts, and the pause the provider asked for (I30)."""
+
+    __tablename__ = "limit_state"
+
+    limit_key: Mapped[str] = mapped_column(String(500), primary_key=True)
+    #: a 429 / 529 with retry-after: no caller of the limit sends before this
+    paused_until: Mapped[datetime | None] = mapped_column(default=None)
+    throttles: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class LimitSlot(Base):
+    """A request sent under a limit: in flight while ``released_at`` is NULL and the run's
+    lease that took it (execution, version, attempt) is live, so a dead holder's slot lapses
+    with its lease and a run claimed again never counts its old slot (I30); kept a minute after
+    for rpm and tpm."""
+
+    __tablename__ = "limit_slots"
+    __table_args__ = (
+        Index("ix_limit_slots_key_taken", "limit_key", "taken_at"),
+        Index("ix_limit_slots_execution", "execution_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    limit_key: Mapped[str] = mapped_column(String(500))
+    execution_id: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer)
+    taken_at: Mapped[datetime]
+    released_at: Mapped[datetime | None] = mapped_column(default=None)
+    #: estimated before the call, the reported usage after it
+    tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class LimitWaiter(Base):
+    """A run whose model call waits for capacity: it holds no lease and no worker (I30); the
+    order callers go in (priority, then since), and until when it holds its place."""
+
+    __tablename__ = "limit_waiters"
+    __table_args__ = (Index("ix_limit_waiters_order", "limit_key", "priority", "since"),)
+
+    limit_key: Mapped[str] = mapped_column(String(500), primary_key=True)
+    execution_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    since: Mapped[datetime]
+    #: a waiter that has not asked again by then (its run stopped, its wake-up was lost)
+    #: holds no one back
+    expires_at: Mapped[datetime]
+    #: when a release woke it (published its tick): the next release wakes the one after it
+    woken_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
 # The Core tables the hot path uses (the ORM classes above are their typed description).
 tasks = cast(Table, Task.__table__)
 executions = cast(Table, Execution.__table__)
@@ -322,3 +379,6 @@ heartbeats = cast(Table, Heartbeat.__table__)
 messages = cast(Table, Message.__table__)
 operator_actions = cast(Table, OperatorAction.__table__)
 schema_floor = cast(Table, SchemaFloor.__table__)
+limit_state = cast(Table, LimitState.__table__)
+limit_slots = cast(Table, LimitSlot.__table__)
+limit_waiters = cast(Table, LimitWaiter.__table__)

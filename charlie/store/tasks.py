@@ -39,6 +39,7 @@ def insert_task_and_run(
     next_seq: int = 0,
     state: JSON | None = None,
     trace: JSON | None = None,
+    priority: int = 0,
 ) -> None:
     """A queued task and its run at ``phase`` (load_context; a fork's: call_model), version 0
     (raises IntegrityError when the id is taken)."""
@@ -62,6 +63,7 @@ def insert_task_and_run(
             cache_read_tokens=0,
             cache_write_tokens=0,
             trace=trace,
+            priority=priority,
         )
     )
     conn.execute(

@@ -372,6 +372,19 @@ class MetricsObserver(Observer):
             "charlie_sweep_actions", "What the recovery sweeps did, by sweep and action",
             ("sweep", "action"),
         )  # fmt: skip
+        self.model_limit_events = counter(
+            "charlie_model_limit_events",
+            "Model calls under a provider limit (CHARLIE_MODEL_LIMITS), by limit and event: "
+            "granted, waited (held back: a stored wake-up), throttled (the provider refused "
+            "one for load, 429 or 529, and every caller of the limit paused)",
+            ("limit", "event"),
+        )
+        self.model_limit_in_flight = gauge(
+            "charlie_model_limit_in_flight", "Model calls in flight under a limit", ("limit",)
+        )
+        self.model_limit_waiting = gauge(
+            "charlie_model_limit_waiting", "Model calls waiting for a limit's capacity", ("limit",)
+        )
         self.runs = gauge("charlie_runs", "Runs not done, by phase", ("phase",))
         self.tasks = gauge("charlie_tasks", "Tasks not finished, by status", ("status",))
         self.open_calls = gauge("charlie_open_tool_calls", "Tool calls without an outcome")
@@ -453,6 +466,9 @@ class MetricsObserver(Observer):
     def fused_commit(self, commit: str, applied: bool) -> None:
         self.fused_commits.labels(commit, "applied" if applied else "fell_back").inc()
 
+    def model_limit(self, limit: str, event: str) -> None:
+        self.model_limit_events.labels(limit, event).inc()
+
     def sweep(self, event: SweepEvent) -> None:
         self.sweep_actions.labels(event.sweep, event.action).inc(event.count)
 
@@ -475,6 +491,9 @@ class MetricsObserver(Observer):
             self.waiting.labels(kind).set(count)
         if "oldest_stalled_run_seconds" in found:
             self.oldest_stalled.set(found["oldest_stalled_run_seconds"])
+        for limit, (in_flight, waiting) in found.get("model_limits", {}).items():
+            self.model_limit_in_flight.labels(limit).set(in_flight)
+            self.model_limit_waiting.labels(limit).set(waiting)
         for queue, depth in found.get("queue_depth", {}).items():
             if depth is not None:  # a broker that cannot say leaves the last value
                 self.queue_depth.labels(queue).set(depth)

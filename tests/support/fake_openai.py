@@ -59,6 +59,30 @@ class Reply:
     cut_at: int | None = None
 
 
+@dataclass
+class ProviderLimit:
+    """What the fake provider allows, as OpenAI enforces an account's limits: a request over
+    ``concurrency`` in flight or ``rpm`` arrivals in the last minute is refused with 429 and
+    ``retry-after`` (seconds), and never served. Admitted requests are answered from the queue
+    or, when it is empty, by ``answer`` (a function of the recorded request), after
+    ``latency`` seconds."""
+
+    concurrency: int | None = None
+    rpm: int | None = None
+    retry_after: str = "1"
+    latency: float = 0.0
+    answer: Any = None
+    #: what it measured: the most requests in flight at once, the refusals, and each
+    #: admitted request as (arrival, monotonic seconds; the recorded request)
+    peak: int = 0
+    refusals: int = 0
+    admitted: list[tuple[float, Recorded]] = field(default_factory=list)
+    refused_at: list[float] = field(default_factory=list)
+    in_flight: int = 0
+    #: refuse the next N admissible requests too (a provider that says 429 for its own reasons)
+    refuse_next: int = 0
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
@@ -81,9 +105,18 @@ class _Handler(BaseHTTPRequestHandler):
         )
         fake = self.server.fake
         counted = len(raw) // 4  # the window's count: every byte of the request, 4 a token
+        limit = fake.limit
+        admitted = False
+        refused: Reply | None = None
         with fake.lock:
             fake.requests.append(recorded)
-            if fake.window is not None and counted > fake.window:
+            if limit is not None:
+                admitted = self._admit(limit, recorded)
+                if not admitted:
+                    refused = rate_limited(limit.retry_after)
+            if refused is not None:
+                reply: Reply | None = refused
+            elif fake.window is not None and counted > fake.window:
                 # as OpenAI refuses an input over the model's window (the request is not served)
                 fake.refused.append(recorded)
                 reply = context_length_error(fake.window, counted)
@@ -97,6 +130,36 @@ class _Handler(BaseHTTPRequestHandler):
                 reply = fake.queue.popleft() if fake.queue else None
             if reply is not None and fake.window is not None and isinstance(reply.body, dict):
                 reply = _with_prompt_tokens(reply, counted)
+        if reply is None and limit is not None and admitted and limit.answer is not None:
+            reply = limit.answer(recorded)
+        if admitted and reply is not None:
+            assert limit is not None
+            reply.delay = max(reply.delay, limit.latency)
+        try:
+            self._answer(recorded, reply)
+        finally:
+            if admitted:
+                assert limit is not None
+                with fake.lock:
+                    limit.in_flight -= 1
+
+    def _admit(self, limit: ProviderLimit, recorded: Recorded) -> bool:
+        now = time.monotonic()
+        recent = sum(1 for at, _ in limit.admitted if at > now - 60.0)
+        over = (limit.concurrency is not None and limit.in_flight >= limit.concurrency) or (
+            limit.rpm is not None and recent >= limit.rpm
+        )
+        if over or limit.refuse_next > 0:
+            limit.refuse_next = max(0, limit.refuse_next - 1)
+            limit.refusals += 1
+            limit.refused_at.append(now)
+            return False
+        limit.in_flight += 1
+        limit.peak = max(limit.peak, limit.in_flight)
+        limit.admitted.append((now, recorded))
+        return True
+
+    def _answer(self, recorded: Recorded, reply: Reply | None) -> None:
         if reply is None:
             reply = Reply(418, {"error": {"message": f"fake: nothing scripted for {self.path}"}})
         if self.path not in ("/v1/chat/completions", "/v1/responses"):
@@ -175,6 +238,8 @@ class FakeOpenAI:
         #: seconds a summary call's answer takes; set when one arrives
         self.summary_delay = 0.0
         self.summary_started = threading.Event()
+        #: an account's limits, enforced (None: none)
+        self.limit: ProviderLimit | None = None
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -220,6 +285,7 @@ class FakeOpenAI:
             self.window = None
             self.summary_delay = 0.0
             self.summary_started.clear()
+            self.limit = None
 
     @property
     def bodies(self) -> list[Any]:

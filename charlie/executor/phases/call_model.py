@@ -30,8 +30,11 @@ from charlie.domain import (
 )
 from charlie.executor import context
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
-from charlie.ports import PhaseDeps
+from charlie.ports import CapacityWait, PhaseDeps
 from charlie.tools.registry import ToolRegistry
+
+#: what a run's state holds only while its model call is retried or waits for capacity
+_CALL_STATE = ("model_retries", "last_model_error", "capacity")
 
 #: messages: its boundary takes in any that wait before the model is called (I22, boundary.
 #: take_mail); read only when the claim counts some, so a steady turn reads no mailbox
@@ -138,12 +141,21 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
             status="abandoned",
             reason="its worker stopped before the answer was recorded; the call is repeated",
         )
+    # A provider limit the fleet keeps may hold the call back: the run waits with a stored
+    # wake-up, holding no worker and no lease (I30); no limit, no statement.
+    slot = deps.capacity.acquire(view, task.model, request)
+    if isinstance(slot, CapacityWait):
+        return _wait_for_capacity(view, slot)
+    if slot is not None:
+        held = slot
+        request = replace(request, throttled=lambda s: deps.capacity.throttled(held, s))
     if deps.events.enabled:
         stream.start(model=task.model, attempt=view.attempts, retry=retries)
         request = replace(request, deltas=stream)
     try:
         response = model.complete(request)
     except BaseException as exc:
+        deps.capacity.release(slot, None)
         stream.end("abandoned", f"{type(exc).__name__}: {exc}")
         refused = context.refusal(exc)
         if refused is not None:
@@ -152,6 +164,7 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         if not isinstance(exc, TransientModelError):
             raise
         return _retry_later(view, deps, task.model, retries, exc)
+    deps.capacity.release(slot, response.usage)
     stream.end("completed")
     return _transition(view, deps, response, context.after_call(plan, response.usage))
 
@@ -161,17 +174,49 @@ def _compact(view: RunView, deps: PhaseDeps, plan: context.Plan, retries: int) -
     assert plan.summary is not None
     task = view.task
     request = context.summary_request(task.id, view.execution_id, view.turn, plan.summary)
+    # A summary is a request like any other under the provider's limits (I30).
+    slot = deps.capacity.acquire(view, task.model, request)
+    if isinstance(slot, CapacityWait):
+        return _wait_for_capacity(view, slot)
+    if slot is not None:
+        held = slot
+        request = replace(request, throttled=lambda s: deps.capacity.throttled(held, s))
     try:
         response = deps.model_for(task.model).complete(request)
     except TransientModelError as exc:
+        deps.capacity.release(slot, None)
         return _retry_later(view, deps, task.model, retries, exc)
     except ModelError as exc:
+        deps.capacity.release(slot, None)
         refused = context.refusal(exc)
         if refused is None:
             raise
         return context.learn(view.state, plan, refused, task.model, exc)
+    except BaseException:
+        deps.capacity.release(slot, None)
+        raise
+    deps.capacity.release(slot, response.usage)
     faults.hit("call_model.summarised", task_id=task.id, turn=view.turn)
     return context.compacted(view.state, plan, response, task.model, view.attempts)
+
+
+def _wait_for_capacity(view: RunView, wait: CapacityWait) -> Transition:
+    """Wait as a stored wake-up (the sweep, or the release of a slot, publishes the tick
+    again), never in a tick; the wait is not a failed attempt of the model."""
+    capacity = {
+        "limit": wait.limit,
+        "reason": wait.reason,
+        "in_flight": wait.in_flight,
+        "waiting": wait.waiting,
+        "until": wait.until.isoformat(),
+    }
+    return Transition(
+        to=None,
+        state={**view.state, "capacity": capacity},
+        wake_at=wait.until,
+        publish_next=False,
+        note=wait.describe(),
+    )
 
 
 def _retry_later(
@@ -186,7 +231,11 @@ def _retry_later(
     # A long wait is stored as a wake-up time for the sweep, never slept in a tick.
     return Transition(
         to=None,
-        state={**view.state, "model_retries": retries + 1, "last_model_error": str(exc)},
+        state={
+            **{k: v for k, v in view.state.items() if k != "capacity"},
+            "model_retries": retries + 1,
+            "last_model_error": str(exc),
+        },
         wake_at=view.now + timedelta(seconds=delay),
         publish_next=False,
         note=f"model transient failure, retry in {delay:.1f}s",
@@ -207,7 +256,7 @@ def _transition(
             calls.append(plan_call(len(calls), item, task.tools, deps.tools, task.approve))
         items.append(item)
 
-    state = {k: v for k, v in view.state.items() if k not in ("model_retries", "last_model_error")}
+    state = {k: v for k, v in view.state.items() if k not in _CALL_STATE}
     if window_state or context.STATE_KEY in state:
         state[context.STATE_KEY] = window_state
     usage = response.usage.as_dict()

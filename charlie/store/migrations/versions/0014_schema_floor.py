@@ -8,7 +8,7 @@ no floor (every migration up to here only added).
 A new table only: no lock on, and no rewrite of, any existing table.
 
 Revision ID: 0014
-Revises: 0011
+Revises: 0012
 Create Date: 2026-12-04
 """
 
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0014"
-down_revision = "0011"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 

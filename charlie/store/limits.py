@@ -1,0 +1,400 @@
+"""The statements of the provider limits the fleet keeps (charlie/limits.py decides; I30).
+
+Every caller of a limit locks its ``limit_state`` row first (an upsert, so the first caller
+creates it), counts, and either takes a slot or records itself as a waiter, in one short
+transaction; nothing here is held across a model call. A slot is in flight while it is not
+released and the run lease that took it (execution, version, attempt) is live: a worker killed
+while it holds one gives it back when its lease lapses, and a run claimed again (its attempt
+counted anew) never counts its old slot.
+
+The statements a model call runs are built once, with bound parameters (a limited call pays
+for its statements, not for building them).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    case,
+    delete,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+
+from charlie.domain import Phase
+from charlie.limits import WINDOW, Counted
+from charlie.store.schema import executions, limit_slots, limit_state, limit_waiters, tasks
+
+_s, _w, _e, _l = limit_slots.c, limit_waiters.c, executions.c, limit_state.c
+
+#: a slot not released (its holder died and its run was never claimed again) is forgotten
+#: after this long; it stopped counting when its lease lapsed.
+FORGET = timedelta(hours=1)
+#: every this many slots, a release also deletes what no count reads any more
+PRUNE_EVERY = 32
+
+_KEY = bindparam("b_key", type_=_l.limit_key.type)
+_XID = bindparam("b_xid", type_=_s.execution_id.type)
+_NOW = bindparam("b_now", type_=_s.taken_at.type)
+_CUTOFF = bindparam("b_cutoff", type_=_s.taken_at.type)
+
+
+def _dialect(conn: Connection) -> Any:
+    return postgresql if conn.dialect.name == "postgresql" else sqlite
+
+
+def _live_slot(now: Any) -> Any:
+    return and_(
+        _s.released_at.is_(None),
+        _e.version == _s.version,
+        _e.attempts == _s.attempt,
+        _e.lease_until > now,
+    )
+
+
+def _fresh_waiter(key: Any, now: Any) -> Any:
+    """A waiter still at the call it waits for, that has not failed to ask again in time."""
+    return and_(
+        _w.limit_key == key,
+        _w.expires_at > now,
+        _e.version == _w.version,
+        _e.phase == Phase.CALL_MODEL.value,
+    )
+
+
+_SLOTS_WITH_RUNS = limit_slots.join(executions, _e.id == _s.execution_id)
+_WAITERS_WITH_RUNS = limit_waiters.join(executions, _e.id == _w.execution_id)
+
+
+@functools.cache
+def _lock_statement(dialect: str) -> Any:
+    insert = (postgresql if dialect == "postgresql" else sqlite).insert
+    stmt = insert(limit_state).values(limit_key=_KEY)
+    return stmt.on_conflict_do_update(
+        index_elements=[_l.limit_key], set_={"limit_key": stmt.excluded.limit_key}
+    ).returning(_l.paused_until)
+
+
+def lock_limit(conn: Connection, key: str) -> datetime | None:
+    """Lock the limit's row (creating it), so callers of one limit count one at a time; its
+    pause. One statement: an upsert that touches the row takes its lock on PostgreSQL, and a
+    SQLite write transaction holds the database's."""
+    paused: datetime | None = conn.execute(
+        _lock_statement(conn.dialect.name), {"b_key": key}
+    ).scalar_one()
+    return paused
+
+
+def _count_statement() -> Any:
+    priority = (
+        select(func.coalesce(func.max(tasks.c.priority), 0))
+        .where(tasks.c.id == bindparam("b_task", type_=tasks.c.id.type))
+        .scalar_subquery()
+    )
+    since = select(_w.since).where(_w.limit_key == _KEY, _w.execution_id == _XID).scalar_subquery()
+    others = and_(_fresh_waiter(_KEY, _NOW), _w.execution_id != _XID)
+    ahead = or_(
+        _w.priority > priority,
+        and_(_w.priority == priority, _w.since < func.coalesce(since, _NOW)),
+    )
+    # A request counts for a minute from when its slot was taken and for a minute after it
+    # ended: the provider counts it from its arrival, between the two, whatever the delay
+    # between taking the slot and sending (a client's first connection, a busy machine).
+    recent = and_(_s.limit_key == _KEY, or_(_s.taken_at > _CUTOFF, _s.released_at > _CUTOFF))
+    return select(
+        select(func.count())
+        .select_from(_SLOTS_WITH_RUNS)
+        .where(_s.limit_key == _KEY, _s.execution_id != _XID, _live_slot(_NOW))
+        .scalar_subquery()
+        .label("in_flight"),
+        select(func.count()).where(recent).scalar_subquery().label("recent"),
+        select(func.coalesce(func.sum(_s.tokens), 0))
+        .where(recent)
+        .scalar_subquery()
+        .label("recent_tokens"),
+        select(func.min(func.coalesce(_s.released_at, _s.taken_at)))
+        .where(recent)
+        .scalar_subquery()
+        .label("oldest"),
+        select(func.count())
+        .select_from(_WAITERS_WITH_RUNS)
+        .where(others, ahead)
+        .scalar_subquery()
+        .label("ahead"),
+        select(func.count())
+        .select_from(_WAITERS_WITH_RUNS)
+        .where(others)
+        .scalar_subquery()
+        .label("waiting"),
+        priority.label("priority"),
+        since.label("since"),
+        select(_l.paused_until).where(_l.limit_key == _KEY).scalar_subquery().label("paused"),
+    )
+
+
+_COUNT = _count_statement()
+
+
+def count(
+    conn: Connection,
+    key: str,
+    execution_id: str,
+    task_id: str,
+    now: datetime,
+) -> tuple[Counted, int, datetime | None]:
+    """What the limit holds now, seen from this run, in one statement: (the counts, the
+    task's priority, since when this run has waited, or None). Exact when the caller holds
+    the limit's row (lock_limit); without it, a look that may be a moment old."""
+    row = conn.execute(
+        _COUNT,
+        {
+            "b_key": key,
+            "b_xid": execution_id,
+            "b_task": task_id,
+            "b_now": now,
+            "b_cutoff": now - WINDOW,
+        },
+    ).one()
+    counted = Counted(
+        now=now,
+        in_flight=int(row.in_flight),
+        recent=int(row.recent),
+        recent_tokens=int(row.recent_tokens),
+        oldest=_aware(row.oldest),
+        ahead=int(row.ahead),
+        waiting=int(row.waiting),
+        paused_until=_aware(row.paused),
+    )
+    return counted, int(row.priority or 0), _aware(row.since)
+
+
+def _aware(value: Any) -> datetime | None:
+    """A time as the statement returned it, aware in UTC (SQLite keeps naive text)."""
+    if value is None:
+        return None
+    when = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+_RELEASE_OWN = (
+    update(limit_slots)
+    .where(_s.execution_id == _XID, _s.released_at.is_(None))
+    .values(released_at=_NOW)
+)
+_FORGET_WAITER = delete(limit_waiters).where(_w.limit_key == _KEY, _w.execution_id == _XID)
+_TAKE = (
+    limit_slots.insert()
+    .values(
+        limit_key=_KEY,
+        execution_id=_XID,
+        version=bindparam("b_version"),
+        attempt=bindparam("b_attempt"),
+        taken_at=_NOW,
+        tokens=bindparam("b_tokens"),
+    )
+    .returning(_s.id)
+)
+
+
+def take_slot(
+    conn: Connection,
+    key: str,
+    execution_id: str,
+    version: int,
+    attempt: int,
+    tokens: int,
+    now: datetime,
+    waited: bool,
+) -> int:
+    """Record the request about to be sent; the run stops waiting. Any slot of this run left
+    unreleased (a release that did not commit) is released first: a run has one call in
+    flight, so it is never counted twice (I30). Returns the slot's id."""
+    params = {"b_key": key, "b_xid": execution_id, "b_now": now}
+    conn.execute(_RELEASE_OWN, params)
+    if waited:
+        conn.execute(_FORGET_WAITER, params)
+    slot_id: int = conn.execute(
+        _TAKE, {**params, "b_version": version, "b_attempt": attempt, "b_tokens": tokens}
+    ).scalar_one()
+    return slot_id
+
+
+@functools.cache
+def _wait_statement(dialect: str) -> Any:
+    insert = (postgresql if dialect == "postgresql" else sqlite).insert
+    values = {
+        "version": bindparam("b_version"),
+        "priority": bindparam("b_priority"),
+        "expires_at": bindparam("b_expires", type_=_w.expires_at.type),
+        "woken_at": None,
+    }
+    stmt = insert(limit_waiters).values(
+        limit_key=_KEY, execution_id=_XID, since=bindparam("b_since", type_=_w.since.type), **values
+    )
+    return stmt.on_conflict_do_update(index_elements=[_w.limit_key, _w.execution_id], set_=values)
+
+
+def wait(
+    conn: Connection,
+    key: str,
+    execution_id: str,
+    version: int,
+    priority: int,
+    since: datetime | None,
+    now: datetime,
+    expires: datetime,
+) -> None:
+    """Record (or renew) this run as a waiter, keeping its place in the order (``since``),
+    until ``expires``: a waiter that has not asked again by then (its run stopped, its
+    wake-up lost) holds no one back."""
+    conn.execute(
+        _wait_statement(conn.dialect.name),
+        {
+            "b_key": key,
+            "b_xid": execution_id,
+            "b_version": version,
+            "b_priority": priority,
+            "b_since": since or now,
+            "b_expires": expires,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Woken:
+    execution_id: str
+    version: int
+
+
+_RELEASE = (
+    update(limit_slots)
+    .where(_s.id == bindparam("b_slot"), _s.released_at.is_(None))
+    .values(released_at=_NOW)
+)
+_RELEASE_WITH_TOKENS = (
+    update(limit_slots)
+    .where(_s.id == bindparam("b_slot"), _s.released_at.is_(None))
+    .values(released_at=_NOW, tokens=bindparam("b_tokens"))
+)
+_NEXT_IN_LINE = (
+    select(_w.execution_id, _w.version)
+    .select_from(_WAITERS_WITH_RUNS)
+    .where(
+        _fresh_waiter(_KEY, _NOW),
+        or_(_e.lease_until.is_(None), _e.lease_until < _NOW),
+        or_(_w.woken_at.is_(None), _w.woken_at < bindparam("b_woken", type_=_w.woken_at.type)),
+    )
+    .order_by(_w.priority.desc(), _w.since, _w.execution_id)
+    .limit(bindparam("b_wake"))
+)
+_MARK_WOKEN = (
+    update(limit_waiters)
+    .where(_w.limit_key == _KEY, _w.execution_id.in_(bindparam("b_woken_ids", expanding=True)))
+    .values(woken_at=_NOW)
+)
+
+
+def release(
+    conn: Connection,
+    key: str,
+    slot_id: int,
+    tokens: int | None,
+    now: datetime,
+    wake: int,
+    woken_grace: timedelta,
+) -> list[Woken]:
+    """The request is answered (or failed): its slot stops counting as in flight, its tokens
+    become what the provider reported. Returns the first ``wake`` waiters of the limit, free to
+    run (no lease) and not woken in the last ``woken_grace`` (another release's: the next
+    release wakes the one after it), whose call_model tick the caller publishes."""
+    params: dict[str, Any] = {"b_key": key, "b_slot": slot_id, "b_now": now, "b_tokens": tokens}
+    conn.execute(_RELEASE if tokens is None else _RELEASE_WITH_TOKENS, params)
+    if slot_id % PRUNE_EVERY == 0:
+        # What no count reads any more: slots out of the window (released, or whose holder
+        # died long ago), waiters that stopped asking long ago (their runs stopped or moved on).
+        conn.execute(
+            delete(limit_slots).where(
+                _s.limit_key == key,
+                _s.taken_at < now - WINDOW,
+                or_(_s.released_at.is_not(None), _s.taken_at < now - FORGET),
+            )
+        )
+        conn.execute(delete(limit_waiters).where(_w.limit_key == key, _w.expires_at < now - FORGET))
+    return next_in_line(conn, key, now, wake, woken_grace)
+
+
+def next_in_line(
+    conn: Connection, key: str, now: datetime, wake: int, woken_grace: timedelta
+) -> list[Woken]:
+    """The first ``wake`` waiters of the limit free to run (no lease) and not woken in the
+    last ``woken_grace``, marked woken: the caller publishes their call_model ticks."""
+    if wake <= 0:
+        return []
+    params = {"b_key": key, "b_now": now, "b_woken": now - woken_grace, "b_wake": wake}
+    rows = conn.execute(_NEXT_IN_LINE, params).all()
+    if rows:
+        conn.execute(_MARK_WOKEN, {**params, "b_woken_ids": [r.execution_id for r in rows]})
+    return [Woken(r.execution_id, r.version) for r in rows]
+
+
+def pause(conn: Connection, key: str, until: datetime) -> None:
+    """The provider asked to wait (a 429 / 529 with retry-after): every caller of the limit
+    waits until ``until``, fleet-wide; a later pause already recorded stands."""
+    lock_limit(conn, key)
+    conn.execute(
+        update(limit_state)
+        .where(_l.limit_key == key)
+        .values(
+            paused_until=case(
+                (or_(_l.paused_until.is_(None), _l.paused_until < until), until),
+                else_=_l.paused_until,
+            ),
+            throttles=_l.throttles + 1,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class LimitStatus:
+    """What `charlie status`, the console and the metrics say of one limit."""
+
+    key: str
+    in_flight: int
+    waiting: int
+    recent: int
+    paused_until: datetime | None
+    throttles: int
+
+
+def statuses(conn: Connection, now: datetime) -> list[LimitStatus]:
+    """Every limit used so far: what is in flight, waiting, sent in the last minute."""
+    out = []
+    for row in conn.execute(select(_l.limit_key, _l.paused_until, _l.throttles)).all():
+        key = row.limit_key
+        in_flight = conn.execute(
+            select(func.count())
+            .select_from(_SLOTS_WITH_RUNS)
+            .where(_s.limit_key == key, _live_slot(now))
+        ).scalar_one()
+        waiting = conn.execute(
+            select(func.count()).select_from(_WAITERS_WITH_RUNS).where(_fresh_waiter(key, now))
+        ).scalar_one()
+        recent = conn.execute(
+            select(func.count()).where(_s.limit_key == key, _s.taken_at > now - WINDOW)
+        ).scalar_one()
+        out.append(
+            LimitStatus(
+                key, int(in_flight), int(waiting), int(recent), row.paused_until, int(row.throttles)
+            )
+        )
+    return out

@@ -1,0 +1,244 @@
+"""Provider limits the whole fleet keeps (CHARLIE_MODEL_LIMITS; I30), through real workers
+against a real HTTP server on 127.0.0.1 that enforces an account's limits as OpenAI does: a
+request over them is refused with 429 and retry-after (tests/support/fake_openai.py,
+ProviderLimit)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+import charlie
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.support.cluster import Cluster
+from tests.support.fake_openai import (
+    FakeOpenAI,
+    ProviderLimit,
+    Recorded,
+    Reply,
+    chat_text,
+    chat_tool_calls,
+    usage_chat,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL = "openai:fake-model"
+
+
+def prompt_of(recorded: Recorded) -> str:
+    """The task's prompt: the first user message of the request."""
+    messages = recorded.body["messages"]
+    return str(next(m["content"] for m in messages if m["role"] == "user"))
+
+
+def answer(tokens: int = 15, hold: dict[str, float] | None = None) -> Callable[[Recorded], Reply]:
+    """A final answer to any request, ``tokens`` of usage; a prompt in ``hold`` is answered
+    after that many seconds (its first request only)."""
+    held = dict(hold or {})
+
+    def reply(recorded: Recorded) -> Reply:
+        delay = held.pop(prompt_of(recorded), 0.0)
+        return Reply(
+            200,
+            chat_text("done", usage=usage_chat(tokens - 5, 5)).body,
+            delay=delay,
+        )
+
+    return reply
+
+
+@contextmanager
+def limited(cluster: Cluster, table: dict[str, Any]) -> Iterator[Cluster]:
+    with cluster.configured(CHARLIE_MODEL_LIMITS=json.dumps(table)) as limited_cluster:
+        yield limited_cluster
+
+
+def wait_all(task_ids: list[str], timeout: float = 120) -> None:
+    for task_id in task_ids:
+        info = charlie.wait(task_id, timeout=timeout)
+        assert info.status is TaskStatus.SUCCEEDED, (task_id, info.error)
+
+
+def arrivals(limit: ProviderLimit, prefix: str) -> list[float]:
+    return [at for at, r in limit.admitted if prompt_of(r).startswith(prefix)]
+
+
+def test_a_concurrency_limit_is_kept_by_the_whole_fleet(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    # Two workers of two processes each against an account that allows 2 in flight: without
+    # the fleet's limit they send 4 at once and draw refusals.
+    limit = ProviderLimit(concurrency=2, retry_after="1", latency=0.3, answer=answer())
+    model_server.limit = limit
+    with limited(cluster, {"openai:": {"concurrency": 2}}):
+        ids = [charlie.submit(f"job {i}", model=MODEL) for i in range(12)]
+        wait_all(ids)
+    assert limit.refusals == 0
+    assert limit.peak == 2
+    assert len(limit.admitted) == 12
+    assert len(model_server.requests) == 12
+
+
+def test_requests_and_tokens_per_minute_hold_calls_for_the_minute(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    # rpm: 3 requests a minute. tpm: 2,500 tokens a minute, each request about 1,100 tokens
+    # by its size before it is sent (a prompt of 4,000 characters and one small tool), 1,000
+    # by the usage the provider reports: 2 go at once, the third would pass the limit.
+    limit = ProviderLimit(rpm=6, retry_after="5", answer=answer(tokens=1000))
+    model_server.limit = limit
+    table = {"openai:fake-rpm": {"rpm": 3}, "openai:fake-tpm": {"tpm": 2500}}
+    with limited(cluster, table):
+        ids = [charlie.submit(f"rpm {i}", model="openai:fake-rpm") for i in range(4)]
+        ids += [
+            charlie.submit(f"tpm {i} " + "x" * 4000, model="openai:fake-tpm", tools=["echo_number"])
+            for i in range(4)
+        ]
+        wait_all(ids, timeout=150)
+    assert limit.refusals == 0
+    rpm = sorted(arrivals(limit, "rpm"))
+    tpm = sorted(arrivals(limit, "tpm"))
+    assert len(rpm) == 4 and len(tpm) == 4
+    # the first ones at once, the next a minute after the first
+    assert rpm[2] - rpm[0] < 20 and rpm[3] - rpm[0] >= 59, rpm
+    assert tpm[1] - tpm[0] < 20 and tpm[2] - tpm[0] >= 59, tpm
+
+
+def test_a_429_with_retry_after_pauses_every_caller_of_the_limit(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    # The provider refuses one request for its own reasons, asking for 3 s: no other caller
+    # of the limit sends anything before they have passed (not only the refused call waits).
+    limit = ProviderLimit(retry_after="3", latency=0.05, answer=answer(), refuse_next=1)
+    model_server.limit = limit
+    with limited(cluster, {"openai:": {"concurrency": 8}}):
+        first = charlie.submit("first", model=MODEL)
+        wait_for(lambda: limit.refused_at, timeout=60)
+        others = [charlie.submit(f"other {i}", model=MODEL) for i in range(3)]
+        wait_all([first, *others])
+    refused = limit.refused_at[0]
+    sent = arrivals(limit, "other")
+    assert len(sent) == 3
+    assert min(sent) >= refused + 2.5, (refused, sent)
+    assert limit.refusals == 1
+
+
+def _waiting(count: int) -> Callable[[], bool]:
+    from sqlalchemy import func, select
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import read
+    from charlie.store.schema import limit_waiters
+
+    def check() -> bool:
+        with read(get_producer().engine) as conn:
+            waiting = conn.execute(select(func.count()).select_from(limit_waiters)).scalar_one()
+        return bool(waiting >= count)
+
+    return check
+
+
+def _clear_waiters() -> None:
+    from sqlalchemy import delete
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import write
+    from charlie.store.schema import limit_waiters
+
+    with write(get_producer().engine) as conn:
+        conn.execute(delete(limit_waiters))
+
+
+def test_a_higher_priority_call_goes_before_those_waiting_longer(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    _clear_waiters()
+    limit = ProviderLimit(concurrency=1, latency=0.1, answer=answer(hold={"blocker": 4.0}))
+    model_server.limit = limit
+    with limited(cluster, {"openai:": {"concurrency": 1}}):
+        blocker = charlie.submit("blocker", model=MODEL)
+        wait_for(lambda: limit.admitted, timeout=60)
+        lows = [charlie.submit(f"low {i}", model=MODEL) for i in range(3)]
+        wait_for(_waiting(3), timeout=30)
+        # what `charlie status` and the console say of a waiting call (item 5)
+        shown = charlie.get_task(lows[-1]).capacity
+        assert shown is not None and shown.startswith(
+            "waiting for capacity on openai: (1 in flight, "
+        ), shown
+        high = charlie.submit("high", model=MODEL, priority=10)
+        wait_all([blocker, high, *lows])
+    order = [prompt_of(r) for _, r in limit.admitted]
+    assert order[0] == "blocker"
+    assert order[1] == "high", order
+    assert limit.refusals == 0
+
+
+def test_a_busy_task_does_not_starve_the_others(cluster: Cluster, model_server: FakeOpenAI) -> None:
+    # One task calls its model turn after turn; three single-call tasks submitted after its
+    # first call go in their turn, not after all of the busy task's calls (fair order).
+    def busy_or_done(recorded: Recorded) -> Reply:
+        prompt = prompt_of(recorded)
+        turns = sum(1 for m in recorded.body["messages"] if m["role"] == "tool")
+        if prompt == "busy" and turns < 6:
+            return chat_tool_calls([(f"c{turns}", "echo_number", '{"value": 1}')])
+        delay = 1.0 if prompt == "busy" and turns == 0 else 0.0
+        return Reply(200, chat_text("done").body, delay=delay)
+
+    def busy_first_slow(recorded: Recorded) -> Reply:
+        reply = busy_or_done(recorded)
+        if prompt_of(recorded) == "busy" and len(limit.admitted) == 1:
+            reply.delay = 1.5
+        return reply
+
+    limit = ProviderLimit(concurrency=1, latency=0.05, answer=busy_first_slow)
+    model_server.limit = limit
+    with limited(cluster, {"openai:": {"concurrency": 1}}):
+        busy = charlie.submit("busy", model=MODEL, tools=["echo_number"])
+        wait_for(lambda: limit.admitted, timeout=60)
+        singles = [charlie.submit(f"single {i}", model=MODEL) for i in range(3)]
+        wait_all([busy, *singles])
+    order = [prompt_of(r) for _, r in limit.admitted]
+    assert order.count("busy") == 7
+    last_single = max(i for i, p in enumerate(order) if p.startswith("single"))
+    # each single waited behind at most one more call of the busy task
+    assert order[: last_single + 1].count("busy") <= 4, order
+    assert limit.refusals == 0
+
+
+def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    # I30: the slot of a SIGKILLed holder lapses with its lease (and its run, claimed again,
+    # counts its attempt anew): the task waiting behind it goes on. The holder is canceled
+    # meanwhile, so nothing of it ever releases the slot: only its lease gives it back.
+    _clear_waiters()
+    limit = ProviderLimit(latency=0.05, answer=answer(hold={"holder": 60.0}))
+    model_server.limit = limit
+    with limited(cluster, {"openai:": {"concurrency": 1}}):
+        holder = charlie.submit("holder", model=MODEL)
+        wait_for(lambda: limit.admitted, timeout=60)
+        behind = charlie.submit("behind", model=MODEL)
+        wait_for(_waiting(1), timeout=30)
+        for worker in list(cluster.alive_workers()):
+            cluster.kill(worker)
+        charlie.cancel(holder)
+        cluster.ensure(workers=2)
+        wait_all([behind])
+        assert charlie.wait(holder, timeout=60).status is TaskStatus.CANCELED
+    order = [prompt_of(r) for _, r in limit.admitted]
+    assert order == ["holder", "behind"], order
+    from charlie.domain import utcnow
+    from charlie.runtime import get_producer
+    from charlie.store import limits
+    from charlie.store.engine import read
+
+    with read(get_producer().engine) as conn:
+        found = limits.statuses(conn, utcnow())
+    (status,) = [s for s in found if s.key == "openai:"]
+    assert status.in_flight == 0
