@@ -166,7 +166,7 @@ def test_a_higher_priority_call_goes_before_those_waiting_longer(
         wait_for(lambda: limit.admitted, timeout=60)
         lows = [charlie.submit(f"low {i}", model=MODEL) for i in range(3)]
         wait_for(_waiting(3), timeout=30)
-        # what `charlie status` and the console say of a waiting call (item 5)
+        # what `charlie status` and the console say of a waiting call (docs/models/limits.md)
         shown = charlie.get_task(lows[-1]).capacity
         assert shown is not None and shown.startswith(
             "waiting for capacity on openai: (1 in flight, "
