@@ -56,6 +56,11 @@ def _take(point: str, context: dict[str, Any]) -> dict[str, Any] | None:
     return dict(spec)
 
 
+def enabled() -> bool:
+    """Whether this process was started with faults to inject (CHARLIE_FAULTS)."""
+    return _PATH is not None
+
+
 def hit(point: str, **context: Any) -> None:
     if _PATH is None:
         return

@@ -68,7 +68,7 @@ from charlie.observe import TickScope, safely
 from charlie.runtime import Runtime
 from charlie.store import calls, runs
 from charlie.store.calls import ClaimedCall, Mode
-from charlie.store.engine import again_if_disconnected, write, write_one
+from charlie.store.engine import again_if_disconnected, lose_connection, write, write_one
 from charlie.store.types import Connection, DatabaseError, DriverError
 
 log = logging.getLogger("charlie.tick")
@@ -136,6 +136,55 @@ class _Committed:
     at: datetime
     #: what the move read for the next step's claim (PostgreSQL, claim_next)
     fresh: runs.Fresh | None
+
+
+@dataclass
+class _Sent:
+    """What a tick's transaction has done when it reaches its COMMIT: its first step's claim
+    and the time its transition row records, to read the outcome back by."""
+
+    claim: runs.Claim | None = None
+    at: datetime | None = None
+
+
+def _lost_after_commit(task_id: str, phase: Phase) -> Callable[[Connection], None] | None:
+    """Fault point ``tick.commit.lost`` (tests, chaos): the server has committed the tick's
+    transaction; an injected fault terminates its connection's backend for real, so the worker
+    hears the driver's own error for a connection lost after the commit."""
+    if not faults.enabled():
+        return None
+
+    def lost(conn: Connection) -> None:
+        try:
+            faults.hit("tick.commit.lost", task_id=task_id, phase=phase.value)
+        except faults.InjectedFault:
+            lose_connection(conn)
+
+    return lost
+
+
+def _committed_after_all(rt: Runtime, sent: _Sent, error: DriverError) -> bool:
+    """A tick's COMMIT raised with its connection lost: the server may have committed it or
+    not, so read back which, never assume (I1). Taken as nothing written, the tick would run
+    again to find its own step gone: a local call's result recorded as a late report (false
+    evidence, I12) and the next step's claim, this worker's, orphaned until its lease lapsed."""
+    claim, at = sent.claim, sent.at
+    if claim is None or at is None or not error.connection_invalidated:
+        return False
+
+    def read_back() -> bool:
+        with write_one(rt.engine) as conn:
+            return runs.transition_recorded(
+                conn, claim.execution_id, claim.version + 1, rt.worker, at
+            )
+
+    applied = again_if_disconnected(read_back, "read back a tick's commit")
+    log.warning(
+        "tick commit read back: %s",
+        "it was committed before its connection was lost" if applied else "not applied",
+        extra={"execution_id": claim.execution_id, "version": claim.version},
+    )
+    return applied
 
 
 def _reads_fresh(conn: Connection) -> bool:
@@ -782,36 +831,52 @@ def _run_tick(
             merged, carried = fused_commit.merged, fused_commit.carried
             remember_transcript(rt, claim, view.items, fused_commit.wrote, carried)
         else:
-            with write(rt.engine) as conn:
-                # A final answer while mail waits is not final (I22): the messages sent while the
-                # model wrote it go in now, and the model answers again; report_terminal itself
-                # never calls the model (I16). Sends lock the run's row too, so one committed after
-                # this lock finds the run finishing and is refused.
-                if (
-                    phase is Phase.CALL_MODEL
-                    and transition.to is Phase.REPORT_TERMINAL
-                    and is_final_answer(transition)  # (a stop took its mail in itself)
-                    and calls.lock_run_inbox(conn, execution_id) > 0
-                ):
-                    mail = runs.load_messages(conn, view.task.id)
-                    transition = reopen_final(replace(view, messages=mail), transition)
-                # This claim's task view is as old as the model call: a stop committed meanwhile
-                # must be seen at the next step's boundary (I18), so the next step claims the run
-                # itself, or (PostgreSQL) the move reads the task as it is now (runs.Fresh).
-                claim_next = (
-                    _reads_fresh(conn)
-                    and merges(rt, claim, progress)
-                    and _rides(rt, conn, progress, claim, transition)
-                )
-                at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
-                if at is None:
-                    log.warning("lease lost during %s; discarding its result", phase.value)
-                    return "lost_lease", None
-                wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
-                merged, carried = _merge(
-                    rt, conn, progress, claim, view, transition, at, (), wrote, claimed=claim_next
-                )
-                _merged_end(progress, claim, merged, carried, "tick.merged.end")
+            sent = _Sent()
+            try:
+                with write(rt.engine, _lost_after_commit(view.task.id, phase)) as conn:
+                    # A final answer while mail waits is not final (I22): the messages sent while
+                    # the model wrote it go in now, and the model answers again; report_terminal
+                    # itself never calls the model (I16). Sends lock the run's row too, so one
+                    # committed after this lock finds the run finishing and is refused.
+                    if (
+                        phase is Phase.CALL_MODEL
+                        and transition.to is Phase.REPORT_TERMINAL
+                        and is_final_answer(transition)  # (a stop took its mail in itself)
+                        and calls.lock_run_inbox(conn, execution_id) > 0
+                    ):
+                        mail = runs.load_messages(conn, view.task.id)
+                        transition = reopen_final(replace(view, messages=mail), transition)
+                    # This claim's task view is as old as the model call: a stop committed
+                    # meanwhile must be seen at the next step's boundary (I18), so the next step
+                    # claims the run itself, or (PostgreSQL) the move reads the task as it is now
+                    # (runs.Fresh).
+                    claim_next = (
+                        _reads_fresh(conn)
+                        and merges(rt, claim, progress)
+                        and _rides(rt, conn, progress, claim, transition)
+                    )
+                    at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+                    if at is None:
+                        log.warning("lease lost during %s; discarding its result", phase.value)
+                        return "lost_lease", None
+                    wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
+                    merged, carried = _merge(
+                        rt,
+                        conn,
+                        progress,
+                        claim,
+                        view,
+                        transition,
+                        at,
+                        (),
+                        wrote,
+                        claimed=claim_next,
+                    )
+                    _merged_end(progress, claim, merged, carried, "tick.merged.end")
+                    sent.claim, sent.at = claim, at.at
+            except DriverError as error:
+                if not _committed_after_all(rt, sent, error):
+                    raise
             remember_transcript(
                 rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
             )
@@ -844,59 +909,67 @@ def _run_tick(
                 progress.claim_committed = True
             # A fast phase runs inside one transaction with its reads (the turn's calls locked)
             # and its commit.
-            with write(rt.engine) as conn:
-                if not progress.durable_claim:
-                    claimed = _claim(rt, conn, execution_id, phase, version)
-                    if claimed is None:
-                        return "stale", None
-                assert claimed is not None
-                claim, now = claimed
-                if progress.durable_claim:
-                    # The claim committed apart, so this transaction holds no lock on the run yet:
-                    # take it before the calls, in the order settlers take them (no deadlock).
-                    # ...and its mailbox as it is now: a send may have committed since the claim.
-                    inbox = calls.lock_run_inbox(conn, execution_id)
-                    claim = replace(claim, inbox=max(claim.inbox, inbox))
-                view = view_of(rt, conn, claim, now)
-                # the calls as read, before a local result is applied (the commit's SETTLE applies
-                # it in the table, and calls_as_left in what the next merged step sees)
-                loaded = view
-                settlement = None
-                if progress.settlement is not None:
-                    view, settlement = _take_settlement(rt, conn, view, progress.settlement)
-                transition = decide_at_boundary(rt, view)
-                if transition is None:
-                    transition = compute(rt, view)
-                    faults.hit(
-                        "tick.in_transaction",
-                        phase=phase.value,
-                        task_id=view.task.id,
-                        messages=len(transition.take_messages),
+            sent = _Sent()
+            try:
+                with write(rt.engine, _lost_after_commit(task_id_of(execution_id), phase)) as conn:
+                    if not progress.durable_claim:
+                        claimed = _claim(rt, conn, execution_id, phase, version)
+                        if claimed is None:
+                            return "stale", None
+                    assert claimed is not None
+                    claim, now = claimed
+                    if progress.durable_claim:
+                        # The claim committed apart, so this transaction holds no lock on the run
+                        # yet: take it before the calls, in the order settlers take them (no
+                        # deadlock), and its mailbox as it is now: a send may have committed
+                        # since the claim.
+                        inbox = calls.lock_run_inbox(conn, execution_id)
+                        claim = replace(claim, inbox=max(claim.inbox, inbox))
+                    view = view_of(rt, conn, claim, now)
+                    # the calls as read, before a local result is applied (the commit's SETTLE
+                    # applies it in the table, and calls_as_left in what the next merged step sees)
+                    loaded = view
+                    settlement = None
+                    if progress.settlement is not None:
+                        view, settlement = _take_settlement(rt, conn, view, progress.settlement)
+                    transition = decide_at_boundary(rt, view)
+                    if transition is None:
+                        transition = compute(rt, view)
+                        faults.hit(
+                            "tick.in_transaction",
+                            phase=phase.value,
+                            task_id=view.task.id,
+                            messages=len(transition.take_messages),
+                        )
+                    if settlement is not None:
+                        transition.settle.append(settlement)
+                    local_ids = local_call_ids(rt, progress, view, transition)
+                    claim_next = (
+                        not local_ids
+                        and merges(rt, claim, progress)
+                        and _rides(rt, conn, progress, claim, transition)
                     )
-                if settlement is not None:
-                    transition.settle.append(settlement)
-                local_ids = local_call_ids(rt, progress, view, transition)
-                claim_next = (
-                    not local_ids
-                    and merges(rt, claim, progress)
-                    and _rides(rt, conn, progress, claim, transition)
-                )
-                at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
-                if at is None:
-                    return "lost_lease", None
-                # Reads start in this commit; a write's or a wait's start commits on its own
-                # after it (StartCalls), so a crash in between leaves it pending, free to
-                # start (I11), never an uncertain write (I10).
-                if starts_with_dispatch(rt, view, local_ids):
-                    local = _start_local(rt, conn, view, local_ids)
-                else:
-                    start_apart = local_ids
-                wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
-                merged, carried = _merge(
-                    rt, conn, progress, claim, loaded, transition, at, local, wrote,
-                    claimed=claim_next, local_ids=local_ids,
-                )  # fmt: skip
-                _merged_end(progress, claim, merged, carried, "tick.merged.end")
+                    at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+                    if at is None:
+                        return "lost_lease", None
+                    # Reads start in this commit; a write's or a wait's start commits on its own
+                    # after it (StartCalls), so a crash in between leaves it pending, free to
+                    # start (I11), never an uncertain write (I10).
+                    if starts_with_dispatch(rt, view, local_ids):
+                        local = _start_local(rt, conn, view, local_ids)
+                    else:
+                        start_apart = local_ids
+                    wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
+                    merged, carried = _merge(
+                        rt, conn, progress, claim, loaded, transition, at, local, wrote,
+                        claimed=claim_next, local_ids=local_ids,
+                    )  # fmt: skip
+                    _merged_end(progress, claim, merged, carried, "tick.merged.end")
+                    sent.claim, sent.at = claim, at.at
+            except DriverError as error:
+                if not _committed_after_all(rt, sent, error):
+                    raise
+            assert transition is not None  # the transaction reached its commit (sent)
             remember_transcript(
                 rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
             )

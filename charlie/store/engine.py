@@ -248,10 +248,23 @@ def retried_if_disconnected(fn: Callable[P, T]) -> Callable[P, T]:
 
 
 @contextmanager
-def write(engine: Engine) -> Iterator[Connection]:
-    """One write transaction; committed on exit, rolled back on error."""
-    with engine.begin() as conn:
-        yield conn
+def write(
+    engine: Engine, after_commit: Callable[[Connection], None] | None = None
+) -> Iterator[Connection]:
+    """One write transaction; committed on exit, rolled back on error. ``after_commit`` runs
+    on the connection once its COMMIT has returned (a fault point: a connection lost after the
+    server committed, which the caller must read back, never assume)."""
+    with engine.connect() as conn:
+        with conn.begin():
+            yield conn
+        if after_commit is not None:
+            after_commit(conn)
+
+
+def lose_connection(conn: Connection) -> None:
+    """Terminate this connection's own server backend (a fault point's action, PostgreSQL):
+    the statement raises the driver's own error for a lost connection."""
+    conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
 
 
 @contextmanager
@@ -370,6 +383,7 @@ __all__ = [
     "dispose_after_fork",
     "ensure_schema",
     "get_engine",
+    "lose_connection",
     "read",
     "retried_if_disconnected",
     "server_connect_args",

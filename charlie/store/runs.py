@@ -253,6 +253,25 @@ def renew_execution_lease(
     return conn.execute(stmt).rowcount == 1
 
 
+def transition_recorded(
+    conn: Connection, execution_id: str, version: int, owner: str, at: datetime
+) -> bool:
+    """After a COMMIT whose answer was lost: whether it went through. Its transition's own row
+    (the step that made the run's ``version``, written by ``owner`` at ``at``: nothing else
+    writes that row) exists or not. The run's row is locked first, so a COMMIT the server is
+    still running (its connection gone) ends before the row is looked for."""
+    conn.execute(
+        select(executions.c.version).where(executions.c.id == execution_id).with_for_update()
+    ).first()
+    r = transitions.c
+    found = conn.execute(
+        select(r.id).where(
+            r.execution_id == execution_id, r.version == version, r.worker == owner, r.at == at
+        )
+    ).first()
+    return found is not None
+
+
 def task_view(row: Any) -> TaskView:
     return _task_view(row.id, row)
 

@@ -283,6 +283,54 @@ def test_a_kill_after_a_dispatch_committed_alone_leaves_a_write_free_to_start(
     assert versions == list(range(versions[0], versions[0] + len(versions))), history
 
 
+@pytest.mark.skipif(
+    MODE != "stepwise" or not (BACKEND.database_url or "").startswith("postgresql"),
+    reason="a tick's transaction (stepwise, on PostgreSQL) whose connection is lost after it "
+    "committed: SQLite has no server connection to lose, and fused commits are read back above",
+)
+@pytest.mark.parametrize("commit", ["call_model", "await_tools"], ids=["A", "B"])
+def test_a_tick_commit_whose_connection_is_lost_after_it_committed_is_read_back(
+    cluster: Cluster, script, commit: str
+) -> None:
+    """I1, I3, I10, I12: the server commits a tick's merged transaction, then the connection
+    drops before the worker hears of it (its backend terminated for real). The outcome is read
+    back (the transition's own row), not assumed: the tick goes on as committed, so the read
+    runs once and settles ok with no late report of its own result, and the next model call's
+    claim, this worker's, is used rather than left to lapse (no repeat counted for it). Taken
+    as nothing written (the old path), B recorded the read's own result as a late report; A
+    recovered either way, and is kept as the other commit a turn makes."""
+    task_id = f"m25s-{uuid.uuid4().hex[:12]}"
+    match = {"task_id": task_id, "phase": commit}
+    cluster.set_faults({"tick.commit.lost": {"action": "raise", "times": 1, "match": match}})
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("a connection lost after a tick's commit", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tick.commit.lost") == 1
+    (call,) = api.calls(task_id)
+    assert call.outcome == "ok", call
+    assert call.late_reports == 0, call  # no false evidence of a second result
+    assert len(_ledger(task_id, "sleep_then.start")) == 1
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert (turns.count(0), turns.count(1)) == (1, 1), turns
+    assert info.model_repeats == 0  # no claim orphaned, none counted again
+    assert_every_call_has_one_result(task_id)
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history
+    for before, after in itertools.pairwise(history):
+        assert after["from_phase"] == before["to_phase"], history
+
+
 @pytest.mark.skipif(MODE != "fused", reason="a fused commit's connection lost after its commit")
 @pytest.mark.parametrize("commit", ["call_model", "await_tools"], ids=["A", "B"])
 def test_a_fused_commit_whose_connection_is_lost_after_it_committed_is_read_back(
