@@ -283,6 +283,43 @@ def test_a_kill_after_a_dispatch_committed_alone_leaves_a_write_free_to_start(
     assert versions == list(range(versions[0], versions[0] + len(versions))), history
 
 
+def _commit_lost_then_read_back(
+    cluster: Cluster, script, point: str, commit: str, prefix: str
+) -> None:
+    """A turn of one read, the commit named by ``point`` for ``commit``'s phase losing its
+    connection once after the server committed it: the run goes on as committed."""
+    task_id = f"{prefix}-{uuid.uuid4().hex[:12]}"
+    match = {"task_id": task_id, "phase": commit}
+    cluster.set_faults({point: {"action": "raise", "times": 1, "match": match}})
+    model, ledger = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
+                ]
+            },
+            {"say": "done", "tool_calls": []},
+        ]
+    )
+    charlie.submit("a connection lost after its commit", model=model, task_id=task_id)
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count(point) == 1
+    (call,) = api.calls(task_id)
+    assert call.outcome == "ok", call
+    assert call.late_reports == 0, call  # no false evidence of a second result
+    assert len(_ledger(task_id, "sleep_then.start")) == 1
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert (turns.count(0), turns.count(1)) == (1, 1), turns
+    assert info.model_repeats == 0  # no claim orphaned, none counted again
+    assert_every_call_has_one_result(task_id)
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history
+    for before, after in itertools.pairwise(history):
+        assert after["from_phase"] == before["to_phase"], history
+
+
 @pytest.mark.skipif(
     MODE != "stepwise" or not (BACKEND.database_url or "").startswith("postgresql"),
     reason="a tick's transaction (stepwise, on PostgreSQL) whose connection is lost after it "
@@ -299,36 +336,7 @@ def test_a_tick_commit_whose_connection_is_lost_after_it_committed_is_read_back(
     claim, this worker's, is used rather than left to lapse (no repeat counted for it). Taken
     as nothing written (the old path), B recorded the read's own result as a late report; A
     recovered either way, and is kept as the other commit a turn makes."""
-    task_id = f"m25s-{uuid.uuid4().hex[:12]}"
-    match = {"task_id": task_id, "phase": commit}
-    cluster.set_faults({"tick.commit.lost": {"action": "raise", "times": 1, "match": match}})
-    model, ledger = script(
-        [
-            {
-                "tool_calls": [
-                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
-                ]
-            },
-            {"say": "done", "tool_calls": []},
-        ]
-    )
-    charlie.submit("a connection lost after a tick's commit", model=model, task_id=task_id)
-    info = charlie.wait(task_id, timeout=120)
-    assert info.status is TaskStatus.SUCCEEDED, info.error
-    assert cluster.fault_count("tick.commit.lost") == 1
-    (call,) = api.calls(task_id)
-    assert call.outcome == "ok", call
-    assert call.late_reports == 0, call  # no false evidence of a second result
-    assert len(_ledger(task_id, "sleep_then.start")) == 1
-    turns = [c["turn"] for c in model_calls(ledger)]
-    assert (turns.count(0), turns.count(1)) == (1, 1), turns
-    assert info.model_repeats == 0  # no claim orphaned, none counted again
-    assert_every_call_has_one_result(task_id)
-    history = api.history(task_id)
-    versions = [h["version"] for h in history]
-    assert versions == list(range(versions[0], versions[0] + len(versions))), history
-    for before, after in itertools.pairwise(history):
-        assert after["from_phase"] == before["to_phase"], history
+    _commit_lost_then_read_back(cluster, script, "tick.commit.lost", commit, "m25s")
 
 
 @pytest.mark.skipif(MODE != "fused", reason="a fused commit's connection lost after its commit")
@@ -342,35 +350,4 @@ def test_a_fused_commit_whose_connection_is_lost_after_it_committed_is_read_back
     and runs once, not interrupted as a start that nobody ran; B (the read's settle and the
     next model call's claim) goes on to the model call under that claim, with no late report
     of the call's own result and no orphaned claim (no repeat counted for it)."""
-    task_id = f"m17c-{uuid.uuid4().hex[:12]}"
-    match = {"task_id": task_id, "phase": commit}
-    cluster.set_faults(
-        {"store.fused.after_commit": {"action": "raise", "times": 1, "match": match}}
-    )
-    model, ledger = script(
-        [
-            {
-                "tool_calls": [
-                    {"id": "a", "name": "sleep_then", "arguments": {"seconds": 0, "value": "v"}}
-                ]
-            },
-            {"say": "done", "tool_calls": []},
-        ]
-    )
-    charlie.submit("a connection lost after a fused commit", model=model, task_id=task_id)
-    info = charlie.wait(task_id, timeout=120)
-    assert info.status is TaskStatus.SUCCEEDED, info.error
-    assert cluster.fault_count("store.fused.after_commit") == 1
-    (call,) = api.calls(task_id)
-    assert call.outcome == "ok", call
-    assert call.late_reports == 0, call  # no false evidence of a second result
-    assert len(_ledger(task_id, "sleep_then.start")) == 1
-    turns = [c["turn"] for c in model_calls(ledger)]
-    assert (turns.count(0), turns.count(1)) == (1, 1), turns
-    assert info.model_repeats == 0  # no claim orphaned, none counted again
-    assert_every_call_has_one_result(task_id)
-    history = api.history(task_id)
-    versions = [h["version"] for h in history]
-    assert versions == list(range(versions[0], versions[0] + len(versions))), history
-    for before, after in itertools.pairwise(history):
-        assert after["from_phase"] == before["to_phase"], history
+    _commit_lost_then_read_back(cluster, script, "store.fused.after_commit", commit, "m17c")

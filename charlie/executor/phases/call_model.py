@@ -30,7 +30,7 @@ from charlie.domain import (
 )
 from charlie.executor import context
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
-from charlie.ports import CapacityWait, PhaseDeps
+from charlie.ports import CapacitySlot, CapacityWait, PhaseDeps
 from charlie.tools.registry import ToolRegistry
 
 #: what a run's state holds only while its model call is retried or waits for capacity
@@ -143,12 +143,10 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
         )
     # A provider limit the fleet keeps may hold the call back: the run waits with a stored
     # wake-up, holding no worker and no lease (I30); no limit, no statement.
-    slot = deps.capacity.acquire(view, task.model, request)
-    if isinstance(slot, CapacityWait):
-        return _wait_for_capacity(view, slot)
-    if slot is not None:
-        held = slot
-        request = replace(request, throttled=lambda s: deps.capacity.throttled(held, s))
+    taken = _take_slot(view, deps, request)
+    if isinstance(taken, Transition):
+        return taken
+    request, slot = taken
     if deps.events.enabled:
         stream.start(model=task.model, attempt=view.attempts, retry=retries)
         request = replace(request, deltas=stream)
@@ -175,12 +173,10 @@ def _compact(view: RunView, deps: PhaseDeps, plan: context.Plan, retries: int) -
     task = view.task
     request = context.summary_request(task.id, view.execution_id, view.turn, plan.summary)
     # A summary is a request like any other under the provider's limits (I30).
-    slot = deps.capacity.acquire(view, task.model, request)
-    if isinstance(slot, CapacityWait):
-        return _wait_for_capacity(view, slot)
-    if slot is not None:
-        held = slot
-        request = replace(request, throttled=lambda s: deps.capacity.throttled(held, s))
+    taken = _take_slot(view, deps, request)
+    if isinstance(taken, Transition):
+        return taken
+    request, slot = taken
     try:
         response = deps.model_for(task.model).complete(request)
     except TransientModelError as exc:
@@ -198,6 +194,20 @@ def _compact(view: RunView, deps: PhaseDeps, plan: context.Plan, retries: int) -
     deps.capacity.release(slot, response.usage)
     faults.hit("call_model.summarised", task_id=task.id, turn=view.turn)
     return context.compacted(view.state, plan, response, task.model, view.attempts)
+
+
+def _take_slot(
+    view: RunView, deps: PhaseDeps, request: ModelRequest
+) -> tuple[ModelRequest, CapacitySlot | None] | Transition:
+    """A slot under the model's provider limit for ``request`` (None: no limit), with the
+    request told how to pause the whole limit on a 429; or, over the limit, the run's wait."""
+    slot = deps.capacity.acquire(view, view.task.model, request)
+    if isinstance(slot, CapacityWait):
+        return _wait_for_capacity(view, slot)
+    if slot is not None:
+        held = slot
+        request = replace(request, throttled=lambda s: deps.capacity.throttled(held, s))
+    return request, slot
 
 
 def _wait_for_capacity(view: RunView, wait: CapacityWait) -> Transition:
