@@ -17,12 +17,12 @@ that key's limits (one account). A model no key covers has no limit and costs no
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
+
+from charlie.jsonsetting import json_object
 
 LIMITS_SETTING = "CHARLIE_MODEL_LIMITS"
 #: what a limits key may end at to be a prefix of specs (as a price table's).
@@ -80,25 +80,7 @@ def parse_limits(raw: str | None) -> LimitTable:
     LimitsError naming the setting when it cannot be used."""
     if raw is None or not raw.strip():
         return {}
-    text = raw.strip()
-    source = "the inline JSON"
-    if not text.startswith("{"):
-        path = os.path.expanduser(text)
-        try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as exc:
-            raise LimitsError(
-                f"{LIMITS_SETTING}={raw!r} is neither a JSON object nor a readable file: "
-                f"{exc.strerror or exc}"
-            ) from None
-        source = path
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LimitsError(f"{LIMITS_SETTING}: {source} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise LimitsError(f"{LIMITS_SETTING}: {source} must be a JSON object of model: limits")
+    data = json_object(LIMITS_SETTING, raw, LimitsError, "model: limits")
     table: LimitTable = {}
     for key, entry in data.items():
         if not key:

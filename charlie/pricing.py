@@ -29,12 +29,12 @@ and priced at ``cache_read`` and ``cache_write`` (default: the ``input`` price) 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from charlie.jsonsetting import json_object
 
 PRICES_SETTING = "CHARLIE_PRICES"
 #: the kinds of budget, in the order the boundary checks them.
@@ -86,25 +86,7 @@ def parse_prices(raw: str | None) -> dict[str, Price]:
     table = dict(BUILTIN_PRICES)
     if raw is None or not raw.strip():
         return table
-    text = raw.strip()
-    source = "the inline JSON"
-    if not text.startswith("{"):
-        path = os.path.expanduser(text)
-        try:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
-        except OSError as exc:
-            raise PriceError(
-                f"{PRICES_SETTING}={raw!r} is neither a JSON object nor a readable file: "
-                f"{exc.strerror or exc}"
-            ) from None
-        source = path
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PriceError(f"{PRICES_SETTING}: {source} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise PriceError(f"{PRICES_SETTING}: {source} must be a JSON object of model: price")
+    data = json_object(PRICES_SETTING, raw, PriceError, "model: price")
     for model, entry in data.items():
         if not model:
             raise PriceError(f"{PRICES_SETTING}: a model key is empty")
