@@ -213,6 +213,10 @@ class Sizes:
     console_tasks: int = 100_000  # tasks the console's list pages through
     #: tasks in the tables (queued, waiting, finished) at which growth measures
     growth_levels: tuple[int, ...] = (1_000, 100_000)
+    #: turns of the long run (each a 4 KiB result)
+    longrun_turns: int = LONGRUN_TURNS
+    #: tasks the provider-limits run submits at once
+    limits_tasks: int = 200
 
     @property
     def recovery_samples(self) -> int:
@@ -241,6 +245,10 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
             200,
             2000,
             (1_000, 10_000),
+            # a smoke run: long enough for the long run's early and late windows (turns 5-55,
+            # the last 50) and for the limiter to queue callers, not for figures
+            longrun_turns=60,
+            limits_tasks=40,
         )
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
@@ -917,7 +925,7 @@ class Cell:
     def longrun_trial(self, label: str) -> None:
         from charlie import api
 
-        turns = LONGRUN_TURNS
+        turns = self.sizes.longrun_turns
         call = {"name": "bench_page", "arguments": {"size": LONGRUN_RESULT_BYTES}}
         steps = [{"tool_calls": [{**call, "id": f"p{n}"}]} for n in range(turns)]
         ledger = self.script_dir / f"longrun-{label}.jsonl"
@@ -1045,7 +1053,7 @@ class Cell:
 
         # how long the provider takes to answer (BENCH_LIMITS_LATENCY, seconds)
         latency = float(os.environ.get("BENCH_LIMITS_LATENCY", "0.5"))
-        concurrency, rpm, n = 4, 600, 200
+        concurrency, rpm, n = 4, 600, self.sizes.limits_tasks
         self.results.info["limits.latency_s"] = latency
 
         def answer(_request: Any) -> Reply:
