@@ -2114,22 +2114,8 @@ def run_backend(backend: Backend, args: argparse.Namespace, result_path: Path) -
     if only & {"transitions", "floor"}:
         with_charlie, with_floor = "transitions" in only, "floor" in only
         steps["transitions+floor"] = lambda: cell.transitions_and_floor(with_charlie, with_floor)
-    steps.update(
-        {
-            name: getattr(cell, name)
-            for name in (
-                "fanout",
-                "recovery",
-                "scale",
-                "waiting",
-                "streaming",
-                "console",
-                "longrun",
-                "limits",
-                "growth",
-            )
-        }
-    )
+    # every scenario but the two run together above is a Cell method of its own name
+    steps.update({name: getattr(cell, name) for name in SCENARIOS[2:]})
     failed = False
     try:
         cell.start_worker()
