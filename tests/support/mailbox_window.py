@@ -63,10 +63,10 @@ def main(durable: bool) -> None:
     version = drive(Phase.ADVANCE_TURN)
     real_write, sent = tick.write, []
 
-    def write_after_a_send(engine: Any) -> Any:
+    def write_after_a_send(engine: Any, *args: Any) -> Any:
         if not sent:
             sent.append(charlie.send(task_id, "hello", message_id="m1"))
-        return real_write(engine)
+        return real_write(engine, *args)
 
     tick.write = write_after_a_send  # type: ignore[assignment]
     try:
