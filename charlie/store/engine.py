@@ -24,6 +24,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, exc, inspect
 from sqlalchemy.engine import make_url
 
 from charlie.home import open_private, private_file
+from charlie.store.alembic_config import alembic_config
 
 log = logging.getLogger(__name__)
 
@@ -294,27 +295,13 @@ def server_version(conn: Connection) -> str:
     return str(conn.exec_driver_sql(sql).scalar()).split()[0]
 
 
-def migrations_dir() -> Path:
-    return Path(__file__).parent / "migrations"
-
-
-def _alembic_config(url: str) -> Any:
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(migrations_dir()))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    cfg.attributes["configure_logger"] = False
-    return cfg
-
-
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision`` (``charlie db upgrade``)."""
     from alembic import command
 
     if url.startswith("sqlite"):
         _private_sqlite_file(url)  # Alembic opens it with an engine of its own
-    cfg = _alembic_config(url)
+    cfg = alembic_config(url)
     cfg.attributes["connection_url"] = url
     command.upgrade(cfg, revision)
 
@@ -332,7 +319,7 @@ def current_revision(url: str) -> str | None:
 def head_revision() -> str:
     from alembic.script import ScriptDirectory
 
-    head = ScriptDirectory.from_config(_alembic_config("sqlite://")).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
     assert head is not None
     return head
 

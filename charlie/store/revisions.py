@@ -21,6 +21,7 @@ from enum import Enum
 
 from sqlalchemy import Connection, inspect, select, text
 
+from charlie.store.alembic_config import alembic_config
 from charlie.store.schema import schema_floor
 
 
@@ -81,9 +82,7 @@ def code_revisions() -> tuple[str, ...]:
     """This code's revisions, newest (the head it needs) first, back to the first."""
     from alembic.script import ScriptDirectory
 
-    from charlie.store.engine import _alembic_config
-
-    script = ScriptDirectory.from_config(_alembic_config("sqlite://"))
+    script = ScriptDirectory.from_config(alembic_config("sqlite://"))
     head = script.get_current_head()
     assert head is not None
     return tuple(rev.revision for rev in script.iterate_revisions(head, "base"))

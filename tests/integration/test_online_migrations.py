@@ -25,7 +25,7 @@ import pytest
 from sqlalchemy import Connection, text
 from sqlalchemy.engine import make_url
 
-from charlie.store.engine import _alembic_config
+from charlie.store.alembic_config import alembic_config
 from charlie.store.revisions import code_revisions
 from tests.conftest import BACKEND, BACKEND_PROBLEM
 from tests.support.cluster import recreate_postgres_database
@@ -114,7 +114,7 @@ def test_every_migration_is_online(empty_database: str) -> None:
         if found and revision not in REVIEWED:
             problems.append(f"{revision}: {', '.join(found)}")
 
-    cfg = _alembic_config(empty_database)
+    cfg = alembic_config(empty_database)
     cfg.attributes["connection_url"] = empty_database
     cfg.attributes["on_version_apply"] = inspect_step
     from sqlalchemy import create_engine, pool

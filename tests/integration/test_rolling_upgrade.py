@@ -130,7 +130,7 @@ def test_db_upgrade_while_workers_run_tasks(cluster: Cluster, script, tmp_path: 
         pytest.skip("the embedded database is migrated by its worker (rolling upgrades: servers)")
     from alembic import command
 
-    from charlie.store.engine import _alembic_config
+    from charlie.store.alembic_config import alembic_config
 
     head, previous = code_revisions()[:2]
     old = _previous_release(tmp_path)
@@ -138,7 +138,7 @@ def test_db_upgrade_while_workers_run_tasks(cluster: Cluster, script, tmp_path: 
     mine: list[subprocess.Popen[bytes]] = []
     with _without_the_clusters_workers(cluster):
         try:
-            command.downgrade(_alembic_config(url), previous)
+            command.downgrade(alembic_config(url), previous)
             # Workers of the previous release, and one of this one.
             mine += [_start(cluster, old, "old1"), _start(cluster, old, "old2")]
             new = cluster.start_worker()
@@ -198,5 +198,5 @@ def test_db_upgrade_while_workers_run_tasks(cluster: Cluster, script, tmp_path: 
             for proc in mine:
                 if proc.poll() is None:
                     _stop(proc)
-            command.upgrade(_alembic_config(url), "head")
+            command.upgrade(alembic_config(url), "head")
             _set_floor(None)
