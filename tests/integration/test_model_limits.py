@@ -166,7 +166,10 @@ def test_a_higher_priority_call_goes_before_those_waiting_longer(
         wait_for(lambda: limit.admitted, timeout=60)
         lows = [charlie.submit(f"low {i}", model=MODEL) for i in range(3)]
         wait_for(_waiting(3), timeout=30)
-        # what `charlie status` and the console say of a waiting call (docs/models/limits.md)
+        # What `charlie status` and the console say of a waiting call (docs/models/limits.md).
+        # A waiter's row is committed before its run's wait transition, which records what it
+        # waits for: wait for that transition, not only the row.
+        wait_for(lambda: charlie.get_task(lows[-1]).capacity is not None, timeout=30)
         shown = charlie.get_task(lows[-1]).capacity
         assert shown is not None and shown.startswith(
             "waiting for capacity on openai: (1 in flight, "
