@@ -88,7 +88,7 @@ def test_the_live_panel_sits_below_the_header_names_calls_as_the_page_does_and_e
         held.release.set()
     assert charlie.wait(task_id, timeout=90).status is TaskStatus.SUCCEEDED
     retry(lambda: css(browser, "#live-model").get_attribute("data-finished") == "true", timeout=60)
-    assert text_of(browser, "#live-call").endswith("completed · the task finished")
+    assert text_of(browser, "#live-call").endswith("wrote its answer · the task finished")
     assert not internal.search(text_of(browser, "#live-model"))
 
     open_task(browser, console, task_id)  # the page of a finished task

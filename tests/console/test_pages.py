@@ -276,6 +276,11 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     assert "no deadline yet: it counts from the approve" in text_of(
         browser, '.open-call[data-call="ap1"]'
     )
+    # the live panel names the model as the header does (a scripted model by its file's name)
+    # and says the model's call ended, never "completed" while the run waits for people
+    line = f"turn 3: {text_of(browser, '#model')} wrote its answer"
+    retry(lambda: text_of(browser, "#live-call") == line, timeout=30)
+    assert "scripted:…/" in line
     screenshot(browser, screenshots, "task-awaiting-approval")
     submit_form(browser, "approve-ap1", {"note": "looks right"}, "button.approve")
     assert flash(browser) == said(action_of(task_id, "approve"), "approved call ap1")

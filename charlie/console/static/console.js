@@ -76,11 +76,15 @@
     var attempt = 1;
     var argsOf = null;
     var done = false;
+    // the task's model by the label the header gives it (a scripted model by its file's name)
+    var taskModel = panel.getAttribute("data-model");
+    var taskModelLabel = panel.getAttribute("data-model-label");
     // an event delivered twice (the stream is at-least-once) carries the id it had
     var seenIds = new Set();
 
     function reset() {
       text.textContent = "";
+      text.hidden = true; // shown once the model writes text: a call of tools only has none
       reasoning.textContent = "";
       reasoning.hidden = true;
       args.textContent = "";
@@ -106,6 +110,10 @@
       if (e.type === "model_start") {
         call = e.call;
         model = String(e.model || "the model");
+        callLine.title = model;
+        if (model === taskModel && taskModelLabel) {
+          model = taskModelLabel;
+        }
         attempt = Number(e.attempt) || 1;
         reset();
         panel.hidden = false;
@@ -114,6 +122,7 @@
       } else if (e.call !== call) {
         return;
       } else if (e.type === "text") {
+        text.hidden = false;
         text.textContent += e.text;
       } else if (e.type === "reasoning") {
         reasoning.hidden = false;
@@ -131,7 +140,10 @@
         callLine.textContent += " (the stream was cut; asked again)";
       } else if (e.type === "model_end") {
         panel.setAttribute("data-state", e.status);
-        callLine.textContent = writer(e) + ": " + e.status + (e.reason ? " (" + e.reason + ")" : "");
+        // the model's call ended, not the task: a run may go on to wait for people
+        callLine.textContent = writer(e) + (e.status === "completed"
+          ? " wrote its answer"
+          : " stopped: " + e.status + (e.reason ? " (" + e.reason + ")" : ""));
       }
     }
 
