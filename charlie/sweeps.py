@@ -23,7 +23,7 @@ from typing import Any
 from charlie import scheduler
 from charlie.app import app
 from charlie.config import SWEEP_QUEUE, TICK_QUEUE
-from charlie.domain import JSON, Outcome, Phase, utcnow
+from charlie.domain import Outcome, Phase, utcnow
 from charlie.executor.settle import report_call, settle_and_move
 from charlie.observe import SweepEvent, safely
 from charlie.runtime import Runtime
@@ -149,21 +149,11 @@ def _deadline_result(
 def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
     """I10, I11, I13: lost invoke messages, calls whose worker died, calls past deadline, and
     the late watch on waits that deadline settled."""
-    now = utcnow()
-    stall = timedelta(seconds=rt.settings.stall_seconds)
-    counts = {
-        "republished": 0,
-        "resumed": 0,
-        "reconciling": 0,
-        "interrupted": 0,
-        "held": 0,
-        "deadline": 0,
-        "abandoned": 0,
-        "watching": 0,
-    }
+    sweep = _CallSweep(rt, utcnow(), timedelta(seconds=rt.settings.stall_seconds))
     backlogged = _backlogged(rt)
     # A lost invoke waits, in a backlog, at most CHARLIE_SWEEP_BACKLOG_MAX_WAIT (as a run does).
-    lost_stall = _backlog_stall(rt) if backlogged else stall
+    lost_stall = _backlog_stall(rt) if backlogged else sweep.stall
+    now, stall = sweep.now, sweep.stall
     with read(rt.engine) as conn:
         abandoned = scans.abandoned_calls(conn, now, LIMIT)
         overdue = scans.overdue_calls(conn, now, LIMIT)
@@ -172,9 +162,50 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         watched = call_store.overdue_waits(
             conn, now - timedelta(seconds=rt.settings.late_watch_seconds), now - stall, WATCH_LIMIT
         )
-
     for gone in abandoned:
-        with write(rt.engine) as conn:
+        sweep.cancel_abandoned(gone)
+    for late in overdue:
+        sweep.settle_overdue(late)
+    for lost_row in lost:
+        sweep.republish_lost(lost_row, lost_stall)
+    # I13: a wait settled past its deadline is observed again, until its work is seen to end
+    # (a late report) or the watch's window closes; whatever its run has done since.
+    for watched_row in [] if backlogged else watched:
+        sweep.watch_late(watched_row)
+    for row in orphaned:
+        sweep.recover_orphan(row)
+    return sweep.counts
+
+
+class _CallSweep:
+    """One round of sweep_tool_calls: its clock, its stall period and what it did, one method
+    per kind of row its scans found (each row's action is its own compare-and-set)."""
+
+    def __init__(self, rt: Runtime, now: datetime, stall: timedelta) -> None:
+        self.rt = rt
+        self.now = now
+        self.stall = stall
+        self.counts = dict.fromkeys(
+            (
+                "republished",
+                "resumed",
+                "reconciling",
+                "interrupted",
+                "held",
+                "deadline",
+                "abandoned",
+                "watching",
+            ),
+            0,
+        )
+
+    @property
+    def settler(self) -> str:
+        return f"sweep@{self.rt.worker}"
+
+    def cancel_abandoned(self, gone: Any) -> None:
+        """A call of a run that ended settles canceled (I11)."""
+        with write(self.rt.engine) as conn:
             canceled = call_store.settle_call(
                 conn,
                 gone.execution_id,
@@ -182,18 +213,19 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 gone.call_id,
                 Outcome.CANCELED.value,
                 {"reason": "the run ended"},
-                f"sweep@{rt.worker}",
-                now,
+                self.settler,
+                self.now,
             )
         if canceled:  # reported once committed
-            counts["abandoned"] += 1
-            _report_call(rt, gone, Outcome.CANCELED)
+            self.counts["abandoned"] += 1
+            _report_call(self.rt, gone, Outcome.CANCELED)
 
-    for late in overdue:
+    def settle_overdue(self, late: Any) -> None:
+        """A call past its deadline settles deadline_exceeded and its turn moves on (I10)."""
         assert late.deadline_at is not None
         result = _deadline_result(late.started_at, late.queued_at, late.deadline_at)
 
-        def past_deadline(conn: Connection, late: Any = late, result: JSON = result) -> bool:
+        def past_deadline(conn: Connection) -> bool:
             return call_store.settle_call(
                 conn,
                 late.execution_id,
@@ -201,41 +233,49 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
                 late.call_id,
                 Outcome.DEADLINE_EXCEEDED.value,
                 result,
-                f"sweep@{rt.worker}",
-                now,
+                self.settler,
+                self.now,
             )
 
-        if settle_and_move(rt, late.execution_id, late.turn, past_deadline):
-            counts["deadline"] += 1
-            _report_call(rt, late, Outcome.DEADLINE_EXCEEDED)
+        if settle_and_move(self.rt, late.execution_id, late.turn, past_deadline):
+            self.counts["deadline"] += 1
+            _report_call(self.rt, late, Outcome.DEADLINE_EXCEEDED)
 
-    def take(row: Any, period: timedelta = stall) -> bool:
-        with write(rt.engine) as conn:
-            return scans.win_call(conn, row.execution_id, row.turn, row.call_id, now, period)
+    def take(self, row: Any, period: timedelta | None = None) -> bool:
+        """Win ``row`` for this stall period (two beats act at most once per row)."""
+        with write(self.rt.engine) as conn:
+            return scans.win_call(
+                conn,
+                row.execution_id,
+                row.turn,
+                row.call_id,
+                self.now,
+                self.stall if period is None else period,
+            )
 
-    for lost_row in lost:
-        if take(lost_row, lost_stall) and rt.publisher.invoke(
-            lost_row.execution_id, lost_row.turn, lost_row.call_id, "start"
+    def invoke(self, row: Any, mode: str, count: str, period: timedelta | None = None) -> None:
+        """Publish ``mode`` for a call this sweep won, counted once published."""
+        if self.take(row, period) and self.rt.publisher.invoke(
+            row.execution_id, row.turn, row.call_id, mode
         ):
-            counts["republished"] += 1
+            self.counts[count] += 1
 
-    # I13: a wait settled past its deadline is observed again, until its work is seen to end
-    # (a late report) or the watch's window closes; whatever its run has done since.
-    for watched_row in [] if backlogged else watched:
-        if not call_store.due_for_a_look(watched_row.settled_at, watched_row.swept_at, now, stall):
-            continue
-        if take(watched_row) and rt.publisher.invoke(
-            watched_row.execution_id, watched_row.turn, watched_row.call_id, "observe"
-        ):
-            counts["watching"] += 1
+    def republish_lost(self, row: Any, lost_stall: timedelta) -> None:
+        """A call queued but never started: its invoke message was lost."""
+        self.invoke(row, "start", "republished", lost_stall)
 
-    for row in orphaned:
-        definition = rt.tools.get(row.name)
-        exhausted = row.attempts >= rt.settings.max_attempts
+    def watch_late(self, row: Any) -> None:
+        if call_store.due_for_a_look(row.settled_at, row.swept_at, self.now, self.stall):
+            self.invoke(row, "observe", "watching")
+
+    def recover_orphan(self, row: Any) -> None:
+        """A started call whose worker stopped: resumed, reconciled, held for an operator, or
+        settled interrupted (I11), by what the call declared and how often it was tried."""
+        definition = self.rt.tools.get(row.name)
+        exhausted = row.attempts >= self.rt.settings.max_attempts
         if row.resumable and not exhausted:
-            if take(row) and rt.publisher.invoke(row.execution_id, row.turn, row.call_id, "resume"):
-                counts["resumed"] += 1
-            continue
+            self.invoke(row, "resume", "resumed")
+            return
         # Whether the call's own implementation can read back what happened, only a worker that
         # has it can tell: for a call started with one this process lacks, ask for a reconcile
         # (a worker with it runs its hook or settles the call interrupted; the others refuse,
@@ -245,59 +285,62 @@ def sweep_tool_calls(rt: Runtime) -> dict[str, int]:
         )
         reconciles = foreign or (definition is not None and definition.reconcile is not None)
         if reconciles and not exhausted:
-            if take(row) and rt.publisher.invoke(
-                row.execution_id, row.turn, row.call_id, "reconcile"
-            ):
-                counts["reconciling"] += 1
-            continue
-        evidence = {
-            "started_at": row.started_at.isoformat() if row.started_at else None,
-            "started_by": row.started_by,
-            "lease_owner": row.lease_owner,
-            "lease_until": row.lease_until.isoformat() if row.lease_until else None,
-            "attempts": row.attempts,
-            "handle": row.handle,
-            "implementation": row.implementation,
-            "reason": (
-                f"its worker died {row.attempts} times" if exhausted else "its worker stopped"
-            ),
-        }
-
+            self.invoke(row, "reconcile", "reconciling")
+            return
+        evidence = _orphan_evidence(row, exhausted)
         if row.on_interrupt == "hold":
-            # Not reported to the model: an operator decides (charlie.reconcile). Held, it
-            # leaves the turn open, so there is no turn to move.
-            with write(rt.engine) as conn:
-                call_store.lock_run(conn, row.execution_id)
-                held = call_store.hold_interrupted(
-                    conn, row.execution_id, row.turn, row.call_id, evidence, now
-                )
-            if held:
-                counts["held"] += 1
-                log.warning(
-                    "call held for an operator's verdict",
-                    extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
-                )
-            continue
+            self.hold(row, evidence)
+        else:
+            self.interrupt(row, evidence)
 
-        def interrupted(conn: Connection, row: Any = row, evidence: JSON = evidence) -> bool:
+    def hold(self, row: Any, evidence: dict[str, Any]) -> None:
+        """Not reported to the model: an operator decides (charlie.reconcile). Held, it leaves
+        the turn open, so there is no turn to move."""
+        with write(self.rt.engine) as conn:
+            call_store.lock_run(conn, row.execution_id)
+            held = call_store.hold_interrupted(
+                conn, row.execution_id, row.turn, row.call_id, evidence, self.now
+            )
+        if held:
+            self.counts["held"] += 1
+            log.warning(
+                "call held for an operator's verdict",
+                extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
+            )
+
+    def interrupt(self, row: Any, evidence: dict[str, Any]) -> None:
+        def interrupted(conn: Connection) -> bool:
             return scans.interrupt_call(
                 conn,
                 row.execution_id,
                 row.turn,
                 row.call_id,
                 evidence,
-                now,
-                f"sweep@{rt.worker}",
+                self.now,
+                self.settler,
             )
 
-        if settle_and_move(rt, row.execution_id, row.turn, interrupted):
-            counts["interrupted"] += 1
-            _report_call(rt, row, Outcome.INTERRUPTED)
+        if settle_and_move(self.rt, row.execution_id, row.turn, interrupted):
+            self.counts["interrupted"] += 1
+            _report_call(self.rt, row, Outcome.INTERRUPTED)
             log.warning(
                 "call interrupted",
                 extra={"execution_id": row.execution_id, "call_id": row.call_id, **evidence},
             )
-    return counts
+
+
+def _orphan_evidence(row: Any, exhausted: bool) -> dict[str, Any]:
+    """What an operator (or the model) is shown of a call whose worker stopped."""
+    return {
+        "started_at": row.started_at.isoformat() if row.started_at else None,
+        "started_by": row.started_by,
+        "lease_owner": row.lease_owner,
+        "lease_until": row.lease_until.isoformat() if row.lease_until else None,
+        "attempts": row.attempts,
+        "handle": row.handle,
+        "implementation": row.implementation,
+        "reason": (f"its worker died {row.attempts} times" if exhausted else "its worker stopped"),
+    }
 
 
 def _report_call(rt: Runtime, row: Any, outcome: Outcome) -> None:
