@@ -152,6 +152,9 @@ class Counted:
     ahead: int
     waiting: int
     paused_until: datetime | None
+    #: callers woken lately (a release, or a caller that found room free) whose ticks are on
+    #: their way: the room they were woken for is promised to them, not free to wake others
+    woken: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,10 @@ def decide(limit: Limit, counted: Counted, tokens: int, fallback: timedelta) -> 
         for n, used in ((limit.concurrency, counted.in_flight), (limit.rpm, counted.recent))
         if n is not None
     ]
-    wake_ahead = max(0, min(min(room, default=0), counted.ahead))
+    # Room already promised to callers woken lately is not woken for again: waking more
+    # callers than there is room only sends ticks that find the line unchanged and wait again
+    # (each a transaction and a message), crowding out the ones woken to go.
+    wake_ahead = max(0, min(min(room, default=0), counted.ahead) - counted.woken)
     if limit.concurrency is not None:
         free = limit.concurrency - counted.in_flight
         if free <= counted.ahead:

@@ -136,6 +136,11 @@ def _count_statement() -> Any:
         .where(others)
         .scalar_subquery()
         .label("waiting"),
+        select(func.count())
+        .select_from(_WAITERS_WITH_RUNS)
+        .where(others, _w.woken_at > bindparam("b_woken", type_=_w.woken_at.type))
+        .scalar_subquery()
+        .label("woken"),
         priority.label("priority"),
         since.label("since"),
         select(_l.paused_until).where(_l.limit_key == _KEY).scalar_subquery().label("paused"),
@@ -151,10 +156,12 @@ def count(
     execution_id: str,
     task_id: str,
     now: datetime,
+    woken_grace: timedelta,
 ) -> tuple[Counted, int, datetime | None]:
     """What the limit holds now, seen from this run, in one statement: (the counts, the
     task's priority, since when this run has waited, or None). Exact when the caller holds
-    the limit's row (lock_limit); without it, a look that may be a moment old."""
+    the limit's row (lock_limit); without it, a look that may be a moment old. Waiters woken
+    in the last ``woken_grace`` count as woken (their room is promised)."""
     row = conn.execute(
         _COUNT,
         {
@@ -163,6 +170,7 @@ def count(
             "b_task": task_id,
             "b_now": now,
             "b_cutoff": now - WINDOW,
+            "b_woken": now - woken_grace,
         },
     ).one()
     counted = Counted(
@@ -174,6 +182,7 @@ def count(
         ahead=int(row.ahead),
         waiting=int(row.waiting),
         paused_until=_aware(row.paused),
+        woken=int(row.woken),
     )
     return counted, int(row.priority or 0), _aware(row.since)
 

@@ -73,6 +73,21 @@ def test_a_call_goes_while_there_is_room_for_it_and_those_ahead() -> None:
     assert decide(limit, counted(in_flight=0, ahead=1), 10, FALLBACK).wake_at is None
 
 
+def test_a_waiting_caller_wakes_those_ahead_only_for_room_not_yet_promised() -> None:
+    """Room free while callers ahead sleep is woken for once (I30): callers woken lately hold
+    it, so a caller looking again behind them wakes no more than the room left."""
+    limit = Limit("openai:", concurrency=4)
+    # four free slots, ten ahead, none woken yet: wake four
+    assert decide(limit, counted(ahead=10), 10, FALLBACK).wake_ahead == 4
+    # three of them already woken and on their way: one more
+    assert decide(limit, counted(ahead=10, woken=3), 10, FALLBACK).wake_ahead == 1
+    # the room is all promised: none (waking more only sends ticks that wait again)
+    assert decide(limit, counted(ahead=10, woken=4), 10, FALLBACK).wake_ahead == 0
+    assert decide(limit, counted(in_flight=2, ahead=10, woken=2), 10, FALLBACK).wake_ahead == 0
+    # the woken callers' own looks go: the room is theirs
+    assert decide(limit, counted(ahead=3, woken=3), 10, FALLBACK).wake_at is None
+
+
 def test_rpm_and_tpm_wait_for_the_oldest_request_to_leave_the_window() -> None:
     oldest = NOW - timedelta(seconds=30)
     rpm = decide(Limit("k", rpm=3), counted(recent=3, oldest=oldest), 10, FALLBACK)
