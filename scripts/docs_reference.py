@@ -46,6 +46,8 @@ class ReadElsewhere:
     name: str
     modules: list[str]
     description: str
+    #: whether the description is a module's definition of it (starts with its name)
+    defined: bool = False
 
 
 # --- text helpers -----------------------------------------------------------------------------
@@ -370,8 +372,12 @@ def read_elsewhere(package: Path = PACKAGE, known: set[str] | None = None) -> li
             entry = found.setdefault(name, ReadElsewhere(name, [], ""))
             if module not in entry.modules:
                 entry.modules.append(module)
-            if not entry.description and description:
+            # A module that defines the variable (a paragraph that starts with its name) says
+            # what it is; one that only mentions it (the demo passing keys on) says less.
+            defines = description.lstrip("`").startswith(name)
+            if description and (not entry.description or (defines and not entry.defined)):
                 entry.description = description
+                entry.defined = defines
     return sorted(found.values(), key=lambda e: e.name)
 
 

@@ -269,6 +269,7 @@ def provider_settings(spec: str, environ: dict[str, str]) -> dict[str, str]:
     from charlie.models.retry import env_name
 
     provider, _, name = spec.partition(":")
+    # the model's own key, as the model clients read it (charlie/models/openai.py)
     own = f"CHARLIE_MODEL_{env_name(name)}_API_KEY"
     if provider == "anthropic":
         if environ.get(own) or environ.get("ANTHROPIC_API_KEY"):

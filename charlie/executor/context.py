@@ -85,6 +85,7 @@ def window_for(spec: str, limits: PhaseLimits, state: JSON) -> Window | None:
     own = limits.context_tokens_by_model.get(name)
     configured: Window | None = None
     if own is not None:
+        # a model's own window, in tokens (the settings read every CHARLIE_MODEL_*_CONTEXT_TOKENS)
         configured = Window(own, f"CHARLIE_MODEL_{name}_CONTEXT_TOKENS")
     elif limits.context_tokens is not None:
         configured = Window(limits.context_tokens, "CHARLIE_MODEL_CONTEXT_TOKENS")

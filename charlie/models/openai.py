@@ -3,7 +3,8 @@
 
 Configuration is read from the environment when a client is built:
 
-- ``CHARLIE_MODEL_BASE_URL`` (default ``https://api.openai.com/v1``), ``CHARLIE_MODEL_API_KEY``;
+- ``CHARLIE_MODEL_BASE_URL``: the endpoint's base URL (default ``https://api.openai.com/v1``);
+- ``CHARLIE_MODEL_API_KEY``: the key, sent as a bearer token to ``CHARLIE_MODEL_BASE_URL`` only;
 - per model, ``CHARLIE_MODEL_<NAME>_BASE_URL`` and ``CHARLIE_MODEL_<NAME>_API_KEY``, where
   ``<NAME>`` is the model name upper-cased with every other character than A-Z and 0-9 turned to
   ``_`` (``gpt-4.1-mini`` -> ``CHARLIE_MODEL_GPT_4_1_MINI_API_KEY``);
