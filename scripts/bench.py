@@ -217,6 +217,9 @@ class Sizes:
     longrun_turns: int = LONGRUN_TURNS
     #: tasks the provider-limits run submits at once
     limits_tasks: int = 200
+    #: read PostgreSQL's own commit counts around each measured batch (each read waits out the
+    #: backends' stats flush, BENCH_PG_STATS_SETTLE seconds, twice a batch): not in the smoke run
+    server_counters: bool = True
 
     @property
     def recovery_samples(self) -> int:
@@ -249,6 +252,7 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
             # the last 50) and for the limiter to queue callers, not for figures
             longrun_turns=60,
             limits_tasks=40,
+            server_counters=False,
         )
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
@@ -831,7 +835,7 @@ class Cell:
         10 s, so ``xact_commit`` is read only after waiting that out (BENCH_PG_STATS_SETTLE
         seconds, 11 by default): before the WAL position when ``settle_first`` (the start of a
         measurement), after it otherwise (its end)."""
-        if self.backend.name != "postgres":
+        if self.backend.name != "postgres" or not self.sizes.server_counters:
             return None
         import psycopg
 
