@@ -28,18 +28,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from charlie import faults
 from charlie.domain import (
     JSON,
     CallState,
+    CallView,
     Phase,
     RunView,
+    Settlement,
     TaskStatus,
+    TaskView,
     Transition,
     utcnow,
 )
+from charlie.executor.settle import CallResult
 from charlie.executor.steps import (
     Carried,
     NeedsRead,
@@ -124,6 +129,31 @@ def _state_after(*transitions: Transition) -> JSON | None:
     return states[-1] if states else None
 
 
+@dataclass(frozen=True)
+class _Next:
+    """A fused commit's step after its first, computed from what the worker knows as the tick
+    shell would after reading it: its claim, view and transition, the turn's calls as the step
+    before left them, its time, and when its step started (its record's duration)."""
+
+    claim: runs.Claim
+    view: RunView
+    transition: Transition
+    known: list[CallView]
+    now: datetime
+    started: float
+
+
+@dataclass(frozen=True)
+class _Awaited:
+    """B's first step: the await tick with the local call's result applied to its view."""
+
+    #: the turn's calls as predicted, before the result is applied (runs.calls_as_left's)
+    loaded: RunView
+    view: RunView
+    settlement: Settlement
+    transition: Transition
+
+
 def model_turn(
     rt: Runtime,
     progress: Progress,
@@ -134,61 +164,127 @@ def model_turn(
 ) -> Fused | None:
     """A: call_model's result (``transition``, under ``claim``, carried by this worker) with
     the dispatch of its calls and, for the local call of a read, its start."""
-    if not (
+    if not _fuses_model_turn(rt, progress, claim, transition):
+        return None
+    owner = rt.worker
+    first_at = utcnow()
+    first_ms = _elapsed_ms(started)
+    dispatch = _next_step(rt, claim, transition, None, first_at, Phase.DISPATCH_TOOLS)
+    if dispatch is None or not _only_awaits(dispatch.transition):
+        return None
+    local_ids = local_call_ids(rt, progress, dispatch.view, dispatch.transition)
+    # Reads start here, in A; a write's or a wait's start commits on its own after A (I11).
+    start_here = starts_with_dispatch(rt, dispatch.view, local_ids)
+    rows = _dispatched_rows(rt, claim, transition, first_at, dispatch, local_ids, start_here)
+    task = claim.task
+    assert task is not None
+    commit = _model_turn_commit(owner, claim, task, transition, first_at, first_ms, dispatch, rows)
+    faults.hit(
+        "tick.merged.end",
+        phase=Phase.AWAIT_TOOLS.value,
+        task_id=claim.task_id,
+        first=claim.phase.value,
+        steps=1,
+    )
+    fresh = _commit(rt, commit)
+    _observed(rt, "model_turn", fresh is not None)
+    if fresh is None:
+        return None
+    step = _dispatched_step(owner, claim, task, dispatch, rows, local_ids, start_here)
+    wrote: list[Wrote] = [
+        (claim.next_seq, runs.written_items(DIALECT, claim, transition)),
+        (dispatch.claim.next_seq, []),
+    ]
+    progress.merged = 1
+    return Fused(claim, view, transition, [step], None, wrote)
+
+
+def _fuses_model_turn(
+    rt: Runtime, progress: Progress, claim: runs.Claim, transition: Transition
+) -> bool:
+    """Whether A may be tried: a model's call of tools, whose dispatch merges after it."""
+    return (
         enabled(rt)
         and claim.phase is Phase.CALL_MODEL
         and transition.to is Phase.DISPATCH_TOOLS
         and merges(rt, claim, progress)
         and merges_next(claim, transition)
-    ):
-        return None
-    owner = rt.worker
-    first_at = utcnow()
-    first_ms = _elapsed_ms(started)
+    )
+
+
+def _next_step(
+    rt: Runtime,
+    claim: runs.Claim,
+    transition: Transition,
+    calls_before: list[CallView] | None,
+    at: datetime,
+    phase: Phase,
+) -> _Next | None:
+    """The step after ``claim``'s (``phase``), from the transition that moved there (committed
+    at ``at``) instead of the rows; None when it cannot be computed so, or its boundary decides
+    (the ordinary path does those)."""
     faults.hit(
         "tick.merged.step",
-        phase=Phase.DISPATCH_TOOLS.value,
+        phase=phase.value,
         task_id=claim.task_id,
         first=claim.phase.value,
     )
-    started2 = time.perf_counter()
-    claim2 = runs.claimed_next(claim, transition)
-    known = runs.calls_as_left(claim, None, transition, now=first_at, owner=owner, dialect=DIALECT)
+    started = time.perf_counter()
+    next_claim = runs.claimed_next(claim, transition)
+    known = runs.calls_as_left(
+        claim, calls_before, transition, now=at, owner=rt.worker, dialect=DIALECT
+    )
     if known is None:
         return None
     now = utcnow()
     try:
-        view2 = view_of(rt, None, claim2, now, known)
+        view = view_of(rt, None, next_claim, now, known)
     except NeedsRead:
-        return None  # (a stop with mail waiting: the ordinary path reads it, I22)
-    if decide_at_boundary(rt, view2) is not None:
+        return None  # (a stop with mail waiting, say: the ordinary path reads it, I22)
+    if decide_at_boundary(rt, view) is not None:
         return None  # a stop, a poison: the ordinary path says what happens
-    dispatched = compute(rt, view2)
+    computed = compute(rt, view)
     faults.hit(
         "tick.in_transaction",
-        phase=Phase.DISPATCH_TOOLS.value,
+        phase=phase.value,
         task_id=claim.task_id,
-        messages=len(dispatched.take_messages),
+        messages=len(computed.take_messages),
     )
-    if not (
+    return _Next(next_claim, view, computed, known, now, started)
+
+
+def _only_awaits(dispatched: Transition) -> bool:
+    """A dispatch A writes: its calls queued (or asked) and the move to await_tools, nothing
+    to publish, wake or write besides."""
+    return (
         dispatched.to is Phase.AWAIT_TOOLS
         and not dispatched.publish_next
         and dispatched.wake_at is None
         and not (dispatched.items or dispatched.calls or dispatched.settle)
         and not (dispatched.take_messages or dispatched.finish_order or dispatched.next_turn)
-    ):
-        return None
-    local_ids = local_call_ids(rt, progress, view2, dispatched)
-    # Reads start here, in A; a write's or a wait's start commits on its own after A (I11).
-    start_here = starts_with_dispatch(rt, view2, local_ids)
+    )
+
+
+def _dispatched_rows(
+    rt: Runtime,
+    claim: runs.Claim,
+    transition: Transition,
+    first_at: datetime,
+    dispatch: _Next,
+    local_ids: tuple[str, ...],
+    start_here: bool,
+) -> list[dict[str, Any]]:
+    """The model's new calls' rows as A inserts them: queued by the dispatch and, the local
+    reads, started (I9)."""
+    owner, now = rt.worker, dispatch.now
     implementations = dict(rt.tools.implementations())
     lease_until = now + timedelta(seconds=rt.settings.lease_seconds)
-    queued = dict(dispatched.queue_calls + dispatched.ask_calls)
+    queued = dict(dispatch.transition.queue_calls + dispatch.transition.ask_calls)
     rows = []
     for row in runs.call_rows(claim, transition, first_at):
         deadline = queued.get(row["call_id"])
         if deadline is not None:  # as runs._QUEUE_CALLS
-            row.update(queued_at=now, dispatch_version=claim2.version, deadline_at=deadline)
+            row.update(queued_at=now, dispatch_version=dispatch.claim.version, deadline_at=deadline)
         if start_here and row["call_id"] in local_ids:  # as calls.claim_call, mode start
             row.update(
                 state=CallState.STARTED.value,
@@ -200,9 +296,22 @@ def model_turn(
                 implementation=implementations.get(row["name"]),
             )
         rows.append(row)
-    task = claim.task
-    assert task is not None
-    commit = store.FusedCommit(
+    return rows
+
+
+def _model_turn_commit(
+    owner: str,
+    claim: runs.Claim,
+    task: TaskView,
+    transition: Transition,
+    first_at: datetime,
+    first_ms: float,
+    dispatch: _Next,
+    rows: list[dict[str, Any]],
+) -> store.FusedCommit:
+    """A's net effect: call_model's move and the dispatch's, each with its own record."""
+    claim2, dispatched, now = dispatch.claim, dispatch.transition, dispatch.now
+    return store.FusedCommit(
         run=store.RunBefore(claim.execution_id, claim.task_id, claim.phase, claim.version, owner),
         after=store.RunAfter(
             phase=Phase.AWAIT_TOOLS,
@@ -230,7 +339,7 @@ def model_turn(
                 Phase.AWAIT_TOOLS,
                 claim2.version + 1,
                 now,
-                _elapsed_ms(started2),
+                _elapsed_ms(dispatch.started),
                 dispatched.note,
             ),
         ],
@@ -241,17 +350,25 @@ def model_turn(
         items=_items(claim, transition),
         calls=rows,
     )
-    faults.hit(
-        "tick.merged.end",
-        phase=Phase.AWAIT_TOOLS.value,
-        task_id=claim.task_id,
-        first=claim.phase.value,
-        steps=1,
+
+
+def _dispatched_step(
+    owner: str,
+    claim: runs.Claim,
+    task: TaskView,
+    dispatch: _Next,
+    rows: list[dict[str, Any]],
+    local_ids: tuple[str, ...],
+    start_here: bool,
+) -> Step:
+    """The dispatch as A committed it, for what follows the commit: the local calls it
+    started (or left to start apart), and what B may assume of them."""
+    claim2, view2, dispatched, now = (
+        dispatch.claim,
+        dispatch.view,
+        dispatch.transition,
+        dispatch.now,
     )
-    fresh = _commit(rt, commit)
-    _observed(rt, "model_turn", fresh is not None)
-    if fresh is None:
-        return None
     # What the turn's next commit (B, after the local call) may assume.
     left = runs.calls_as_left(
         claim2, view2.calls, dispatched, now=now, owner=owner, dialect=DIALECT
@@ -261,36 +378,43 @@ def model_turn(
     if local_ids and left is not None:
         predicted = Predicted(runs.claimed_next(claim2, dispatched), left)
     if start_here:
-        by_id = {r["call_id"]: r for r in rows}
-        views = {c.call_id: c for c in (left or known)}
-        run_here = tuple(
-            ClaimedCall(
-                execution_id=claim.execution_id,
-                turn=claim.turn,
-                call_id=call_id,
-                name=views[call_id].name,
-                arguments=views[call_id].arguments,
-                resumable=bool(by_id[call_id]["resumable"]),
-                started_at=now,
-                started_by=owner,
-                handle=None,
-                attempts=1,
-                deadline_at=by_id[call_id]["deadline_at"],
-                task_metadata=task.metadata,
-                implementation=by_id[call_id]["implementation"],
-                on_interrupt=by_id[call_id]["on_interrupt"],
-            )
-            for call_id in local_ids
-        )
+        views = {c.call_id: c for c in (left or dispatch.known)}
+        run_here = _started_here(claim, task, rows, views, local_ids, now, owner)
         if predicted is not None:
             predicted = predicted.started(run_here, owner)
-    step = Step(claim2, view2, dispatched, () if start_here else local_ids, run_here, predicted)
-    wrote: list[Wrote] = [
-        (claim.next_seq, runs.written_items(DIALECT, claim, transition)),
-        (claim2.next_seq, []),
-    ]
-    progress.merged = 1
-    return Fused(claim, view, transition, [step], None, wrote)
+    return Step(claim2, view2, dispatched, () if start_here else local_ids, run_here, predicted)
+
+
+def _started_here(
+    claim: runs.Claim,
+    task: TaskView,
+    rows: list[dict[str, Any]],
+    views: dict[str, CallView],
+    local_ids: tuple[str, ...],
+    now: datetime,
+    owner: str,
+) -> tuple[ClaimedCall, ...]:
+    """The local calls A started, as calls.claim_call would have returned them."""
+    by_id = {r["call_id"]: r for r in rows}
+    return tuple(
+        ClaimedCall(
+            execution_id=claim.execution_id,
+            turn=claim.turn,
+            call_id=call_id,
+            name=views[call_id].name,
+            arguments=views[call_id].arguments,
+            resumable=bool(by_id[call_id]["resumable"]),
+            started_at=now,
+            started_by=owner,
+            handle=None,
+            attempts=1,
+            deadline_at=by_id[call_id]["deadline_at"],
+            task_metadata=task.metadata,
+            implementation=by_id[call_id]["implementation"],
+            on_interrupt=by_id[call_id]["on_interrupt"],
+        )
+        for call_id in local_ids
+    )
 
 
 def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None:
@@ -307,10 +431,59 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         and first_try(rt, claim, progress)
     ):
         return None
-    owner = rt.worker
     task = claim.task
     assert task is not None
     now = utcnow()
+    awaited = _await_step(rt, claim, predicted, done, now)
+    if awaited is None:
+        return None
+    first_ms = _elapsed_ms(started)
+    advance = _next_step(
+        rt, claim, awaited.transition, awaited.loaded.calls, now, Phase.ADVANCE_TURN
+    )
+    if advance is None or not _only_calls_the_model(advance.transition):
+        return None
+    claims_model = progress.inline  # else call_model's tick is published after the commit
+    if claims_model:
+        faults.hit(
+            "tick.merged.step",
+            phase=Phase.CALL_MODEL.value,
+            task_id=claim.task_id,
+            first=claim.phase.value,
+        )
+    record_ms = _elapsed_ms(advance.started)
+    commit = _settle_turn_commit(
+        rt, claim, task, now, awaited, advance, done,
+        first_ms=first_ms, record_ms=record_ms, claims_model=claims_model,
+        turn_calls=len(predicted.calls),
+    )  # fmt: skip
+    faults.hit(
+        "tick.merged.end",
+        phase=Phase.CALL_MODEL.value,
+        task_id=claim.task_id,
+        first=claim.phase.value,
+        steps=1 + claims_model,
+    )
+    fresh = _commit(rt, commit)
+    _observed(rt, "settle_turn", fresh is not None)
+    if fresh is None:
+        return None
+    progress.merged = 1 + claims_model
+    claim2, advanced = advance.claim, advance.transition
+    wrote: list[Wrote] = [
+        (claim.next_seq, []),
+        (claim2.next_seq, runs.written_items(DIALECT, claim2, advanced)),
+    ]
+    carried = _carried_model_claim(rt, claim2, advanced, fresh, wrote) if claims_model else None
+    step = Step(claim2, advance.view, advanced)
+    return Fused(claim, awaited.view, awaited.transition, [step], carried, wrote)
+
+
+def _await_step(
+    rt: Runtime, claim: runs.Claim, predicted: Predicted, done: CallResult, now: datetime
+) -> _Awaited | None:
+    """The await tick B begins with, from the run as predicted: the local call's result
+    settled in its view; None when that cannot be computed so, or is not a plain settle."""
     try:
         loaded = view_of(rt, None, claim, now, predicted.calls)
     except NeedsRead:
@@ -334,79 +507,58 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         and not (awaited.take_messages or awaited.finish_order or awaited.next_turn)
     ):
         return None
-    first_ms = _elapsed_ms(started)
-    faults.hit(
-        "tick.merged.step",
-        phase=Phase.ADVANCE_TURN.value,
-        task_id=claim.task_id,
-        first=claim.phase.value,
-    )
-    started2 = time.perf_counter()
-    claim2 = runs.claimed_next(claim, awaited)
-    known = runs.calls_as_left(claim, loaded.calls, awaited, now=now, owner=owner, dialect=DIALECT)
-    if known is None:
-        return None
-    now2 = utcnow()
-    try:
-        view2 = view_of(rt, None, claim2, now2, known)
-    except NeedsRead:
-        return None
-    if decide_at_boundary(rt, view2) is not None:
-        return None
-    advanced = compute(rt, view2)
-    faults.hit(
-        "tick.in_transaction",
-        phase=Phase.ADVANCE_TURN.value,
-        task_id=claim.task_id,
-        messages=len(advanced.take_messages),
-    )
-    if not (
+    return _Awaited(loaded, view, settlement, awaited)
+
+
+def _only_calls_the_model(advanced: Transition) -> bool:
+    """An advance_turn B writes: the move to call_model (published, or claimed by B), with
+    no call to queue, settle or wake for, and no mail to take."""
+    return (
         advanced.to is Phase.CALL_MODEL
         and advanced.publish_next
         and advanced.wake_at is None
         and not (advanced.calls or advanced.queue_calls or advanced.ask_calls)
         and not (advanced.settle or advanced.take_messages)
-    ):
-        return None
-    claims_model = progress.inline  # else call_model's tick is published after the commit
-    if claims_model:
-        faults.hit(
-            "tick.merged.step",
-            phase=Phase.CALL_MODEL.value,
-            task_id=claim.task_id,
-            first=claim.phase.value,
-        )
-    record_ms = _elapsed_ms(started2)
-    commit = store.FusedCommit(
-        run=store.RunBefore(
-            claim.execution_id,
-            claim.task_id,
-            claim.phase,
-            claim.version,
-            None,
-            attempts=claim.attempts - 1,  # the row's, before this commit's claim counts one
-            inbox=claim.inbox,
-            turn=claim.turn,
-            next_seq=claim.next_seq,
-            state=claim.state,
-        ),
+    )
+
+
+def _settle_turn_commit(
+    rt: Runtime,
+    claim: runs.Claim,
+    task: TaskView,
+    now: datetime,
+    awaited: _Awaited,
+    advance: _Next,
+    done: CallResult,
+    *,
+    first_ms: float,
+    record_ms: float,
+    claims_model: bool,
+    turn_calls: int,
+) -> store.FusedCommit:
+    """B's net effect: the await tick's claim, settle and move, advance_turn's move and, with
+    ``claims_model``, call_model's claim, each step with its own record."""
+    settlement, claim2, advanced = awaited.settlement, advance.claim, advance.transition
+    awaits, now2 = awaited.transition, advance.now
+    return store.FusedCommit(
+        run=_row_before_claim(claim),
         after=store.RunAfter(
             phase=Phase.CALL_MODEL,
             steps=2,
             turns=1 if advanced.next_turn else 0,
             items=len(advanced.items),
-            state=_state_after(awaited, advanced),
+            state=_state_after(awaits, advanced),
             model_calls=0,
             model_repeats=0,
             lease_until=now2 + timedelta(seconds=rt.settings.lease_seconds)
             if claims_model
             else None,
         ),
-        owner=owner,
+        owner=rt.worker,
         now=now2,
         records=[
             store.Record(
-                claim.phase, Phase.ADVANCE_TURN, claim.version + 1, now, first_ms, awaited.note
+                claim.phase, Phase.ADVANCE_TURN, claim.version + 1, now, first_ms, awaits.note
             ),
             store.Record(
                 Phase.ADVANCE_TURN,
@@ -420,44 +572,57 @@ def settle_turn(rt: Runtime, progress: Progress, started: float) -> Fused | None
         turn=claim.turn,
         task_status=task.status.value,
         task_timeout_at=task.timeout_at,
-        task_write=_task_write(awaited, advanced),
+        task_write=_task_write(awaits, advanced),
         items=_items(claim2, advanced),
-        settles=[
-            store.Settle(
-                settlement.call_id,
-                settlement.outcome.value,
-                settlement.result,
-                settlement.duration_ms,
-                advanced.finish_order.get(settlement.call_id),
-                done.call.attempts,
-                now,  # await_tools settles it (runs.calls_as_left's settled_at)
-            )
-        ],
+        settles=[_local_settle(settlement, advanced, done, now)],
         orders=[(c, n) for c, n in advanced.finish_order.items() if c != settlement.call_id],
-        turn_calls=len(predicted.calls),
+        turn_calls=turn_calls,
     )
-    faults.hit(
-        "tick.merged.end",
-        phase=Phase.CALL_MODEL.value,
-        task_id=claim.task_id,
-        first=claim.phase.value,
-        steps=1 + claims_model,
+
+
+def _row_before_claim(claim: runs.Claim) -> store.RunBefore:
+    """The run's row as B expects to find it: B takes the await tick's claim itself, so the
+    row is as the claim (predicted, steps.Predicted) found it, not as it left it."""
+    return store.RunBefore(
+        claim.execution_id,
+        claim.task_id,
+        claim.phase,
+        claim.version,
+        None,
+        attempts=claim.attempts - 1,  # the row's, before this commit's claim counts one
+        inbox=claim.inbox,
+        turn=claim.turn,
+        next_seq=claim.next_seq,
+        state=claim.state,
     )
-    fresh = _commit(rt, commit)
-    _observed(rt, "settle_turn", fresh is not None)
-    if fresh is None:
-        return None
-    progress.merged = 1 + claims_model
-    wrote: list[Wrote] = [
-        (claim.next_seq, []),
-        (claim2.next_seq, runs.written_items(DIALECT, claim2, advanced)),
-    ]
-    carried = None
-    if claims_model:
-        started3 = time.perf_counter()
-        claim3 = runs.claimed_next(claim2, advanced, fresh)
-        carried = Carried(claim3, _model_view(rt, claim3, wrote), started3)
-    return Fused(claim, view, awaited, [Step(claim2, view2, advanced)], carried, wrote)
+
+
+def _local_settle(
+    settlement: Settlement, advanced: Transition, done: CallResult, now: datetime
+) -> store.Settle:
+    """The local call's settle, held to the attempt that started it (I12)."""
+    return store.Settle(
+        settlement.call_id,
+        settlement.outcome.value,
+        settlement.result,
+        settlement.duration_ms,
+        advanced.finish_order.get(settlement.call_id),
+        done.call.attempts,
+        now,  # await_tools settles it (runs.calls_as_left's settled_at)
+    )
+
+
+def _carried_model_claim(
+    rt: Runtime,
+    claim2: runs.Claim,
+    advanced: Transition,
+    fresh: runs.Fresh,
+    wrote: list[Wrote],
+) -> Carried:
+    """call_model's claim, B's last write, for this worker to call the model from."""
+    started3 = time.perf_counter()
+    claim3 = runs.claimed_next(claim2, advanced, fresh)
+    return Carried(claim3, _model_view(rt, claim3, wrote), started3)
 
 
 def _commit(rt: Runtime, commit: store.FusedCommit) -> runs.Fresh | None:

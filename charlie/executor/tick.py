@@ -787,211 +787,408 @@ def _merge(
     return steps, None
 
 
-def _run_tick(
-    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: Progress
-) -> tuple[TickResult, Follow | None]:
-    started = time.perf_counter()
+#: Why a tick ended without committing its transition: its claim was stale, or its lease was
+#: lost (nothing to publish or report).
+_Unmoved = Literal["stale", "lost_lease"]
+
+
+@dataclass(frozen=True)
+class _Ticked:
+    """What a tick's commit did, for what follows it: its own step (the claim, the view its
+    phase saw, the transition), the steps merged after it in the same transaction, and the
+    turn's local calls that commit started or left to start in a commit of their own."""
+
+    claim: runs.Claim
+    view: RunView
+    transition: Transition
+    merged: list[Step]
+    carried: Carried | None
+    wrote: list[Wrote]
     local: tuple[ClaimedCall, ...] = ()
     #: local calls to start in a commit of their own after this one (writes, waits)
     start_apart: tuple[str, ...] = ()
-    merged: list[Step] = []
-    carried: Carried | None = None
+    #: the local call's result the commit settled (None: none, or a late report)
+    settlement: Settlement | None = None
+
+
+def _run_tick(
+    rt: Runtime, execution_id: str, phase: Phase, version: int, progress: Progress
+) -> tuple[TickResult, Follow | None]:
+    """Claim, run the phase and commit (with the steps merged after it), then do what the
+    commit allows: its publishes, telemetry, and what this worker does next."""
+    started = time.perf_counter()
     progress.merged = 0
     if phase in SLOW_PHASES:
-        if progress.carried is not None:
-            # Claimed (attempt counted, lease ours) in the transaction that merged the steps
-            # before this one: from here until the commit no transaction is open (I5).
-            claim, view, started = (
-                progress.carried.claim,
-                progress.carried.view,
-                progress.carried.started,
-            )
-            if not _lease_still_ours(rt, claim, started):
-                return "lost_lease", None
-        else:
-            # The claim commits on its own (on a server database each statement in autocommit,
-            # so without BEGIN and COMMIT round trips); from there until the commit no
-            # transaction is open (I5), and the attempt it counted stands even if this worker
-            # dies.
-            with write_one(rt.engine) as conn:
-                claimed = _claim(rt, conn, execution_id, phase, version)
-                if claimed is None:
-                    return "stale", None
-                claim, now = claimed
-                view = view_of(rt, conn, claim, now)
-        progress.claim_committed = True
-        transition = decide_at_boundary(rt, view)
-        if transition is None:
-            faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
-            with _heartbeat(rt, claim):
-                transition = compute(rt, view)
-            faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
-        fused_commit = fused.model_turn(rt, progress, claim, view, transition, started)
-        if fused_commit is not None:
-            merged, carried = fused_commit.merged, fused_commit.carried
-            remember_transcript(rt, claim, view.items, fused_commit.wrote, carried)
-        else:
-            sent = _Sent()
-            try:
-                with write(rt.engine, _lost_after_commit(view.task.id, phase)) as conn:
-                    # A final answer while mail waits is not final (I22): the messages sent while
-                    # the model wrote it go in now, and the model answers again; report_terminal
-                    # itself never calls the model (I16). Sends lock the run's row too, so one
-                    # committed after this lock finds the run finishing and is refused.
-                    if (
-                        phase is Phase.CALL_MODEL
-                        and transition.to is Phase.REPORT_TERMINAL
-                        and is_final_answer(transition)  # (a stop took its mail in itself)
-                        and calls.lock_run_inbox(conn, execution_id) > 0
-                    ):
-                        mail = runs.load_messages(conn, view.task.id)
-                        transition = reopen_final(replace(view, messages=mail), transition)
-                    # This claim's task view is as old as the model call: a stop committed
-                    # meanwhile must be seen at the next step's boundary (I18), so the next step
-                    # claims the run itself, or (PostgreSQL) the move reads the task as it is now
-                    # (runs.Fresh).
-                    claim_next = (
-                        _reads_fresh(conn)
-                        and merges(rt, claim, progress)
-                        and _rides(rt, conn, progress, claim, transition)
-                    )
-                    at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
-                    if at is None:
-                        log.warning("lease lost during %s; discarding its result", phase.value)
-                        return "lost_lease", None
-                    wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
-                    merged, carried = _merge(
-                        rt,
-                        conn,
-                        progress,
-                        claim,
-                        view,
-                        transition,
-                        at,
-                        (),
-                        wrote,
-                        claimed=claim_next,
-                    )
-                    _merged_end(progress, claim, merged, carried, "tick.merged.end")
-                    sent.claim, sent.at = claim, at.at
-            except DriverError as error:
-                if not _committed_after_all(rt, sent, error):
-                    raise
-            remember_transcript(
-                rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
-            )
+        ticked = _slow_tick(rt, execution_id, phase, version, progress, started)
     else:
-        fused_commit = (
-            fused.settle_turn(rt, progress, started)
-            if progress.predicted is not None
-            and progress.predicted.claim.phase is phase
-            and progress.predicted.claim.version == version
-            else None
+        ticked = _fast_tick(rt, execution_id, phase, version, progress, started)
+    if isinstance(ticked, str):
+        return ticked, None
+    _merged_end(progress, ticked.claim, ticked.merged, ticked.carried, "tick.merged.after_commit")
+    if ticked.merged or ticked.carried is not None:
+        return "moved", _after_merged_commit(rt, progress, ticked)
+    return _after_own_commit(rt, progress, ticked)
+
+
+def _slow_tick(
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    progress: Progress,
+    started: float,
+) -> _Ticked | _Unmoved:
+    """A slow phase: claimed in a commit of its own (or carried), worked outside any
+    transaction, committed in a second one (or one fused statement, fused.model_turn)."""
+    held = _hold_slow_claim(rt, execution_id, phase, version, progress, started)
+    if isinstance(held, str):
+        return held
+    claim, view, started = held
+    progress.claim_committed = True
+    transition = _slow_work(rt, phase, claim, view)
+    fused_commit = fused.model_turn(rt, progress, claim, view, transition, started)
+    if fused_commit is not None:
+        merged, carried = fused_commit.merged, fused_commit.carried
+        remember_transcript(rt, claim, view.items, fused_commit.wrote, carried)
+        return _Ticked(claim, view, transition, merged, carried, fused_commit.wrote)
+    ticked = _commit_slow(rt, execution_id, phase, progress, claim, view, transition, started)
+    if isinstance(ticked, str):
+        return ticked
+    items = view.items if "items" in needs(phase) else None
+    remember_transcript(rt, claim, items, ticked.wrote, ticked.carried)
+    return ticked
+
+
+def _hold_slow_claim(
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    progress: Progress,
+    started: float,
+) -> tuple[runs.Claim, RunView, float] | _Unmoved:
+    """The slow phase's claim, committed before its work: the one carried from the merged
+    transaction before it, or one of its own. With its view, and when its step started."""
+    if progress.carried is not None:
+        # Claimed (attempt counted, lease ours) in the transaction that merged the steps
+        # before this one: from here until the commit no transaction is open (I5).
+        claim, view, started = (
+            progress.carried.claim,
+            progress.carried.view,
+            progress.carried.started,
         )
-        if fused_commit is not None:
-            claim, view, transition = (
-                fused_commit.claim,
-                fused_commit.view,
-                fused_commit.transition,
+        if not _lease_still_ours(rt, claim, started):
+            return "lost_lease"
+    else:
+        # The claim commits on its own (on a server database each statement in autocommit,
+        # so without BEGIN and COMMIT round trips); from there until the commit no
+        # transaction is open (I5), and the attempt it counted stands even if this worker
+        # dies.
+        with write_one(rt.engine) as conn:
+            claimed = _claim(rt, conn, execution_id, phase, version)
+            if claimed is None:
+                return "stale"
+            claim, now = claimed
+            view = view_of(rt, conn, claim, now)
+    return claim, view, started
+
+
+def _slow_work(rt: Runtime, phase: Phase, claim: runs.Claim, view: RunView) -> Transition:
+    """The boundary's decision, or else the phase's slow work (the model call, the report),
+    with no transaction open while a heartbeat renews the lease (I5)."""
+    transition = decide_at_boundary(rt, view)
+    if transition is None:
+        faults.hit("tick.before_work", phase=phase.value, task_id=view.task.id)
+        with _heartbeat(rt, claim):
+            transition = compute(rt, view)
+        faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
+    return transition
+
+
+def _commit_slow(
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    progress: Progress,
+    claim: runs.Claim,
+    view: RunView,
+    transition: Transition,
+    started: float,
+) -> _Ticked | _Unmoved:
+    """The slow phase's second transaction; a COMMIT whose connection was lost is read back,
+    never assumed either way (I1)."""
+    sent = _Sent()
+    try:
+        with write(rt.engine, _lost_after_commit(view.task.id, phase)) as conn:
+            ticked = _slow_transaction(
+                rt, conn, execution_id, phase, progress, claim, view, transition, started, sent
             )
-            merged, carried = fused_commit.merged, fused_commit.carried
-            remember_transcript(rt, claim, None, fused_commit.wrote, carried)
-            progress.claim_committed = True
-            progress.settled = True
-        else:
-            if progress.durable_claim:
-                # A redelivered message may be the one that killed the last worker: count this
-                # attempt in a commit of its own before running the phase (poison messages).
-                with write_one(rt.engine) as conn:
-                    claimed = _claim(rt, conn, execution_id, phase, version)
-                if claimed is None:
-                    return "stale", None
-                progress.claim_committed = True
-            # A fast phase runs inside one transaction with its reads (the turn's calls locked)
-            # and its commit.
-            sent = _Sent()
-            try:
-                with write(rt.engine, _lost_after_commit(task_id_of(execution_id), phase)) as conn:
-                    if not progress.durable_claim:
-                        claimed = _claim(rt, conn, execution_id, phase, version)
-                        if claimed is None:
-                            return "stale", None
-                    assert claimed is not None
-                    claim, now = claimed
-                    if progress.durable_claim:
-                        # The claim committed apart, so this transaction holds no lock on the run
-                        # yet: take it before the calls, in the order settlers take them (no
-                        # deadlock), and its mailbox as it is now: a send may have committed
-                        # since the claim.
-                        inbox = calls.lock_run_inbox(conn, execution_id)
-                        claim = replace(claim, inbox=max(claim.inbox, inbox))
-                    view = view_of(rt, conn, claim, now)
-                    # the calls as read, before a local result is applied (the commit's SETTLE
-                    # applies it in the table, and calls_as_left in what the next merged step sees)
-                    loaded = view
-                    settlement = None
-                    if progress.settlement is not None:
-                        view, settlement = _take_settlement(rt, conn, view, progress.settlement)
-                    transition = decide_at_boundary(rt, view)
-                    if transition is None:
-                        transition = compute(rt, view)
-                        faults.hit(
-                            "tick.in_transaction",
-                            phase=phase.value,
-                            task_id=view.task.id,
-                            messages=len(transition.take_messages),
-                        )
-                    if settlement is not None:
-                        transition.settle.append(settlement)
-                    local_ids = local_call_ids(rt, progress, view, transition)
-                    claim_next = (
-                        not local_ids
-                        and merges(rt, claim, progress)
-                        and _rides(rt, conn, progress, claim, transition)
-                    )
-                    at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
-                    if at is None:
-                        return "lost_lease", None
-                    # Reads start in this commit; a write's or a wait's start commits on its own
-                    # after it (StartCalls), so a crash in between leaves it pending, free to
-                    # start (I11), never an uncertain write (I10).
-                    if starts_with_dispatch(rt, view, local_ids):
-                        local = _start_local(rt, conn, view, local_ids)
-                    else:
-                        start_apart = local_ids
-                    wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
-                    merged, carried = _merge(
-                        rt, conn, progress, claim, loaded, transition, at, local, wrote,
-                        claimed=claim_next, local_ids=local_ids,
-                    )  # fmt: skip
-                    _merged_end(progress, claim, merged, carried, "tick.merged.end")
-                    sent.claim, sent.at = claim, at.at
-            except DriverError as error:
-                if not _committed_after_all(rt, sent, error):
-                    raise
-            assert transition is not None  # the transaction reached its commit (sent)
-            remember_transcript(
-                rt, claim, view.items if "items" in needs(phase) else None, wrote, carried
+    except DriverError as error:
+        if not _committed_after_all(rt, sent, error):
+            raise
+    return ticked
+
+
+def _slow_transaction(
+    rt: Runtime,
+    conn: Connection,
+    execution_id: str,
+    phase: Phase,
+    progress: Progress,
+    claim: runs.Claim,
+    view: RunView,
+    transition: Transition,
+    started: float,
+    sent: _Sent,
+) -> _Ticked | _Unmoved:
+    """Up to its COMMIT: the slow phase's result (with the mail a final answer must take in),
+    its move, and the steps merged after it."""
+    transition = _reopen_final_for_mail(conn, execution_id, phase, view, transition)
+    # This claim's task view is as old as the model call: a stop committed
+    # meanwhile must be seen at the next step's boundary (I18), so the next step
+    # claims the run itself, or (PostgreSQL) the move reads the task as it is now
+    # (runs.Fresh).
+    claim_next = (
+        _reads_fresh(conn)
+        and merges(rt, claim, progress)
+        and _rides(rt, conn, progress, claim, transition)
+    )
+    at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+    if at is None:
+        log.warning("lease lost during %s; discarding its result", phase.value)
+        return "lost_lease"
+    wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
+    merged, carried = _merge(
+        rt,
+        conn,
+        progress,
+        claim,
+        view,
+        transition,
+        at,
+        (),
+        wrote,
+        claimed=claim_next,
+    )
+    _merged_end(progress, claim, merged, carried, "tick.merged.end")
+    sent.claim, sent.at = claim, at.at
+    return _Ticked(claim, view, transition, merged, carried, wrote)
+
+
+def _reopen_final_for_mail(
+    conn: Connection, execution_id: str, phase: Phase, view: RunView, transition: Transition
+) -> Transition:
+    """A model's final answer, or, when mail is waiting, the model called again with it."""
+    # A final answer while mail waits is not final (I22): the messages sent while
+    # the model wrote it go in now, and the model answers again; report_terminal
+    # itself never calls the model (I16). Sends lock the run's row too, so one
+    # committed after this lock finds the run finishing and is refused.
+    if (
+        phase is Phase.CALL_MODEL
+        and transition.to is Phase.REPORT_TERMINAL
+        and is_final_answer(transition)  # (a stop took its mail in itself)
+        and calls.lock_run_inbox(conn, execution_id) > 0
+    ):
+        mail = runs.load_messages(conn, view.task.id)
+        transition = reopen_final(replace(view, messages=mail), transition)
+    return transition
+
+
+def _fast_tick(
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    progress: Progress,
+    started: float,
+) -> _Ticked | _Unmoved:
+    """A fast phase: its claim, reads, phase and commit in one transaction (or the turn's
+    local call settled in one fused statement, fused.settle_turn)."""
+    fused_commit = (
+        fused.settle_turn(rt, progress, started)
+        if progress.predicted is not None
+        and progress.predicted.claim.phase is phase
+        and progress.predicted.claim.version == version
+        else None
+    )
+    if fused_commit is not None:
+        claim, view, transition = (
+            fused_commit.claim,
+            fused_commit.view,
+            fused_commit.transition,
+        )
+        merged, carried = fused_commit.merged, fused_commit.carried
+        remember_transcript(rt, claim, None, fused_commit.wrote, carried)
+        progress.claim_committed = True
+        progress.settled = True
+        return _Ticked(claim, view, transition, merged, carried, fused_commit.wrote)
+    claimed = None
+    if progress.durable_claim:
+        # A redelivered message may be the one that killed the last worker: count this
+        # attempt in a commit of its own before running the phase (poison messages).
+        with write_one(rt.engine) as conn:
+            claimed = _claim(rt, conn, execution_id, phase, version)
+        if claimed is None:
+            return "stale"
+        progress.claim_committed = True
+    ticked = _commit_fast(rt, execution_id, phase, version, progress, claimed, started)
+    if isinstance(ticked, str):
+        return ticked
+    items = ticked.view.items if "items" in needs(phase) else None
+    remember_transcript(rt, ticked.claim, items, ticked.wrote, ticked.carried)
+    progress.claim_committed = True
+    if progress.settlement is not None:
+        progress.settled = ticked.settlement is not None
+    return ticked
+
+
+def _commit_fast(
+    rt: Runtime,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    progress: Progress,
+    claimed: tuple[runs.Claim, datetime] | None,
+    started: float,
+) -> _Ticked | _Unmoved:
+    """A fast phase runs inside one transaction with its reads (the turn's calls locked)
+    and its commit; a COMMIT whose connection was lost is read back, never assumed (I1)."""
+    sent = _Sent()
+    try:
+        with write(rt.engine, _lost_after_commit(task_id_of(execution_id), phase)) as conn:
+            ticked = _fast_transaction(
+                rt, conn, execution_id, phase, version, progress, claimed, started, sent
             )
-            progress.claim_committed = True
-            if progress.settlement is not None:
-                progress.settled = settlement is not None
-    _merged_end(progress, claim, merged, carried, "tick.merged.after_commit")
-    if merged or carried is not None:
-        # What each merged step does after the commit, in order; the chain goes on from the last.
-        _after_commit(rt, claim, view, transition, (), publish_next=False)
-        _report_tick(rt, progress, claim, view, transition)
-        for step in merged[:-1]:
-            _report_merged(rt, progress, step, None, publish_next=False)
-        if merged:
-            last = merged[-1]
-            follow = _carried_follow(carried) or _merged_follow(progress, last)
-            _report_merged(
-                rt, progress, last, follow, publish_next=not isinstance(follow, NextTick)
-            )
-        else:
-            follow = _carried_follow(carried)
-        return "moved", follow
+    except DriverError as error:
+        if not _committed_after_all(rt, sent, error):
+            raise
+    return ticked  # the transaction reached its commit (sent)
+
+
+def _fast_transaction(
+    rt: Runtime,
+    conn: Connection,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    progress: Progress,
+    claimed: tuple[runs.Claim, datetime] | None,
+    started: float,
+    sent: _Sent,
+) -> _Ticked | _Unmoved:
+    """Up to its COMMIT: the claim, the phase (with the local call's result, if any), the
+    move, the local calls' start, and the steps merged after it."""
+    claimed = _claim_fast(rt, conn, execution_id, phase, version, progress, claimed)
+    if claimed is None:
+        return "stale"
+    claim, now = claimed
+    view = view_of(rt, conn, claim, now)
+    # the calls as read, before a local result is applied (the commit's SETTLE
+    # applies it in the table, and calls_as_left in what the next merged step sees)
+    loaded = view
+    settlement = None
+    if progress.settlement is not None:
+        view, settlement = _take_settlement(rt, conn, view, progress.settlement)
+    transition = _fast_phase(rt, phase, view)
+    if settlement is not None:
+        transition.settle.append(settlement)
+    local_ids = local_call_ids(rt, progress, view, transition)
+    claim_next = (
+        not local_ids
+        and merges(rt, claim, progress)
+        and _rides(rt, conn, progress, claim, transition)
+    )
+    at = _commit(rt, conn, claim, view, transition, started, claim_next=claim_next)
+    if at is None:
+        return "lost_lease"
+    local: tuple[ClaimedCall, ...] = ()
+    start_apart: tuple[str, ...] = ()
+    # Reads start in this commit; a write's or a wait's start commits on its own
+    # after it (StartCalls), so a crash in between leaves it pending, free to
+    # start (I11), never an uncertain write (I10).
+    if starts_with_dispatch(rt, view, local_ids):
+        local = _start_local(rt, conn, view, local_ids)
+    else:
+        start_apart = local_ids
+    wrote = [(claim.next_seq, runs.written_items(conn, claim, transition))]
+    merged, carried = _merge(
+        rt, conn, progress, claim, loaded, transition, at, local, wrote,
+        claimed=claim_next, local_ids=local_ids,
+    )  # fmt: skip
+    _merged_end(progress, claim, merged, carried, "tick.merged.end")
+    sent.claim, sent.at = claim, at.at
+    return _Ticked(
+        claim, view, transition, merged, carried, wrote,
+        local=local, start_apart=start_apart, settlement=settlement,
+    )  # fmt: skip
+
+
+def _claim_fast(
+    rt: Runtime,
+    conn: Connection,
+    execution_id: str,
+    phase: Phase,
+    version: int,
+    progress: Progress,
+    claimed: tuple[runs.Claim, datetime] | None,
+) -> tuple[runs.Claim, datetime] | None:
+    """The fast phase's claim, taken in its transaction; or, a durable claim having committed
+    apart, the run's row locked again in this one."""
+    if not progress.durable_claim:
+        claimed = _claim(rt, conn, execution_id, phase, version)
+        if claimed is None:
+            return None
+    assert claimed is not None
+    claim, now = claimed
+    if progress.durable_claim:
+        # The claim committed apart, so this transaction holds no lock on the run
+        # yet: take it before the calls, in the order settlers take them (no
+        # deadlock), and its mailbox as it is now: a send may have committed
+        # since the claim.
+        inbox = calls.lock_run_inbox(conn, execution_id)
+        claim = replace(claim, inbox=max(claim.inbox, inbox))
+    return claim, now
+
+
+def _fast_phase(rt: Runtime, phase: Phase, view: RunView) -> Transition:
+    """The boundary's decision, or else the phase itself, run in the claim's transaction."""
+    transition = decide_at_boundary(rt, view)
+    if transition is None:
+        transition = compute(rt, view)
+        faults.hit(
+            "tick.in_transaction",
+            phase=phase.value,
+            task_id=view.task.id,
+            messages=len(transition.take_messages),
+        )
+    return transition
+
+
+def _after_merged_commit(rt: Runtime, progress: Progress, ticked: _Ticked) -> Follow | None:
+    """After a merged transaction's commit: each of its steps' publishes, log line and
+    telemetry, as its own tick would have done them (I21); returns the last one's follow."""
+    claim, view, transition = ticked.claim, ticked.view, ticked.transition
+    merged, carried = ticked.merged, ticked.carried
+    # What each merged step does after the commit, in order; the chain goes on from the last.
+    _after_commit(rt, claim, view, transition, (), publish_next=False)
+    _report_tick(rt, progress, claim, view, transition)
+    for step in merged[:-1]:
+        _report_merged(rt, progress, step, None, publish_next=False)
+    if merged:
+        last = merged[-1]
+        follow = _carried_follow(carried) or _merged_follow(progress, last)
+        _report_merged(rt, progress, last, follow, publish_next=not isinstance(follow, NextTick))
+    else:
+        follow = _carried_follow(carried)
+    return follow
+
+
+def _after_own_commit(
+    rt: Runtime, progress: Progress, ticked: _Ticked
+) -> tuple[TickResult, Follow | None]:
+    """After a commit of one step: its publishes, its log line, telemetry, and its follow."""
+    claim, view, transition = ticked.claim, ticked.view, ticked.transition
+    local, start_apart = ticked.local, ticked.start_apart
     follow = _follow(progress, claim, transition, local, start_apart)
     result = _after_commit(
         rt, claim, view, transition, tuple(c.call_id for c in local) + start_apart, follow=follow
