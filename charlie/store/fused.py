@@ -176,15 +176,26 @@ def _statement(
     """The fused statement for one shape, built once. Every later CTE reads ``run``, so it
     writes nothing unless the run's compare-and-set matched, and runs after it (the run's row
     locked first, then the calls, then the task: the order of every writer)."""
-    if carried:
-        claim = "AND lease_owner = %(owner)s"
-    else:
-        claim = """AND (lease_until IS NULL OR lease_until < %(now)s)
-            AND attempts = %(attempts)s AND inbox = %(inbox)s AND turn = %(turn0)s
-            AND next_seq = %(next_seq)s AND state = %(state0)s::jsonb
-            AND COALESCE(error, 'null'::jsonb) = 'null'::jsonb"""
-    ctes = [
-        f"""run AS (
+    ctes = [_run_cte(carried, state)]
+    if items:
+        ctes.append(_WRITTEN)
+    if calls:
+        ctes.append(_INSERTED)
+    if settles:
+        ctes.append(_SETTLED)
+    if orders:
+        ctes.append(_ORDERED)
+    task_now, task_ok = _task_cte(task_write, _task_after(settles, orders))
+    ctes.append(task_now)
+    ctes.append(_checked_cte(task_ok, settles, orders, turn_calls))
+    # (_RECORDED reads checked: the check runs whatever plan the statement gets)
+    ctes.append(_RECORDED)
+    return "WITH " + ",\n    ".join(ctes) + _RESULT
+
+
+def _run_cte(carried: bool, state: bool) -> str:
+    """The run's compare-and-set: every step's moves of its row at once."""
+    return f"""run AS (
         UPDATE executions SET
             phase = %(to)s, version = version + %(steps)s, turn = turn + %(turns)s,
             next_seq = next_seq + %(n_items)s,{" state = %(state)s::jsonb," if state else ""}
@@ -194,22 +205,30 @@ def _statement(
             attempts = %(next_attempts)s, wake_at = %(wake_at)s::timestamptz,
             error = 'null'::jsonb, updated_at = %(now)s, swept_at = NULL
         WHERE id = %(id)s AND phase = %(from)s AND version = %(version)s
-            {claim}
+            {_run_claim(carried)}
         RETURNING id, task_id, inbox, model_calls
-    )""",
-    ]
-    if items:
-        ctes.append(
-            """written AS (
+    )"""
+
+
+def _run_claim(carried: bool) -> str:
+    """The lease the run's row must have: this worker's for a claim it carried, else free to
+    claim and as the first step's claim was predicted (RunBefore)."""
+    if carried:
+        return "AND lease_owner = %(owner)s"
+    return """AND (lease_until IS NULL OR lease_until < %(now)s)
+            AND attempts = %(attempts)s AND inbox = %(inbox)s AND turn = %(turn0)s
+            AND next_seq = %(next_seq)s AND state = %(state0)s::jsonb
+            AND COALESCE(error, 'null'::jsonb) = 'null'::jsonb"""
+
+
+_WRITTEN = """written AS (
         INSERT INTO transcript_items (execution_id, seq, turn, kind, call_id, payload, created_at)
         SELECT run.id, x.seq, %(turn)s, x.kind, x.call_id, x.payload -> 'v', %(now)s
         FROM run, jsonb_to_recordset(%(items)s::jsonb)
             AS x(seq int, kind text, call_id text, payload jsonb)
     )"""
-        )
-    if calls:
-        ctes.append(
-            """inserted AS (
+
+_INSERTED = """inserted AS (
         INSERT INTO tool_calls (execution_id, call_id, turn, idx, name, arguments, effect,
             resumable, state, attempts, outcome, result, settled_at, settled_by, late_reports,
             hold, hold_info, on_interrupt, queued_at, dispatch_version, deadline_at,
@@ -226,11 +245,8 @@ def _statement(
             deadline_at timestamptz, started_at timestamptz, started_by text, lease_owner text,
             lease_until timestamptz, implementation text)
     )"""
-        )
-    after = "run"
-    if settles:
-        ctes.append(
-            """settled AS (
+
+_SETTLED = """settled AS (
         UPDATE tool_calls c SET state = 'settled', outcome = x.outcome, result = x.result -> 'v',
             settled_at = x.at, settled_by = %(owner)s, lease_owner = NULL,
             lease_until = NULL, duration_ms = x.duration_ms, hold = NULL,
@@ -242,32 +258,55 @@ def _statement(
             AND c.hold IS NULL
         RETURNING c.call_id
     )"""
-        )
-        # the task after the calls: an aggregate over the settle makes it run first
-        after = "run, (SELECT count(*) AS n FROM settled) AS settled_first"
-    if orders:
-        ctes.append(
-            """ordered AS (
+
+_ORDERED = """ordered AS (
         UPDATE tool_calls c SET finish_order = x.n
         FROM run, jsonb_to_recordset(%(orders)s::jsonb) AS x(call_id text, n int)
         WHERE c.execution_id = run.id AND c.turn = %(turn)s AND c.call_id = x.call_id
             AND c.state = 'settled'
         RETURNING c.call_id
     )"""
-        )
+
+
+def _task_after(settles: bool, orders: bool) -> str:
+    """The FROM list the task's part reads: the run, and what must be written before it."""
+    after = "run"
+    if settles:
+        # the task after the calls: an aggregate over the settle makes it run first
+        after = "run, (SELECT count(*) AS n FROM settled) AS settled_first"
+    if orders:
         after += ", (SELECT count(*) AS n FROM ordered) AS ordered_first"
-    active = ", ".join(f"'{s}'" for s in ACTIVE)
-    # (delegated: whether the task has started a child, store.runs._DELEGATED)
-    returned = (
-        "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens, "
-        "t.cache_read_tokens, t.cache_write_tokens, "
-        "EXISTS (SELECT 1 FROM tasks child WHERE child.parent_id = t.id) AS delegated"
-    )
+    return after
+
+
+# (delegated: whether the task has started a child, store.runs._DELEGATED)
+_TASK_RETURNED = (
+    "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens, "
+    "t.cache_read_tokens, t.cache_write_tokens, "
+    "EXISTS (SELECT 1 FROM tasks child WHERE child.parent_id = t.id) AS delegated"
+)
+
+
+def _task_cte(task_write: bool, after: str) -> tuple[str, str]:
+    """``task_now``, the task's row as it is now (written, or read under a share lock), and
+    the check that it is as the steps' boundaries saw it."""
     if task_write:
-        # The task's own UPDATE waits for a concurrent writer and re-reads its row: its WHERE
-        # is the check, on the row as it is now.
-        ctes.append(
-            f"""task_now AS (
+        return _task_written(after), "(SELECT count(*) FROM task_now) = 1"
+    # A locking read returns the row as it is now, not as the statement's snapshot had it.
+    cte = f"""task_now AS (
+        SELECT {_TASK_RETURNED} FROM tasks t, {after} WHERE t.id = run.task_id FOR SHARE OF t
+    )"""
+    task_ok = """EXISTS (SELECT 1 FROM task_now WHERE status = %(task_status)s
+            AND timeout_at IS NOT DISTINCT FROM %(task_timeout)s::timestamptz)"""
+    return cte, task_ok
+
+
+def _task_written(after: str) -> str:
+    """``task_now`` as the steps' write of the task's row (TaskWrite) returns it."""
+    # The task's own UPDATE waits for a concurrent writer and re-reads its row: its WHERE
+    # is the check, on the row as it is now.
+    active = ", ".join(f"'{s}'" for s in ACTIVE)
+    return f"""task_now AS (
         UPDATE tasks t SET
             input_tokens = t.input_tokens + %(input_tokens)s,
             output_tokens = t.output_tokens + %(output_tokens)s,
@@ -281,19 +320,12 @@ def _statement(
         FROM {after}
         WHERE t.id = run.task_id AND t.status = %(task_status)s
             AND t.timeout_at IS NOT DISTINCT FROM %(task_timeout)s::timestamptz
-        RETURNING {returned}
+        RETURNING {_TASK_RETURNED}
     )"""
-        )
-        task_ok = "(SELECT count(*) FROM task_now) = 1"
-    else:
-        # A locking read returns the row as it is now, not as the statement's snapshot had it.
-        ctes.append(
-            f"""task_now AS (
-        SELECT {returned} FROM tasks t, {after} WHERE t.id = run.task_id FOR SHARE OF t
-    )"""
-        )
-        task_ok = """EXISTS (SELECT 1 FROM task_now WHERE status = %(task_status)s
-            AND timeout_at IS NOT DISTINCT FROM %(task_timeout)s::timestamptz)"""
+
+
+def _checked_cte(task_ok: str, settles: bool, orders: bool, turn_calls: bool) -> str:
+    """Every assumption in one ``charlie_expect``, which raises (CH001) when one failed."""
     checks = [task_ok]
     if settles:
         checks.append("(SELECT count(*) FROM settled) = %(n_settles)s")
@@ -304,18 +336,17 @@ def _statement(
             "(SELECT count(*) FROM tool_calls WHERE execution_id = %(id)s AND turn = %(turn)s)"
             " = %(turn_calls)s"
         )
-    ctes.append(
-        f"""checked AS (
+    return f"""checked AS (
         SELECT charlie_expect({" AND ".join(checks)}, %(what)s) AS ok FROM run
     )"""
-    )
-    # The check must run whatever plan the statement gets: a SELECT in a WITH runs only when
-    # something reads it, and the data-modifying ones always run to completion. This INSERT
-    # reads it for the run's row (the transitions are never none), so a failed assumption
-    # raises before anything is committed; the final SELECT alone would not be enough (a
-    # plan that reads an empty task_now first never reaches it, a review found).
-    ctes.append(
-        """recorded AS (
+
+
+# The check must run whatever plan the statement gets: a SELECT in a WITH runs only when
+# something reads it, and the data-modifying ones always run to completion. This INSERT
+# reads it for the run's row (the transitions are never none), so a failed assumption
+# raises before anything is committed; the final SELECT alone would not be enough (a
+# plan that reads an empty task_now first never reaches it, a review found).
+_RECORDED = """recorded AS (
         INSERT INTO transitions
             (execution_id, from_phase, to_phase, version, at, worker, duration_ms, note)
         SELECT run.id, x.from_phase, x.to_phase, x.version, x.at, %(owner)s, x.duration_ms,
@@ -325,16 +356,14 @@ def _statement(
         WHERE checked.ok
         ORDER BY x.n
     )"""
-    )
-    return (
-        "WITH "
-        + ",\n    ".join(ctes)
-        + """
+
+#: What commit_fused returns (runs.Fresh): the run's and the task's rows as the statement left
+#: them
+_RESULT = """
     SELECT run.inbox, run.model_calls, t.status, t.timeout_at, t.budget, t.input_tokens,
         t.output_tokens, t.reasoning_tokens, t.cache_read_tokens, t.cache_write_tokens,
         t.delegated
     FROM run, checked, task_now t"""
-    )
 
 
 def _wrapped(value: Any) -> dict[str, Any]:

@@ -666,6 +666,26 @@ _INSERT_TRANSITION = insert(transitions).values(
 )
 
 
+@dataclass(frozen=True)
+class _Write:
+    """One commit_transition's write, as its steps share it."""
+
+    claim: Claim
+    transition: Transition
+    owner: str
+    now: datetime
+    #: PostgreSQL, a move: the run's compare-and-set, its ``transitions`` row, the task's row and
+    #: the calls' finishing order go in one statement (_move_statement)
+    combined: bool
+    #: _task_statement's shape (usage, status, running); None: the task's row is not written
+    task_shape: tuple[bool, bool, bool] | None
+
+    @property
+    def call_key(self) -> dict[str, Any]:
+        """The bind parameters naming the turn's calls (calls.CALL_KEY, less the call)."""
+        return {"b_execution": self.claim.execution_id, "b_turn": self.claim.turn}
+
+
 def commit_transition(
     conn: Connection,
     claim: Claim,
@@ -687,172 +707,31 @@ def commit_transition(
     Returns False, writing nothing, when the lease was lost meanwhile; the caller rolls back.
     """
     to = transition.to
-    usage = bool(transition.model_calls or transition.model_repeats)
-    mail = bool(transition.take_messages)
     claim_next = next_lease_until is not None
     assert not claim_next or to is not None
-    statement = _commit_statement(
-        to is not None,
-        transition.state is not None,
-        bool(transition.items),
-        transition.next_turn,
-        usage,
-        error is not None,
-        mail,
-        claim_next,
+    w = _Write(
+        claim,
+        transition,
+        owner,
+        now,
+        combined=to is not None and conn.dialect.name == "postgresql",
+        task_shape=_task_shape(transition),
     )
-    params: dict[str, Any] = {
-        "b_id": claim.execution_id,
-        "b_version": claim.version,
-        "b_owner": owner,
-        "b_wake_at": transition.wake_at,
-        "b_state": transition.state,
-        "b_to": to.value if to is not None else None,
-        "b_now": now,
-        "b_items": len(transition.items),
-        "b_model_calls": transition.model_calls,
-        "b_model_repeats": transition.model_repeats,
-        "b_error": error,
-        "b_taken": len(transition.take_messages),
-        "b_next_owner": owner,
-        "b_next_until": next_lease_until,
-    }
-    combined = to is not None and conn.dialect.name == "postgresql"
-    status = transition.task_status
-    task_shape = (
-        (
-            bool(transition.usage),
-            status is not None,
-            status in (TaskStatus.RUNNING, TaskStatus.WAITING),
-        )
-        if status is not None or transition.usage
-        else None
-    )
-    task_params = {
-        "b_task": claim.task_id,
-        "b_input": (transition.usage or {}).get("input_tokens", 0),
-        "b_output": (transition.usage or {}).get("output_tokens", 0),
-        "b_reasoning": (transition.usage or {}).get("reasoning_tokens", 0),
-        "b_cache_read": (transition.usage or {}).get("cache_read_tokens", 0),
-        "b_cache_write": (transition.usage or {}).get("cache_write_tokens", 0),
-        "b_status": status.value if status is not None else None,
-    }
-    if combined:
-        params.update(task_params if task_shape is not None else {})
-        if transition.finish_order:
-            params.update(
-                b_order_calls=list(transition.finish_order),
-                b_orders=list(transition.finish_order.values()),
-                b_order_turn=claim.turn,
-            )
-        assert to is not None
-        statement = _move_statement(
-            transition.state is not None,
-            bool(transition.items),
-            transition.next_turn,
-            usage,
-            error is not None,
-            mail,
-            claim_next,
-            task_shape,
-            fresh,
-            bool(transition.finish_order),
-        )
-        params.update(
-            b_from=claim.phase.value,
-            b_to2=to.value,
-            b_next_version=claim.version + 1,
-            b_now2=now,
-            b_owner2=owner,
-            b_duration=duration_ms,
-            b_note=transition.note,
-        )
-    assert not fresh or (combined and claim_next)
+    statement = _run_statement(w, error=error is not None, claim_next=claim_next, fresh=fresh)
+    params = _run_params(w, error, next_lease_until)
+    if w.combined:
+        params.update(_move_params(w, duration_ms))
+    assert not fresh or (w.combined and claim_next)
     result = conn.execute(statement, params)
-    row = result.first() if combined else None
-    if (row is None) if combined else (result.rowcount != 1):
+    row = result.first() if w.combined else None
+    if (row is None) if w.combined else (result.rowcount != 1):
         return False
 
-    if transition.items:
-        conn.execute(
-            _INSERT_ITEMS,
-            [
-                {
-                    "execution_id": claim.execution_id,
-                    "seq": claim.next_seq + n,
-                    "turn": claim.turn,
-                    "kind": item.kind.value,
-                    "call_id": item.call_id,
-                    "payload": item.payload,
-                    "created_at": now,
-                }
-                for n, item in enumerate(transition.items)
-            ],
-        )
-    if transition.take_messages:
-        # Each message enters once (I22): a message already delivered matches nothing, and the
-        # transaction rolls back rather than write its item twice.
-        delivered = conn.execute(
-            _DELIVER,
-            [
-                {"b_message": mid, "b_seq": claim.next_seq + n, "b_turn": claim.turn, "b_now": now}
-                for mid, n in transition.take_messages
-            ],
-        )
-        if delivered.rowcount not in (-1, len(transition.take_messages)):
-            raise RuntimeError(
-                f"run {claim.execution_id}: a message was taken in by another boundary"
-            )
-    if transition.calls:
-        conn.execute(_INSERT_CALLS, call_rows(claim, transition, now))
-    key = {"b_execution": claim.execution_id, "b_turn": claim.turn}
-    # One executemany per kind of change, whatever the fan-out: no statement per call.
-    queued = transition.queue_calls + transition.ask_calls
-    if queued:
-        conn.execute(
-            _QUEUE_CALLS,
-            [
-                {**key, "b_call": cid, "b_at": deadline, "b_now": now, "b_version": claim.version}
-                for cid, deadline in queued
-            ],
-        )
-    if transition.settle:
-        conn.execute(
-            calls.SETTLE,
-            [
-                {
-                    **key,
-                    "b_call": s.call_id,
-                    "b_outcome": s.outcome.value,
-                    "b_result": s.result,
-                    "b_now": now,
-                    "b_owner": owner,
-                    "b_duration": s.duration_ms,
-                }
-                for s in transition.settle
-            ],
-        )
-    if transition.finish_order and not combined:
-        conn.execute(
-            _FINISH_ORDER,
-            [{**key, "b_call": cid, "b_order": n} for cid, n in transition.finish_order.items()],
-        )
-    if task_shape is not None and not combined:
-        conn.execute(_task_statement(*task_shape), {**task_params, "b_now": now})
-    if to is not None and not combined:
-        conn.execute(
-            _INSERT_TRANSITION,
-            {
-                "b_execution": claim.execution_id,
-                "b_from": claim.phase.value,
-                "b_to": to.value,
-                "b_version": claim.version + 1,
-                "b_now": now,
-                "b_owner": owner,
-                "b_duration": duration_ms,
-                "b_note": transition.note,
-            },
-        )
+    _insert_items(conn, w)
+    _deliver_messages(conn, w)
+    _write_calls(conn, w)
+    if not w.combined:
+        _write_apart(conn, w, duration_ms)
     if fresh:
         assert row is not None
         return Fresh(
@@ -865,6 +744,207 @@ def commit_transition(
             delegated=bool(row.delegated),
         )
     return True
+
+
+def _task_shape(transition: Transition) -> tuple[bool, bool, bool] | None:
+    """_task_statement's shape for what the transition writes to its task, if anything."""
+    status = transition.task_status
+    if status is None and not transition.usage:
+        return None
+    return (
+        bool(transition.usage),
+        status is not None,
+        status in (TaskStatus.RUNNING, TaskStatus.WAITING),
+    )
+
+
+def _run_statement(w: _Write, *, error: bool, claim_next: bool, fresh: bool) -> Any:
+    """The run's compare-and-set for the transition's shape: alone, or with what it carries."""
+    t = w.transition
+    usage = bool(t.model_calls or t.model_repeats)
+    mail = bool(t.take_messages)
+    if not w.combined:
+        return _commit_statement(
+            t.to is not None,
+            t.state is not None,
+            bool(t.items),
+            t.next_turn,
+            usage,
+            error,
+            mail,
+            claim_next,
+        )
+    return _move_statement(
+        t.state is not None,
+        bool(t.items),
+        t.next_turn,
+        usage,
+        error,
+        mail,
+        claim_next,
+        w.task_shape,
+        fresh,
+        bool(t.finish_order),
+    )
+
+
+def _run_params(w: _Write, error: JSON | None, next_lease_until: datetime | None) -> dict[str, Any]:
+    """_commit_statement's bind parameters (every shape's: a statement ignores those it lacks)."""
+    t, to = w.transition, w.transition.to
+    return {
+        "b_id": w.claim.execution_id,
+        "b_version": w.claim.version,
+        "b_owner": w.owner,
+        "b_wake_at": t.wake_at,
+        "b_state": t.state,
+        "b_to": to.value if to is not None else None,
+        "b_now": w.now,
+        "b_items": len(t.items),
+        "b_model_calls": t.model_calls,
+        "b_model_repeats": t.model_repeats,
+        "b_error": error,
+        "b_taken": len(t.take_messages),
+        "b_next_owner": w.owner,
+        "b_next_until": next_lease_until,
+    }
+
+
+def _task_params(w: _Write) -> dict[str, Any]:
+    """_task_statement's bind parameters but ``b_now`` (in a combined statement, the run's)."""
+    usage = w.transition.usage or {}
+    status = w.transition.task_status
+    return {
+        "b_task": w.claim.task_id,
+        "b_input": usage.get("input_tokens", 0),
+        "b_output": usage.get("output_tokens", 0),
+        "b_reasoning": usage.get("reasoning_tokens", 0),
+        "b_cache_read": usage.get("cache_read_tokens", 0),
+        "b_cache_write": usage.get("cache_write_tokens", 0),
+        "b_status": status.value if status is not None else None,
+    }
+
+
+def _move_params(w: _Write, duration_ms: float) -> dict[str, Any]:
+    """What _move_statement binds besides the run's compare-and-set: the task's row, the
+    calls' finishing order and the ``transitions`` row."""
+    t, to = w.transition, w.transition.to
+    assert to is not None
+    params = _task_params(w) if w.task_shape is not None else {}
+    if t.finish_order:
+        params.update(
+            b_order_calls=list(t.finish_order),
+            b_orders=list(t.finish_order.values()),
+            b_order_turn=w.claim.turn,
+        )
+    params.update(
+        b_from=w.claim.phase.value,
+        b_to2=to.value,
+        b_next_version=w.claim.version + 1,
+        b_now2=w.now,
+        b_owner2=w.owner,
+        b_duration=duration_ms,
+        b_note=t.note,
+    )
+    return params
+
+
+def _insert_items(conn: Connection, w: _Write) -> None:
+    if not w.transition.items:
+        return
+    conn.execute(
+        _INSERT_ITEMS,
+        [
+            {
+                "execution_id": w.claim.execution_id,
+                "seq": w.claim.next_seq + n,
+                "turn": w.claim.turn,
+                "kind": item.kind.value,
+                "call_id": item.call_id,
+                "payload": item.payload,
+                "created_at": w.now,
+            }
+            for n, item in enumerate(w.transition.items)
+        ],
+    )
+
+
+def _deliver_messages(conn: Connection, w: _Write) -> None:
+    taken = w.transition.take_messages
+    if not taken:
+        return
+    claim = w.claim
+    # Each message enters once (I22): a message already delivered matches nothing, and the
+    # transaction rolls back rather than write its item twice.
+    delivered = conn.execute(
+        _DELIVER,
+        [
+            {"b_message": mid, "b_seq": claim.next_seq + n, "b_turn": claim.turn, "b_now": w.now}
+            for mid, n in taken
+        ],
+    )
+    if delivered.rowcount not in (-1, len(taken)):
+        raise RuntimeError(f"run {claim.execution_id}: a message was taken in by another boundary")
+
+
+def _write_calls(conn: Connection, w: _Write) -> None:
+    """The turn's calls: the model's new ones inserted, then queued, then settled."""
+    t, now = w.transition, w.now
+    if t.calls:
+        conn.execute(_INSERT_CALLS, call_rows(w.claim, t, now))
+    key = w.call_key
+    # One executemany per kind of change, whatever the fan-out: no statement per call.
+    queued = t.queue_calls + t.ask_calls
+    if queued:
+        conn.execute(
+            _QUEUE_CALLS,
+            [
+                {**key, "b_call": cid, "b_at": deadline, "b_now": now, "b_version": w.claim.version}
+                for cid, deadline in queued
+            ],
+        )
+    if t.settle:
+        conn.execute(
+            calls.SETTLE,
+            [
+                {
+                    **key,
+                    "b_call": s.call_id,
+                    "b_outcome": s.outcome.value,
+                    "b_result": s.result,
+                    "b_now": now,
+                    "b_owner": w.owner,
+                    "b_duration": s.duration_ms,
+                }
+                for s in t.settle
+            ],
+        )
+
+
+def _write_apart(conn: Connection, w: _Write, duration_ms: float) -> None:
+    """What _move_statement writes with the compare-and-set, one statement each where it is not
+    used (SQLite, or a wait): the calls' finishing order, the task's row, the transition's row."""
+    t, to = w.transition, w.transition.to
+    if t.finish_order:
+        conn.execute(
+            _FINISH_ORDER,
+            [{**w.call_key, "b_call": cid, "b_order": n} for cid, n in t.finish_order.items()],
+        )
+    if w.task_shape is not None:
+        conn.execute(_task_statement(*w.task_shape), {**_task_params(w), "b_now": w.now})
+    if to is not None:
+        conn.execute(
+            _INSERT_TRANSITION,
+            {
+                "b_execution": w.claim.execution_id,
+                "b_from": w.claim.phase.value,
+                "b_to": to.value,
+                "b_version": w.claim.version + 1,
+                "b_now": w.now,
+                "b_owner": w.owner,
+                "b_duration": duration_ms,
+                "b_note": t.note,
+            },
+        )
 
 
 @dataclass(frozen=True)
