@@ -32,6 +32,9 @@ SEGMENT_BYTES = 8 * 1024 * 1024
 PREFETCH = 1000
 #: a read that found something stops once the stream is quiet this long
 QUIET_SECONDS = 0.05
+#: how long a read waits for the first chunk of what the stream already holds past its start
+#: (a loaded broker can take longer than QUIET_SECONDS to begin delivering)
+FIRST_CHUNK_SECONDS = 2.0
 
 
 class RabbitStreamTransport:
@@ -115,21 +118,30 @@ class RabbitStreamTransport:
         try:
             with Connection(self.url, connect_timeout=5) as connection:
                 channel = connection.channel()
-                channel.queue_declare(
+                declared = channel.queue_declare(
                     self.queue, durable=True, auto_delete=False, arguments=self.arguments
                 )
+                # The stream's end when this read began, read as its message count: exact while
+                # its offsets begin at 0 (nothing dropped yet by its bounds). What it holds past
+                # ``start`` is waited for, not taken for absent because the broker was slow to
+                # send its first chunk: a read of "what is there now" (block 0) must not come
+                # back empty for that. Once it has been read past, quiet ends the read.
+                held = int(getattr(declared, "message_count", 0) or 0)
+                expected = held - 1 if held > (start if isinstance(start, int) else 0) else None
                 channel.basic_qos(0, PREFETCH, False)
                 channel.basic_consume(
                     self.queue, callback=take, arguments={"x-stream-offset": start}
                 )
-                deadline = time.monotonic() + block
+                began = time.monotonic()
+                deadline = began + block
                 while True:
                     try:
                         connection.drain_events(timeout=QUIET_SECONDS)
                         continue  # more may be right behind
                     except TimeoutError:
                         pass
-                    if found or time.monotonic() >= deadline:
+                    ended = found or time.monotonic() >= deadline
+                    if ended and _read_past(last[0], expected, began):
                         break
         except (OSError, amqp.exceptions.AMQPError) as exc:
             raise StreamUnavailable(f"the event stream could not be read: {exc}") from exc
@@ -142,3 +154,11 @@ class RabbitStreamTransport:
     def close(self) -> None:
         with self._lock:
             self._reset()
+
+
+def _read_past(last: int | None, expected: int | None, began: float) -> bool:
+    """Whether a read has reached what the stream held when it began (``expected``: its last
+    offset then, None when nothing was there past the read's start), or waited long enough."""
+    if expected is None or (last is not None and last >= expected):
+        return True
+    return time.monotonic() - began >= FIRST_CHUNK_SECONDS
