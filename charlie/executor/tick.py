@@ -756,15 +756,7 @@ def _merge(
             # The claim is the transaction's last write; its slow work (the model call, the
             # report) runs after COMMIT, with no transaction open (I5).
             return steps, Carried(next_claim, view, started)
-        next_transition = decide_at_boundary(rt, view)
-        if next_transition is None:
-            next_transition = compute(rt, view)
-            faults.hit(
-                "tick.in_transaction",
-                phase=to.value,
-                task_id=view.task.id,
-                messages=len(next_transition.take_messages),
-            )
+        next_transition = _fast_phase(rt, to, view)
         # Local calls are not started here but in a commit of their own once this one is done
         # (StartCalls): a worker killed between the two leaves them pending, free to start
         # (I11).
