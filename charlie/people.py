@@ -423,13 +423,16 @@ def _standing_verdict(rows: list[Any], call: Any) -> Any:
     return this_round[0] if this_round else None
 
 
-def _after_settle(conn: Connection, run: Any, call: Any) -> int | None:
-    """The run's await tick, when settling this call completed a turn the run waits on (I7)."""
+def _after_settle(conn: Connection, run: Any, call: Any, recheck_at: datetime) -> int | None:
+    """The run's await tick, when settling this call completed a turn the run waits on (I7);
+    ``recheck_at``: when the sweeps publish it again if it is lost."""
     from charlie.store.calls import await_version_if_complete
 
     if run.turn != call.turn:
         return None
-    return await_version_if_complete(conn, call.execution_id, call.turn, run.phase, run.version)
+    return await_version_if_complete(
+        conn, call.execution_id, call.turn, run.phase, run.version, recheck_at
+    )
 
 
 def _verdict_row(
@@ -573,7 +576,7 @@ def deny(
             detail={"tool": call.name},
             origin=origin,
         )
-        return _Decided(rid, await_version=_after_settle(conn, run, call))
+        return _Decided(rid, await_version=_after_settle(conn, run, call, now + rt.stall))
 
     return _decide(
         rt, task_id, call_id, action=Action.DENY, operator=operator,
@@ -647,7 +650,9 @@ def reply(
             return _Decided(
                 rid, invoke=(call.execution_id, call.turn, call.call_id), invoke_mode="resume"
             )
-        return _Decided(rid, await_version=None if late else _after_settle(conn, run, call))
+        return _Decided(
+            rid, await_version=None if late else _after_settle(conn, run, call, now + rt.stall)
+        )
 
     return _decide(
         rt, task_id, call_id, action=Action.REPLY, operator=operator,
@@ -738,7 +743,7 @@ def reconcile(
                 by=by,
                 now=now,
             )
-            await_version = _after_settle(conn, run, call)
+            await_version = _after_settle(conn, run, call, now + rt.stall)
         rid = _verdict_row(
             conn, task_id, call, Action.RECONCILE, actor, now, request_id,
             note=note, detail=detail, origin=origin,

@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,11 @@ class Producer:
     settings: Settings
     engine: Engine
     publisher: Publisher
+
+    @property
+    def stall(self) -> timedelta:
+        """CHARLIE_STALL_SECONDS: how long work may look stalled before the sweeps act on it."""
+        return timedelta(seconds=self.settings.stall_seconds)
 
     def poke(self, task_ids: list[str]) -> None:
         """Publish the current tick of these tasks' runs so they reach a boundary now (a
@@ -219,7 +225,9 @@ def import_tool_modules(modules: Iterable[str]) -> None:
 def check_worker_ready(s: Settings) -> None:
     """What a worker needs before it consumes anything: Charlie's schema in the database
     (brought to head first on the embedded SQLite default) and every module of
-    CHARLIE_TOOL_MODULES imported. Raises SchemaMissing or ImportError, each naming the fix.
+    CHARLIE_TOOL_MODULES imported, and CHARLIE_MODEL_LIMITS readable (a worker that could not
+    read them would fail every model call it took). Raises SchemaMissing, ImportError or
+    LimitsError, each naming the fix.
 
     On a server database only a schema never migrated stops the worker here: one behind this
     code or past its floor is a rolling upgrade in progress, and the worker waits for it to fit
@@ -235,6 +243,7 @@ def check_worker_ready(s: Settings) -> None:
                 "`charlie db upgrade` first"
             )
     import_tool_modules(s.tool_modules)
+    limit_table(s.model_limits)
 
 
 def database_engine(s: Settings) -> Engine:

@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import contextlib
 import dataclasses
 import importlib.util
@@ -1815,6 +1816,14 @@ class Cell:
                                 started = time.perf_counter()
                                 work()
                                 r.add(f"{key}.{name}", 1000 * (time.perf_counter() - started))
+                    # Where a round's time goes: each statement's share, over a few rounds.
+                    with self.statement_times() as spent:
+                        for _ in range(trials):
+                            sweeps.sweep_round(self.rt)
+                    r.info[f"{key}.sweep_statements"] = [
+                        f"{ms / trials:.1f} ms: {' '.join(text.split())[:80]}"
+                        for text, ms in sorted(spent.items(), key=lambda kv: -kv[1])[:4]
+                    ]
                     # (a process start each: once in the smoke run)
                     for _ in range(3 if self.sizes.trials > 1 else 1):
                         started = time.perf_counter()
@@ -1930,6 +1939,28 @@ class Cell:
             yield seen
         finally:
             event.remove(self.rt.engine, "before_cursor_execute", record)
+
+    @contextlib.contextmanager
+    def statement_times(self) -> Any:
+        """Milliseconds this process spends in each statement meanwhile (summed by its text)."""
+        from sqlalchemy import event
+
+        spent: dict[str, float] = collections.defaultdict(float)
+        started: list[float] = []
+
+        def before(*_: Any) -> None:
+            started.append(time.perf_counter())
+
+        def after(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            spent[statement] += 1000 * (time.perf_counter() - started.pop())
+
+        event.listen(self.rt.engine, "before_cursor_execute", before)
+        event.listen(self.rt.engine, "after_cursor_execute", after)
+        try:
+            yield spent
+        finally:
+            event.remove(self.rt.engine, "before_cursor_execute", before)
+            event.remove(self.rt.engine, "after_cursor_execute", after)
 
     def seq_scans(self, seen: dict[str, Any]) -> list[str]:
         """Which of ``seen``'s reads and writes PostgreSQL plans with a sequential scan of one
@@ -2537,6 +2568,11 @@ def render(
                     "the plans (EXPLAIN) of the statements measured: "
                     + ("; ".join(scans) if scans else "none")
                     + f"; `charlie doctor` exited {info.get(f'growth.{size}.doctor_exit')}"
+                )
+            if info.get(f"growth.{size}.sweep_statements"):
+                out.append(
+                    f"- {labels[name]}: growth, {size}: a sweep round's costliest statements "
+                    "(ms a round): " + "; ".join(info[f"growth.{size}.sweep_statements"])
                 )
     return "\n".join(out)
 

@@ -54,7 +54,14 @@ def settle_in_turn(
     (see store.calls.settle_in_turn). Returns whether it settled, and the version of the run's
     await tick when this completed the turn of a run waiting in await_tools, else None."""
     with write(rt.engine) as conn:
-        return calls.settle_in_turn(conn, execution_id, turn, settle)
+        return calls.settle_in_turn(conn, execution_id, turn, settle, recheck_at(rt))
+
+
+def recheck_at(rt: Runtime) -> datetime:
+    """When the sweeps look again at a run whose turn a settle completes, in case the await
+    tick published after it is lost: a stall period ahead (see
+    store.calls.await_version_if_complete)."""
+    return utcnow() + rt.stall
 
 
 def move_turn(
@@ -178,7 +185,7 @@ def _settle_fused(rt: Runtime, done: CallResult, at: datetime) -> tuple[bool, in
         with write_one(rt.engine) as conn:
             return fused.settle_held(
                 conn, call.execution_id, call.turn, call.call_id, done.outcome.value,
-                done.result, rt.worker, at, done.duration_ms, call.attempts,
+                done.result, rt.worker, at, done.duration_ms, call.attempts, at + rt.stall,
             )  # fmt: skip
 
     held = again_if_disconnected(settle, "settle a tool call")

@@ -616,7 +616,9 @@ def fused_outcome(conn: Connection, fused: FusedCommit) -> Fresh | None:
 #: A holder's settle of one call with what every settler does around it (store.calls.
 #: settle_in_turn): the run's row locked first, then the call, then the turn's other open
 #: calls counted by a locking read, which sees the latest commit of each (a settler that
-#: committed while this one waited for the run's lock), not the statement's snapshot.
+#: committed while this one waited for the run's lock), not the statement's snapshot; and, when
+#: that completes the turn of a run in await_tools, the run's wake-up a stall period ahead
+#: (store.calls.await_version_if_complete: the sweeps find a lost await tick by it).
 _SETTLE_HELD = """
 WITH run AS (
     SELECT id, phase, version FROM executions WHERE id = %(execution)s FOR UPDATE
@@ -633,6 +635,12 @@ WITH run AS (
     WHERE c.execution_id = %(execution)s AND c.turn = %(turn)s AND c.call_id <> %(call)s
         AND c.state <> 'settled'
     FOR SHARE OF c
+), woken AS (
+    UPDATE executions e SET wake_at = %(recheck)s
+    FROM run
+    WHERE e.id = run.id AND run.phase = 'await_tools'
+        AND EXISTS (SELECT 1 FROM settled) AND NOT EXISTS (SELECT 1 FROM still_open)
+    RETURNING e.id
 )
 SELECT run.phase, run.version, (SELECT count(*) FROM still_open) AS open
 FROM run WHERE EXISTS (SELECT 1 FROM settled)
@@ -660,6 +668,7 @@ def settle_held(
     now: datetime,
     duration_ms: float | None,
     token: int,
+    recheck_at: datetime,
 ) -> HeldSettle | None:
     """A worker's settle of the call it holds (calls.SETTLE_HELD) in one statement, in
     ``conn``'s autocommit. None when it settled nothing (the call was settled meanwhile, or
@@ -682,6 +691,7 @@ def settle_held(
             "owner": owner,
             "duration": duration_ms,
             "token": token,
+            "recheck": recheck_at,
         },
     ).first()
     return None if row is None else HeldSettle(row.phase, row.version, int(row.open))

@@ -44,6 +44,15 @@ RUN_REASONS = ("lapsed", "wake", "stalled", "stopping")
 LIVE_RUN = _e.phase != literal_column("'done'")
 OPEN_CALL = _c.state != literal_column("'settled'")
 
+#: Runs that should be moving: live and not waiting for their calls (await_tools, where a run
+#: may wait for hours, for a tool or a person). The partial index of migration 0016 holds
+#: these, so a scan for stalled runs reads the runs in motion, not the runs that wait.
+MOVING_RUN = and_(LIVE_RUN, _e.phase != literal_column("'await_tools'"))
+#: Calls in flight: open and held for no person (an approval, a question, a verdict). The
+#: partial index of migration 0016 holds these, so the scans for lost and abandoned calls read
+#: the calls in flight, not the calls waiting for people.
+IN_FLIGHT_CALL = and_(OPEN_CALL, _c.hold.is_(None))
+
 
 def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
     return or_(column.is_(None), column < now - stall)
@@ -56,21 +65,11 @@ def _run_clause(reason: str, now: datetime, stall: timedelta) -> Any:
     if reason == "wake":
         return and_(free, _e.wake_at.is_not(None), _e.wake_at <= now)
     if reason == "stalled":
-        # An await whose turn has settled, quietly, for the stall period: its poke was lost.
-        # (Two conditions, not one with an OR: each is then found through an index, the open
-        # calls' (migration 0015) and the settled calls' by time, rather than by reading every
-        # call there is.)
-        in_turn = and_(_c.execution_id == _e.id, _c.turn == _e.turn)
-        turn_open = exists().where(in_turn, OPEN_CALL)
-        settled_lately = exists().where(in_turn, _c.settled_at > now - stall)
-        return and_(
-            free,
-            _e.updated_at < now - stall,
-            or_(
-                and_(_e.phase != Phase.AWAIT_TOOLS.value, _e.wake_at.is_(None)),
-                and_(_e.phase == Phase.AWAIT_TOOLS.value, ~turn_open, ~settled_lately),
-            ),
-        )
+        # Ready, and not moved for the stall period: a commit whose publish was lost. A run in
+        # await_tools waits for its calls and is not looked at here: the settle that completes
+        # its turn stores a wake-up a stall period ahead (store.calls.await_version_if_complete),
+        # which the "wake" clause finds if the await tick published after it is lost.
+        return and_(MOVING_RUN, free, _e.updated_at < now - stall, _e.wake_at.is_(None))
     if reason == "stopping":
         stopped = exists().where(
             _t.id == _e.task_id,
@@ -87,7 +86,7 @@ def runs_due(
     conn: Connection, reason: str, now: datetime, stall: timedelta, limit: int
 ) -> list[Any]:
     """Runs whose tick is due for ``reason`` and not swept this stall period:
-    (id, phase, version)."""
+    (id, phase, version), the longest due first where an index keeps that order."""
     return list(
         conn.execute(
             select(_e.id, _e.phase, _e.version)
@@ -96,9 +95,18 @@ def runs_due(
                 _throttle(_e.swept_at, now, stall),
                 _run_clause(reason, now, stall),
             )
+            .order_by(*_DUE_ORDER.get(reason, ()))
             .limit(limit)
         ).all()
     )
+
+
+#: The order a scan takes its runs in, by the column its index keeps in order. Without it,
+#: PostgreSQL's estimate (most live runs were updated over a stall period ago, most are not
+#: in await_tools: independent guesses, multiplied) made a sequential scan of every run that
+#: would stop at its limit look cheaper than the partial index of the runs in motion, which
+#: holds only those and, in order, stops at the first one updated lately.
+_DUE_ORDER: dict[str, tuple[Any, ...]] = {"wake": (_e.wake_at,), "stalled": (_e.updated_at,)}
 
 
 def win_run(
@@ -134,12 +142,15 @@ def abandoned_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
     """Open calls of a run that has ended (a failure, a race with a stop), held by no live
     worker: they settle canceled so each still has its one outcome.
 
-    Driven from the open calls (the partial index of migration 0015), each then looked up in
-    its run: the cost follows the calls in flight, not the calls kept. (Said as one anti-join
-    with a LIMIT, PostgreSQL merge-joined both tables whole, expecting to stop early.)"""
+    Driven from the calls in flight (the partial index of migration 0016), each then looked up
+    in its run: the cost follows the calls in flight, not the calls kept nor those waiting for
+    people. (Said as one anti-join with a LIMIT, PostgreSQL merge-joined both tables whole,
+    expecting to stop early.) A call held for a person is not among them: the transition that
+    ends a run settles every open call of its turn, held ones included (boundary.close_turn),
+    so only a call in flight can outlive its run (a worker's, whose lease then lapses)."""
     open_calls = (
         select(_c.execution_id, _c.turn, _c.call_id, _c.name, _c.started_at)
-        .where(OPEN_CALL, or_(_c.lease_owner.is_(None), _lapsed(now)))
+        .where(IN_FLIGHT_CALL, or_(_c.lease_owner.is_(None), _lapsed(now)))
         .cte("open_calls")
         .prefix_with("MATERIALIZED", dialect="postgresql")
     )
@@ -172,8 +183,8 @@ def lost_calls(conn: Connection, now: datetime, stall: timedelta, limit: int) ->
         conn.execute(
             select(_c.execution_id, _c.turn, _c.call_id)
             .where(
+                IN_FLIGHT_CALL,  # a question to a person is queued but sent to no worker
                 _c.state == CallState.PENDING.value,
-                _c.hold.is_(None),  # a question to a person is queued but sent to no worker
                 _c.queued_at < now - stall,
                 _throttle(_c.swept_at, now, stall),
                 _run_live(),
@@ -291,7 +302,7 @@ LIVE_PHASES = tuple(p.value for p in Phase if p is not Phase.DONE)
 
 
 def fleet_gauges(conn: Connection, now: datetime, stall: timedelta) -> dict[str, Any]:
-    """The fleet's gauges for metrics, in four bounded aggregate statements over
+    """The fleet's gauges for metrics, in five bounded aggregate statements over
     indexed columns: runs not done by phase, active tasks by status, open tool calls and the
     tasks waiting for a person by what they wait for, and the age of the oldest run that is
     due and not moving (what the stalled-run sweep looks for: a lapsed lease, or ready and
@@ -319,14 +330,21 @@ def fleet_gauges(conn: Connection, now: datetime, stall: timedelta) -> dict[str,
         open_calls += calls
         if hold is not None:
             waiting[hold] = runs
-    oldest = conn.execute(
-        select(func.min(_e.updated_at)).where(
-            _e.phase.in_(LIVE_PHASES),
-            or_(_run_clause("lapsed", now, stall), _run_clause("stalled", now, stall)),
-        )
-    ).scalar()
-    if isinstance(oldest, str):  # SQLite's min() of a text column skips the type's decoding
-        oldest = datetime.fromisoformat(oldest).replace(tzinfo=now.tzinfo)
+    # One min() each (an OR of the two made PostgreSQL read every live run): each is then the
+    # first row of an index, (phase, lease_until) and the runs in motion's (migration 0016).
+    found = [
+        conn.execute(
+            select(func.min(_e.updated_at)).where(LIVE_RUN, _run_clause(reason, now, stall))
+        ).scalar()
+        for reason in ("lapsed", "stalled")
+    ]
+    # SQLite's min() of a text column skips the type's decoding
+    stamps = [
+        datetime.fromisoformat(t).replace(tzinfo=now.tzinfo) if isinstance(t, str) else t
+        for t in found
+        if t is not None
+    ]
+    oldest = min(stamps) if stamps else None
     return {
         "runs": runs_by_phase,
         "tasks": tasks_by_status,

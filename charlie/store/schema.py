@@ -53,6 +53,13 @@ class UTCDateTime(TypeDecorator[datetime]):
 JSONDoc = JSON().with_variant(JSONB(), "postgresql")
 
 
+#: The predicates of migration 0016's partial indexes, as the sweeps' scans say them
+#: (scans.MOVING_RUN, scans.IN_FLIGHT_CALL): runs neither done nor waiting for their calls, and
+#: calls open and held for no person.
+MOVING_RUN_WHERE = "phase <> 'done' AND phase <> 'await_tools'"
+IN_FLIGHT_CALL_WHERE = "state <> 'settled' AND hold IS NULL"
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSONDoc}
 
@@ -118,6 +125,13 @@ class Execution(Base):
             postgresql_where=text("phase <> 'done'"),
             sqlite_where=text("phase <> 'done'"),
         ),
+        # the runs in motion the stalled scan reads (migration 0016; scans.MOVING_RUN)
+        Index(
+            "ix_executions_moving_updated",
+            "updated_at",
+            postgresql_where=text(MOVING_RUN_WHERE),
+            sqlite_where=text(MOVING_RUN_WHERE),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -177,6 +191,14 @@ class ToolCall(Base):
             "deadline_at",
             postgresql_where=text("state <> 'settled'"),
             sqlite_where=text("state <> 'settled'"),
+        ),
+        # the calls in flight the lost and abandoned scans read (migration 0016;
+        # scans.IN_FLIGHT_CALL)
+        Index(
+            "ix_tool_calls_in_flight",
+            "queued_at",
+            postgresql_where=text(IN_FLIGHT_CALL_WHERE),
+            sqlite_where=text(IN_FLIGHT_CALL_WHERE),
         ),
     )
 

@@ -271,6 +271,32 @@ def test_a_denied_call_never_runs_and_the_model_sees_the_reason(cluster: Cluster
         charlie.approve(task_id, "w")
 
 
+def test_a_stop_settles_the_call_held_for_approval_in_its_own_commit(
+    cluster: Cluster, script
+) -> None:
+    """I8, I18: the transition that stops a run settles its call held for a person, canceled,
+    in the same commit (boundary.close_turn), by the worker that ran the stop, not by a sweep:
+    the sweeps look for abandoned calls among the calls in flight only (store/scans.py
+    abandoned_calls), so a held call must never outlive its run."""
+    model, _ = script(
+        [
+            {"tool_calls": [{"id": "w", "name": "ledger_write", "arguments": {"key": "k3"}}]},
+            {"say": "never", "tool_calls": []},
+        ]
+    )
+    task_id = charlie.submit(
+        "stop while held", model=model, task_id=tid(), approve=["ledger_write"]
+    )
+    wait_for(lambda: charlie.get_task(task_id).waiting_for)
+    charlie.cancel(task_id, note="not now")
+    wait_for(lambda: charlie.get_task(task_id).phase.value == "done")
+    (call,) = charlie.calls(task_id)
+    assert (call.state, call.outcome) == ("settled", "canceled")
+    assert call.settled_by and not call.settled_by.startswith("sweep@"), call.settled_by
+    assert not ledger_for(task_id, "write")
+    assert_every_call_has_one_result(task_id)
+
+
 def test_an_approved_call_held_after_it_ran_takes_its_reconcile_verdict(
     cluster: Cluster, script
 ) -> None:

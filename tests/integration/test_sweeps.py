@@ -221,10 +221,11 @@ def test_the_late_watch_looks_only_at_overdue_waits_in_its_window(private_databa
 
 
 def test_open_calls_of_an_ended_run_settle_canceled_and_live_ones_stay_open(cluster) -> None:
-    """An open call left on a run that has ended (its run `done`) settles `canceled` by the
-    tool-call sweep, so it still has its one outcome; an open call of a live run, and a call
-    already settled, are left as they are (I8, I12). The scan is driven from the open calls
-    (store/scans.py abandoned_calls)."""
+    """A call in flight left on a run that has ended (its run `done`: queued for a worker that
+    never took it) settles `canceled` by the tool-call sweep, so it still has its one outcome;
+    an open call of a live run (held for an approval), and a call already settled, are left as
+    they are (I8, I12). The scan is driven from the calls in flight (store/scans.py
+    abandoned_calls); a held call cannot outlive its run (see the next test)."""
     from sqlalchemy import insert
 
     from charlie.domain import execution_id_for
@@ -281,8 +282,10 @@ def test_open_calls_of_an_ended_run_settle_canceled_and_live_ones_stay_open(clus
                     "arguments": {"key": name},
                     "effect": "write",
                     "state": state,
-                    # held for a person: no worker, no deadline, nothing else settles it
-                    "hold": None if settled else "approval",
+                    # the live run's waits for a person; the ended run's was queued for a
+                    # worker (an invoke on its way when the run ended)
+                    "hold": "approval" if name == "live" else None,
+                    "queued_at": None if settled else now,
                     "outcome": "ok" if settled else None,
                 },
             )

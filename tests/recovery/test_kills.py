@@ -309,6 +309,34 @@ def test_kill_after_the_last_settle_before_its_poke(cluster: Cluster, script) ->
     assert len(read_ledger_for(task_id, "sleep_then.end")) == 1
 
 
+def test_kill_after_a_published_turns_last_settle_before_its_poke(cluster: Cluster, script) -> None:
+    """I4, I7: a turn of two published calls (not threadsafe: each goes through the broker to
+    a worker that holds no lease on the run); the worker that settles the last one dies before
+    publishing the await tick. Its settle stored the run's wake-up a stall period ahead, and
+    the sweeps' wake scan moves the run by it, long before the calls' deadline (60 s)."""
+    cluster.set_faults(
+        {"tool.after_settle": {"action": "kill", "times": 1, "match": {"call_id": "b"}}}
+    )
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "idempotent_write", "arguments": {"key": "a"}},
+                    {"id": "b", "name": "idempotent_write", "arguments": {"key": "b", "hold": 1}},
+                ]
+            },
+            {"say": "moved on"},
+        ]
+    )
+    started = time.monotonic()
+    task_id = charlie.submit("lost poke of a published turn", model=model)
+    info = charlie.wait(task_id, timeout=40)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("tool.after_settle") == 1
+    assert time.monotonic() - started < 40
+    assert [c.outcome for c in api.calls(task_id)] == ["ok", "ok"]
+
+
 def test_poison_inside_a_fast_phase_is_bounded(cluster: Cluster, script) -> None:
     """A tick that dies inside its own transaction (its claim rolls back with it) is still
     counted, by the sweep, and ends in report_failure; no tool is started after that."""
