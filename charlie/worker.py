@@ -44,6 +44,7 @@ from charlie.app import app
 from charlie.config import settings
 from charlie.domain import Channel, Origin, Phase
 from charlie.executor import tick
+from charlie.limits import LimitsError
 from charlie.presence import Presence, wait_until_schema_fits
 from charlie.runtime import get_runtime
 from charlie.store.engine import SchemaMissing
@@ -347,13 +348,14 @@ def _list_mcp_tools(**_: Any) -> None:
 def _refuse_to_start_unready(**_: Any) -> None:
     # Before the worker consumes anything: one on a database without Charlie's schema, or that
     # cannot import a module of CHARLIE_TOOL_MODULES (it would take its tools' calls and fail
-    # each as an unknown tool), must not start. An exception in worker_ready is only logged by
+    # each as an unknown tool), or cannot read CHARLIE_MODEL_LIMITS (it would fail each model
+    # call), must not start. An exception in worker_ready is only logged by
     # Celery, which then says the worker is ready; a SystemExit here is not caught by Celery's
     # signal dispatch: the worker stops with one line naming the cause. (A pool child that
     # forks later disposes of this process's connections: runtime.reset_after_fork.)
     try:
         runtime.check_worker_ready(settings())
-    except SchemaMissing as exc:
+    except (SchemaMissing, LimitsError) as exc:
         logging.getLogger("charlie.worker").critical("%s", exc)
         raise SystemExit(f"charlie: {exc}") from None
     except ImportError as exc:

@@ -166,6 +166,16 @@ def test_a_worker_whose_tool_module_cannot_import_stops_before_consuming(tmp_pat
     assert "ready" not in done.stdout + done.stderr
 
 
+def test_a_worker_with_unreadable_model_limits_stops_before_consuming(tmp_path: Path) -> None:
+    # It used to start, say "ready", and fail each model call it took on the setting's error.
+    env = fresh_env(tmp_path, CHARLIE_MODEL_LIMITS='{"openai:": {"rpm": "lots"}}')
+    done = charlie_cli(env, "worker", "--pool", "solo", timeout=60)
+    assert done.returncode != 0
+    last = done.stderr.splitlines()[-1]
+    assert "charlie: CHARLIE_MODEL_LIMITS: 'openai:' rpm must be a whole number" in last, last
+    assert "ready" not in done.stdout + done.stderr
+
+
 def test_a_worker_on_an_unmigrated_postgresql_database_stops_before_consuming(
     tmp_path: Path,
 ) -> None:
