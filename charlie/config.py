@@ -151,6 +151,13 @@ class Settings:
     #: ...but a run stalled this long is re-published even in a backlog (once per this period),
     #: so a tick that was really lost while the queue was deep waits at most this long (I4).
     sweep_backlog_max_wait: float = 120.0
+    #: how often (seconds) the stalled-run sweep also probes the runs waiting in await_tools
+    #: for one whose turn has settled and whose tick is lost without a wake-up to find it by
+    #: (a worker of a release before migration 0016, a publish lost where none is stored): a
+    #: read of every such run, so not every round (about 30 ms at 20,000 runs waiting for
+    #: people). The wake-up a completing settle stores finds the usual case within a stall
+    #: period.
+    sweep_probe_seconds: float = 60.0
     #: poison messages: a tick or a tool invocation claimed this many times without finishing
     #: ends the run in report_failure (or the call as interrupted) instead of looping.
     max_attempts: int = 5
@@ -425,6 +432,7 @@ def load_settings() -> Settings:
         max_attempts=_env_int("CHARLIE_MAX_ATTEMPTS", 5),
         sweep_backlog_limit=_env_int("CHARLIE_SWEEP_BACKLOG_LIMIT", 200),
         sweep_backlog_max_wait=_env_float("CHARLIE_SWEEP_BACKLOG_MAX_WAIT", 120.0),
+        sweep_probe_seconds=_env_float("CHARLIE_SWEEP_PROBE_SECONDS", 60.0),
         inline_phases=_env_int("CHARLIE_INLINE_PHASES", 30),
         merge_phases=_env_int("CHARLIE_MERGE_PHASES", 1) > 0,
         fuse_commits=_env_int("CHARLIE_FUSE_COMMITS", 1) > 0,

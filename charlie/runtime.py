@@ -140,6 +140,9 @@ class Runtime(Producer):
     _models: dict[str, Model] = field(default_factory=dict)
     #: when this process last recorded each sweep's heartbeat (time.monotonic()).
     heartbeats_sent: dict[str, float] = field(default_factory=dict)
+    #: when this process's stalled-run sweep last probed the runs in await_tools
+    #: (time.monotonic(); CHARLIE_SWEEP_PROBE_SECONDS).
+    probed_at: float | None = None
     #: a worker main process's heartbeat in the database (charlie/presence.py), once ready.
     presence: Presence | None = None
     #: telemetry (charlie.telemetry installs one per process from the environment): spans and

@@ -50,7 +50,12 @@ def sweep_stalled_runs(rt: Runtime) -> int:
       dies inside its own transaction (its claim rolled back with it, so the attempt is counted
       here, which bounds a poison message in every phase);
     - a run whose task was canceled or timed out, so it stops at its boundary even if the poke
-      that should have woken it was lost.
+      that should have woken it was lost;
+    - every CHARLIE_SWEEP_PROBE_SECONDS, a run in await_tools whose turn has settled and that
+      has no wake-up to be found by (see scans.PROBE).
+
+    A run in await_tools is otherwise not read: the settle that completes its turn stores a
+    wake-up a stall period ahead, which the "wake" scan finds if the tick after it is lost.
     """
     now = utcnow()
     normal = timedelta(seconds=rt.settings.stall_seconds)
@@ -61,10 +66,12 @@ def sweep_stalled_runs(rt: Runtime) -> int:
     # backlog to drain; lapsed leases, wake-ups and stops still go at once.
     backlog = _backlog_stall(rt) if _backlogged(rt) else None
     published = 0
-    for reason in scans.RUN_REASONS:
-        stall = backlog if backlog is not None and reason == "stalled" else normal
+    reasons = [*scans.RUN_REASONS, *([scans.PROBE] if _probe_due(rt) else [])]
+    for reason in reasons:
+        stall = backlog if backlog is not None and reason in ("stalled", scans.PROBE) else normal
+        held_back = backlog - normal if backlog is not None and reason == "wake" else None
         with read(rt.engine) as conn:
-            rows = scans.runs_due(conn, reason, now, stall, LIMIT)
+            rows = scans.runs_due(conn, reason, now, stall, LIMIT, held_back=held_back)
         for row in rows:
             if _republish(
                 rt,
@@ -77,6 +84,16 @@ def sweep_stalled_runs(rt: Runtime) -> int:
             ):
                 published += 1
     return published
+
+
+def _probe_due(rt: Runtime) -> bool:
+    """Whether this round also probes the runs in await_tools (CHARLIE_SWEEP_PROBE_SECONDS;
+    the first round of a process does)."""
+    now = time.monotonic()
+    if rt.probed_at is not None and now - rt.probed_at < rt.settings.sweep_probe_seconds:
+        return False
+    rt.probed_at = now
+    return True
 
 
 def queue_depth(queue: str = "charlie") -> int | None:

@@ -1805,6 +1805,7 @@ class Cell:
                     with self.statements() as seen:
                         timed = {
                             "sweep_ms": lambda: sweeps.sweep_round(self.rt),
+                            "probe_ms": lambda: self.probing_round(sweeps),
                             "list_ms": lambda: api.list_tasks(limit=50),
                             "list_waiting_ms": lambda: api.list_tasks(status="waiting", limit=50),
                             "console_ms": lambda: http.get("/"),
@@ -1849,6 +1850,12 @@ class Cell:
             self.start_worker()
             self.start_beat()
         r.info["growth.levels"] = list(levels)
+
+    def probing_round(self, sweeps: Any) -> None:
+        """A sweep round that also probes the runs in await_tools, as a process's first round
+        does and one every CHARLIE_SWEEP_PROBE_SECONDS after it."""
+        self.rt.probed_at = None
+        sweeps.sweep_round(self.rt)
 
     def growth_insert(self, prefix: str, start: int, end: int) -> None:
         """Tasks ``start`` to ``end`` of the growth set: 3 in 10 queued (their runs fresh, so
@@ -2246,6 +2253,7 @@ class Row:
 #: growth's figures: (label, key)
 GROWTH_FIGURES = (
     ("A sweep round (every sweep once, in-process)", "sweep_ms"),
+    ("A sweep round that probes await_tools (once a minute)", "probe_ms"),
     ("list_tasks: first page of 50", "list_ms"),
     ("list_tasks: first page of the waiting", "list_waiting_ms"),
     ("Console: the task list over HTTP", "console_ms"),

@@ -571,6 +571,7 @@ def _observed_tick(
                     rt.worker,
                     error,
                     claim_committed=progress.claim_committed,
+                    recheck_at=utcnow() + rt.stall,
                 )
         except DatabaseError:
             log.warning("could not record the refused write either; the lease will lapse")

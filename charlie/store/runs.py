@@ -1153,15 +1153,19 @@ def record_refused_tick(
     error: JSON,
     *,
     claim_committed: bool,
+    recheck_at: datetime,
 ) -> None:
     """A tick whose writes the database refused: keep the error as evidence and free the run
     for the sweep. If the claim was rolled back with the rest, count the attempt here, so the
-    poison limit still bounds the retries."""
+    poison limit still bounds the retries. A claim that was committed cleared the run's
+    wake-up (every claim does): the run gets one at ``recheck_at``, a stall period ahead, by
+    which the sweeps' wake scan publishes its tick again (a run in await_tools is found by
+    nothing else)."""
     e = executions.c
     stmt = update(executions).where(e.id == execution_id, e.version == version)
     if claim_committed:
         stmt = stmt.where(e.lease_owner == owner).values(
-            error=error, lease_owner=None, lease_until=None
+            error=error, lease_owner=None, lease_until=None, wake_at=recheck_at
         )
     else:
         stmt = stmt.where(e.lease_owner.is_(None)).values(error=error, attempts=e.attempts + 1)

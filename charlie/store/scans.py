@@ -36,6 +36,9 @@ ENDING = (Phase.REPORT_TERMINAL.value, Phase.REPORT_FAILURE.value, Phase.DONE.va
 
 #: Why a run's tick is re-published (see sweeps.sweep_stalled_runs).
 RUN_REASONS = ("lapsed", "wake", "stalled", "stopping")
+#: ...and, every CHARLIE_SWEEP_PROBE_SECONDS, a run in await_tools whose turn has settled
+#: quietly with no wake-up stored (see _run_clause).
+PROBE = "settled_turn"
 
 
 #: Runs not done and calls not settled, said as literals: the partial indexes of migration 0015
@@ -58,12 +61,35 @@ def _throttle(column: Any, now: datetime, stall: timedelta) -> Any:
     return or_(column.is_(None), column < now - stall)
 
 
-def _run_clause(reason: str, now: datetime, stall: timedelta) -> Any:
+def _run_clause(
+    reason: str, now: datetime, stall: timedelta, held_back: timedelta | None = None
+) -> Any:
     free = _e.lease_owner.is_(None)
     if reason == "lapsed":
         return and_(_e.lease_until.is_not(None), _e.lease_until < now - LEASE_GRACE)
     if reason == "wake":
-        return and_(free, _e.wake_at.is_not(None), _e.wake_at <= now)
+        woken = and_(free, _e.wake_at.is_not(None), _e.wake_at <= now)
+        if held_back is None:
+            return woken
+        # In a broker backlog, the wake-up of a turn's settle (a stall period after it) is
+        # mostly a tick still queued, not lost: it waits as long as a stalled run does.
+        return and_(
+            woken,
+            or_(_e.phase != Phase.AWAIT_TOOLS.value, _e.wake_at <= now - held_back),
+        )
+    if reason == PROBE:
+        # An await whose turn has settled, quietly, for the stall period, and that no wake-up
+        # will find: read run by run (each quiet run in await_tools, for an open call or one
+        # settled lately), hence only every CHARLIE_SWEEP_PROBE_SECONDS.
+        in_turn = and_(_c.execution_id == _e.id, _c.turn == _e.turn)
+        return and_(
+            free,
+            _e.phase == Phase.AWAIT_TOOLS.value,
+            _e.wake_at.is_(None),
+            _e.updated_at < now - stall,
+            ~exists().where(in_turn, OPEN_CALL),
+            ~exists().where(in_turn, _c.settled_at > now - stall),
+        )
     if reason == "stalled":
         # Ready, and not moved for the stall period: a commit whose publish was lost. A run in
         # await_tools waits for its calls and is not looked at here: the settle that completes
@@ -83,17 +109,24 @@ def _run_clause(reason: str, now: datetime, stall: timedelta) -> Any:
 
 
 def runs_due(
-    conn: Connection, reason: str, now: datetime, stall: timedelta, limit: int
+    conn: Connection,
+    reason: str,
+    now: datetime,
+    stall: timedelta,
+    limit: int,
+    *,
+    held_back: timedelta | None = None,
 ) -> list[Any]:
     """Runs whose tick is due for ``reason`` and not swept this stall period:
-    (id, phase, version), the longest due first where an index keeps that order."""
+    (id, phase, version), the longest due first where an index keeps that order.
+    ``held_back``: in a broker backlog, how much longer a settled turn's wake-up waits."""
     return list(
         conn.execute(
             select(_e.id, _e.phase, _e.version)
             .where(
                 LIVE_RUN,
                 _throttle(_e.swept_at, now, stall),
-                _run_clause(reason, now, stall),
+                _run_clause(reason, now, stall, held_back),
             )
             .order_by(*_DUE_ORDER.get(reason, ()))
             .limit(limit)

@@ -25,7 +25,7 @@ from charlie import scheduler
 from charlie.config import settings
 from charlie.domain import CallState, Phase, TaskStatus, utcnow
 from charlie.runtime import Publisher, Runtime
-from charlie.store import calls
+from charlie.store import calls, runs, scans
 from charlie.store.engine import write
 from charlie.store.schema import executions, tasks, tool_calls
 from charlie.sweeps import sweep_tool_calls
@@ -392,6 +392,47 @@ def test_the_sweep_settling_the_last_call_sees_the_worker_settling_the_one_befor
     assert swept[0]["deadline"] == 1
     assert call_row(engine, execution_id, "c2").outcome == "deadline_exceeded"
     assert publisher.ticks == [(execution_id, Phase.AWAIT_TOOLS, 3)]
+    # I4: and it stored the run's wake-up, a stall period ahead, should that tick be lost
+    with engine.connect() as conn:
+        wake = conn.execute(
+            select(executions.c.wake_at).where(executions.c.id == execution_id)
+        ).scalar_one()
+    assert wake is not None and wake > now
+
+
+def test_a_refused_tick_after_a_committed_claim_leaves_its_run_a_wake_up(engine: Engine) -> None:
+    """I4: a committed (durable) claim clears the run's wake-up, as every claim does; when the
+    tick's own writes are then refused, the run is freed with a wake-up a stall period ahead,
+    which the sweeps' wake scan finds: a run in await_tools is found by no other scan of a
+    round."""
+    _, execution_id = queued_call(engine)
+    with write(engine) as conn:
+        conn.execute(
+            update(executions)
+            .where(executions.c.id == execution_id)
+            .values(
+                phase=Phase.AWAIT_TOOLS.value,
+                version=4,
+                lease_owner="w1",
+                lease_until=utcnow() + timedelta(minutes=5),
+                wake_at=None,
+            )
+        )
+    recheck = utcnow() + timedelta(seconds=5)
+    with write(engine) as conn:
+        runs.record_refused_tick(
+            conn, execution_id, 4, "w1", {"message": "refused"}, claim_committed=True,
+            recheck_at=recheck,
+        )  # fmt: skip
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(executions.c.lease_owner, executions.c.wake_at).where(
+                executions.c.id == execution_id
+            )
+        ).one()
+        assert (row.lease_owner, row.wake_at) == (None, recheck)
+        due = scans.runs_due(conn, "wake", recheck, timedelta(seconds=5), 100)
+    assert execution_id in {r.id for r in due}
 
 
 #: Held calls as the code leaves them, each with the claim mode that would take it were it not

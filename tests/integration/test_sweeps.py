@@ -303,3 +303,61 @@ def test_open_calls_of_an_ended_run_settle_canceled_and_live_ones_stay_open(clus
     time.sleep(1.5)  # a few more sweep rounds
     assert call("live") == (CallState.PENDING.value, None)
     assert call("settled") == (CallState.SETTLED.value, "ok")
+
+
+def test_a_settled_turn_with_no_wake_up_is_found_by_the_probe_only_when_it_is_due(
+    private_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """I4, I7: a run in await_tools whose calls have all settled and that has no wake-up (a
+    worker of a release before migration 0016 settled it; a move into await_tools whose publish
+    was lost) is not read by a round's scans, which skip the runs that wait: the probe of the
+    runs in await_tools finds it, on a process's first round and then every
+    CHARLIE_SWEEP_PROBE_SECONDS; a run whose turn is still open is never taken."""
+    from dataclasses import replace
+
+    from charlie.config import load_settings
+    from charlie.runtime import Runtime
+    from charlie.sweeps import sweep_stalled_runs
+    from charlie.testing import RecordingPublisher
+    from charlie.tools.registry import REGISTRY
+
+    engine = get_engine(private_database)
+    long_ago = datetime.now(UTC) - timedelta(minutes=5)
+    stranded = stalled_run(engine, "probe", long_ago, phase=Phase.AWAIT_TOOLS.value)
+    waiting = stalled_run(engine, "probe", long_ago, phase=Phase.AWAIT_TOOLS.value)
+    with write(engine) as conn:
+        for execution_id, state in ((stranded, CallState.SETTLED), (waiting, CallState.PENDING)):
+            conn.execute(
+                tool_calls.insert().values(
+                    execution_id=execution_id,
+                    call_id="c0",
+                    turn=0,
+                    idx=0,
+                    name="ledger_write",
+                    arguments={"key": "k"},
+                    effect="write",
+                    state=state.value,
+                    outcome="ok" if state is CallState.SETTLED else None,
+                    settled_at=long_ago if state is CallState.SETTLED else None,
+                    queued_at=long_ago,
+                    hold=None if state is CallState.SETTLED else "approval",
+                )
+            )
+    monkeypatch.setenv("CHARLIE_DATABASE_URL", private_database)
+    settings = replace(load_settings(), sweep_probe_seconds=3600.0)
+    publisher = RecordingPublisher()
+    rt = Runtime(
+        settings=settings,
+        engine=engine,
+        worker="probe-test",
+        publisher=publisher,  # type: ignore[arg-type]
+        tools=REGISTRY,
+    )
+    rt.probed_at = time.monotonic()  # probed a moment ago: not due this round
+    sweep_stalled_runs(rt)
+    assert publisher.ticks == []
+    rt.probed_at = None  # a process's first round probes
+    sweep_stalled_runs(rt)
+    assert publisher.ticks == [(stranded, Phase.AWAIT_TOOLS, 0)]
+    sweep_stalled_runs(rt)  # probed now; and won for this stall period anyway
+    assert publisher.ticks == [(stranded, Phase.AWAIT_TOOLS, 0)]

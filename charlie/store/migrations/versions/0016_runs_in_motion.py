@@ -14,9 +14,10 @@ act on:
   outlive its run (the ending transition settles it), nor be lost on its way to a worker.
 
 Both are built ``CONCURRENTLY`` on PostgreSQL (no table lock; writes go on). Then each run
-already in await_tools with every call of its turn settled and no wake-up (a settle by the
-previous release, whose await tick is still on its way or was lost) gets a wake-up now, so the
-next sweep moves it if nothing else has: the one time these runs are looked for by probing.
+already in await_tools with every call of its turn settled and no wake-up before now (a settle
+by the previous release, whose await tick is still on its way or was lost) gets a wake-up now,
+so the next sweep moves it if nothing else has. (After this, the stalled-run sweep probes the
+runs in await_tools for such a turn only every CHARLIE_SWEEP_PROBE_SECONDS.)
 
 Revision ID: 0016
 Revises: 0015
@@ -86,7 +87,12 @@ def upgrade() -> None:
         now = now.replace(tzinfo=None)
     op.execute(
         _runs.update()
-        .where(_runs.c.phase == "await_tools", _runs.c.wake_at.is_(None), ~open_call)
+        .where(
+            _runs.c.phase == "await_tools",
+            # none, or a later one (an earlier wait's deadline) that would find it only then
+            sa.or_(_runs.c.wake_at.is_(None), _runs.c.wake_at > now),
+            ~open_call,
+        )
         .values(wake_at=now)
     )
 
