@@ -8,7 +8,7 @@ ticks at least once, and a phase task is safe to run twice, concurrently, late o
 from datetime import timedelta
 
 from charlie import broker, home
-from charlie.config import SWEEP_QUEUE, TICK_QUEUE, settings
+from charlie.config import REDIS_PRIORITY_STEPS, SWEEP_QUEUE, TICK_QUEUE, settings
 
 _s = settings()
 
@@ -27,6 +27,37 @@ else:
         "socket_keepalive": True,
         "health_check_interval": 10,
     }
+    if _s.is_redis_broker:
+        # Message priorities (a task's submit(priority=...), config.broker_priority): kombu
+        # keeps a list per step (`charlie`, `charlie\x06\x163`, ...6, ...9) and a worker's
+        # BRPOP names every queue's step-0 list first, then every queue's step-3 list..., so a
+        # lower step is taken first whatever the queue order strategy (left round robin: the
+        # sweeps' and the intake queue's turns stay fair). Kombu's default steps and separator,
+        # said here so they cannot drift: a worker of an earlier release, started without
+        # them, consumes the same four lists during a rolling upgrade.
+        broker_transport_options["priority_steps"] = list(REDIS_PRIORITY_STEPS)
+        broker_transport_options["sep"] = "\x06\x16"
+    if _s.is_rabbitmq and _s.rabbitmq_max_priority:
+        # CHARLIE_RABBITMQ_MAX_PRIORITY: the tick queue declared with x-max-priority, as Celery
+        # declares it otherwise (its exchange and routing key are its name). Only that queue:
+        # the sweeps' and the intake queue keep their arguments (redeclaring a queue with other
+        # arguments is refused, PRECONDITION_FAILED, and the intake's messages, unlike ticks,
+        # are not re-published by any sweep).
+        from kombu import Exchange, Queue
+
+        task_queues = (
+            Queue(
+                TICK_QUEUE,
+                Exchange(TICK_QUEUE),
+                routing_key=TICK_QUEUE,
+                queue_arguments={"x-max-priority": _s.rabbitmq_max_priority},
+            ),
+        )
+
+# A message a worker's task publishes without a priority of its own takes the priority of the
+# message that task came from: the await tick a settled call publishes is its run's, whose
+# priority the invocation carried (runtime.Publisher), without a read to learn it.
+task_inherit_parent_priority = True
 
 # Nothing calls .get(): the database holds every outcome.
 result_backend = None

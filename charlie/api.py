@@ -381,7 +381,9 @@ def submit(
     # After a try again, "already there" may be this call's own first try: publish the first
     # tick anyway (a duplicate is a stale tick, a no-op; I3).
     first = submitted.created or tries > 1
-    if first and not rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0):
+    if first and not rt.publisher.tick(
+        submitted.execution_id, Phase.LOAD_CONTEXT, 0, priority=priority
+    ):
         log.warning(
             "task %s is saved but its first tick could not be published (broker down?); "
             "beat's sweep will start it",

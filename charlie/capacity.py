@@ -49,7 +49,7 @@ class FleetLimits:
         self,
         engine: Engine,
         table: LimitTable,
-        wake: Callable[[str, int], object],
+        wake: Callable[[str, int, int], object],
         lease_seconds: float,
         stall_seconds: float,
         observer: Callable[[], Observer] = lambda: NOOP,
@@ -115,7 +115,7 @@ class FleetLimits:
                     self._wait(conn, limit.key, view, verdict.wake_at, priority, since, now)
         if verdict.wake_at is not None:
             for waiter in woken:
-                self.wake(waiter.execution_id, waiter.version)
+                self.wake(waiter.execution_id, waiter.version, waiter.priority)
             # This process is free once its own wait is written: it runs them next, as it does
             # those a release wakes, rather than leave the room idle while their ticks cross
             # the queue.
@@ -176,7 +176,7 @@ class FleetLimits:
             log.exception("could not release a slot of %s", slot.limit)
             return
         for waiter in woken:
-            self.wake(waiter.execution_id, waiter.version)
+            self.wake(waiter.execution_id, waiter.version, waiter.priority)
         with self._lock:
             self._handed.extend((w.execution_id, w.version) for w in woken)
 

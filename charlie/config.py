@@ -89,6 +89,55 @@ TICK_QUEUE = "charlie"
 SWEEP_QUEUE = "charlie.sweeps"
 
 
+#: the Redis transport's priority steps: kombu's own default, so that every worker of any
+#: version consumes every level (each step is a list of its own, ``charlie\x06\x16<step>``,
+#: and a worker pops from the lists of the steps it knows only), and 0 is the level taken
+#: first: a message published with no priority lands there.
+REDIS_PRIORITY_STEPS = (0, 3, 6, 9)
+#: the range ``submit(priority=...)`` takes (higher first).
+PRIORITY_RANGE = 1000
+
+
+def broker_priority(priority: int, levels: tuple[int, ...]) -> int | None:
+    """The broker priority a message of a task of ``priority`` is published with, ``levels``
+    being the broker's values from the one taken last to the one taken first (see
+    ``Settings.broker_priorities``); None where the broker has none.
+
+    Priority 0, the default, goes to the middle level (the lower middle of an even count), so
+    that a task above it and a task below it are both ordered against the bulk of the work;
+    1..1000 are split evenly over the levels above it, -1..-1000 over those below. Any
+    priority above 0 outranks 0 at the broker; finer distinctions than the levels allow are
+    kept among waiting model calls only."""
+    if not levels:
+        return None
+    middle = (len(levels) - 1) // 2
+    bounded = max(-PRIORITY_RANGE, min(PRIORITY_RANGE, priority))
+    if bounded >= 0:
+        return levels[middle + _share(bounded, len(levels) - 1 - middle)]
+    return levels[middle - _share(-bounded, middle)]
+
+
+def _share(magnitude: int, steps: int) -> int:
+    """How many of ``steps`` levels a priority of ``magnitude`` (0..1000) moves: rounded up,
+    so that any priority but 0 moves one at least (where there is one)."""
+    return (magnitude * steps + PRIORITY_RANGE - 1) // PRIORITY_RANGE
+
+
+def queue_mismatch_hint(error: BaseException) -> str:
+    """What to do, when ``error`` is RabbitMQ refusing to declare the tick queue with another
+    ``x-max-priority`` than the queue it has (PRECONDITION_FAILED); else ""."""
+    text = str(error)
+    if "PRECONDITION_FAILED" not in text or "x-max-priority" not in text:
+        return ""
+    return (
+        f": RabbitMQ has the queue {TICK_QUEUE!r} with another x-max-priority than this "
+        "process declares (CHARLIE_RABBITMQ_MAX_PRIORITY): give every worker, beat and producer "
+        f"the same value, or, changing it, stop them all, delete the queue ({TICK_QUEUE!r}; "
+        "the sweeps re-publish what it held) and start them with the new value "
+        "(docs/models/limits.md, Priorities at the broker)"
+    )
+
+
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name) or default
     if raw not in choices:
@@ -310,6 +359,36 @@ class Settings:
     #: CHARLIE_DB_POOL_SIZE (closed when returned). A process holds at most the sum; the fleet's
     #: budget against PostgreSQL's max_connections is in docs/production/pgbouncer.md.
     db_max_overflow: int = 10
+    #: CHARLIE_RABBITMQ_MAX_PRIORITY: on RabbitMQ, the ``x-max-priority`` of the tick queue
+    #: (``charlie``), 1 to 255 (RabbitMQ advises at most 10), so that a task's ``priority``
+    #: orders its ticks and tool invocations among those waiting there; unset or 0: none (the
+    #: queue as before). RabbitMQ refuses to declare an existing queue with other arguments
+    #: (PRECONDITION_FAILED): set it on every worker, beat and producer at once, with the old
+    #: queue deleted (docs/models/limits.md says how; the sweeps re-publish what it held).
+    #: Redis needs no setting (its levels are kombu's priority steps); the embedded broker has
+    #: no priorities.
+    rabbitmq_max_priority: int = 0
+
+    @property
+    def is_rabbitmq(self) -> bool:
+        return self.broker_url.startswith(("amqp://", "amqps://", "pyamqp://"))
+
+    @property
+    def is_redis_broker(self) -> bool:
+        return self.broker_url.startswith(("redis://", "rediss://", "sentinel://"))
+
+    @property
+    def broker_priorities(self) -> tuple[int, ...]:
+        """The broker's message priorities, from the one taken last to the one taken first
+        (config.broker_priority maps a task's priority onto them); () where it has none: the
+        embedded broker, RabbitMQ without CHARLIE_RABBITMQ_MAX_PRIORITY, other transports.
+        On Redis a lower number is taken first (0, the level of a message without one, first
+        of all); on RabbitMQ a higher one (0, the level of a message without one, last)."""
+        if self.is_redis_broker:
+            return tuple(reversed(REDIS_PRIORITY_STEPS))
+        if self.is_rabbitmq and self.rabbitmq_max_priority:
+            return tuple(range(self.rabbitmq_max_priority + 1))
+        return ()
 
     @property
     def stream_target(self) -> str | None:
@@ -488,7 +567,18 @@ def load_settings() -> Settings:
         stream_max_events=max(100, _env_int("CHARLIE_STREAM_MAX_EVENTS", 20000)),
         db_pool_size=_env_at_least_one("CHARLIE_DB_POOL_SIZE", 5),
         db_max_overflow=_env_bound("CHARLIE_DB_MAX_OVERFLOW", 10),
+        rabbitmq_max_priority=_max_priority(),
     )
+
+
+def _max_priority() -> int:
+    value = _env_bound("CHARLIE_RABBITMQ_MAX_PRIORITY", 0)
+    if value > 255:
+        raise ValueError(
+            f"CHARLIE_RABBITMQ_MAX_PRIORITY={value} is above 255, RabbitMQ's most (it advises "
+            "at most 10)"
+        )
+    return value
 
 
 def _stream_url() -> str | None:

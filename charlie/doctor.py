@@ -306,6 +306,12 @@ class _Doctor:
                     "check CHARLIE_BROKER_URL and that the broker is up",
                 )
                 return
+        from charlie.runtime import tick_queue_problem
+
+        mismatch = tick_queue_problem(app, self.s)
+        if mismatch:
+            self.add("broker", "FAIL", mismatch, "see docs/models/limits.md")
+            return
         self.add("broker", "ok", f"{shown} answers; {depth} message(s) wait in {TICK_QUEUE!r}")
 
     # -- what the workers import -------------------------------------------------------------

@@ -24,7 +24,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
@@ -323,6 +323,8 @@ class _Decided:
     #: how the released call is invoked: ``start`` (it never started) or ``resume`` (a started
     #: call that parked asking a question goes on with the answer).
     invoke_mode: str = "start"
+    #: the run's priority, as its locked row has it: what the verdict publishes carries it
+    priority: int = 0
 
 
 def _decide(
@@ -367,7 +369,7 @@ def _decide(
                 f"task {task_id!r} is {status}: its calls take no more verdicts"
                 + (f" (resume it first: charlie resume {task_id})" if status in _RESUMABLE else "")
             )
-        return decide(conn, run, call, actor, utcnow())
+        return replace(decide(conn, run, call, actor, utcnow()), priority=run.priority)
 
     decided, recorded = _once(rt, request_id, f"{action.value} a call", act)
     if recorded is not None:
@@ -381,9 +383,9 @@ def _decide(
     if decided.invoke is not None:
         # Lost, the sweep finds a released call that was queued and never started (I11), or
         # an answered started call, whose lease it finds lapsed (I10).
-        rt.publisher.invoke(*decided.invoke, decided.invoke_mode)
+        rt.publisher.invoke(*decided.invoke, decided.invoke_mode, priority=decided.priority)
     if decided.await_version is not None:
-        rt.publisher.tick(xid, Phase.AWAIT_TOOLS, decided.await_version)
+        rt.publisher.tick(xid, Phase.AWAIT_TOOLS, decided.await_version, priority=decided.priority)
     return _record(rt, decided.record_id)
 
 
@@ -809,7 +811,7 @@ def resume(
     actor = actor_name(operator, rt)
     xid = execution_id_for(task_id)
 
-    def act(conn: Connection) -> tuple[int, Phase, int]:
+    def act(conn: Connection) -> tuple[int, Phase, int, int]:
         run = store.lock_run(conn, xid)
         status = store.task_status(conn, task_id, lock=True)
         if run is None or status is None:
@@ -877,14 +879,14 @@ def resume(
             request_id=request_id,
             origin=origin,
         )
-        return rid, phase, run.version + 1
+        return rid, phase, run.version + 1, run.priority
 
     done, recorded = _once(rt, request_id, "resume a task", act)
     if recorded is not None:
         return recorded
     assert done is not None
-    rid, phase, version = done
-    rt.publisher.tick(xid, phase, version)
+    rid, phase, version, priority = done
+    rt.publisher.tick(xid, phase, version, priority=priority)
     return _record(rt, rid)
 
 
@@ -1000,14 +1002,14 @@ def fork(
     if message is not None:
         forked_from["message_sha256"] = hashlib.sha256(message.encode()).hexdigest()
 
-    def act(conn: Connection) -> tuple[str, bool]:
+    def act(conn: Connection) -> tuple[str, bool, int]:
         src = store.source_of_fork(conn, source)
         if src is None:
             raise TaskNotFound(source)
         existing = store.source_of_fork(conn, new_id)
         if existing is not None:
             if (existing.metadata or {}).get("forked_from") == forked_from:
-                return new_id, False  # this fork was made already
+                return new_id, False, existing.priority  # this fork was made already
             raise TaskConflict(f"task id {new_id!r} is taken by another task")
         _check_turn_settled(conn, src, turn)
         faults.hit("people.fork.before_insert", task_id=new_id)
@@ -1044,6 +1046,7 @@ def fork(
             state={"forked_from": forked_from},
             now=now,
             budget=src.budget,
+            priority=src.priority,  # a fork goes on as its source would have
         )
         store.record_action(
             conn,
@@ -1062,7 +1065,7 @@ def fork(
             request_id=request_id,
             origin=origin,
         )
-        return new_id, True
+        return new_id, True, src.priority
 
     try:
         made, recorded = _once(rt, request_id, "fork a task", act)
@@ -1079,9 +1082,9 @@ def fork(
     if recorded is not None:
         return str((recorded.detail or {}).get("fork"))
     assert made is not None
-    fork_id, created = made
+    fork_id, created, priority = made
     if created:
-        rt.publisher.tick(execution_id_for(fork_id), Phase.CALL_MODEL, 0)
+        rt.publisher.tick(execution_id_for(fork_id), Phase.CALL_MODEL, 0, priority=priority)
     return fork_id
 
 

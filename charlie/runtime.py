@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from charlie import home
 from charlie.capacity import FleetLimits
-from charlie.config import Settings, settings
+from charlie.config import TICK_QUEUE, Settings, broker_priority, queue_mismatch_hint, settings
 from charlie.domain import Phase
 from charlie.leases import LeaseKeeper
 from charlie.limits import limit_table
@@ -60,32 +60,74 @@ log = logging.getLogger("charlie.runtime")
 
 class Publisher:
     """Publishes ticks and invocations. Called only after the commit that makes them valid;
-    a failure here loses a message, which the sweep finds again (I4)."""
+    a failure here loses a message, which the sweep finds again (I4).
 
-    def __init__(self, app: Celery) -> None:
+    ``priority``: the task's (``submit(priority=...)``), read from the row the publish site
+    has already read; sent as the broker's priority where it has them
+    (``Settings.broker_priorities``). None sends none: inside a worker's task Celery gives the
+    message the priority of the one that task came from (``task_inherit_parent_priority``),
+    the same run's, which its own publishes keep without a read."""
+
+    def __init__(self, app: Celery, levels: tuple[int, ...] = ()) -> None:
         self.app = app
+        self.levels = levels
 
-    def tick(self, execution_id: str, phase: Phase, version: int, *, durable: bool = False) -> bool:
+    def tick(
+        self,
+        execution_id: str,
+        phase: Phase,
+        version: int,
+        *,
+        durable: bool = False,
+        priority: int | None = None,
+    ) -> bool:
         """``durable``: the worker commits its claim (and the attempt) before running the
         phase, so a tick that kills its worker is counted wherever it dies (the sweep's
         re-publishes; poison messages)."""
         args = (execution_id, version, True) if durable else (execution_id, version)
-        return self._send(f"charlie.phase.{phase.value}", args)
+        return self._send(f"charlie.phase.{phase.value}", args, priority=priority)
 
-    def invoke(self, execution_id: str, turn: int, call_id: str, mode: str = "start") -> bool:
-        return self._send("charlie.tool.invoke", (execution_id, turn, call_id, mode))
+    def invoke(
+        self,
+        execution_id: str,
+        turn: int,
+        call_id: str,
+        mode: str = "start",
+        *,
+        priority: int | None = None,
+    ) -> bool:
+        return self._send(
+            "charlie.tool.invoke", (execution_id, turn, call_id, mode), priority=priority
+        )
 
-    def many(self, messages: Iterable[tuple[str, tuple[object, ...]]]) -> None:
+    def many(
+        self, messages: Iterable[tuple[str, tuple[object, ...]]], *, priority: int | None = None
+    ) -> None:
+        """Messages of one run, with its priority."""
         with self.app.producer_or_acquire() as producer:
             for name, args in messages:
-                self._send(name, args, producer=producer)
+                self._send(name, args, producer=producer, priority=priority)
 
-    def _send(self, name: str, args: tuple[object, ...], producer: object = None) -> bool:
+    def _send(
+        self,
+        name: str,
+        args: tuple[object, ...],
+        producer: object = None,
+        priority: int | None = None,
+    ) -> bool:
         try:
-            self.app.send_task(name, args=args, producer=producer)
+            if priority is None or not self.levels:
+                self.app.send_task(name, args=args, producer=producer)
+            else:
+                level = broker_priority(priority, self.levels)
+                self.app.send_task(name, args=args, producer=producer, priority=level)
             return True
-        except Exception:
-            log.exception("publish failed; the sweep will re-publish", extra={"task": name})
+        except Exception as exc:
+            log.exception(
+                "publish failed; the sweep will re-publish%s",
+                queue_mismatch_hint(exc),
+                extra={"task": name},
+            )
             return False
 
 
@@ -110,7 +152,7 @@ class Producer:
         with read(self.engine) as conn:
             rows = scans.current_ticks(conn, task_ids)
         for row in rows:
-            self.publisher.tick(row.id, Phase(row.phase), row.version)
+            self.publisher.tick(row.id, Phase(row.phase), row.version, priority=row.priority)
 
     @cached_property
     def streams(self) -> Transport | None:
@@ -198,7 +240,9 @@ class Runtime(Producer):
         return FleetLimits(
             self.engine,
             table,
-            lambda xid, version: publisher.tick(xid, Phase.CALL_MODEL, version),
+            lambda xid, version, priority: publisher.tick(
+                xid, Phase.CALL_MODEL, version, priority=priority
+            ),
             s.lease_seconds,
             s.stall_seconds,
             lambda: self.observer,
@@ -249,6 +293,25 @@ def check_worker_ready(s: Settings) -> None:
     limit_table(s.model_limits)
 
 
+def tick_queue_problem(app: Celery, s: Settings) -> str | None:
+    """On RabbitMQ, why the tick queue cannot be declared as this process declares it (its
+    x-max-priority, CHARLIE_RABBITMQ_MAX_PRIORITY, not the existing queue's), or None. Every
+    consumer and producer declares it; a mismatch refuses each of them, so a worker says what
+    to do before it starts rather than failing its connection over and over. A broker that
+    cannot be reached is not this check's to report (the worker retries it)."""
+    if not s.is_rabbitmq:
+        return None
+    queue = app.amqp.queues[TICK_QUEUE]
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+            queue.bind(conn.default_channel).declare()
+    except Exception as exc:
+        hint = queue_mismatch_hint(exc)
+        return f"{str(exc).splitlines()[0]}{hint}" if hint else None
+    return None
+
+
 def database_engine(s: Settings) -> Engine:
     """This process's engine, its pool bounded by CHARLIE_DB_POOL_SIZE and
     CHARLIE_DB_MAX_OVERFLOW (the connection budget)."""
@@ -272,7 +335,9 @@ def get_producer() -> Producer:
             from charlie.app import app
 
             s = settings()
-            _producer = Producer(settings=s, engine=_database_ready(s), publisher=Publisher(app))
+            _producer = Producer(
+                settings=s, engine=_database_ready(s), publisher=Publisher(app, s.broker_priorities)
+            )
         return _producer
 
 
@@ -303,7 +368,7 @@ def get_runtime(*, mcp: bool = True) -> Runtime:
                 settings=s,
                 engine=engine,
                 worker=f"{socket.gethostname()}:{os.getpid()}",
-                publisher=Publisher(app),
+                publisher=Publisher(app, s.broker_priorities),
                 tools=REGISTRY,
             )
             for hook in _built_hooks:

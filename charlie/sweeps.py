@@ -81,6 +81,7 @@ def sweep_stalled_runs(rt: Runtime) -> int:
                 now,
                 stall,
                 reason=reason,
+                priority=row.priority,
             ):
                 published += 1
     return published
@@ -130,6 +131,7 @@ def _republish(
     stall: timedelta,
     *,
     reason: str = "",
+    priority: int | None = None,
 ) -> bool:
     """Publish a run's current tick if this sweeper wins the row for this stall period.
 
@@ -149,7 +151,7 @@ def _republish(
             "reason": reason,
         },
     )
-    return rt.publisher.tick(execution_id, phase, version, durable=True)
+    return rt.publisher.tick(execution_id, phase, version, durable=True, priority=priority)
 
 
 def _deadline_result(
@@ -254,7 +256,9 @@ class _CallSweep:
                 self.now,
             )
 
-        if settle_and_move(self.rt, late.execution_id, late.turn, past_deadline):
+        if settle_and_move(
+            self.rt, late.execution_id, late.turn, past_deadline, priority=late.priority
+        ):
             self.counts["deadline"] += 1
             _report_call(self.rt, late, Outcome.DEADLINE_EXCEEDED)
 
@@ -272,8 +276,10 @@ class _CallSweep:
 
     def invoke(self, row: Any, mode: str, count: str, period: timedelta | None = None) -> None:
         """Publish ``mode`` for a call this sweep won, counted once published."""
+        # The scans of calls read their run's priority; the late watch's rows have none (the
+        # run may have ended since): the broker's default level.
         if self.take(row, period) and self.rt.publisher.invoke(
-            row.execution_id, row.turn, row.call_id, mode
+            row.execution_id, row.turn, row.call_id, mode, priority=getattr(row, "priority", 0)
         ):
             self.counts[count] += 1
 
@@ -337,7 +343,7 @@ class _CallSweep:
                 self.settler,
             )
 
-        if settle_and_move(self.rt, row.execution_id, row.turn, interrupted):
+        if settle_and_move(self.rt, row.execution_id, row.turn, interrupted, priority=row.priority):
             self.counts["interrupted"] += 1
             _report_call(self.rt, row, Outcome.INTERRUPTED)
             log.warning(

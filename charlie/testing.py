@@ -330,23 +330,43 @@ class FakeScheduler:
 
 
 class RecordingPublisher:
-    """Stands in for the broker: records the ticks and invocations it is asked to publish."""
+    """Stands in for the broker: records the ticks and invocations it is asked to publish, and
+    the priority each run's last message was given (None: none, the Celery task's own)."""
 
     def __init__(self) -> None:
         self.ticks: list[tuple[str, Phase, int]] = []
         self.invokes: list[tuple[str, int, str, str]] = []
+        self.priorities: dict[str, int | None] = {}
 
-    def tick(self, execution_id: str, phase: Phase, version: int, *, durable: bool = False) -> bool:
+    def tick(
+        self,
+        execution_id: str,
+        phase: Phase,
+        version: int,
+        *,
+        durable: bool = False,
+        priority: int | None = None,
+    ) -> bool:
         self.ticks.append((execution_id, phase, version))
+        self.priorities[execution_id] = priority
         return True
 
-    def invoke(self, execution_id: str, turn: int, call_id: str, mode: str = "start") -> bool:
+    def invoke(
+        self,
+        execution_id: str,
+        turn: int,
+        call_id: str,
+        mode: str = "start",
+        *,
+        priority: int | None = None,
+    ) -> bool:
         self.invokes.append((execution_id, turn, call_id, mode))
+        self.priorities[execution_id] = priority
         return True
 
-    def many(self, messages: Any) -> None:
+    def many(self, messages: Any, *, priority: int | None = None) -> None:
         for name, args in messages:
             if name == "charlie.tool.invoke":
-                self.invoke(*args)
+                self.invoke(*args, priority=priority)
             else:
-                self.tick(args[0], Phase(name.rsplit(".", 1)[1]), args[1])
+                self.tick(args[0], Phase(name.rsplit(".", 1)[1]), args[1], priority=priority)

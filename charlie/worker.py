@@ -355,6 +355,7 @@ def _refuse_to_start_unready(**_: Any) -> None:
     # forks later disposes of this process's connections: runtime.reset_after_fork.)
     try:
         runtime.check_worker_ready(settings())
+        _check_tick_queue()
     except (SchemaMissing, LimitsError) as exc:
         logging.getLogger("charlie.worker").critical("%s", exc)
         raise SystemExit(f"charlie: {exc}") from None
@@ -364,6 +365,15 @@ def _refuse_to_start_unready(**_: Any) -> None:
             f"charlie: {exc} (set PYTHONPATH to the module's directory, or install the package "
             "that provides it)"
         ) from None
+
+
+def _check_tick_queue() -> None:
+    """RabbitMQ: a tick queue declared with another x-max-priority than the broker's stops
+    the worker with what to do (runtime.tick_queue_problem)."""
+    problem = runtime.tick_queue_problem(app, settings())
+    if problem:
+        logging.getLogger("charlie.worker").critical("%s", problem)
+        raise SystemExit(f"charlie: {problem}")
 
 
 @worker_init.connect

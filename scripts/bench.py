@@ -1126,7 +1126,7 @@ class Cell:
         task_id = f"{prefix}00000"
         engine = self.rt.engine
         limits = FleetLimits(
-            engine, parse_limits('{"bench:": {"concurrency": 1000}}'), lambda x, v: None, 5, 5
+            engine, parse_limits('{"bench:": {"concurrency": 1000}}'), lambda x, v, p: None, 5, 5
         )
         view = RunView(
             execution_id=f"x-{task_id}",

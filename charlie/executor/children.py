@@ -95,7 +95,9 @@ class DbChildren:
         except scheduler.DelegationRefused as refused:
             raise ToolError(str(refused), **refused.details) from None
         if submitted.created:
-            self.rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0)
+            # The child's own priority (the default: a delegate sets none), not the delegating
+            # invocation's, which its message would otherwise pass on (runtime.Publisher).
+            self.rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0, priority=0)
         return ChildSubmitted(submitted.task_id, submitted.created)
 
 

@@ -397,4 +397,4 @@ def poke_waiters(rt: Runtime, task_id: str) -> None:
         rows = calls.waiters_on(conn, task_id)
     for row in rows:
         mode: Mode = "resume" if row.state == CallState.STARTED.value else "observe"
-        rt.publisher.invoke(row.execution_id, row.turn, row.call_id, mode)
+        rt.publisher.invoke(row.execution_id, row.turn, row.call_id, mode, priority=row.priority)

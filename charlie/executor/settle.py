@@ -65,18 +65,26 @@ def recheck_at(rt: Runtime) -> datetime:
 
 
 def move_turn(
-    rt: Runtime, execution_id: str, version: int, run_here: RunHere | None = None
+    rt: Runtime,
+    execution_id: str,
+    version: int,
+    run_here: RunHere | None = None,
+    *,
+    priority: int | None = None,
 ) -> None:
     """The turn has settled and its run waits in await_tools at ``version``: move it (I7).
 
     A worker with inline phases runs that tick at once (committed and recorded as its own
     transition like any other); otherwise, and always for the sweeps (which never run a
     phase), it is published. Either way a crash before it leaves a run in await_tools with
-    every call settled, which the sweep re-publishes (I4)."""
+    every call settled, which the sweep re-publishes (I4).
+
+    ``priority``: the run's, when the caller read it (a sweep's scan); None inside a worker's
+    task, whose message was the run's and carries its priority (runtime.Publisher)."""
     if run_here is not None and rt.settings.inline_phases > 0:
         run_here(execution_id, version)
     else:
-        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, version)
+        rt.publisher.tick(execution_id, Phase.AWAIT_TOOLS, version, priority=priority)
 
 
 def settle_and_move(
@@ -85,12 +93,15 @@ def settle_and_move(
     turn: int,
     settle: Callable[[Connection], bool],
     run_here: RunHere | None = None,
+    *,
+    priority: int | None = None,
 ) -> bool:
-    """Settle one call and, if that completed the turn, move the run. Returns whether it
-    settled (False: the call had an outcome already, I12)."""
+    """Settle one call and, if that completed the turn, move the run (its await tick published
+    with ``priority``, see move_turn). Returns whether it settled (False: the call had an
+    outcome already, I12)."""
     settled, await_version = settle_in_turn(rt, execution_id, turn, settle)
     if await_version is not None:
-        move_turn(rt, execution_id, await_version, run_here)
+        move_turn(rt, execution_id, await_version, run_here, priority=priority)
     return settled
 
 

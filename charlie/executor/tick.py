@@ -254,7 +254,7 @@ def _publish(
         )
     if messages:
         try:
-            rt.publisher.many(messages)
+            rt.publisher.many(messages, priority=claim.priority)
         except Exception:
             log.exception("publish failed after commit; the sweep will re-publish")
 

@@ -1033,10 +1033,19 @@ def load_canceled_call(
 
 def waiters_on(conn: Connection, task_id: str) -> list[Any]:
     """The calls waiting on this task (their handle): parked resumable waits, and overdue ones
-    whose late report is still to come (I13): (execution_id, turn, call_id, state)."""
+    whose late report is still to come (I13): (execution_id, turn, call_id, state, priority:
+    the waiting run's, for its message)."""
+    waiting_run = (
+        select(_t.priority)
+        .select_from(executions.join(tasks, _t.id == _e.task_id))
+        .where(_e.id == _c.execution_id)
+        .scalar_subquery()
+    )
     return list(
         conn.execute(
-            select(_c.execution_id, _c.turn, _c.call_id, _c.state).where(
+            select(
+                _c.execution_id, _c.turn, _c.call_id, _c.state, waiting_run.label("priority")
+            ).where(
                 _c.handle == task_id,
                 or_(
                     and_(_c.state == CallState.STARTED.value, _c.resumable.is_(True)),

@@ -283,6 +283,8 @@ def wait(
 class Woken:
     execution_id: str
     version: int
+    #: its task's priority (as its waiter row has it), for its tick's message
+    priority: int = 0
 
 
 _RELEASE = (
@@ -296,7 +298,7 @@ _RELEASE_WITH_TOKENS = (
     .values(released_at=_NOW, tokens=bindparam("b_tokens"))
 )
 _NEXT_IN_LINE = (
-    select(_w.execution_id, _w.version)
+    select(_w.execution_id, _w.version, _w.priority)
     .select_from(_WAITERS_WITH_RUNS)
     .where(
         _fresh_waiter(_KEY, _NOW),
@@ -353,7 +355,7 @@ def next_in_line(
     rows = conn.execute(_NEXT_IN_LINE, params).all()
     if rows:
         conn.execute(_MARK_WOKEN, {**params, "b_woken_ids": [r.execution_id for r in rows]})
-    return [Woken(r.execution_id, r.version) for r in rows]
+    return [Woken(r.execution_id, r.version, r.priority) for r in rows]
 
 
 def pause(conn: Connection, key: str, until: datetime) -> None:

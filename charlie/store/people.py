@@ -164,9 +164,19 @@ def task_status(conn: Connection, task_id: str, *, lock: bool = False) -> str | 
 
 
 def lock_run(conn: Connection, execution_id: str) -> Any | None:
-    """The run's row, locked: phase, version, turn, state."""
+    """The run's row, locked: phase, version, turn, state (and its task's priority, for what
+    a verdict publishes)."""
+    priority = select(_t.priority).where(_t.id == _e.task_id).scalar_subquery()
     return conn.execute(
-        select(_e.phase, _e.version, _e.turn, _e.state, _e.next_seq, _e.model_calls)
+        select(
+            _e.phase,
+            _e.version,
+            _e.turn,
+            _e.state,
+            _e.next_seq,
+            _e.model_calls,
+            priority.label("priority"),
+        )
         .where(_e.id == execution_id)
         .with_for_update()
     ).first()
@@ -434,6 +444,7 @@ def source_of_fork(conn: Connection, task_id: str) -> Any | None:
             _t.budget,
             _t.metadata,
             _t.status,
+            _t.priority,
             _e.id.label("x_id"),
             _e.phase.label("x_phase"),
             _e.turn.label("x_turn"),
@@ -479,6 +490,7 @@ def insert_forked_run(
     state: JSON,
     now: datetime,
     budget: JSON | None = None,
+    priority: int = 0,
 ) -> None:
     """The fork's task (queued) and its run at call_model, turn ``turn``, with the copied
     history as its transcript. No tool call record is copied: nothing of the source can be
@@ -502,6 +514,7 @@ def insert_forked_run(
         next_seq=len(items),
         state=state,
         trace=new_trace(),  # a trace of its own: the fork's ticks are not the source's
+        priority=priority,
     )
     if items:
         conn.execute(

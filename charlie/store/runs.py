@@ -82,6 +82,9 @@ class Claim:
     #: so a recreated database, a restored backup or a task id used again never serves the
     #: items of another run under the same id.
     identity: tuple[object, datetime | None] = (None, None)
+    #: the task's priority (read with the claim, as the task's other columns): the messages
+    #: the step publishes carry it (runtime.Publisher)
+    priority: int = 0
 
 
 # The hot path's statements are built once: building a Core statement costs about as much
@@ -135,6 +138,8 @@ def _claim_statement(*extra: Any) -> Any:
             _e.error,
             _e.inbox,
             _e.created_at,
+            # the task's priority, for the messages this step publishes (runtime.Publisher)
+            _task_column(_t.priority),
             *(_task_column(column) for column in _TASK_COLUMNS),
             *extra,
         )
@@ -223,6 +228,7 @@ def claim_execution(
         task,
         row.inbox,
         (database_identity(conn), row.created_at),
+        row.priority or 0,
     )
 
 
@@ -1012,6 +1018,7 @@ def claimed_next(
         task,
         inbox,
         claim.identity,
+        claim.priority,
     )
 
 

@@ -118,11 +118,11 @@ def runs_due(
     held_back: timedelta | None = None,
 ) -> list[Any]:
     """Runs whose tick is due for ``reason`` and not swept this stall period:
-    (id, phase, version), the longest due first where an index keeps that order.
+    (id, phase, version, priority), the longest due first where an index keeps that order.
     ``held_back``: in a broker backlog, how much longer a settled turn's wake-up waits."""
     return list(
         conn.execute(
-            select(_e.id, _e.phase, _e.version)
+            select(_e.id, _e.phase, _e.version, _TASK_PRIORITY)
             .where(
                 LIVE_RUN,
                 _throttle(_e.swept_at, now, stall),
@@ -161,6 +161,20 @@ def win_run(
             .values(swept_at=now)
         ).rowcount
     )
+
+
+#: a run's task's priority, for the tick a sweep (or a poke) publishes: a primary-key probe
+#: per row found, off the hot path.
+_TASK_PRIORITY = select(_t.priority).where(_t.id == _e.task_id).scalar_subquery().label("priority")
+#: a call's task's priority, for the messages a sweep publishes for it: two primary-key
+#: probes per row found (its run, its task), off the hot path.
+_RUN_PRIORITY = (
+    select(_t.priority)
+    .select_from(executions.join(tasks, _t.id == _e.task_id))
+    .where(_e.id == _c.execution_id)
+    .scalar_subquery()
+    .label("priority")
+)
 
 
 def _lapsed(now: datetime) -> Any:
@@ -203,6 +217,7 @@ def overdue_calls(conn: Connection, now: datetime, limit: int) -> list[Any]:
                 _c.started_at,
                 _c.queued_at,
                 _c.deadline_at,
+                _RUN_PRIORITY,
             )
             .where(OPEN_CALL, _c.deadline_at < now)
             .limit(limit)
@@ -214,7 +229,7 @@ def lost_calls(conn: Connection, now: datetime, stall: timedelta, limit: int) ->
     """Calls queued a stall period ago and never started: their invoke was lost (I11)."""
     return list(
         conn.execute(
-            select(_c.execution_id, _c.turn, _c.call_id)
+            select(_c.execution_id, _c.turn, _c.call_id, _RUN_PRIORITY)
             .where(
                 IN_FLIGHT_CALL,  # a question to a person is queued but sent to no worker
                 _c.state == CallState.PENDING.value,
@@ -245,6 +260,7 @@ def orphaned_calls(conn: Connection, now: datetime, stall: timedelta, limit: int
                 _c.handle,
                 _c.implementation,
                 _c.on_interrupt,
+                _RUN_PRIORITY,
             )
             .where(
                 _c.state == CallState.STARTED.value,
@@ -320,10 +336,11 @@ def tasks_past_timeout(conn: Connection, now: datetime, limit: int) -> list[str]
 
 
 def current_ticks(conn: Connection, task_ids: list[str]) -> list[Any]:
-    """The current (id, phase, version) of these tasks' unfinished runs, to poke them."""
+    """The current (id, phase, version, priority) of these tasks' unfinished runs, to poke
+    them."""
     return list(
         conn.execute(
-            select(_e.id, _e.phase, _e.version).where(
+            select(_e.id, _e.phase, _e.version, _TASK_PRIORITY).where(
                 _e.task_id.in_(task_ids), _e.phase != Phase.DONE.value
             )
         ).all()

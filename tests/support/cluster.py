@@ -653,6 +653,11 @@ def cluster_env(
     # CHARLIE_TEST_FUSE_COMMITS=0 python -m pytest
     if os.environ.get("CHARLIE_TEST_FUSE_COMMITS"):
         env["CHARLIE_FUSE_COMMITS"] = os.environ["CHARLIE_TEST_FUSE_COMMITS"]
+    # ...and RabbitMQ's tick queue declared with message priorities (an opt-in: the queue must
+    # not exist with other arguments, so on a vhost of the test's own):
+    # CHARLIE_TEST_RABBITMQ_MAX_PRIORITY=10 python -m pytest
+    if os.environ.get("CHARLIE_TEST_RABBITMQ_MAX_PRIORITY"):
+        env["CHARLIE_RABBITMQ_MAX_PRIORITY"] = os.environ["CHARLIE_TEST_RABBITMQ_MAX_PRIORITY"]
     if model_port is not None:
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY

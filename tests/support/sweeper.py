@@ -20,11 +20,27 @@ class RecordingPublisher:
     def __init__(self) -> None:
         self.sent: list[list[Any]] = []
 
-    def tick(self, execution_id: str, phase: Phase, version: int, *, durable: bool = False) -> bool:
+    def tick(
+        self,
+        execution_id: str,
+        phase: Phase,
+        version: int,
+        *,
+        durable: bool = False,
+        priority: int | None = None,
+    ) -> bool:
         self.sent.append(["tick", execution_id, phase.value, version, durable])
         return True
 
-    def invoke(self, execution_id: str, turn: int, call_id: str, mode: str = "start") -> bool:
+    def invoke(
+        self,
+        execution_id: str,
+        turn: int,
+        call_id: str,
+        mode: str = "start",
+        *,
+        priority: int | None = None,
+    ) -> bool:
         self.sent.append(["invoke", execution_id, turn, call_id, mode])
         return True
 
