@@ -368,6 +368,12 @@ class Settings:
     #: Redis needs no setting (its levels are kombu's priority steps); the embedded broker has
     #: no priorities.
     rabbitmq_max_priority: int = 0
+    #: CHARLIE_REDIS_PRIORITIES=1: on Redis, a task's ``priority`` orders its ticks and tool
+    #: invocations among those waiting in the broker (kombu's priority steps; nothing to
+    #: declare). Off by default: measured against a provider limit of 4 in flight
+    #: (``scripts/bench.py --only limits``), the fleet kept 72% of what the provider allows
+    #: with it on, 94% with it off (docs/models/limits.md); a turn's overhead is the same.
+    redis_priorities: bool = False
 
     @property
     def is_rabbitmq(self) -> bool:
@@ -381,10 +387,11 @@ class Settings:
     def broker_priorities(self) -> tuple[int, ...]:
         """The broker's message priorities, from the one taken last to the one taken first
         (config.broker_priority maps a task's priority onto them); () where it has none: the
-        embedded broker, RabbitMQ without CHARLIE_RABBITMQ_MAX_PRIORITY, other transports.
+        embedded broker, Redis without CHARLIE_REDIS_PRIORITIES, RabbitMQ without
+        CHARLIE_RABBITMQ_MAX_PRIORITY, other transports.
         On Redis a lower number is taken first (0, the level of a message without one, first
         of all); on RabbitMQ a higher one (0, the level of a message without one, last)."""
-        if self.is_redis_broker:
+        if self.is_redis_broker and self.redis_priorities:
             return tuple(reversed(REDIS_PRIORITY_STEPS))
         if self.is_rabbitmq and self.rabbitmq_max_priority:
             return tuple(range(self.rabbitmq_max_priority + 1))
@@ -568,6 +575,7 @@ def load_settings() -> Settings:
         db_pool_size=_env_at_least_one("CHARLIE_DB_POOL_SIZE", 5),
         db_max_overflow=_env_bound("CHARLIE_DB_MAX_OVERFLOW", 10),
         rabbitmq_max_priority=_max_priority(),
+        redis_priorities=_env_int("CHARLIE_REDIS_PRIORITIES", 0) > 0,
     )
 
 

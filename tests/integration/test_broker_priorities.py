@@ -25,7 +25,12 @@ def _orders_at_the_broker(backend: Backend) -> str | None:
     """Why this backend cannot show the order, or None."""
     url = backend.broker_url or ""
     if url.startswith("redis"):
-        return None
+        if settings().redis_priorities:
+            return None
+        return (
+            "Redis orders messages by priority only with CHARLIE_REDIS_PRIORITIES=1: set "
+            "CHARLIE_TEST_REDIS_PRIORITIES=1"
+        )
     if url.startswith("amqp"):
         if settings().rabbitmq_max_priority:
             return None

@@ -656,6 +656,9 @@ def cluster_env(
     # ...and RabbitMQ's tick queue declared with message priorities (an opt-in: the queue must
     # not exist with other arguments, so on a vhost of the test's own):
     # CHARLIE_TEST_RABBITMQ_MAX_PRIORITY=10 python -m pytest
+    # ...and Redis's (an opt-in): CHARLIE_TEST_REDIS_PRIORITIES=1 python -m pytest
+    if os.environ.get("CHARLIE_TEST_REDIS_PRIORITIES"):
+        env["CHARLIE_REDIS_PRIORITIES"] = os.environ["CHARLIE_TEST_REDIS_PRIORITIES"]
     if os.environ.get("CHARLIE_TEST_RABBITMQ_MAX_PRIORITY"):
         env["CHARLIE_RABBITMQ_MAX_PRIORITY"] = os.environ["CHARLIE_TEST_RABBITMQ_MAX_PRIORITY"]
     if model_port is not None:

@@ -69,7 +69,12 @@ def test_a_broker_without_priorities_gets_none() -> None:
 
 
 def test_which_brokers_have_priorities(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Redis: an opt-in too (it cost throughput against a provider limit, see config)
+    monkeypatch.delenv("CHARLIE_REDIS_PRIORITIES", raising=False)
+    assert load_settings_with(monkeypatch, "redis://127.0.0.1:6379/0") == ()
+    monkeypatch.setenv("CHARLIE_REDIS_PRIORITIES", "1")
     assert load_settings_with(monkeypatch, "redis://127.0.0.1:6379/0") == (9, 6, 3, 0)
+    monkeypatch.delenv("CHARLIE_REDIS_PRIORITIES")
     assert load_settings_with(monkeypatch, "charliefs://") == ()
     # RabbitMQ: an opt-in, since the queue must be declared with x-max-priority
     assert load_settings_with(monkeypatch, "amqp://guest@127.0.0.1//") == ()
