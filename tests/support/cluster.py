@@ -421,10 +421,13 @@ def free_port() -> int:
     """A port for a server that starts listening later: free now, never handed out before in
     this process, and below the kernel's ephemeral range, so that neither an outgoing
     connection nor a server started with port 0 (``charlie ui --port 0``) can take it in the
-    meantime (one did: the MCP test server found its port taken by a console)."""
-    low = _ephemeral_low()
+    meantime (one did: the MCP test server found its port taken by a console).
+    ``CHARLIE_TEST_PORTS=LOW-HIGH`` narrows the range: CI's two lanes run side by side, each
+    in a range of its own, so that a port one lane picked is not taken by the other's server
+    before it binds it."""
+    first, last = _port_range()
     for _ in range(500):
-        port = random.randrange(max(1024, low - 12000), low)
+        port = random.randrange(first, last + 1)
         if port in _HANDED_OUT:
             continue
         with socket.socket() as sock:
@@ -435,6 +438,16 @@ def free_port() -> int:
         _HANDED_OUT.add(port)
         return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def _port_range() -> tuple[int, int]:
+    """The ports free_port picks from (both ends included)."""
+    raw = os.environ.get("CHARLIE_TEST_PORTS", "").strip()
+    if raw:
+        first, _, last = raw.partition("-")
+        return int(first), int(last)
+    low = _ephemeral_low()
+    return max(1024, low - 12000), low - 1
 
 
 def _ephemeral_low() -> int:
