@@ -337,6 +337,9 @@ class RecordingPublisher:
         self.ticks: list[tuple[str, Phase, int]] = []
         self.invokes: list[tuple[str, int, str, str]] = []
         self.priorities: dict[str, int | None] = {}
+        #: every message in order, as JSON lists: ["tick", id, phase, version, durable] or
+        #: ["invoke", id, turn, call, mode] (the two-beats test's sweeper prints them)
+        self.sent: list[list[Any]] = []
 
     def tick(
         self,
@@ -348,6 +351,7 @@ class RecordingPublisher:
         priority: int | None = None,
     ) -> bool:
         self.ticks.append((execution_id, phase, version))
+        self.sent.append(["tick", execution_id, phase.value, version, durable])
         self.priorities[execution_id] = priority
         return True
 
@@ -361,6 +365,7 @@ class RecordingPublisher:
         priority: int | None = None,
     ) -> bool:
         self.invokes.append((execution_id, turn, call_id, mode))
+        self.sent.append(["invoke", execution_id, turn, call_id, mode])
         self.priorities[execution_id] = priority
         return True
 

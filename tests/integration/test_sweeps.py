@@ -136,8 +136,8 @@ def test_a_backlog_is_not_mistaken_for_lost_ticks(
     from charlie import sweeps
     from charlie.config import load_settings
     from charlie.runtime import Runtime
+    from charlie.testing import RecordingPublisher
     from charlie.tools.registry import REGISTRY
-    from tests.support.sweeper import RecordingPublisher
 
     engine = get_engine(private_database)
     settings = load_settings()

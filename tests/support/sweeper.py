@@ -6,43 +6,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
 
 from charlie.config import load_settings
-from charlie.domain import Phase
 from charlie.runtime import Runtime, import_tool_modules
 from charlie.store.engine import get_engine
 from charlie.sweeps import sweep_stalled_runs, sweep_tool_calls
+from charlie.testing import RecordingPublisher
 from charlie.tools.registry import REGISTRY
-
-
-class RecordingPublisher:
-    def __init__(self) -> None:
-        self.sent: list[list[Any]] = []
-
-    def tick(
-        self,
-        execution_id: str,
-        phase: Phase,
-        version: int,
-        *,
-        durable: bool = False,
-        priority: int | None = None,
-    ) -> bool:
-        self.sent.append(["tick", execution_id, phase.value, version, durable])
-        return True
-
-    def invoke(
-        self,
-        execution_id: str,
-        turn: int,
-        call_id: str,
-        mode: str = "start",
-        *,
-        priority: int | None = None,
-    ) -> bool:
-        self.sent.append(["invoke", execution_id, turn, call_id, mode])
-        return True
 
 
 def main() -> None:
