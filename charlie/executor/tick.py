@@ -38,6 +38,7 @@ from charlie.executor.settle import (
     held_for_operator,
     log_settled,
     move_turn,
+    recheck_at,
     report_people_settled,
     report_settlements,
     settle_one,
@@ -571,7 +572,7 @@ def _observed_tick(
                     rt.worker,
                     error,
                     claim_committed=progress.claim_committed,
-                    recheck_at=utcnow() + rt.stall,
+                    recheck_at=recheck_at(rt),
                 )
         except DatabaseError:
             log.warning("could not record the refused write either; the lease will lapse")
