@@ -519,3 +519,33 @@ def test_a_call_past_its_deadline_is_not_started(engine: Engine) -> None:
     assert call_row(engine, execution_id).started_at is None
     _, fresh = queued_call(engine, deadline_at=utcnow() + timedelta(minutes=5))
     assert calls.claim_call_alone(engine, fresh, 0, "c1", "start", "w-test", 5.0) is not None
+
+
+def test_in_a_backlog_a_settled_turns_wake_up_waits_as_a_stalled_run_does(engine: Engine) -> None:
+    """I4 without a feedback loop: in a broker backlog the wake-up a completing settle stored
+    (a run in await_tools) is mostly an await tick still queued, so the wake scan holds it back
+    as long as the stalled scan holds a quiet run; any other wake-up (a backoff, a limit's
+    wait) goes at once."""
+    now = utcnow()
+    wakes = {}
+    for phase in (Phase.AWAIT_TOOLS, Phase.CALL_MODEL):
+        _, execution_id = queued_call(engine)
+        with write(engine) as conn:
+            conn.execute(
+                update(executions)
+                .where(executions.c.id == execution_id)
+                .values(phase=phase.value, wake_at=now - timedelta(seconds=10))
+            )
+        wakes[phase] = execution_id
+    stall = timedelta(seconds=5)
+    with engine.connect() as conn:
+        due = {r.id for r in scans.runs_due(conn, "wake", now, stall, 1000)}
+        held = {
+            r.id
+            for r in scans.runs_due(
+                conn, "wake", now, stall, 1000, held_back=timedelta(seconds=115)
+            )
+        }
+    assert {wakes[Phase.AWAIT_TOOLS], wakes[Phase.CALL_MODEL]} <= due
+    assert wakes[Phase.CALL_MODEL] in held
+    assert wakes[Phase.AWAIT_TOOLS] not in held
