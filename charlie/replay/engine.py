@@ -391,6 +391,8 @@ class _Replay:
         #: calls whose divergence is reported: their results' differences later are its echo
         self.diverged_calls: set[str] = set()
         self.reported: set[tuple[str, str]] = set()
+        #: the model calls so far are the recorded ones, one for one
+        self.aligned = True
         self.model = RecordedModel(self)
         settings = case.get("settings") or {}
         self.max_result_bytes = int(settings.get("max_result_bytes") or 256 * 1024)
@@ -461,7 +463,7 @@ class _Replay:
         self.report.divergences.append(
             Divergence(turn, call_id, tool, kind, recorded, new, how, self.task.id)
         )
-        self.say(f"  ! {kind}{f' {call_id}' if call_id else ''}: {how}")
+        self.say(f"  ! {kind}{f' {call_id}' if call_id else ''}: {_indented(how)}")
         if call_id is not None:
             self.diverged_calls.add(call_id)
 
@@ -486,8 +488,6 @@ class _Replay:
                 break
         else:
             self.report.problems.append(f"the replay did not end within {MAX_STEPS} steps")
-        if not self.capture:
-            self._compare_inputs()
         self.say(self.report.summary())
         return self.report
 
@@ -581,15 +581,30 @@ class _Replay:
         }
 
     def _captured(self, request: ModelRequest, plan: dict[str, Any]) -> None:
-        self.report.model_calls.append(
-            {
-                "turn": request.turn,
-                "purpose": request.purpose,
-                "items": [render_item(i) for i in request.items],
-                "tools": [t.name for t in request.tools],
-                "plan": plan if request.purpose == "turn" else {},
-            }
-        )
+        """Keep the input this model call was sent and compare it with the recorded one, at
+        its turn (a replay that compacts where the record did not, or the other way round,
+        compares no further: that is reported where it happened)."""
+        sent = {
+            "turn": request.turn,
+            "purpose": request.purpose,
+            "items": [render_item(i) for i in request.items],
+            "tools": [t.name for t in request.tools],
+            "plan": plan if request.purpose == "turn" else {},
+        }
+        n = len(self.report.model_calls)
+        self.report.model_calls.append(sent)
+        recorded = self.case["model_calls"]
+        if self.capture or not self.aligned or n >= len(recorded):
+            return
+        old = recorded[n]
+        if (old.get("turn"), old.get("purpose")) != (sent["turn"], sent["purpose"]):
+            self.aligned = False
+            return
+        if request.purpose == "summary" and self.diverged_calls:
+            # a summary's input renders the results it covers into one text: after a call
+            # diverged, a difference there is that divergence's echo, reported already
+            return
+        self._compare_input(request.turn, old, sent)
 
     def _answered(self, transition: Transition) -> None:
         if any(i.kind is ItemKind.COMPACTION for i in transition.items):
@@ -852,18 +867,6 @@ class _Replay:
                 tool=name,
             )
 
-    def _compare_inputs(self) -> None:
-        recorded = self.case["model_calls"]
-        today = self.report.model_calls
-        for n in range(max(len(recorded), len(today))):
-            old = recorded[n] if n < len(recorded) else None
-            new = today[n] if n < len(today) else None
-            if old is None or new is None:
-                break  # the replay ended early (reported), or compacted otherwise (reported)
-            if (old.get("turn"), old.get("purpose")) != (new.get("turn"), new.get("purpose")):
-                break  # a compaction today, or none: reported where it happened
-            self._compare_input(int(new["turn"]), old, new)
-
     def _compare_input(self, turn: int, old: dict[str, Any], new: dict[str, Any]) -> None:
         if old.get("plan") != new.get("plan"):
             self.diverge(
@@ -876,8 +879,8 @@ class _Replay:
             )
         old_items: list[dict[str, Any]] = list(old.get("items") or [])
         new_items: list[dict[str, Any]] = list(new.get("items") or [])
-        if len(old_items) != len(new_items):
-            key = ("count", f"{turn}")
+        if len(old_items) != len(new_items) and ("input", "count") not in self.reported:
+            self.reported.add(("input", "count"))
             self.diverge(
                 turn,
                 "input",
@@ -886,25 +889,26 @@ class _Replay:
                 f"the input of turn {turn} has {len(new_items)} items today, "
                 f"{len(old_items)} recorded",
             )
-            self.reported.add(key)
-        for a, b in zip(old_items, new_items, strict=False):
-            if a == b:
-                continue
-            self._item_differs(turn, a, b)
+        # items by their place in the transcript (an elided or summarised input keeps it)
+        today = {(b.get("seq"), b.get("kind")): b for b in new_items}
+        for a in old_items:
+            b = today.get((a.get("seq"), a.get("kind")))
+            if b is not None and a != b:
+                self._item_differs(turn, a, b)
 
     def _item_differs(self, turn: int, a: dict[str, Any], b: dict[str, Any]) -> None:
         call_id = a.get("call_id")
         if a.get("kind") == "input" and a.get("role") == "system":
             kind, key = "system_prompt", "system"
-            how = "the system prompt differs (it is sent with every turn)"
+            how = f"the system prompt differs (from turn {turn} on: it is sent with every turn)"
         elif a.get("kind") == "tool_result" and call_id is not None:
             if call_id in self.diverged_calls:
                 return  # the echo of the call's own divergence
             kind, key = "rendering", f"result:{call_id}"
-            how = f"the rendering of {call_id}'s result differs"
+            how = f"the rendering of {call_id}'s result differs in the input of turn {turn}"
         else:
             kind, key = "input", f"item:{a.get('seq')}"
-            how = f"input item {a.get('seq')} ({a.get('kind')}) differs"
+            how = f"input item {a.get('seq')} ({a.get('kind')}) differs in the input of turn {turn}"
         if (kind, key) in self.reported:
             return
         self.reported.add((kind, key))
@@ -923,7 +927,11 @@ class _Replay:
         )
         if call_id is not None:
             self.diverged_calls.add(call_id)
-        self.say(f"  ! {kind} at turn {turn}: {how}")
+        self.say(f"  ! {kind}{f' {call_id}' if call_id else ''}: {_indented(how)}")
+
+
+def _indented(text: str) -> str:
+    return text.replace("\n", "\n      ")
 
 
 def _describe_plan(old: dict[str, Any], new: dict[str, Any]) -> str:
