@@ -801,7 +801,9 @@ class _Replay:
                 call_id=call.call_id,
                 tool=call.name,
             )
-        self._settle(call.call_id, outcome, result)
+        # The same value settles as recorded: the record holds it as its store returned it
+        # (PostgreSQL's jsonb orders an object's keys), and that is what the model was shown.
+        self._settle(call.call_id, outcome, recorded.get("result") if same else result)
 
     def _invoke(self, call: CallView) -> tuple[Outcome | None, Any]:
         """Call today's handler, as a worker would (charlie.testing.ToolEnvironment's way),
