@@ -25,7 +25,9 @@ import charlie
 import tests.support.tools
 from charlie.domain import TaskStatus
 from charlie.executor.phases import load_context
-from charlie.replay.case import SECRET_NAME
+from charlie.replay.case import SECRET_NAME, check_case
+from charlie.replay.engine import replay_case
+from charlie.replay.export import export_task
 from charlie.testing import replay
 from charlie.tools.registry import REGISTRY, ToolRegistry, build_tool
 from tests.conftest import wait_for
@@ -198,6 +200,10 @@ def test_unchanged_code_replays_with_exit_0_and_no_write(recorded: Recorded) -> 
     assert "compaction of items" in run.stdout
     assert _writes(ids) == before  # I35: no write ran again
     assert (recorded.workspace / "notes.txt").read_text() == "the notes say: ship it\n"
+    # `charlie replay TASK_ID`: exported through the API, then replayed from that form
+    again = replay_case(check_case(export_task(recorded.task_id)), workspace=recorded.workspace)
+    assert again.exit_code == 0, again.render()
+    assert _writes(ids) == before
 
 
 def test_a_changed_read_tool_exits_1_naming_the_call(recorded: Recorded) -> None:
