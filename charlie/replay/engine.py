@@ -80,6 +80,7 @@ KINDS = (
     "rendering",
     "input",
     "context_plan",
+    "run_failed",
 )
 #: kinds after which the case cannot be replayed as a whole (exit 2)
 UNREPLAYABLE = frozenset({"tool_gone"})
@@ -88,7 +89,7 @@ DIFF_LINES = 40
 DIFF_WIDTH = 200
 #: a replay takes at most this many steps (a record is finite; this stops a code change that
 #: loops between phases)
-MAX_STEPS = 100_000
+MAX_STEPS = 10_000
 #: the clock the replayed run sees: fixed, so no deadline passes while it replays
 CLOCK = datetime(2000, 1, 1, tzinfo=UTC)
 
@@ -474,6 +475,14 @@ class _Replay:
 
     def run(self) -> ReplayReport:
         self.say(f"task {self.task.id} (model {self.task.model}): {_short(self.task.prompt, 80)}")
+        if any("copied_from" in i.payload for i in self.recorded):
+            # a fork's run starts from items copied from another task's record, not from its
+            # goal: replay the task it was forked from
+            self.report.problems.append(
+                f"task {self.task.id} is a fork; replay the task it was forked from"
+            )
+            self.say(self.report.summary())
+            return self.report
         if not self.capture:
             self._compare_tools()
         for _ in range(MAX_STEPS):
@@ -486,10 +495,38 @@ class _Replay:
             except RecordEnds as exc:
                 self.say(f"turn {self.turn}: {exc}; the replay ends here")
                 break
+            except Exception as exc:
+                # what the worker's shell does with a phase that raises: the run fails here
+                self._failed(exc)
+                break
         else:
             self.report.problems.append(f"the replay did not end within {MAX_STEPS} steps")
+        self._unreplayed()
         self.say(self.report.summary())
         return self.report
+
+    def _failed(self, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        if any(turn >= self.turn for turn in self.answers):
+            self.diverge(
+                self.turn,
+                "run_failed",
+                None,
+                error,
+                f"today's code fails the run in {self.phase.value} at turn {self.turn} "
+                f"({_short(error, 200)}); the record went on",
+            )
+        else:
+            self.say(f"turn {self.turn}: the run fails ({_short(error, 200)}), as the record ends")
+
+    def _unreplayed(self) -> None:
+        """The record went on past where the replay ended (a final answer reopened by a
+        message, which a replay does not play): what was not replayed is a problem."""
+        later = sorted(turn for turn in self.answers if turn > self.turn)
+        if later and self.phase in (Phase.REPORT_TERMINAL, Phase.DONE):
+            self.report.problems.append(
+                f"the record goes on to turn {later[-1]}; the replay ended at turn {self.turn}"
+            )
 
     def _ended(self) -> None:
         final = next((i for i in reversed(self.items) if i.kind is ItemKind.FINAL), None)

@@ -317,3 +317,28 @@ def test_effects_stay_what_the_record_says() -> None:
     report = replay_case(make_case(TURNS), tools=registry)
     assert RAN == []
     assert any(d.kind == "tool_schema" and d.call_id == "c1" for d in report.divergences)
+
+
+def test_a_phase_that_raises_today_is_a_divergence(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(TURNS)
+
+    def broken(outcome: Outcome, result: Any) -> str:
+        raise RuntimeError("rendering broke")
+
+    monkeypatch.setattr(advance_turn, "render_tool_result", broken)
+    report = replay_case(case)
+    (failed,) = report.divergences
+    assert (failed.kind, failed.turn, failed.new) == (
+        "run_failed",
+        0,
+        "RuntimeError: rendering broke",
+    )
+    assert "advance_turn" in failed.how and report.exit_code == 1
+
+
+def test_a_fork_is_not_replayed_as_if_it_started_from_its_goal() -> None:
+    case = make_case(TURNS)
+    case["transcript"][2]["payload"]["copied_from"] = {"task": "t-0", "seq": 2}
+    report = replay_case(case)
+    assert report.exit_code == 2
+    assert "is a fork" in report.summary()
