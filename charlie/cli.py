@@ -1091,7 +1091,7 @@ def export_(task_id: str, output: Path, patterns: tuple[str, ...]) -> None:
 
     try:
         case = export_task(task_id, redact=patterns)
-    except (TaskNotFound, ValueError) as exc:
+    except (TaskNotFound, ValueError, ImportError) as exc:
         _fail(str(exc))
     text = json.dumps(case, indent=1, ensure_ascii=False, default=str) + "\n"
     if str(output) == "-":
@@ -1139,6 +1139,8 @@ def replay_(case: str, workspace: Path | None, run_writes: bool, as_json: bool) 
                 loaded = check_case(export_task(case), case)
             except TaskNotFound:
                 _fail(f"{case} is neither a case file nor a task id")
+            except ImportError as exc:
+                _fail(str(exc))
         report = replay_case(
             loaded, workspace=workspace, run_writes=run_writes, tools=_replay_tools()
         )

@@ -41,7 +41,11 @@ def _spec(name: str) -> dict[str, Any]:
     return {"description": tool.description, "parameters": tool.parameters, "effect": tool.effect}
 
 
-def make_case(turns: list[tuple[str, dict[str, Any], str, Any]], **task: Any) -> dict[str, Any]:
+def make_case(
+    turns: list[tuple[str, dict[str, Any], str, Any]],
+    messages: dict[int, str] | None = None,
+    **task: Any,
+) -> dict[str, Any]:
     """A case of one task whose turn N calls turns[N] (name, arguments, outcome, result), then
     answers "done"; its recorded inputs computed by the replay itself, every call standing in,
     as an export does."""
@@ -63,6 +67,9 @@ def make_case(turns: list[tuple[str, dict[str, Any], str, Any]], **task: Any) ->
         content = render_tool_result(Outcome(outcome), result)
         payload = {"name": name, "outcome": outcome, "result": result, "content": content}
         add(turn, "tool_result", payload, call_id)
+        if messages and turn in messages:
+            message = {"role": "user", "content": messages[turn], "message_id": f"m{turn}"}
+            add(turn, "input", {**message, "sent_by": "ana"})
         tool = REGISTRY.get(name)
         calls.append(
             {
@@ -342,3 +349,17 @@ def test_a_fork_is_not_replayed_as_if_it_started_from_its_goal() -> None:
     report = replay_case(case)
     assert report.exit_code == 2
     assert "is a fork" in report.summary()
+
+
+def test_a_persons_message_and_denial_come_from_the_record() -> None:
+    denied = {"denied_by": "ana", "reason": "not today"}
+    turns = [TURNS[0], ("ledger_write", {"key": "k1"}, "denied", denied), TURNS[2]]
+    case = make_case(turns, messages={0: "also check the six"}, approve=["ledger_write"])
+    report = replay_case(case)
+    assert report.exit_code == 0, report.render()
+    assert "c1 ledger_write: denied (settled by worker@test, from the record)" in report.render()
+    assert RAN == []
+    # without the message, the input of turn 1 would have differed
+    without = make_case(turns, approve=["ledger_write"])
+    without["model_calls"] = case["model_calls"]
+    assert any(d.kind == "input" for d in replay_case(without).divergences)
