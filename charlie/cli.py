@@ -1129,7 +1129,8 @@ def replay_(case: str, workspace: Path | None, run_writes: bool, as_json: bool) 
     from charlie.replay.engine import replay_case
 
     try:
-        if Path(case).exists():
+        # a path (or what reads as one: a typo of one is not looked up as a task)
+        if Path(case).exists() or case.endswith(".json") or os.sep in case:
             loaded = load_case(Path(case))
         else:
             from charlie.replay.export import export_task
