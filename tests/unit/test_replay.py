@@ -363,3 +363,23 @@ def test_a_persons_message_and_denial_come_from_the_record() -> None:
     without = make_case(turns, approve=["ledger_write"])
     without["model_calls"] = case["model_calls"]
     assert any(d.kind == "input" for d in replay_case(without).divergences)
+
+
+def test_the_command_exits_0_1_or_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from charlie.cli import main
+
+    monkeypatch.setenv("CHARLIE_TOOL_MODULES", "tests.support.tools")
+    path = tmp_path / "case.json"
+    path.write_text(json.dumps(make_case(TURNS)))
+    runner = CliRunner()
+    clean = runner.invoke(main, ["replay", str(path)])
+    assert clean.exit_code == 0, clean.output
+    assert "nothing diverged" in clean.output
+    monkeypatch.setattr(load_context, "SYSTEM_PROMPT", "You are a different agent.")
+    changed = runner.invoke(main, ["replay", str(path), "--json"])
+    assert changed.exit_code == 1, changed.output
+    assert [d["kind"] for d in json.loads(changed.output)["divergences"]] == ["system_prompt"]
+    missing = runner.invoke(main, ["replay", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "cannot read" in missing.output
