@@ -171,6 +171,9 @@ class ReplayReport:
             out.append("")
             out.append(printable(f"delegated task {child.task_id}:"))
             out.extend("    " + line for line in child.render().splitlines())
+        if self.children:
+            out.append("")
+        out.append(self.summary())  # the task's and its delegated tasks' together
         return "\n".join(out)
 
     def summary(self) -> str:
@@ -481,7 +484,6 @@ class _Replay:
             self.report.problems.append(
                 f"task {self.task.id} is a fork; replay the task it was forked from"
             )
-            self.say(self.report.summary())
             return self.report
         if not self.capture:
             self._compare_tools()
@@ -502,7 +504,6 @@ class _Replay:
         else:
             self.report.problems.append(f"the replay did not end within {MAX_STEPS} steps")
         self._unreplayed()
-        self.say(self.report.summary())
         return self.report
 
     def _failed(self, exc: Exception) -> None:
