@@ -24,6 +24,7 @@ import pytest
 import charlie
 import tests.support.tools
 from charlie.domain import TaskStatus
+from charlie.executor import context
 from charlie.executor.phases import load_context
 from charlie.replay.case import SECRET_NAME, check_case
 from charlie.replay.engine import replay_case
@@ -236,7 +237,7 @@ def _registry(**replaced: object) -> ToolRegistry:
     return registry
 
 
-def test_a_changed_schema_a_prompt_and_a_removed_tool_are_each_reported(
+def test_a_changed_schema_plan_prompt_and_a_removed_tool_are_each_reported(
     recorded: Recorded, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert tests.support.tools.echo_number  # the tools the case calls are this process's too
@@ -254,6 +255,16 @@ def test_a_changed_schema_a_prompt_and_a_removed_tool_are_each_reported(
     gone = [(d.kind, d.call_id, d.tool) for d in removed.divergences if d.kind == "tool_gone"]
     assert gone == [("tool_gone", "r2", "read_file")]
     assert removed.exit_code == 2
+
+    # the window's headroom changed: the input is planned otherwise, and no longer compacted
+    # where the record compacted it
+    with monkeypatch.context() as patched:
+        patched.setattr(context, "HEADROOM", 0.95)
+        planned = replay(recorded.case, workspace=recorded.workspace)
+    plans = [d for d in planned.divergences if d.kind == "context_plan"]
+    assert plans and plans[0].call_id is None
+    assert any("compacted the input before this turn" in d.how for d in plans), plans
+    assert planned.exit_code == 1
 
     monkeypatch.setattr(load_context, "SYSTEM_PROMPT", "You are a careless agent.")
     prompt = replay(recorded.case, workspace=recorded.workspace)
