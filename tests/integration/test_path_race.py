@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from charlie import beneath
 from charlie.devbox import DevboxClient, DevboxServer, Limits
 from charlie.devbox.client import DevboxError
 from charlie.tools.builtins import list_files, read_file, run_command, write_file
@@ -180,10 +181,23 @@ def racing_locally(ctx: ToolContext, tmp_path: Path) -> Iterator[Path]:
     assert "exchanged" in str(result.get("stdout")), result
 
 
+@pytest.mark.parametrize("way", ["openat2", "walk"])
 def test_local_tools_are_not_raced_out_of_the_workspace(
-    ctx: ToolContext, racing_locally: Path
+    ctx: ToolContext, racing_locally: Path, way: str
 ) -> None:
+    """Through the kernel's openat2 and through the component walk of a kernel without it."""
     tally = Tally()
+    beneath.force_walk(way == "walk")
+    try:
+        _race_tools(ctx, tally)
+    finally:
+        beneath.force_walk(False)
+    _outside_untouched(tally, racing_locally)
+    print(tally.report())
+    assert not tally.escapes, tally.report()
+
+
+def _race_tools(ctx: ToolContext, tally: Tally) -> None:
 
     def listing(path: str) -> list[str]:
         return [os.path.basename(n) for n in list_files(ctx, path)]
@@ -195,9 +209,6 @@ def test_local_tools_are_not_raced_out_of_the_workspace(
         listing,
         (ToolError,),
     )
-    _outside_untouched(tally, racing_locally)
-    print(tally.report())
-    assert not tally.escapes, tally.report()
 
 
 def test_the_tool_sdks_openers_are_not_raced_out_of_the_workspace(
