@@ -24,15 +24,16 @@ from typing import Any
 
 import pytest
 
+import charlie
 from charlie import beneath
 from charlie.devbox import DevboxClient, DevboxServer, Limits
 from charlie.devbox.client import DevboxError
+from charlie.domain import TaskStatus
 from charlie.tools.builtins import list_files, read_file, run_command, write_file
 from charlie.tools.context import ToolContext, ToolError
-from tests.support.cluster import SANDBOX_PROBLEM, TEST_SANDBOX
+from tests.conftest import wait_for
+from tests.support.cluster import SANDBOX_PROBLEM, TEST_SANDBOX, Cluster
 from tests.support.needs import need
-
-pytestmark = pytest.mark.backend_free
 
 #: Exchanges each pair of names (a directory and a symlink) until the file ``stop`` appears.
 RACER = r"""
@@ -181,6 +182,7 @@ def racing_locally(ctx: ToolContext, tmp_path: Path) -> Iterator[Path]:
     assert "exchanged" in str(result.get("stdout")), result
 
 
+@pytest.mark.backend_free
 @pytest.mark.parametrize("way", ["openat2", "walk"])
 def test_local_tools_are_not_raced_out_of_the_workspace(
     ctx: ToolContext, racing_locally: Path, way: str
@@ -211,6 +213,7 @@ def _race_tools(ctx: ToolContext, tally: Tally) -> None:
     )
 
 
+@pytest.mark.backend_free
 def test_the_tool_sdks_openers_are_not_raced_out_of_the_workspace(
     ctx: ToolContext, racing_locally: Path
 ) -> None:
@@ -227,6 +230,7 @@ def test_the_tool_sdks_openers_are_not_raced_out_of_the_workspace(
 TOKEN = "test-devbox-token-0123456789abcdef"
 
 
+@pytest.mark.backend_free
 def test_devbox_files_are_not_raced_out_of_the_workspace(tmp_path: Path) -> None:
     need(SANDBOX_PROBLEM, "no sandbox here")
     server = DevboxServer(tmp_path / "devbox", TOKEN, limits=Limits(sandbox=TEST_SANDBOX)).start()
@@ -253,6 +257,63 @@ def test_devbox_files_are_not_raced_out_of_the_workspace(tmp_path: Path) -> None
             assert status.done and "exchanged" in status.stdout_tail, status
     finally:
         server.stop()
+    _outside_untouched(tally, outside)
+    print(tally.report())
+    assert not tally.escapes, tally.report()
+
+
+# -- through a real task ------------------------------------------------------------------------
+
+#: read_file and write_file calls of the task's one turn, each kind, beside the racing command
+TASK_CALLS = 60
+
+
+# (The race's outcome depends on no database or broker: CI runs it on one backend.)
+@pytest.mark.backend_free
+def test_a_real_tasks_file_tools_are_not_raced_out_of_its_workspace(
+    cluster: Cluster, script: Callable[..., tuple[str, Path]], tmp_path: Path
+) -> None:
+    """One turn: the racer as a run_command, and beside it reads and writes the cluster's
+    workers run in parallel, as a delegated child would beside its parent's command."""
+    need(SANDBOX_PROBLEM, "no sandbox here")
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    ws.mkdir()
+    _seed(ws, outside)
+    command = {"command": "python3 racer.py d p w o", "timeout": 600}
+    calls: list[dict[str, Any]] = [{"id": "race", "name": "run_command", "arguments": command}]
+    for i in range(TASK_CALLS):
+        calls += [
+            {"id": f"rd{i}", "name": "read_file", "arguments": {"path": "d/environ"}},
+            {"id": f"rw{i}", "name": "read_file", "arguments": {"path": "w/secret.txt"}},
+            {
+                "id": f"w{i}",
+                "name": "write_file",
+                "arguments": {"path": f"w/new-{i}.txt", "content": "written through the race"},
+            },
+        ]
+    model, _ = script([{"say": "race", "tool_calls": calls}, {"say": "done"}])
+    task_id = charlie.submit("race", model=model, metadata={"workspace": str(ws)})
+    try:
+        _wait_for(ws / "racing")
+
+        def settled() -> bool:
+            others = [c for c in charlie.calls(task_id) if c.call_id != "race"]
+            return len(others) == 3 * TASK_CALLS and all(c.state == "settled" for c in others)
+
+        wait_for(settled, timeout=300, interval=0.5)
+    finally:
+        (ws / "stop").touch()
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info
+    tally = Tally()
+    for call in charlie.calls(task_id):
+        tally.ops[f"{call.name} {call.outcome}"] += 1
+        if call.name == "read_file" and call.outcome == "ok":
+            inside = INSIDE_D if call.arguments["path"] == "d/environ" else INSIDE_W
+            if call.result != inside:
+                tally.escaped("read", call.result)
+    race = next(c for c in charlie.calls(task_id) if c.call_id == "race")
+    assert "exchanged" in str(race.result), race.result
     _outside_untouched(tally, outside)
     print(tally.report())
     assert not tally.escapes, tally.report()
