@@ -261,14 +261,14 @@ class ToolContext:
         methods take is opened beneath it, no step of it outside, at the moment of the open.
         A path that leads outside raises :class:`WorkspaceEscape` out of the block."""
         try:
-            with Root(self.workspace) as root:
+            root = Root(self.workspace)
+        except OSError as exc:
+            raise ToolError(f"cannot open the task's workspace: {exc.strerror}") from None
+        try:
+            with root:
                 yield root
         except Outside as exc:
             raise self._escape(exc.path) from None
-        except FileNotFoundError as exc:
-            if exc.filename == str(self.workspace):
-                raise ToolError(f"the task's workspace {str(self.workspace)!r} is gone") from None
-            raise
 
     def open(self, path: str, mode: str = "r", *, encoding: str | None = None) -> IO[Any]:
         """``open(path, mode)`` for a regular file of the workspace, safe against a command
