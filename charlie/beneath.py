@@ -21,14 +21,13 @@ operator's workspace roots (or by the devbox), not by a command.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import platform
 import posixpath
 import secrets
 import stat
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from types import TracebackType
 
@@ -52,34 +51,29 @@ class Outside(Exception):
         self.path = path
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [
-        ("flags", ctypes.c_uint64),
-        ("mode", ctypes.c_uint64),
-        ("resolve", ctypes.c_uint64),
-    ]
-
-
-_libc: ctypes.CDLL | None = None
+#: openat2 as a function, once probed; None: not probed yet, or this process walks.
+_openat2: Callable[[int, str, int, int], int] | None = None
 #: None: not probed yet; False: this process walks (no openat2, or it was forced off).
 _use_openat2: bool | None = None
 
 
 def openat2_available() -> bool:
-    """Whether this process resolves with ``openat2`` (probed once)."""
-    global _libc, _use_openat2
+    """Whether this process resolves with ``openat2`` (probed once, on first use: ctypes is
+    loaded then, not when Charlie is imported)."""
+    global _openat2, _use_openat2
     if _use_openat2 is None:
-        number = _SYS_OPENAT2.get(platform.machine())
-        if number is None or platform.system() != "Linux":
-            _use_openat2 = False
-        else:
-            try:
-                _libc = ctypes.CDLL(None, use_errno=True)
-                fd = _openat2(os.open("/", _DIR_FLAGS), ".", _DIR_FLAGS, 0, close_dir=True)
-                os.close(fd)
-                _use_openat2 = True
-            except (OSError, AttributeError):
-                _use_openat2 = False  # ENOSYS, or a seccomp filter's EPERM
+        number = _SYS_OPENAT2.get(os.uname().machine) if sys.platform == "linux" else None
+        call = _bind(number) if number is not None else None
+        try:
+            if call is not None:
+                root = os.open("/", _DIR_FLAGS)
+                try:
+                    os.close(call(root, ".", _DIR_FLAGS, 0))
+                finally:
+                    os.close(root)
+        except OSError:
+            call = None  # ENOSYS, or a seccomp filter's EPERM
+        _openat2, _use_openat2 = call, call is not None
     return _use_openat2
 
 
@@ -90,25 +84,40 @@ def force_walk(walk: bool) -> None:
     _use_openat2 = False if walk else None
 
 
-def _openat2(dir_fd: int, rel: str, flags: int, mode: int, *, close_dir: bool = False) -> int:
-    assert _libc is not None
-    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0)
-    how.resolve = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS
+def _bind(number: int) -> Callable[[int, str, int, int], int] | None:
+    """``openat2(dir_fd, rel, how={flags, mode, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS})``
+    through libc's ``syscall``, raising OSError as ``os.open`` does."""
+    import ctypes
+
+    class OpenHow(ctypes.Structure):
+        _fields_ = [
+            ("flags", ctypes.c_uint64),
+            ("mode", ctypes.c_uint64),
+            ("resolve", ctypes.c_uint64),
+        ]
+
     try:
-        fd = _libc.syscall(
-            ctypes.c_long(_SYS_OPENAT2[platform.machine()]),
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+
+    def openat2(dir_fd: int, rel: str, flags: int, mode: int) -> int:
+        how = OpenHow(flags | os.O_CLOEXEC, mode if flags & os.O_CREAT else 0)
+        how.resolve = _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS
+        fd = syscall(
+            ctypes.c_long(number),
             ctypes.c_int(dir_fd),
             ctypes.c_char_p(os.fsencode(rel)),
             ctypes.byref(how),
             ctypes.c_size_t(ctypes.sizeof(how)),
         )
-    finally:
-        if close_dir:
-            os.close(dir_fd)
-    if fd < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), rel)
-    return int(fd)
+        if fd < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), rel)
+        return int(fd)
+
+    return openat2
 
 
 def _parts(rel: str) -> list[str]:
@@ -201,10 +210,10 @@ class Root:
         """``openat(root, rel, flags)`` with no step of it outside the root. A final symlink is
         followed (beneath) unless ``flags`` has ``O_NOFOLLOW``."""
         _parts(rel)  # the NUL and absolute checks, the same on both paths
-        if openat2_available():
+        if openat2_available() and (openat2 := _openat2) is not None:
             for _ in range(_RETRIES):
                 try:
-                    return _openat2(self.fd, rel or ".", flags, mode)
+                    return openat2(self.fd, rel or ".", flags, mode)
                 except OSError as exc:
                     if exc.errno == errno.EXDEV:
                         raise Outside(rel) from None
