@@ -288,6 +288,11 @@ def test_a_providers_pause_is_bounded_shown_and_lifted_by_an_operator(
                 timeout=60,
             )
 
+        # the console's list shows it too (its panel of limits)
+        from charlie.console.server import load_list
+
+        listed = load_list([], None, None)["limits"]
+        assert [x.key for x in listed if x.paused_until] == ["openai:"]
         shown = cli()
         assert shown.returncode == 0, shown.stderr
         assert "openai:: " in shown.stdout and "paused by the provider until" in shown.stdout
