@@ -125,7 +125,7 @@ def provider_wait(
     """The wait a provider's answer asks for, or None when it names none (or none this reads).
 
     ``retry-after-ms``, then ``Retry-After`` (seconds or an HTTP date), then the rate-limit reset
-    headers (of the limits that ran out, where the answer says which; the longest). Pure and
+    headers (of the limits the answer says ran out, remaining 0; the longest). Pure and
     total: any text, however large, malformed or far in the future, gives a finite wait in
     ``[0, cap]`` or None, never an exception (a value too large to hold is the cap)."""
     now = now or datetime.now(UTC)
@@ -141,7 +141,9 @@ def provider_wait(
     if found is None:
         for header, remaining in RESET_HEADERS:
             raw = _header(headers, header)
-            if raw is None or (_header(headers, remaining) or "0").strip() not in ("0", "0.0"):
+            # only a limit the answer says ran out: a reset header alone comes with every
+            # answer (a 5xx too), and names when a window ends, not that it must be waited for
+            if raw is None or _number(_header(headers, remaining) or "") != 0:
                 continue
             seconds = _reset(raw, now)
             if seconds is not None and (found is None or seconds > found[0]):

@@ -60,12 +60,18 @@ def test_the_rate_limit_reset_headers_give_a_wait_when_retry_after_does_not() ->
     }
     wait = provider_wait(openai, NOW)
     assert wait is not None and wait.seconds == 360 and wait.header == "x-ratelimit-reset-requests"
-    anthropic = {"anthropic-ratelimit-tokens-reset": "2026-01-01T12:00:42Z"}
+    anthropic = {
+        "anthropic-ratelimit-tokens-reset": "2026-01-01T12:00:42Z",
+        "anthropic-ratelimit-tokens-remaining": "0",
+    }
     assert provider_wait(anthropic, NOW).seconds == 42  # type: ignore[union-attr]
-    epoch = {"x-ratelimit-reset": str(int(NOW.timestamp()) + 15)}
+    epoch = {"x-ratelimit-reset": str(int(NOW.timestamp()) + 15), "x-ratelimit-remaining": "0"}
     assert provider_wait(epoch, NOW).seconds == 15  # type: ignore[union-attr]
-    far = {"ratelimit-reset": "1e30"}
+    far = {"ratelimit-reset": "1e30", "ratelimit-remaining": "0"}
     assert provider_wait(far, NOW, cap=60).seconds == 60  # type: ignore[union-attr]
+    # a reset alone (every answer carries one) or of a limit not run out is no wait
+    assert provider_wait({"ratelimit-reset": "30"}, NOW) is None
+    assert provider_wait({"ratelimit-reset": "30", "ratelimit-remaining": "12"}, NOW) is None
     # a Retry-After says it first
     assert provider_wait({**openai, "retry-after": "2"}, NOW).seconds == 2  # type: ignore[union-attr]
 
