@@ -19,6 +19,7 @@ import pytest
 import charlie
 from charlie.domain import ItemKind, TaskStatus
 from charlie.streams.base import StreamEvent
+from tests.conftest import wait_for
 from tests.support.cluster import REPO, Cluster
 from tests.support.fake_openai import (
     FakeOpenAI,
@@ -372,3 +373,32 @@ def test_charlie_watch_waits_for_a_task_not_created_yet_as_wait_does(
     )
     assert never.returncode == 2
     assert f"no task with id 'never-{task_id}': it was not created within 1.5 s" in never.stderr
+
+
+def test_a_turn_holding_500_calls_streams_its_wait_and_what_follows(
+    cluster: Cluster, script: Any
+) -> None:
+    """A turn whose 500 calls all wait for a person (100 approvals, 400 questions of 3,000
+    characters): its ``waiting`` event would be 1.3 MB, longer than a file reader's chunk, and
+    stalled every reader of the task for good. Now it is told in parts within the line bound,
+    and a reader gets every held call, then the verdict and the end after it."""
+    question = "Which way? " + "x" * 2990
+    calls = [
+        {"id": f"a{i}", "name": "ledger_write", "arguments": {"key": f"held-{i}"}}
+        if i % 5 == 0
+        else {"id": f"q{i}", "name": "ask_human", "arguments": {"question": question}}
+        for i in range(500)
+    ]
+    model, _ = script([{"say": "Asking.", "tool_calls": calls}, {"say": "Done."}])
+    task_id = charlie.submit("hold 500 calls", model=model, approve=["ledger_write"])
+    wait_for(lambda: len(charlie.get_task(task_id).waiting_for or []) == 500, timeout=120)
+    charlie.approve(task_id, "a0")
+    charlie.cancel(task_id)
+    seen = list(charlie.events(task_id, timeout=120))
+    held = [c["call_id"] for e in seen if e.type == "waiting" for c in e.data["calls"]]
+    assert sorted(held) == sorted(c["id"] for c in calls)
+    kinds = [e.type for e in seen]
+    assert "verdict" in kinds and kinds.index("waiting") < kinds.index("verdict")
+    (verdict,) = [e.data for e in seen if e.type == "verdict"]
+    assert (verdict["call_id"], verdict["action"]) == ("a0", "approve")
+    assert kinds[-1] == "end" and seen[-1].data["status"] == "canceled"
