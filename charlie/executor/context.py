@@ -57,6 +57,9 @@ BYTES_PER_TOKEN = 4
 ITEM_OVERHEAD = 8
 #: refusals in a row after which the run fails instead of trying a smaller input
 MAX_REFUSALS = 3
+#: a summary call refused as too long summarises half as much of the record next time; below
+#: this many tokens of the record there is nothing smaller to summarise, and the run fails
+MIN_SUMMARY_TOKENS = 64
 
 SUMMARY_PROMPT = (
     "You compact the record of an agent's task so that the agent can carry on with less "
@@ -142,6 +145,8 @@ class Summary:
     request_items: list[Item]
     tokens_before: int
     tokens_kept: int
+    #: the estimate of the part of the record the summary call is sent (what a refusal halves)
+    record_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -342,7 +347,16 @@ def plan(
     # summarised too, so the items after the newest compaction stay few.
     if total > budget or calibrated(stubs) > budget * STUB_SHARE:
         wanted = _summary(
-            head, compaction, tail, costs, newest, budget, total, ratio, elide_through
+            head,
+            compaction,
+            tail,
+            costs,
+            newest,
+            budget,
+            total,
+            ratio,
+            elide_through,
+            context.get("summary_tokens"),
         )
         if wanted is not None:
             return Plan([], total, 0, context, window, elided, cut, wanted, compaction)
@@ -365,12 +379,14 @@ def _summary(
     total: int,
     ratio: float,
     elide_through: int,
+    summary_tokens: object = None,
 ) -> Summary | None:
     """The summary that brings the input under its budget: it covers the oldest whole turns
     of ``tail`` (never the newest), keeping the newest whose results are all shown up to
     ``KEEP_SHARE`` of the budget (an elided result's turn is summarised: its stub would ask
     for the next summary at once), and no more than one call's input can hold (the next step
-    summarises again if that is not enough)."""
+    summarises again if that is not enough), and no more of the record than a refused summary
+    call left room for (``summary_tokens``, learned by ``learn``)."""
     starts = _turn_starts(tail, newest)
     if not starts:
         return None
@@ -392,6 +408,8 @@ def _summary(
             return None
     goal = str(head[-1].payload.get("content") or "") if head else ""
     limit = int(budget * SUMMARY_INPUT_SHARE / ratio)
+    if isinstance(summary_tokens, int) and summary_tokens > 0:
+        limit = min(limit, summary_tokens)
     previous = str(compaction.payload.get("content") or "") if compaction is not None else ""
     lines: list[str] = []
     used = text_tokens(SUMMARY_PROMPT) + text_tokens(goal) + text_tokens(previous) + 64
@@ -426,7 +444,9 @@ def _summary(
         Item(1, turn, ItemKind.INPUT, None, {"role": "user", "content": "\n\n".join(parts)}),
     ]
     # what stays besides the summary: the system prompt, the goal, the tools and the kept turns
-    return Summary((first, last), request_items, total, kept + total - sum(costs))
+    return Summary(
+        (first, last), request_items, total, kept + total - sum(costs), text_tokens(record)
+    )
 
 
 def _render(item: Item, limit_tokens: int) -> str:
@@ -541,7 +561,10 @@ def refusal(exc: BaseException) -> Refusal | None:
 
 def learn(view_state: JSON, plan: Plan, found: Refusal, model: str, exc: Exception) -> Transition:
     """call_model -> call_model with the window the refusal showed recorded (and the estimate
-    calibrated by the count it gave): the next step assembles a smaller input."""
+    calibrated by the count it gave): the next step assembles a smaller input. A refused
+    summary call summarises less instead (``_summary_refused``)."""
+    if plan.summary is not None:
+        return _summary_refused(view_state, plan, plan.summary, found, model, exc)
     context = dict(plan.state)
     refusals = int(context.get("refusals", 0)) + 1
     if refusals > MAX_REFUSALS:
@@ -568,4 +591,39 @@ def learn(view_state: JSON, plan: Plan, found: Refusal, model: str, exc: Excepti
         to=Phase.CALL_MODEL,
         state=state,
         note=f"model refused the input as too long ({exc}); context window now {window} tokens",
+    )
+
+
+def _summary_refused(
+    view_state: JSON, plan: Plan, summary: Summary, found: Refusal, model: str, exc: Exception
+) -> Transition:
+    """A summary call refused as too long (I29): the next one summarises half as much of the
+    record (the summary's own input is not the turn's, so the turn's window is not learned from
+    it unless the refusal names one). The run fails only when nothing smaller is possible."""
+    context = dict(plan.state)
+    record = summary.record_tokens
+    smaller = record // 2
+    if smaller < MIN_SUMMARY_TOKENS:
+        raise ModelError(
+            f"model {model} refused a summary call as too long ({exc}) with the part of the "
+            f"record to summarise already as small as it can be (about {record} tokens, beside "
+            "the summary prompt, the task's goal and any earlier summary): nothing smaller can "
+            "be summarised; set CHARLIE_MODEL_CONTEXT_TOKENS (or the model's own) to its "
+            "window, or shorten the task's prompt",
+            evidence=getattr(exc, "evidence", None),
+        ) from exc
+    context["summary_tokens"] = smaller
+    raw = sum(item_tokens(i) for i in summary.request_items)
+    if found.sent and raw > 0:
+        context["ratio"] = round(min(8.0, max(0.25, found.sent / raw)), 3)
+    known = plan.window.tokens if plan.window is not None else None
+    if found.limit is not None and (known is None or found.limit < known):
+        context["window"] = max(1, found.limit)
+    return Transition(
+        to=Phase.CALL_MODEL,
+        state={**view_state, STATE_KEY: context},
+        note=(
+            f"model refused a summary call as too long ({exc}); summarising at most "
+            f"{smaller} tokens of the record at a time"
+        ),
     )

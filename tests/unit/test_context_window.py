@@ -262,3 +262,37 @@ def test_call_model_learns_the_window_from_a_refusal() -> None:
 def test_the_providers_count_calibrates_the_estimate() -> None:
     plan = context.plan(transcript(3), 3, WINDOW, {})
     assert context.after_call(plan, Usage(input_tokens=plan.raw_tokens * 2))["ratio"] == 2.0
+
+
+def test_a_refused_summary_call_summarises_less_and_fails_only_when_nothing_is_smaller() -> None:
+    """A summary call refused for length with no number in the message (I29): the next summary
+    call is sent less of the record, never a window of a token; the run fails only when the
+    part to summarise cannot be smaller, saying so."""
+    refusal = ModelError(
+        "context length exceeded: HTTP 400",
+        evidence={"status": 400, "body": "context length exceeded"},
+    )
+    v = view(Phase.CALL_MODEL, items=transcript(60))
+    v = type(v)(**{**v.__dict__, "turn": 60})
+    model = FakeModel(refusal)
+    state: dict[str, Any] = {}
+    sizes: list[int] = []
+    with pytest.raises(ModelError, match="nothing smaller can be summarised"):
+        for _ in range(40):
+            v = type(v)(**{**v.__dict__, "state": state})
+            moved = call_model.run(v, deps(model, context_tokens=5000))
+            assert moved.to is Phase.CALL_MODEL and not moved.items
+            assert moved.state is not None
+            learned: dict[str, Any] = moved.state["context"]
+            assert "window" not in learned  # the turn's window is not learned from a summary
+            state = moved.state
+            sizes.append(len(str(model.requests[-1].items[-1].payload["content"])))
+    # each summary input smaller than the last, down to a part of the record of a few tokens
+    record = str(model.requests[-1].items[-1].payload["content"]).split("summarise:\n")[-1]
+    assert len(sizes) >= 3 and context.text_tokens(record) < 2 * context.MIN_SUMMARY_TOKENS
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    # ...and a model that takes the smaller input compacts, the run going on
+    v = type(v)(**{**v.__dict__, "state": {"context": {"summary_tokens": 300}}})
+    moved = call_model.run(v, deps(FakeModel(text("what happened")), context_tokens=5000))
+    [item] = moved.items
+    assert item.kind is ItemKind.COMPACTION and item.payload["content"] == "what happened"
