@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from charlie.domain import JSON, Item, ItemKind, NewItem, Phase, Transition
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, ToolSpec, Usage
@@ -39,6 +39,8 @@ from charlie.ports import PhaseLimits
 
 #: the run state's key for what this module records between calls
 STATE_KEY = "context"
+#: the context state's key for the worker settings the next model call plans with
+PLANNED_KEY = "planned"
 #: the built-in tool that reads a call's recorded result back (charlie/tools/builtins.py)
 RECALL_TOOL = "recall"
 #: the share of the window the input may take (the rest: the answer, and the estimate's margin)
@@ -70,6 +72,9 @@ SUMMARY_PROMPT = (
 )
 
 
+T = TypeVar("T")
+
+
 class ContextTooSmall(ModelError):
     """The window cannot hold even the system prompt and the goal: no compaction helps."""
 
@@ -81,17 +86,69 @@ class Window:
     source: str
 
 
-def window_for(spec: str, limits: PhaseLimits, state: JSON) -> Window | None:
-    """The model's window: its own setting, else the default one, and at most what the
-    provider's refusal showed (recorded in the run's state). None: not known yet."""
+def configured_window(spec: str, limits: PhaseLimits) -> Window | None:
+    """The window this worker's settings give the model: its own, else the default one."""
     name = env_name(spec.partition(":")[2] or spec)
     own = limits.context_tokens_by_model.get(name)
-    configured: Window | None = None
     if own is not None:
         # a model's own window, in tokens (the settings read every CHARLIE_MODEL_*_CONTEXT_TOKENS)
-        configured = Window(own, f"CHARLIE_MODEL_{name}_CONTEXT_TOKENS")
-    elif limits.context_tokens is not None:
-        configured = Window(limits.context_tokens, "CHARLIE_MODEL_CONTEXT_TOKENS")
+        return Window(own, f"CHARLIE_MODEL_{name}_CONTEXT_TOKENS")
+    if limits.context_tokens is not None:
+        return Window(limits.context_tokens, "CHARLIE_MODEL_CONTEXT_TOKENS")
+    return None
+
+
+def settings(spec: str, limits: PhaseLimits, tools: Sequence[str]) -> JSON:
+    """What planning takes from a worker's settings rather than from the record: the configured
+    window and the names of the tools the model is offered. Each step of call_model (and
+    load_context, before the first) records this worker's in ``state["context"]["planned"]``
+    with its commit, and the next model call plans with the recorded ones, whichever worker
+    makes it: a call repeated on a worker with other settings sends the same input (I29); a
+    changed setting applies from the step after the next commit."""
+    window = configured_window(spec, limits)
+    return {
+        "window": None if window is None else [window.tokens, window.source],
+        "tools": list(tools),
+    }
+
+
+def with_settings(state: JSON, planned: JSON) -> JSON:
+    """``state`` with ``planned`` (``settings()``) recorded in its context state."""
+    return {**state, STATE_KEY: {**_state(state), PLANNED_KEY: planned}}
+
+
+def _planned(state: JSON) -> dict[str, Any] | None:
+    found = _state(state).get(PLANNED_KEY)
+    return found if isinstance(found, dict) else None
+
+
+def planned_tools(available: Sequence[T], state: JSON, name: Callable[[T], str]) -> list[T]:
+    """The tools to offer: the recorded list, in its order, of those this worker has (it cannot
+    offer one it lacks); this worker's when the run recorded none."""
+    planned = _planned(state)
+    names = planned.get("tools") if planned is not None else None
+    if not isinstance(names, list):
+        return list(available)
+    by_name = {name(t): t for t in available}
+    return [by_name[n] for n in names if n in by_name]
+
+
+def window_for(spec: str, limits: PhaseLimits, state: JSON) -> Window | None:
+    """The model's window: the configured one the run recorded (``settings``), else this
+    worker's, and at most what the provider's refusal showed (recorded in the run's state).
+    None: not known yet."""
+    name = env_name(spec.partition(":")[2] or spec)
+    planned = _planned(state)
+    configured: Window | None
+    if planned is not None and "window" in planned:
+        recorded = planned["window"]
+        configured = (
+            Window(int(recorded[0]), str(recorded[1]))
+            if isinstance(recorded, list) and len(recorded) == 2
+            else None
+        )
+    else:
+        configured = configured_window(spec, limits)
     learned = _state(state).get("window")
     if isinstance(learned, int) and (configured is None or learned < configured.tokens):
         return Window(learned, f"the provider's refusal (set CHARLIE_MODEL_{name}_CONTEXT_TOKENS)")

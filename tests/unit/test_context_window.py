@@ -10,9 +10,10 @@ import pytest
 
 from charlie.domain import Item, ItemKind, Phase
 from charlie.executor import context
-from charlie.executor.phases import call_model
+from charlie.executor.phases import call_model, load_context
 from charlie.models.base import ModelError, ModelResponse, NewItem, Usage
 from charlie.ports import PhaseLimits
+from charlie.tools.registry import build_tool
 from tests.unit.test_phases import FakeModel, deps, view
 
 pytestmark = pytest.mark.backend_free
@@ -296,3 +297,28 @@ def test_a_refused_summary_call_summarises_less_and_fails_only_when_nothing_is_s
     moved = call_model.run(v, deps(FakeModel(text("what happened")), context_tokens=5000))
     [item] = moved.items
     assert item.kind is ItemKind.COMPACTION and item.payload["content"] == "what happened"
+
+
+def test_a_repeat_on_a_worker_with_other_settings_sends_the_same_input() -> None:
+    """What planning takes from a worker's settings (the configured window, the tools offered)
+    is recorded with the commit before the call (I29): a model call repeated after a crash on
+    a worker with another window and more tools sends what the first attempt sent."""
+    small = deps(FakeModel(text("ok")), context_tokens=5000)
+    started = load_context.run(view(Phase.LOAD_CONTEXT), small)
+    first = view(Phase.CALL_MODEL, items=transcript(12), state=started.state or {})
+    first = type(first)(**{**first.__dict__, "turn": 12})
+    small_model = FakeModel(text("ok"))
+    call_model.run(first, deps(small_model, context_tokens=5000))
+    # the repeat: another worker, a larger window and a tool the first one did not have
+    large_model = FakeModel(text("ok"))
+    large = deps(large_model, context_tokens=50000)
+    large.tools.add(build_tool(lambda: None, name="extra"))
+    again = type(first)(**{**first.__dict__, "attempts": 2})
+    moved = call_model.run(again, large)
+    [sent], [resent] = small_model.requests, large_model.requests
+    assert resent.items == sent.items and any("elided" in str(i.payload) for i in sent.items)
+    assert [t.name for t in resent.tools] == [t.name for t in sent.tools] == ["read", "wait"]
+    # ...and its commit records its own settings for the next call
+    assert moved.state is not None
+    planned = moved.state["context"]["planned"]
+    assert planned["window"][0] == 50000 and "extra" in planned["tools"]
