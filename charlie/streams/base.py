@@ -24,6 +24,7 @@ EVENT_TYPES = (
     "waiting",  # the task waits for people: calls (call_id, name, hold, question)
     "verdict",  # a person's approve, deny, reply or reconcile committed: call_id, action, by
     "end",  # the task ended (a reader adds its status)
+    "resumed",  # an end a resume went on from (a reader's name for it): the watch goes on
     "truncated",  # the task's log was full: deltas after this were dropped
 )
 

@@ -372,3 +372,45 @@ def test_charlie_watch_waits_for_a_task_not_created_yet_as_wait_does(
     )
     assert never.returncode == 2
     assert f"no task with id 'never-{task_id}': it was not created within 1.5 s" in never.stderr
+
+
+def test_a_watcher_of_a_resumed_task_follows_it_to_its_real_end(
+    cluster: Cluster, script: Any, tmp_path: Path
+) -> None:
+    """I28 after a resume: the first life's ``end`` is not the task's end. charlie.events from
+    the start (``after=None``), the console's live panel (what it reads) and `charlie watch`
+    go past it, as ``resumed``, to the resumed run's own events and its real end."""
+    from charlie.console.server import load_events
+
+    fault = tmp_path / "model-down"
+    fault.write_text("down")
+    model, _ = script(
+        [
+            {"say": "First life.", "tool_calls": [{"id": "l", "name": "list_files"}]},
+            {"raise": "the model is down", "raise_while": str(fault), "say": "Second life."},
+        ]
+    )
+    task_id = charlie.submit("fail, then resume", model=model)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED
+    fault.unlink()
+    charlie.resume(task_id)
+    seen = list(charlie.events(task_id, timeout=60))
+    kinds = [e.type for e in seen]
+    assert kinds.count("end") == 1 and kinds[-1] == "end", kinds
+    assert seen[-1].data["status"] == "succeeded"
+    assert kinds.count("resumed") == 1
+    assert "final" in kinds[kinds.index("resumed") :]
+    assert "".join(e.data["text"] for e in seen if e.type == "text") == "First life.Second life."
+    # the console's panel reads what is there now, and is told the same
+    panel = load_events(task_id, None)["events"]
+    assert [e["type"] for e in panel] == kinds
+    watched = subprocess.run(
+        [sys.executable, "-m", "charlie", "watch", task_id],
+        cwd=REPO,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    assert "Second life." in watched.stdout and "resumed" in watched.stdout
