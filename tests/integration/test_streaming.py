@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 import charlie
 from charlie.domain import ItemKind, TaskStatus
 from charlie.streams.base import StreamEvent
+from tests.conftest import wait_for
 from tests.support.cluster import REPO, Cluster
 from tests.support.fake_openai import (
     FakeOpenAI,
@@ -414,3 +416,42 @@ def test_a_watcher_of_a_resumed_task_follows_it_to_its_real_end(
     )
     assert watched.returncode == 0, watched.stdout + watched.stderr
     assert "Second life." in watched.stdout and "resumed" in watched.stdout
+
+
+def test_a_queued_call_is_told_started_when_its_start_is_recorded_not_at_dispatch(
+    cluster: Cluster, script: Any
+) -> None:
+    """I9, I28: calls queued that no one has started yet (the worker that starts them pauses
+    before: a tool worker before its claim, or the dispatching worker before the commit that
+    starts the turn's local writes) are not shown started; the commit that starts each tells
+    it, once."""
+    task_id = f"told-{uuid.uuid4().hex}"
+    pause = {"action": "pause", "seconds": 5, "times": 1}
+    points = ("tool.before_claim", "tick.merged.before_start")
+    cluster.set_faults(
+        {
+            points[0]: {**pause, "match": {"task_id": task_id, "mode": "start"}},
+            points[1]: {**pause, "match": {"task_id": task_id}},
+        }
+    )
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "ledger_write", "arguments": {"key": "told-a"}},
+                    {"id": "b", "name": "ledger_write", "arguments": {"key": "told-b"}},
+                ]
+            },
+            {"say": "both written"},
+        ]
+    )
+    charlie.submit("two writes", model=model, task_id=task_id)
+    wait_for(lambda: any(cluster.fault_count(p) for p in points), timeout=60)
+    told = [e for e in charlie.events(task_id, follow=False) if e.type == "tool_started"]
+    calls = {c.call_id: c for c in charlie.calls(task_id)}
+    for event in told:  # each told after its start was recorded
+        assert calls[event.data["call_id"]].started_at is not None, (event, calls)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    told = [e for e in charlie.events(task_id) if e.type == "tool_started"]
+    assert sorted(e.data["call_id"] for e in told) == ["a", "b"]
