@@ -450,6 +450,8 @@ class _Watch:
             self.line("final answer recorded")
         elif kind == "truncated":
             self.line("  (the stream was full: text after this was dropped)")
+        elif kind == "resumed":
+            self.line("ended, then resumed: following it on")
         elif kind == "end":
             self.status = str(data.get("status"))
             from charlie import api

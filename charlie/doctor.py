@@ -316,6 +316,14 @@ class _Doctor:
             self.add("broker", "FAIL", mismatch, "see docs/models/limits.md")
             return
         self.add("broker", "ok", f"{shown} answers; {depth} message(s) wait in {TICK_QUEUE!r}")
+        self.event_stream()
+
+    def event_stream(self) -> None:
+        """The RabbitMQ event stream queue held with other bounds than this process's settings
+        give it: the workers use it as it is (charlie/streams/rabbitmq_stream.py); said so."""
+        check = event_stream_check(self.s)
+        if check is not None:
+            self.add(*check)
 
     # -- what the workers import -------------------------------------------------------------
 
@@ -765,6 +773,32 @@ def unsigned_broker_actions(s: Settings) -> Check | None:
         "turn actions by message off (CHARLIE_CELERY_OPERATOR_ACTIONS=0), or sign messages "
         "(CHARLIE_SECURITY_KEY, CHARLIE_SECURITY_CERTIFICATE, CHARLIE_SECURITY_CERT_STORE; "
         "docs/security.md)",
+    )
+
+
+def event_stream_check(s: Settings) -> tuple[str, str, str, str] | None:
+    """(name, status, detail, fix) for the RabbitMQ event stream's bounds, or None when the
+    events go elsewhere (Redis, files, none)."""
+    target = s.stream_target
+    if target is None or not target.startswith(("amqp://", "amqps://", "pyamqp://")):
+        return None
+    from charlie.streams.rabbitmq_stream import QUEUE, bounds_differ
+
+    try:
+        differs = bounds_differ(target, ttl=s.stream_ttl, max_events=s.stream_max_events)
+    except Exception as exc:
+        return ("event stream", "WARN", f"{QUEUE!r} could not be checked: {_first_line(exc)}", "")
+    if differs is None:
+        detail = f"{QUEUE!r} has these settings' bounds (or no worker declared it yet)"
+        return ("event stream", "ok", detail, "")
+    return (
+        "event stream",
+        "WARN",
+        f"{QUEUE!r} exists with other bounds than CHARLIE_STREAM_TTL and "
+        f"CHARLIE_STREAM_MAX_EVENTS give it; the workers use it as it is: {differs}",
+        "give every deployment on this vhost the same CHARLIE_STREAM_TTL and "
+        "CHARLIE_STREAM_MAX_EVENTS, or, to take these bounds, delete the queue while no one "
+        f"watches (`rabbitmqctl delete_queue {QUEUE}`: its events go with it)",
     )
 
 

@@ -1051,7 +1051,7 @@ def fork(
             metadata={**(src.metadata or {}), "forked_from": forked_from},
             turn=turn + 1,
             items=items,
-            state={"forked_from": forked_from},
+            state={"forked_from": forked_from, **_context_at_fork(src, items, model)},
             now=now,
             budget=src.budget,
             priority=src.priority,  # a fork goes on as its source would have
@@ -1122,6 +1122,29 @@ def _check_turn_settled(conn: Connection, source: Any, turn: int) -> None:
             else f"turn {turn} of task {source.id!r} has not settled (the run is at turn {at}, "
             f"{source.x_phase}); wait for it to settle"
         )
+
+
+#: what a run learned of its model's context window (docs/models/long-runs.md): true of the
+#: model wherever the fork starts, so a fork keeps it (a fork to another model does not)
+_LEARNED_CONTEXT = ("window", "ratio", "summary_tokens", "planned")
+
+
+def _context_at_fork(source: Any, items: list[dict[str, Any]], model: str | None) -> JSON:
+    """The context state the fork plans its first model call with (I29): what the source
+    learned of its model (a window a refusal showed, the estimate's ratio, the settings its
+    calls planned with), and how far results were elided if that is within the copied
+    history; a fork from before it elides its own (the plan works it out from the items)."""
+    learned = (source.x_state or {}).get("context")
+    if not isinstance(learned, dict):
+        return {}
+    kept: dict[str, Any] = {}
+    if model is None or model == source.model:
+        kept = {k: learned[k] for k in _LEARNED_CONTEXT if k in learned}
+    elide_through = learned.get("elide_through")
+    copied = [i for i in items if "copied_from" in i["payload"]]
+    if isinstance(elide_through, int) and copied and elide_through <= copied[-1]["seq"]:
+        kept["elide_through"] = elide_through
+    return {"context": kept} if kept else {}
 
 
 def _copied_items(conn: Connection, source: Any, turn: int) -> list[dict[str, Any]]:

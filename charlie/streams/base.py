@@ -17,13 +17,14 @@ EVENT_TYPES = (
     "model_restart",  # the call's stream was cut and is asked again: what came so far is void
     "model_end",  # call, status ("completed" or "abandoned"), reason
     "tool_call",  # a tool call the model made, committed: call_id, name, arguments, held
-    "tool_started",  # a tool call was dispatched (I9): call_id
+    "tool_started",  # a tool call's start was recorded (I9), by whoever started it: call_id
     "tool_settled",  # a tool call has its outcome, once a call (I12): call_id, name, outcome
     "tool_late_report",  # a call's handler reported after it had its outcome: call_id, outcome
     "final",  # the final answer committed (I16): text
     "waiting",  # the task waits for people: calls (call_id, name, hold, question)
     "verdict",  # a person's approve, deny, reply or reconcile committed: call_id, action, by
     "end",  # the task ended (a reader adds its status)
+    "resumed",  # an end a resume went on from (a reader's name for it): the watch goes on
     "truncated",  # the task's log was full: deltas after this were dropped
 )
 
