@@ -246,6 +246,7 @@ __all__ = [
     "reply",
     "resume",
     "revision",
+    "run_record",
     "send",
     "submit",
     "transcript",
@@ -820,3 +821,21 @@ def _execution_id(conn: Connection, task_id: str) -> str:
     if xid is None:
         raise TaskNotFound(task_id)
     return xid
+
+
+@retried_if_disconnected
+def run_record(task_id: str) -> dict[str, Any]:
+    """What an export of the task needs beyond get_task (charlie export, charlie/replay): the
+    tools and approve lists it was submitted with, and its run's context state
+    (``state["context"]``, executor/context.py) as it is, keys this code does not know kept."""
+    with read(get_producer().engine) as conn:
+        row = reads.task_with_run(conn, task_id)
+    if row is None:
+        raise TaskNotFound(task_id)
+    state = row.x_state if isinstance(row.x_state, dict) else {}
+    found = state.get("context")
+    return {
+        "tools": row.tools,
+        "approve": row.approve,
+        "context": found if isinstance(found, dict) else None,
+    }

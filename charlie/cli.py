@@ -1119,6 +1119,105 @@ def limits_resume(key: str, note: str | None) -> None:
     _say(f"lifted the pause of {key} (was until {paused}) by {record.by}; {woken} waiter(s) woken")
 
 
+@main.command(name="export")
+@click.argument("task_id")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="The case file to write (JSON; '-' for standard output).",
+)
+@click.option(
+    "--redact",
+    "patterns",
+    multiple=True,
+    metavar="PATTERN",
+    help="A regular expression whose matches are blanked in the case too (repeatable).",
+)
+def export_(task_id: str, output: Path, patterns: tuple[str, ...]) -> None:
+    """Export a task's record (and its delegated children's) as a case file for
+    `charlie replay`; secrets never go in (docs/replay.md)."""
+    from charlie.replay.export import export_task
+    from charlie.scheduler import TaskNotFound
+
+    try:
+        case = export_task(task_id, redact=patterns)
+    except (TaskNotFound, ValueError, ImportError) as exc:
+        _fail(str(exc))
+    text = json.dumps(case, indent=1, ensure_ascii=False, default=str) + "\n"
+    if str(output) == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc.strerror}")
+    redacted = case.get("redacted", {}).get("count", 0)
+    _say(f"exported {task_id} to {output} ({redacted} secret value(s) blanked)")
+
+
+@main.command(name="replay")
+@click.argument("case")
+@click.option(
+    "--workspace",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="A directory the reads run in again, copied first (never used itself); an empty "
+    "one by default.",
+)
+@click.option(
+    "--run-writes",
+    is_flag=True,
+    help="Run the record's writes too, in the scratch copy of --workspace, never the original.",
+)
+@click.option("--json", "as_json", is_flag=True, help="The divergences as JSON.")
+def replay_(case: str, workspace: Path | None, run_writes: bool, as_json: bool) -> None:
+    """Replay an exported case (or a task, exported first) with today's code, in this
+    process: exit 0 when nothing diverged, 1 when something did, 2 when it cannot be replayed."""
+    from charlie.replay.case import CaseError, check_case, load_case
+    from charlie.replay.engine import replay_case
+
+    try:
+        # a path (or what reads as one: a typo of one is not looked up as a task)
+        if Path(case).exists() or case.endswith(".json") or os.sep in case:
+            loaded = load_case(Path(case))
+        else:
+            from charlie.replay.export import export_task
+            from charlie.scheduler import TaskNotFound
+
+            try:
+                loaded = check_case(export_task(case), case)
+            except TaskNotFound:
+                _fail(f"{case} is neither a case file nor a task id")
+            except ImportError as exc:
+                _fail(str(exc))
+        report = replay_case(
+            loaded, workspace=workspace, run_writes=run_writes, tools=_replay_tools()
+        )
+    except CaseError as exc:
+        _fail(str(exc))
+    if as_json:
+        _say(json.dumps(report.as_dict(), default=str, indent=1), multiline=True)
+    else:
+        click.echo(report.render())  # (escaped by the report, line by line)
+    sys.exit(report.exit_code)
+
+
+def _replay_tools() -> Any:
+    """The process's tools, with CHARLIE_TOOL_MODULES imported: today's code."""
+    from charlie.runtime import import_tool_modules
+    from charlie.tools.registry import REGISTRY
+
+    try:
+        import_tool_modules(settings().tool_modules)
+    except ImportError as exc:
+        _fail(str(exc))
+    return REGISTRY
+
+
 try:
     from charlie.devbox.cli import devbox as _devbox
 

@@ -18,6 +18,9 @@ giving the ``Reconciled`` outcome (I10). No database, no broker, no worker::
 A tool of your own is looked up by name once its module is imported (importing it registers
 it); docs/examples/ has one with a reconcile hook, and its test.
 
+:func:`replay` replays an exported case (``charlie export``) with today's code and returns what
+diverged, so a directory of cases is a regression suite (docs/replay.md).
+
 The fakes stand in for the ports the engine hands to phases and tools: :class:`FakeModel`
 (a Model), :class:`FakeScheduler` (the phases' SchedulerPort), :class:`FakeChildren` (a
 ToolContext's Children) and :class:`RecordingPublisher` (the publisher of ticks and calls).
@@ -45,6 +48,7 @@ __all__ = [
     "RecordingPublisher",
     "ToolEnvironment",
     "ToolOutcome",
+    "replay",
 ]
 
 #: A worker's default cap on a result (CHARLIE_MAX_RESULT_BYTES).
@@ -375,3 +379,30 @@ class RecordingPublisher:
                 self.invoke(*args, priority=priority)
             else:
                 self.tick(args[0], Phase(name.rsplit(".", 1)[1]), args[1], priority=priority)
+
+
+def replay(
+    case: str | Path,
+    *,
+    tools: ToolRegistry | None = None,
+    workspace: str | Path | None = None,
+    run_writes: bool = False,
+) -> Any:
+    """Replay the exported case in ``case`` with today's code, in this process, on the file
+    alone (I35): the model's answers from the record, reads run again, writes not run (their
+    recorded results stand in) unless ``run_writes``, and then in a scratch copy of
+    ``workspace``. Returns the :class:`charlie.replay.engine.ReplayReport`: ``.diverged``,
+    ``.divergences`` (each with ``turn``, ``call_id``, ``tool``, ``kind``, ``recorded``,
+    ``new``), ``.exit_code``, ``.render()``. A case that cannot be read raises
+    :class:`charlie.replay.case.CaseError`. ``tools``: the registry to replay with (the
+    process's, with every imported ``@charlie.tool``, by default)."""
+    from charlie.replay.case import load_case
+    from charlie.replay.engine import replay_case
+
+    loaded = load_case(Path(case))
+    return replay_case(
+        loaded,
+        tools=tools,
+        workspace=Path(workspace) if workspace is not None else None,
+        run_writes=run_writes,
+    )

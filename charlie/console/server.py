@@ -26,6 +26,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import secrets
 import signal
 import uuid
@@ -756,6 +757,26 @@ class ApiTask(ApiBase):
         await self.answer(reader, task_id)
 
 
+class ApiExport(ApiBase):
+    """The task's record as a case file for `charlie replay` (charlie/replay/export.py): a
+    download, secrets blanked (I35)."""
+
+    async def get(self, task_id: str) -> None:
+        from charlie.replay.export import export_task
+
+        try:
+            case = await self.run(export_task, task_id)
+        except Exception as exc:
+            refused = refusal(exc)
+            if refused is None:
+                raise
+            self.send({"error": refused[1]}, refused[0])
+            return
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", task_id)[:100] or "task"
+        self.set_header("Content-Disposition", f'attachment; filename="{name}.case.json"')
+        self.send(case)
+
+
 #: at most this many events in one answer of the events read
 EVENTS_PAGE = 500
 
@@ -851,6 +872,7 @@ def make_app(
             (rf"/api/tasks/{TASK_ID}", ApiTask),
             (rf"/api/tasks/{TASK_ID}/{reads}", ApiTask),
             (rf"/api/tasks/{TASK_ID}/events", ApiEvents),
+            (rf"/api/tasks/{TASK_ID}/export", ApiExport),
             (rf"/api/tasks/{TASK_ID}/{actions}", ApiAction),
         ],
         template_path=str(HERE / "templates"),

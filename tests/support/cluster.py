@@ -499,6 +499,17 @@ TEST_SANDBOX = "off" if SANDBOX_PROBLEM else "bwrap"
 #: The key the workers send to the fake model server; tests check it never leaks.
 #: the context window the cluster's workers are configured with for "fake-windowed" models
 FAKE_WINDOW_TOKENS = 5000
+#: the context window of the replay tests' scripted model (tests/integration/test_replay.py):
+#: small, so that its one run compacts its input once
+REPLAY_WINDOW_TOKENS = 2000
+
+
+def replay_script(home: Path) -> Path:
+    """Where the replay tests write their scripted model: a path known when the workers start,
+    so its window is a setting of theirs (CHARLIE_MODEL_<NAME>_CONTEXT_TOKENS)."""
+    return home / "replay-model" / "parent.json"
+
+
 FAKE_MODEL_KEY = "sk-charlie-test-0123456789"
 
 
@@ -701,6 +712,10 @@ def cluster_env(
         env["CHARLIE_REDIS_PRIORITIES"] = os.environ["CHARLIE_TEST_REDIS_PRIORITIES"]
     if os.environ.get("CHARLIE_TEST_RABBITMQ_MAX_PRIORITY"):
         env["CHARLIE_RABBITMQ_MAX_PRIORITY"] = os.environ["CHARLIE_TEST_RABBITMQ_MAX_PRIORITY"]
+    from charlie.models.retry import env_name
+
+    scripted = env_name(str(replay_script(home)))
+    env[f"CHARLIE_MODEL_{scripted}_CONTEXT_TOKENS"] = str(REPLAY_WINDOW_TOKENS)
     if model_port is not None:
         env["CHARLIE_MODEL_BASE_URL"] = f"http://127.0.0.1:{model_port}/v1"
         env["CHARLIE_MODEL_API_KEY"] = FAKE_MODEL_KEY
