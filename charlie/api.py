@@ -18,6 +18,7 @@ from charlie.domain import (
     JSON,
     MAX_TASK_ID,
     TASK_ID,
+    Action,
     Channel,
     Origin,
     Phase,
@@ -42,9 +43,11 @@ from charlie.people import (
     approve,
     deny,
     fork,
+    limit_states,
     reconcile,
     reply,
     resume,
+    resume_limit,
     send,
 )
 from charlie.runtime import Producer, get_producer, import_tool_modules
@@ -239,11 +242,13 @@ __all__ = [
     "fork",
     "get_task",
     "history",
+    "limit_states",
     "list_tasks",
     "normalise_model",
     "reconcile",
     "reply",
     "resume",
+    "resume_limit",
     "revision",
     "run_record",
     "send",
@@ -606,6 +611,9 @@ def events(
             if seen.again(event):
                 continue
             if event.type == "end":
+                if _resumed_after(task_id, event):
+                    yield _life_ended(event)
+                    continue
                 yield _ended(task_id, event)
                 return
             yield event
@@ -622,6 +630,9 @@ def events(
                 if seen.again(event):
                     continue
                 if event.type == "end":
+                    if _resumed_after(task_id, event):
+                        yield _life_ended(event)
+                        continue
                     yield _ended(task_id, event)
                     return
                 yield event
@@ -650,6 +661,29 @@ class _SeenIds:
         if len(self.ids) > self.keep:
             del self.ids[next(iter(self.ids))]
         return False
+
+
+def _resumed_after(task_id: str, event: StreamEvent) -> bool:
+    """Whether the run was resumed after the step that wrote this ``end`` (I28: a watcher of a
+    resumed task follows it to its real end, not its first life's). The end names its step
+    (``end:VERSION``, charlie/executor/streamed.py); a resume records the version it re-enters
+    at (I27), past that step's."""
+    event_id = event.data.get("id")
+    version = event.data.get("version")
+    if not isinstance(version, int) and isinstance(event_id, str):
+        head, _, tail = event_id.partition(":")
+        version = int(tail) if head == "end" and tail.isdigit() else None
+    if not isinstance(version, int):
+        return False
+    return any(
+        a.action == Action.RESUME and int((a.detail or {}).get("version") or 0) > version + 1
+        for a in people.actions(task_id)
+    )
+
+
+def _life_ended(event: StreamEvent) -> StreamEvent:
+    """An ``end`` a resume went on from, as a watcher sees it: ``resumed``, not the end."""
+    return StreamEvent(event.offset, {**event.data, "type": "resumed"})
 
 
 def _ended(task_id: str, event: StreamEvent) -> StreamEvent:

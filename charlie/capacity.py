@@ -27,6 +27,7 @@ from charlie.limits import (
     stale_after,
 )
 from charlie.models.base import ModelRequest, Usage
+from charlie.models.retry import retry_after_max
 from charlie.observe import NOOP, Observer, safely
 from charlie.ports import CapacitySlot, CapacityWait
 from charlie.store import limits as store
@@ -186,7 +187,10 @@ class FleetLimits:
         return handed
 
     def throttled(self, slot: CapacitySlot, seconds: float) -> None:
-        until = utcnow() + timedelta(seconds=seconds)
+        # never longer than CHARLIE_MODEL_RETRY_AFTER_MAX, whatever a client passed (I36)
+        cap = retry_after_max()
+        seconds = min(seconds, cap) if seconds == seconds else cap
+        until = utcnow() + timedelta(seconds=max(0.0, seconds))
         log.warning(
             "the provider of %s asked to wait %.1f s: every caller of the limit waits",
             slot.limit,

@@ -450,6 +450,8 @@ class _Watch:
             self.line("final answer recorded")
         elif kind == "truncated":
             self.line("  (the stream was full: text after this was dropped)")
+        elif kind == "resumed":
+            self.line("ended, then resumed: following it on")
         elif kind == "end":
             self.status = str(data.get("status"))
             from charlie import api
@@ -1065,6 +1067,56 @@ def demo(timeout: float, model: str | None) -> None:
     from charlie.demo.run import run_demo
 
     sys.exit(run_demo(timeout=timeout, model_spec=model))
+
+
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def limits(ctx: click.Context, as_json: bool) -> None:
+    """The provider limits (CHARLIE_MODEL_LIMITS): in flight, waiting, paused until."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from charlie.people import limit_actions, limit_states
+
+    states = limit_states()
+    actions = limit_actions(last=5)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "limits": [asdict(s) for s in states],
+                    "actions": [
+                        {**asdict(a), "by": a.by, "channel": a.channel.value} for a in actions
+                    ],
+                },
+                default=str,
+                indent=2,
+            )
+        )
+        return
+    if not states:
+        _say("no provider limit has been used (CHARLIE_MODEL_LIMITS)")
+    now = datetime.now(UTC)
+    for state in states:
+        _say(f"{state.key}: {state.describe(now)}")
+    for action in actions:
+        _say(
+            f"  {action.at.isoformat(timespec='seconds')}  {action.action} {action.key} "
+            f"by {action.by}" + (f"  note: {_short(action.note, 160)}" if action.note else "")
+        )
+
+
+@limits.command(name="resume")
+@click.argument("key")
+@click.option("--note", default=None, help="Why, for the record.")
+def limits_resume(key: str, note: str | None) -> None:
+    """Lift the pause a provider put on limit KEY: its callers send again at once."""
+    from charlie.people import resume_limit
+
+    record = _act(lambda: resume_limit(key, note=note, origin=_CLI))
+    woken = (record.detail or {}).get("woken", 0) if isinstance(record.detail, dict) else 0
+    paused = record.detail.get("paused_until") if isinstance(record.detail, dict) else None
+    _say(f"lifted the pause of {key} (was until {paused}) by {record.by}; {woken} waiter(s) woken")
 
 
 @main.command(name="export")

@@ -38,6 +38,14 @@ def _env_positive(name: str, value: float) -> None:
         raise ValueError(f"{name}={os.environ.get(name)!r} must be positive (unset: no limit)")
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """A positive, finite number of seconds."""
+    value = _env_float(name, default)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={os.environ.get(name)!r} must be a positive number of seconds")
+    return value
+
+
 def _env_bound(name: str, default: int) -> int:
     """A whole number from 0 (a limit that refuses everything past it)."""
     value = _env_int(name, default)
@@ -266,6 +274,10 @@ class Settings:
     #: every broker client turns them off (CHARLIE_CELERY_OPERATOR_ACTIONS=0): such a message
     #: is refused and logged, and nothing is recorded.
     celery_operator_actions: bool = True
+    #: the longest wait (seconds) a provider's answer may impose on a call and on every caller
+    #: of its limit (``Retry-After``, ``retry-after-ms``, the rate-limit reset headers): a
+    #: longer one is cut to this, with a warning naming the provider's value.
+    model_retry_after_max: float = 600.0
     #: Celery's message signing (its ``auth`` serializer): this process's private key (PEM),
     #: its certificate, and the certificates whose signatures it accepts (a directory or a
     #: glob). All three, or none: with them every message Charlie publishes is signed and
@@ -560,6 +572,7 @@ def load_settings() -> Settings:
         budget_usd=_env_limit_float("CHARLIE_BUDGET_USD"),
         budget_model_calls=_env_limit_int("CHARLIE_BUDGET_MODEL_CALLS"),
         celery_operator_actions=_env_flag("CHARLIE_CELERY_OPERATOR_ACTIONS", default=True),
+        model_retry_after_max=_env_seconds("CHARLIE_MODEL_RETRY_AFTER_MAX", 600.0),
         **_signing(),
         delegate_models=tuple(
             m.strip() for m in os.environ.get("CHARLIE_DELEGATE_MODELS", "").split(",") if m.strip()

@@ -7,11 +7,12 @@ piling a second error on the first.
 
 from __future__ import annotations
 
+import ipaddress
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +222,7 @@ class _Doctor:
                 )
             parts.append(line)
         self.add("model limits", "ok", "; ".join(parts))
+        self.checks.extend(paused_limits(held.values(), datetime.now(UTC)))
 
     # -- the broker --------------------------------------------------------------------------
 
@@ -240,6 +242,7 @@ class _Doctor:
                     else " drive ticks (actions by Celery message are off)"
                 ),
             )
+            self.checks.extend(c for c in [unsigned_broker_actions(self.s)] if c is not None)
             return True
         try:
             from celery.security.certificate import Certificate, FSCertStore
@@ -313,6 +316,14 @@ class _Doctor:
             self.add("broker", "FAIL", mismatch, "see docs/models/limits.md")
             return
         self.add("broker", "ok", f"{shown} answers; {depth} message(s) wait in {TICK_QUEUE!r}")
+        self.event_stream()
+
+    def event_stream(self) -> None:
+        """The RabbitMQ event stream queue held with other bounds than this process's settings
+        give it: the workers use it as it is (charlie/streams/rabbitmq_stream.py); said so."""
+        check = event_stream_check(self.s)
+        if check is not None:
+            self.add(*check)
 
     # -- what the workers import -------------------------------------------------------------
 
@@ -699,6 +710,98 @@ class _Doctor:
 
 #: in use server-wide and on this database, the limit, the superusers' reserve, and the port
 #: the server listens on (another than the URL's: a pooler is in between)
+def paused_limits(statuses: Iterable[Any], now: datetime) -> list[Check]:
+    """A WARN for each provider limit a provider has paused (``statuses``: the store's
+    LimitStatus rows): every caller of it waits until then, and an operator can lift it."""
+    found = []
+    for status in statuses:
+        until = status.paused_until
+        if until is not None and until.tzinfo is None:
+            until = until.replace(tzinfo=UTC)
+        if until is None or until <= now:
+            continue
+        left = (until - now).total_seconds()
+        found.append(
+            Check(
+                "model limit paused",
+                "WARN",
+                f"{status.key}: the provider asked every caller to wait until "
+                f"{until.isoformat(timespec='seconds')} ({left:.0f} s left; {status.in_flight} "
+                f"in flight, {status.waiting} waiting)",
+                f"wait, or lift it: charlie limits resume {status.key}",
+            )
+        )
+    return found
+
+
+def broker_is_loopback(url: str) -> bool:
+    """Whether every host a broker URL names is this machine (loopback, a Unix socket, or the
+    embedded broker's directory): a client elsewhere cannot publish to it."""
+    from urllib.parse import urlsplit
+
+    if url.startswith(("charliefs://", "memory://", "filesystem://", "redis+socket://")):
+        return True
+    for part in url.split(";"):
+        try:
+            host = (urlsplit(part.strip()).hostname or "").lower()
+        except ValueError:
+            return False
+        if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
+            continue
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                continue
+        except ValueError:
+            pass
+        return False
+    return True
+
+
+def unsigned_broker_actions(s: Settings) -> Check | None:
+    """A WARN when anyone who can publish to a broker reachable from elsewhere can act as an
+    operator: actions by Celery message on (CHARLIE_CELERY_OPERATOR_ACTIONS, the default),
+    messages unsigned (the default), and the broker not on this machine's loopback (I32: such
+    an action is recorded as claimed, but it is taken)."""
+    if not s.celery_operator_actions or s.signs_messages or broker_is_loopback(s.broker_url):
+        return None
+    return Check(
+        "operator actions",
+        "WARN",
+        f"any client of the broker at {_safe_url(s.broker_url)} can approve, deny, reply, "
+        "resume and cancel by Celery message under a name it claims: actions by message are "
+        "on and messages are not signed",
+        "turn actions by message off (CHARLIE_CELERY_OPERATOR_ACTIONS=0), or sign messages "
+        "(CHARLIE_SECURITY_KEY, CHARLIE_SECURITY_CERTIFICATE, CHARLIE_SECURITY_CERT_STORE; "
+        "docs/security.md)",
+    )
+
+
+def event_stream_check(s: Settings) -> tuple[str, str, str, str] | None:
+    """(name, status, detail, fix) for the RabbitMQ event stream's bounds, or None when the
+    events go elsewhere (Redis, files, none)."""
+    target = s.stream_target
+    if target is None or not target.startswith(("amqp://", "amqps://", "pyamqp://")):
+        return None
+    from charlie.streams.rabbitmq_stream import QUEUE, bounds_differ
+
+    try:
+        differs = bounds_differ(target, ttl=s.stream_ttl, max_events=s.stream_max_events)
+    except Exception as exc:
+        return ("event stream", "WARN", f"{QUEUE!r} could not be checked: {_first_line(exc)}", "")
+    if differs is None:
+        detail = f"{QUEUE!r} has these settings' bounds (or no worker declared it yet)"
+        return ("event stream", "ok", detail, "")
+    return (
+        "event stream",
+        "WARN",
+        f"{QUEUE!r} exists with other bounds than CHARLIE_STREAM_TTL and "
+        f"CHARLIE_STREAM_MAX_EVENTS give it; the workers use it as it is: {differs}",
+        "give every deployment on this vhost the same CHARLIE_STREAM_TTL and "
+        "CHARLIE_STREAM_MAX_EVENTS, or, to take these bounds, delete the queue while no one "
+        f"watches (`rabbitmqctl delete_queue {QUEUE}`: its events go with it)",
+    )
+
+
 def _ago(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 

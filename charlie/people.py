@@ -747,9 +747,17 @@ def reconcile(
             )
             await_version = _after_settle(conn, run, call, now + rt.stall)
         rid = _verdict_row(
-            conn, task_id, call, Action.RECONCILE, actor, now, request_id,
-            note=note, detail=detail, origin=origin,
-        )  # fmt: skip
+            conn,
+            task_id,
+            call,
+            Action.RECONCILE,
+            actor,
+            now,
+            request_id,
+            note=note,
+            detail=detail,
+            origin=origin,
+        )
         return _Decided(rid, invoke=invoke, await_version=await_version)
 
     return _decide(
@@ -1043,7 +1051,7 @@ def fork(
             metadata={**(src.metadata or {}), "forked_from": forked_from},
             turn=turn + 1,
             items=items,
-            state={"forked_from": forked_from},
+            state={"forked_from": forked_from, **_context_at_fork(src, items, model)},
             now=now,
             budget=src.budget,
             priority=src.priority,  # a fork goes on as its source would have
@@ -1116,6 +1124,29 @@ def _check_turn_settled(conn: Connection, source: Any, turn: int) -> None:
         )
 
 
+#: what a run learned of its model's context window (docs/models/long-runs.md): true of the
+#: model wherever the fork starts, so a fork keeps it (a fork to another model does not)
+_LEARNED_CONTEXT = ("window", "ratio", "summary_tokens", "planned")
+
+
+def _context_at_fork(source: Any, items: list[dict[str, Any]], model: str | None) -> JSON:
+    """The context state the fork plans its first model call with (I29): what the source
+    learned of its model (a window a refusal showed, the estimate's ratio, the settings its
+    calls planned with), and how far results were elided if that is within the copied
+    history; a fork from before it elides its own (the plan works it out from the items)."""
+    learned = (source.x_state or {}).get("context")
+    if not isinstance(learned, dict):
+        return {}
+    kept: dict[str, Any] = {}
+    if model is None or model == source.model:
+        kept = {k: learned[k] for k in _LEARNED_CONTEXT if k in learned}
+    elide_through = learned.get("elide_through")
+    copied = [i for i in items if "copied_from" in i["payload"]]
+    if isinstance(elide_through, int) and copied and elide_through <= copied[-1]["seq"]:
+        kept["elide_through"] = elide_through
+    return {"context": kept} if kept else {}
+
+
 def _copied_items(conn: Connection, source: Any, turn: int) -> list[dict[str, Any]]:
     """The source's transcript through ``turn``, each item marked as copied history. A final
     answer becomes an assistant message: the fork's own answer is still to come."""
@@ -1159,3 +1190,168 @@ def action_for_request(request_id: str) -> ActionRecord | None:
         return None if row is None else record_of(row)
 
     return again_if_disconnected(load, "read an action")
+
+
+# -- provider limits: what an operator sees of them, and lifting a pause (I27, I32, I36) ------
+
+#: at most this many of a limit's waiters are woken at once when its pause is lifted; the
+#: others follow as those release their slots (each release wakes the next in line)
+RESUME_WAKES = 32
+
+
+class LimitNotPaused(ActionRefused):
+    """``charlie limits resume KEY`` on a limit that is not paused (or was never used)."""
+
+
+@dataclass(frozen=True)
+class LimitState:
+    """One provider limit as an operator sees it: what is in flight and waiting, and until
+    when the provider paused it (None: not paused)."""
+
+    key: str
+    in_flight: int
+    waiting: int
+    recent: int
+    paused_until: datetime | None
+    throttles: int
+
+    def describe(self, now: datetime | None = None) -> str:
+        now = now or utcnow()
+        text = f"{self.in_flight} in flight, {self.waiting} waiting"
+        if self.paused_until is not None and self.paused_until > now:
+            left = (self.paused_until - now).total_seconds()
+            text += (
+                f", paused by the provider until {self.paused_until.isoformat(timespec='seconds')}"
+                f" ({left:.0f} s left; lift: charlie limits resume {self.key})"
+            )
+        return text
+
+
+@dataclass(frozen=True)
+class LimitActionRecord:
+    """An operator's action on a limit, as recorded (I27, I32)."""
+
+    id: int
+    key: str
+    action: str
+    actor: str
+    at: datetime
+    note: str | None
+    detail: JSON | None
+    channel: Channel
+    authenticated: bool
+
+    @property
+    def by(self) -> str:
+        return describe_actor(self.actor, self.channel, self.authenticated)
+
+
+def limit_states() -> list[LimitState]:
+    """Every provider limit used so far (CHARLIE_MODEL_LIMITS), as it is now."""
+    from charlie.store import limits as limits_store
+
+    rt = get_producer()
+    with read(rt.engine) as conn:
+        rows = limits_store.statuses(conn, utcnow())
+    return [
+        LimitState(
+            r.key,
+            r.in_flight,
+            r.waiting,
+            r.recent,
+            limits_store._aware(r.paused_until),
+            r.throttles,
+        )
+        for r in sorted(rows, key=lambda r: r.key)
+    ]
+
+
+def limit_actions(key: str | None = None, last: int = 20) -> list[LimitActionRecord]:
+    """The last operator actions on limits (on ``key`` only, when given), newest first."""
+    from charlie.store import limits as limits_store
+
+    rt = get_producer()
+    with read(rt.engine) as conn:
+        rows = limits_store.limit_action_rows(conn, key, last)
+    return [
+        LimitActionRecord(
+            r.id,
+            r.key,
+            r.action,
+            r.actor,
+            r.at,
+            r.note,
+            r.detail,
+            Channel(r.channel),
+            r.authenticated,
+        )
+        for r in rows
+    ]
+
+
+def resume_limit(
+    key: str,
+    *,
+    operator: str | None = None,
+    origin: Origin | None = None,
+    note: str | None = None,
+) -> LimitActionRecord:
+    """Lift the pause a provider put on limit ``key`` (a 429 / 529's wait): its callers may
+    send again at once. Recorded as an operator action with its channel (I27, I32); the first
+    waiters in line are woken (their stored wake-up was the pause's end), the others follow as
+    slots are released. Refused, recording nothing, when the limit is not paused."""
+    from charlie.limits import limit_for, limit_table
+    from charlie.store import limits as limits_store
+
+    rt = get_producer()
+    note = _note(note)
+    key = _text(key, "limit key", 500)
+    actor = actor_name(operator, rt)
+    origin = origin or Origin()
+
+    def act(conn: Connection) -> tuple[int, list[limits_store.Woken]]:
+        now = utcnow()
+        used, until = limits_store.paused(conn, key)
+        if not used:
+            raise LimitNotPaused(
+                f"no limit {key!r} has been used here (see `charlie limits` for those that have)"
+            )
+        if until is None or until <= now:
+            raise LimitNotPaused(f"limit {key!r} is not paused")
+        lifted = limits_store.lift_pause(conn, key)
+        woken = limits_store.next_in_line(conn, key, now, RESUME_WAKES, timedelta(0))
+        # the throttled call's own retry (and any waiter not in line) was stored for the
+        # pause's end: woken too, those of this limit by their task's model
+        table = limit_table(rt.settings.model_limits)
+        seen = {w.execution_id for w in woken}
+        for run in limits_store.held_until(conn, now, lifted or until, RESUME_WAKES):
+            limit = limit_for(run.model, table)
+            if run.execution_id not in seen and limit is not None and limit.key == key:
+                woken.append(limits_store.Woken(run.execution_id, run.version, run.priority))
+        rid = limits_store.record_limit_action(
+            conn,
+            key=key,
+            action=Action.RESUME.value,
+            actor=actor,
+            now=now,
+            channel=origin.channel.value,
+            authenticated=origin.authenticated,
+            note=note,
+            detail={
+                "paused_until": (lifted or until).isoformat(),
+                "woken": len(woken),
+            },
+        )
+        return rid, woken
+
+    rid, woken = again_if_disconnected(lambda: _in_write(rt, act), "lift a limit's pause")
+    for waiter in woken:
+        rt.publisher.tick(
+            waiter.execution_id, Phase.CALL_MODEL, waiter.version, priority=waiter.priority
+        )
+    return next(r for r in limit_actions(key, 50) if r.id == rid)
+
+
+def _in_write(rt: Producer, act: Callable[[Connection], T]) -> T:
+    with write(rt.engine) as conn:
+        return act(conn)

@@ -11,7 +11,12 @@ from collections.abc import Callable, Iterable
 
 from charlie.domain import utcnow
 from charlie.store.engine import read, write_one
-from charlie.store.heartbeats import WORKER_PREFIX, forget_heartbeat, record_heartbeat
+from charlie.store.heartbeats import (
+    SETTLE_WAKES_PREFIX,
+    WORKER_PREFIX,
+    forget_heartbeat,
+    record_heartbeat,
+)
 from charlie.store.revisions import SchemaCheck, SchemaFit, check_schema
 from charlie.store.types import Engine
 
@@ -100,6 +105,7 @@ class Presence:
             with write_one(self.engine) as conn:
                 forget_heartbeat(conn, self.name)
                 forget_heartbeat(conn, BUDGET_PREFIX + self.node)
+                forget_heartbeat(conn, SETTLE_WAKES_PREFIX + self.node)
         except Exception:
             log.warning("could not clear the worker's heartbeat", exc_info=True)
 
@@ -109,6 +115,8 @@ class Presence:
             try:
                 with write_one(self.engine) as conn:
                     now = utcnow()
+                    # first: a worker row is never seen without it (sweeps' probe, I4)
+                    record_heartbeat(conn, SETTLE_WAKES_PREFIX + self.node, self.node, now)
                     record_heartbeat(conn, self.name, self.node, now, self.detail)
                     if self.connections is not None:
                         record_heartbeat(

@@ -38,6 +38,16 @@ network, the LAN, where the cluster's other services live), the cloud metadata a
 the operator lists in ``CHARLIE_SANDBOX_NET_DENY``. Where neither stack is installed, network
 access is refused with an error naming what to install.
 
+A command has no capabilities (``--cap-drop ALL``), in whatever user runs it: root's powers
+would let it mount a filesystem (the host's disk, with Charlie's home on it), make a block
+device, or delete the unreachable routes of its network namespace. It always runs in a user
+namespace of its own that it cannot nest another in (``--disable-userns`` where bubblewrap has
+it). As root (systemd units, many containers, CI) bubblewrap would otherwise keep root's
+capabilities inside: there the command runs as ``SANDBOX_ID`` (the unprivileged ``nobody``)
+inside its namespace, mapped to root's id outside, so it still owns the workspace it writes, and
+what it creates there is root's for the worker to read, move and delete; everything else of the
+host it sees is read-only and no capability is left to change that.
+
 Where bubblewrap is missing (or cannot create namespaces), commands are refused unless the
 operator opted out explicitly (``CHARLIE_SANDBOX=off``, ``charlie devbox serve --no-sandbox``).
 """
@@ -87,6 +97,10 @@ HOME_SECRETS = (
 )  # fmt: skip
 #: addresses no command reaches even with network access: the cloud metadata services.
 ALWAYS_UNREACHABLE = ("169.254.169.254/32", "fd00:ec2::254/128")
+
+#: the user and group a command runs as inside its user namespace when Charlie runs as root:
+#: ``nobody``, with no capability anywhere.
+SANDBOX_ID = 65534
 
 SANDBOX_MODES = ("bwrap", "off")
 #: ``auto``: pasta where it works here, else slirp4netns.
@@ -154,6 +168,7 @@ def bwrap_problem() -> str | None:
                 "/dev",
                 "--unshare-pid",
                 "--unshare-net",
+                *_powerless(),
                 "--die-with-parent",
                 "--clearenv",
                 "true",
@@ -358,6 +373,8 @@ def _command(
     # Always its own network namespace: empty, or connected outwards by the launcher.
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     args += ["--unshare-net"]
+    # No capability, as root too, in a user namespace of its own (see the module's docstring)
+    args += _powerless()
     args += ["--ro-bind", "/usr", "/usr", *_system_links()]
     for entry in ETC_ENTRIES:
         source = os.path.join("/etc", entry)
@@ -424,6 +441,32 @@ def _command(
     launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_net.py")
     # -I -S: the launcher runs with no site, no user paths, no PYTHON* variables
     return [sys.executable, "-I", "-S", launcher, json.dumps(config), *args]
+
+
+def _powerless() -> list[str]:
+    """bubblewrap's options that leave the command no capability: its own user namespace (as
+    ``SANDBOX_ID`` where Charlie runs as root), no nested one, every capability dropped."""
+    args = ["--unshare-user", "--cap-drop", "ALL"]
+    if _bwrap_disables_userns():
+        args.append("--disable-userns")
+    if os.geteuid() == 0:
+        args += ["--uid", str(SANDBOX_ID), "--gid", str(SANDBOX_ID)]
+    return args
+
+
+@functools.cache
+def _bwrap_disables_userns() -> bool:
+    """Whether this bubblewrap has ``--disable-userns`` (0.8 and later)."""
+    exe = shutil.which("bwrap", path=BWRAP_ENV["PATH"])
+    if exe is None:
+        return False
+    try:
+        done = subprocess.run(
+            [exe, "--help"], capture_output=True, timeout=20, env=BWRAP_ENV, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return b"--disable-userns" in done.stdout + done.stderr
 
 
 def _system_links() -> list[str]:

@@ -255,6 +255,10 @@ def _start_stack(stack: str, pid: int, log: IO[bytes]) -> subprocess.Popen[bytes
         # one nested in it)
         owner = _netns_owner(pid)
         keep.append(owner)
+        if os.geteuid() == 0:
+            # the command's own user namespace (Charlie runs as root: sandbox.py makes one) is
+            # root's: pasta may enter it only as root, not as the ``nobody`` it would become
+            argv += ["--runas", "0"]
         argv += ["--userns", f"/proc/self/fd/{owner}", "--netns", f"/proc/{pid}/ns/net"]
     proc = subprocess.Popen(
         argv,

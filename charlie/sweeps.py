@@ -28,8 +28,8 @@ from charlie.executor.settle import report_call, settle_and_move
 from charlie.observe import SweepEvent, safely
 from charlie.runtime import Runtime
 from charlie.store import calls as call_store
+from charlie.store import heartbeats, scans
 from charlie.store import limits as limits_store
-from charlie.store import scans
 from charlie.store.engine import read, write, write_one
 from charlie.store.heartbeats import SWEEP_NAMES, record_heartbeat
 from charlie.store.types import Connection
@@ -89,12 +89,29 @@ def sweep_stalled_runs(rt: Runtime) -> int:
 
 def _probe_due(rt: Runtime) -> bool:
     """Whether this round also probes the runs in await_tools (CHARLIE_SWEEP_PROBE_SECONDS;
-    the first round of a process does)."""
+    the first round of a process does; and every round during a rolling upgrade: while a
+    worker of a release whose settles store no wake-up is about, or was lately, its lost await
+    ticks are found within a stall period and a round, as I4 says, not a probe period)."""
     now = time.monotonic()
-    if rt.probed_at is not None and now - rt.probed_at < rt.settings.sweep_probe_seconds:
+    recent = rt.probed_at is not None and now - rt.probed_at < rt.settings.sweep_probe_seconds
+    if recent and not _earlier_release_about(rt):
         return False
     rt.probed_at = now
     return True
+
+
+def _earlier_release_about(rt: Runtime) -> bool:
+    """A worker of a release before settle wake-ups has beaten within the time its last
+    settle's lost tick takes to be found: a heartbeat period, a stall period and a round."""
+    from charlie.presence import EVERY, WAITING
+
+    window = timedelta(seconds=6 * EVERY + rt.settings.stall_seconds)
+    try:
+        with read(rt.engine) as conn:
+            return heartbeats.earlier_release_about(conn, utcnow() - window, WAITING)
+    except Exception:  # the heartbeats unreadable: the probe's own period then
+        log.warning("could not read the workers' heartbeats", exc_info=True)
+        return False
 
 
 def queue_depth(queue: str = "charlie") -> int | None:

@@ -1,6 +1,7 @@
-"""What a model call costs the client itself: ``openai:`` (hand-written httpx) and ``anthropic:``
-(the official SDK, streamed) against the test suite's fake servers on 127.0.0.1, run in another
-process so this process's CPU time is the client's alone.
+"""What a model call costs the client itself: ``openai:`` (the official SDK; a plain JSON answer,
+and streamed as when someone may watch) and ``anthropic:`` (the official SDK, streamed) against the
+test suite's fake servers on 127.0.0.1, run in another process so this process's CPU time is the
+client's alone.
 
     python scripts/bench_model_clients.py [CALLS]
 
@@ -17,6 +18,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,12 +29,33 @@ sys.path.insert(0, str(ROOT))
 KEY = "sk-bench-0123456789"
 
 
+class _Watcher:
+    """Deltas nobody reads: the call streams as it does when someone may watch."""
+
+    def text(self, delta: str) -> None:
+        pass
+
+    def reasoning(self, delta: str) -> None:
+        pass
+
+    def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None:
+        pass
+
+    def restart(self, reason: str) -> None:
+        pass
+
+
 def _serve(kind: str, port: Any, calls: int) -> None:
     if kind == "openai":
         from tests.support.fake_openai import FakeOpenAI, chat_tool_calls
 
         server: Any = FakeOpenAI().start()
         reply = chat_tool_calls([("c1", "read_file", '{"path": "a.txt"}')], text="Reading.")
+    elif kind == "openai-stream":
+        from tests.support.fake_openai import FakeOpenAI, chat_stream
+
+        server = FakeOpenAI().start()
+        reply = chat_stream("Reading.", [("c1", "read_file", '{"path": "a.txt"}')])
     else:
         from tests.support.fake_anthropic import FakeAnthropic, message, text, tool_use
 
@@ -63,6 +86,9 @@ def _measure(label: str, calls: int, call: Callable[[], Any]) -> None:
 
 
 def main() -> None:
+    if set(sys.argv[1:]) & {"-h", "--help"}:
+        print(__doc__)
+        return
     calls = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     import httpx
 
@@ -79,20 +105,24 @@ def main() -> None:
         {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
     )
     request = ModelRequest("bench", "bench", 0, items, [tool])
-    for kind in ("openai", "anthropic"):
+    for kind in ("openai", "openai-stream", "anthropic"):
         port = multiprocessing.Value("i", 0)
         proc = multiprocessing.Process(target=_serve, args=(kind, port, calls), daemon=True)
         proc.start()
         while not port.value:
             time.sleep(0.01)
         try:
-            if kind == "openai":
+            call = request
+            if kind.startswith("openai"):
                 from charlie.models.openai import client_for
 
                 url = f"http://127.0.0.1:{port.value}/v1"
                 env = {"CHARLIE_MODEL_BASE_URL": url, "CHARLIE_MODEL_API_KEY": KEY}
                 model: Any = client_for("openai", "m", "openai:m", environ=env)
                 body = model.build(request)
+                if kind == "openai-stream":
+                    call = replace(request, deltas=_Watcher())
+                    body = model.streaming(body)
                 raw_url, headers = url + "/chat/completions", {"Authorization": f"Bearer {KEY}"}
             else:
                 from charlie.models import anthropic
@@ -109,7 +139,7 @@ def main() -> None:
                     return c.post(u, json=b, headers=h).read()
 
                 _measure(f"{kind}: bare httpx POST", calls, post)
-            _measure(f"{kind}: Charlie client complete()", calls, partial(model.complete, request))
+            _measure(f"{kind}: Charlie client complete()", calls, partial(model.complete, call))
             model.close()
         finally:
             proc.kill()

@@ -119,7 +119,14 @@ def load_list(
         "tasks": page,
         "now": now,
         "next_before": page[-1].id if len(page) == limit else None,
+        "limits": _limits(),
     }
+
+
+def _limits() -> list[Any]:
+    """The provider limits used so far, for the list's panel (I36): in flight, waiting, paused
+    until (none used: none shown)."""
+    return list(api.limit_states())
 
 
 #: the transcript rows a task page shows at first: the latest ones (``?all=1``: every row)

@@ -1,10 +1,10 @@
-"""Path safety: every path a request names is resolved and must stay inside its workspace.
+"""Path safety: every path a request names must stay inside its workspace.
 
-A caller (ultimately a model) chooses these paths, so ``..``, absolute paths and symlinks that
-point outside are refused before any file is opened. The check resolves symlinks with
-``os.path.realpath`` and compares prefixes; a command running in the workspace could still swap
-a symlink in between check and use, which is acceptable because commands already run as the
-devbox's user (see ``policy``): the check protects against mistakes, not against commands.
+A caller (ultimately a model) chooses these paths, so ``..`` and absolute paths are refused
+outright (``check_relative``); symlinks that point outside are refused where the path is
+opened, beneath the workspace's directory descriptor (charlie/beneath.py), at the moment of the
+open: a command running in the workspace may swap a directory for a symlink at any moment
+(I33).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 import uuid
 from pathlib import Path, PurePosixPath
 
+from charlie.beneath import Root
 from charlie.devbox.errors import ApiError
 
 _WORKSPACE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -40,12 +41,12 @@ def check_execution_id(execution_id: str) -> str:
     return execution_id
 
 
-def resolve_inside(workspace: Path, rel: str, *, allow_root: bool = False) -> Path:
-    """The real path ``rel`` names inside ``workspace``, or 400 naming the path.
+def check_relative(rel: str, *, allow_root: bool = False) -> str:
+    """``rel`` as a path relative to the workspace, or 400 naming it.
 
     Refuses absolute paths and ``..`` outright (even when they would land inside: the caller is
-    meant to speak in workspace-relative paths), then resolves symlinks and refuses a result
-    outside the workspace, which also refuses writing through a symlink that escapes.
+    meant to speak in workspace-relative paths). Where it leads is decided where it is opened,
+    beneath the workspace's descriptor (charlie/beneath.py, I33), not here.
     """
     if not isinstance(rel, str) or rel == "" or "\x00" in rel:
         raise ApiError(
@@ -55,6 +56,24 @@ def resolve_inside(workspace: Path, rel: str, *, allow_root: bool = False) -> Pa
         raise ApiError(400, f"path {rel!r} is absolute; give a path relative to the workspace")
     if ".." in PurePosixPath(rel).parts:
         raise ApiError(400, f"path {rel!r} contains '..'; paths must stay inside the workspace")
+    if PurePosixPath(rel).parts in ((), (".",)) and not allow_root:
+        raise ApiError(400, f"path {rel!r} names the workspace itself, not a file in it")
+    return rel
+
+
+def outside(rel: str) -> ApiError:
+    """The refusal of a path that leads outside the workspace where it is opened."""
+    return ApiError(400, f"path {rel!r} resolves outside the workspace (through a symlink)")
+
+
+def resolve_inside(workspace: Path, rel: str, *, allow_root: bool = False) -> Path:
+    """The real path ``rel`` names inside ``workspace``, or 400 naming the path.
+
+    A check, not a guarantee: it resolves symlinks now, and a command may swap one in before
+    the path is used. Files are opened with charlie/beneath.py instead; this is for a path
+    handed to the sandbox (a command's working directory), which confines what it reaches.
+    """
+    check_relative(rel, allow_root=allow_root)
     base = os.path.realpath(workspace)
     target = os.path.realpath(os.path.join(base, rel))
     if target == base:
@@ -62,31 +81,16 @@ def resolve_inside(workspace: Path, rel: str, *, allow_root: bool = False) -> Pa
             return Path(target)
         raise ApiError(400, f"path {rel!r} names the workspace itself, not a file in it")
     if not target.startswith(base + os.sep):
-        raise ApiError(400, f"path {rel!r} resolves outside the workspace (through a symlink)")
+        raise outside(rel)
     return Path(target)
 
 
-def relative_parts(workspace: Path, target: Path) -> tuple[str, ...]:
-    """The components of ``target`` relative to the workspace's real path."""
-    return Path(target).relative_to(os.path.realpath(workspace)).parts
-
-
 def tree_bytes(root: Path) -> int:
-    """Bytes the files under ``root`` take (symlinks not followed), for the workspace disk cap."""
-    total = 0
-    stack = [str(root)]
-    while stack:
-        current = stack.pop()
-        try:
-            entries = list(os.scandir(current))
-        except OSError:
-            continue  # vanished or unreadable: a concurrent command may be deleting it
-        for entry in entries:
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                else:
-                    total += entry.stat(follow_symlinks=False).st_size
-            except OSError:
-                continue
-    return total
+    """Bytes the files under ``root`` take (symlinks not followed), for the workspace disk cap;
+    each directory opened beneath ``root`` by descriptor, so none swapped for a link is
+    counted from outside."""
+    try:
+        with Root(root) as opened:
+            return opened.tree_bytes()
+    except OSError:
+        return 0  # vanished

@@ -9,6 +9,7 @@ returns the existing workspace, a different one is a conflict.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -16,19 +17,15 @@ import shutil
 import stat
 import tempfile
 import threading
-import uuid
-from pathlib import Path
+from contextlib import suppress
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from charlie.beneath import Outside, Root
 from charlie.devbox import git
 from charlie.devbox.confinement import git_policy
 from charlie.devbox.errors import ApiError
-from charlie.devbox.paths import (
-    check_workspace_id,
-    relative_parts,
-    resolve_inside,
-    tree_bytes,
-)
+from charlie.devbox.paths import check_relative, check_workspace_id, outside
 from charlie.devbox.policy import Limits, RepoPolicy, is_url
 from charlie.sandbox import SandboxPolicy
 
@@ -204,28 +201,28 @@ class Workspaces:
 
     # -- files ---------------------------------------------------------------------------------
 
+    # Every file operation opens its path beneath the workspace's directory descriptor, at the
+    # moment of the open (charlie/beneath.py): a command in the workspace may exchange a
+    # directory with a symlink at any moment (I33).
+
     def read_file(self, workspace_id: str, rel: str) -> dict[str, Any]:
-        target = resolve_inside(self.path(workspace_id), rel)
-        if not target.exists():
-            raise ApiError(404, f"no file {rel!r} in workspace {workspace_id!r}")
-        if not target.is_file():
-            raise ApiError(400, f"{rel!r} is not a regular file")
+        check_relative(rel)
         limit = self.limits.read_bytes
         try:
-            # Not followed if it became a link, not waited on if it became a FIFO, and read
-            # no further than the limit: a command may be growing it right now.
-            fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            # Not followed out of the workspace, not waited on if it is a FIFO, and read no
+            # further than the limit: a command may be growing it right now.
+            with Root(self.path(workspace_id)) as root:
+                data, size = root.read_head(rel, limit)
+        except Outside:
+            raise outside(rel) from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise ApiError(404, f"no file {rel!r} in workspace {workspace_id!r}") from None
+        except IsADirectoryError:
+            raise ApiError(400, f"{rel!r} is not a regular file") from None
         except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise ApiError(400, f"{rel!r} is not a regular file") from None
             raise ApiError(400, f"cannot read {rel!r}: {exc.strerror}") from None
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ApiError(400, f"{rel!r} is not a regular file")
-            size = st.st_size
-            data = b""
-            while size <= limit and len(data) <= limit and (more := f.read(limit + 1 - len(data))):
-                data += more
-            size = max(size, len(data))
         if size > limit:
             raise ApiError(
                 413,
@@ -239,22 +236,49 @@ class Workspaces:
         return {"path": rel, "content": content, "size": size, "binary": binary}
 
     def write_file(self, workspace_id: str, rel: str, content: str) -> dict[str, Any]:
+        check_relative(rel)
         workspace = self.path(workspace_id)
-        target = resolve_inside(workspace, rel)
-        if relative_parts(workspace, target)[0] == ".git":
-            raise ApiError(400, f"path {rel!r} is inside .git; the devbox does not write there")
-        if target.is_dir():
-            raise ApiError(400, f"{rel!r} is a directory")
         data = content.encode("utf-8")
-        with self.lock(workspace_id):
-            old = target.stat().st_size if target.is_file() else 0
-            self._check_room(workspace, workspace_id, len(data) - old)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(target, data)
+        with self.lock(workspace_id), Root(workspace) as root:
+            try:
+                self._write(root, workspace_id, rel, data)
+            except Outside:
+                raise outside(rel) from None
+            except OSError as exc:
+                raise ApiError(400, f"cannot write {rel!r}: {exc.strerror}") from None
         return {"path": rel, "size": len(data)}
 
-    def _check_room(self, workspace: Path, workspace_id: str, growth: int) -> None:
-        used = tree_bytes(workspace)
+    def _write(self, root: Root, workspace_id: str, rel: str, data: bytes) -> None:
+        real = root.final(rel)  # a symlink at rel is written through, if it stays inside
+        if PurePosixPath(real).parts[:1] == (".git",):
+            raise ApiError(400, f"path {rel!r} is inside .git; the devbox does not write there")
+        try:
+            dir_fd, name = root.parent(real)
+        except FileNotFoundError:
+            dir_fd, name = -1, ""  # its directories are made below, once the room is checked
+        try:
+            old = 0
+            if dir_fd >= 0:
+                _refuse_git(root, dir_fd, rel)
+                with suppress(FileNotFoundError):
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        raise ApiError(400, f"{rel!r} is a directory")
+                    old = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            self._check_room(root, workspace_id, len(data) - old)
+            if dir_fd < 0:
+                dir_fd, name = root.parent(real, create=True)
+                _refuse_git(root, dir_fd, rel)
+            try:
+                Root.write_in(dir_fd, name, data, keep_mode=True)
+            except IsADirectoryError:
+                raise ApiError(400, f"{rel!r} is a directory") from None
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+
+    def _check_room(self, root: Root, workspace_id: str, growth: int) -> None:
+        used = root.tree_bytes()
         if growth > 0 and used + growth > self.limits.workspace_bytes:
             raise ApiError(
                 413,
@@ -263,25 +287,36 @@ class Workspaces:
             )
 
     def list_files(self, workspace_id: str, rel: str) -> dict[str, Any]:
-        workspace = self.path(workspace_id)
-        target = resolve_inside(workspace, rel or ".", allow_root=True)
-        if not target.is_dir():
-            raise ApiError(404 if not target.exists() else 400, f"{rel!r} is not a directory")
-        at_root = target == Path(os.path.realpath(workspace))
+        rel = rel or "."
+        check_relative(rel, allow_root=True)
         limit = self.limits.list_entries
-        read: list[os.DirEntry[str]] = []
+        entries: list[dict[str, Any]] = []
         truncated = False
-        with os.scandir(target) as scan:
-            # at most the limit of it read: a command can put millions of entries in one
-            for entry in scan:
-                if at_root and entry.name == ".git":
-                    continue  # git's own data, not the agent's files
-                if len(read) == limit:
-                    truncated = True
-                    break
-                read.append(entry)
-        entries = [_entry(entry) for entry in sorted(read, key=lambda e: e.name)]
-        return {"path": rel or ".", "entries": entries, "truncated": truncated}
+        with Root(self.path(workspace_id)) as root:
+            try:
+                fd = root.opendir(rel)
+            except Outside:
+                raise outside(rel) from None
+            except FileNotFoundError:
+                raise ApiError(404, f"{rel!r} is not a directory") from None
+            except OSError:
+                raise ApiError(400, f"{rel!r} is not a directory") from None
+            try:
+                at_root = root.is_root(fd)
+                # each entry described from the directory's descriptor, while it is open; at
+                # most the limit of it read: a command can put millions of entries in one
+                with os.scandir(fd) as scan:
+                    for entry in scan:
+                        if at_root and entry.name == ".git":
+                            continue  # git's own data, not the agent's files
+                        if len(entries) == limit:
+                            truncated = True
+                            break
+                        entries.append(_entry(entry))
+            finally:
+                os.close(fd)
+        entries.sort(key=lambda e: str(e["name"]))
+        return {"path": rel, "entries": entries, "truncated": truncated}
 
     # -- git operations ------------------------------------------------------------------------
 
@@ -290,8 +325,8 @@ class Workspaces:
         t, confine = self.limits.git_timeout, self.confine(workspace)
         if not diff.strip():
             raise ApiError(400, "the patch is empty")
-        with self.lock(workspace_id):
-            self._check_room(workspace, workspace_id, len(diff.encode("utf-8")))
+        with self.lock(workspace_id), Root(workspace) as root:
+            self._check_room(root, workspace_id, len(diff.encode("utf-8")))
             numstat = git.run_git(
                 ["apply", "--numstat", "-"],
                 workspace,
@@ -444,17 +479,32 @@ def _read_spec(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _write_atomic(target: Path, data: bytes) -> None:
-    """Replace the file whole, keeping its mode, so a reader never sees half a write."""
-    mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.charlie-tmp")
+def _refuse_git(root: Root, dir_fd: int, rel: str) -> None:
+    """400 when the directory open at ``dir_fd`` is the workspace's ``.git`` or beneath it:
+    asked of the directory that was opened (its parents by ``..``, which follows no link), so
+    a directory swapped for a link to ``.git`` is seen."""
     try:
-        tmp.write_bytes(data)
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        git_dir = os.stat(".git", dir_fd=root.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    top = os.fstat(root.fd)
+    current = os.dup(dir_fd)
+    try:
+        for _ in range(4096):
+            st = os.fstat(current)
+            here = (st.st_dev, st.st_ino)
+            if here == (git_dir.st_dev, git_dir.st_ino):
+                raise ApiError(400, f"path {rel!r} is inside .git; the devbox does not write there")
+            if here == (top.st_dev, top.st_ino):
+                return
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=current)
+            if os.fstat(up).st_ino == st.st_ino and os.fstat(up).st_dev == st.st_dev:
+                os.close(up)
+                return  # the filesystem's top: not beneath .git
+            os.close(current)
+            current = up
     finally:
-        tmp.unlink(missing_ok=True)
+        os.close(current)
 
 
 def _entry(entry: os.DirEntry[str]) -> dict[str, Any]:

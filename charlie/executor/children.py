@@ -6,7 +6,9 @@ the publisher without importing them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from charlie import pricing, scheduler
@@ -56,6 +58,7 @@ class DbChildren:
         # Whichever tool asks, a child gets no tool or model its parent may not use: delegate
         # checks first, for its message; this is the engine's own check.
         tools, model = child_limits(parent, tools, model, self.rt.settings.delegate_models)
+        child_sandbox(parent, metadata)
         if tools is not None:
             unknown = [t for t in tools if self.rt.tools.get(t) is None]
             if unknown:
@@ -99,6 +102,37 @@ class DbChildren:
             # invocation's, which its message would otherwise pass on (runtime.Publisher).
             self.rt.publisher.tick(submitted.execution_id, Phase.LOAD_CONTEXT, 0, priority=0)
         return ChildSubmitted(submitted.task_id, submitted.created)
+
+
+def child_sandbox(parent: TaskSnapshot, metadata: JSON) -> None:
+    """I31, the sandbox part: a child's policy is never wider than its parent's, whichever
+    tool asks. Network access in the sandbox (``metadata["sandbox"]["network"]``) only when
+    its parent has it; a workspace only its parent's or one inside it (a parent with none
+    gives its child none). A widening is a ToolError the model sees (I15); nothing is
+    created."""
+    policy = metadata.get("sandbox") if isinstance(metadata, dict) else None
+    if isinstance(policy, dict) and policy.get("network") is True:
+        own = parent.metadata.get("sandbox")
+        if not (isinstance(own, dict) and own.get("network") is True):
+            raise ToolError(
+                "cannot delegate: network access in the sandbox is not available to this "
+                "task, so not to its child",
+                refused_sandbox={"network": True},
+            )
+    workspace = metadata.get("workspace") if isinstance(metadata, dict) else None
+    if workspace is None:
+        return
+    own_workspace = parent.metadata.get("workspace")
+    inside = False
+    if isinstance(own_workspace, str) and isinstance(workspace, str):
+        mine, theirs = Path(os.path.realpath(own_workspace)), Path(os.path.realpath(workspace))
+        inside = theirs == mine or mine in theirs.parents
+    if not inside:
+        raise ToolError(
+            f"cannot delegate: workspace {str(workspace)!r} is not this task's "
+            f"({own_workspace!r}) nor inside it; a child works in its parent's workspace",
+            refused_workspace=str(workspace),
+        )
 
 
 def child_budget(

@@ -23,9 +23,11 @@ from pathlib import Path
 from charlie import faults
 from charlie.config import WorkspaceRefused
 from charlie.domain import JSON, CallState, Outcome, task_id_of, utcnow
+from charlie.executor import streamed
 from charlie.executor.children import DbChildren, DbRecord
 from charlie.executor.settle import CallResult, log_settled, settle_in_turn, settle_result
 from charlie.leases import Held
+from charlie.observe import safely
 from charlie.runtime import Runtime
 from charlie.store import calls
 from charlie.store.calls import ClaimedCall, Mode
@@ -108,7 +110,11 @@ def run_call(
             fused=rt.settings.fuse_commits,
         )
 
+    faults.hit("tool.before_claim", call_id=call_id, mode=mode, task_id=task_id_of(execution_id))
     call = again_if_disconnected(claim, "claim a tool call")
+    if call is not None and mode == "start":
+        # its start is recorded: now, not at its dispatch, watchers hear it started (I9)
+        safely(streamed.calls_started, rt.events, task_id_of(execution_id), turn, [call_id])
     if call is None:
         if mode in ("resume", "reconcile"):
             refused = again_if_disconnected(

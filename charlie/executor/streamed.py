@@ -8,6 +8,7 @@ the committed transition itself: no query, no write.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from charlie.domain import ItemKind, Phase, RunView, Transition
@@ -24,7 +25,28 @@ def _arguments(value: Any) -> str:
     return clip(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
 
 
-def committed(events: EventSink, view: RunView, turn: int, transition: Transition) -> None:
+def calls_started(events: EventSink, task_id: str, turn: int, call_ids: Iterable[str]) -> None:
+    """``tool_started`` for calls whose start has committed (I9): told once a call (a start is
+    recorded once), whoever started it: the dispatch, a tool worker's claim, a sweep's."""
+    if not events.enabled:
+        return
+    for call_id in call_ids:
+        events.emit(
+            task_id,
+            "tool_started",
+            event_id=f"tool_started:{turn}:{call_id}",
+            turn=turn,
+            call_id=call_id,
+        )
+
+
+def committed(
+    events: EventSink,
+    view: RunView,
+    turn: int,
+    transition: Transition,
+    started: Iterable[str] = (),
+) -> None:
     if not events.enabled:
         return
     task_id = view.task.id
@@ -63,8 +85,10 @@ def committed(events: EventSink, view: RunView, turn: int, transition: Transitio
             )
     if held:
         events.emit(task_id, "waiting", turn=turn, calls=held)
-    for call_id, _deadline in transition.queue_calls:
-        events.emit(task_id, "tool_started", turn=turn, call_id=call_id)
+    # A call is announced started when its start is recorded (I9), not when it is queued: the
+    # calls this commit started (a local read's, in the dispatch's own commit), and no other
+    # (a queued call's claim announces it: calls_started, from whichever worker or sweep).
+    calls_started(events, task_id, turn, started)
     names = {c.call_id: c.name for c in view.calls}
     for settled in transition.settle:
         events.emit(

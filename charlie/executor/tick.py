@@ -401,6 +401,13 @@ def _run_local(
         started = _start_calls(rt, execution_id, step)
         if not started:
             return "not_claimable", None
+        safely(
+            streamed.calls_started,
+            rt.events,
+            task_id_of(execution_id),
+            step.turn,
+            [c.call_id for c in started],
+        )
         predicted = step.predicted
         if predicted is not None:
             # (a call that did not start makes the turn's next commit read the rows)
@@ -1164,7 +1171,8 @@ def _after_merged_commit(rt: Runtime, progress: Progress, ticked: _Ticked) -> Fo
     claim, view, transition = ticked.claim, ticked.view, ticked.transition
     merged, carried = ticked.merged, ticked.carried
     # What each merged step does after the commit, in order; the chain goes on from the last.
-    _after_commit(rt, claim, view, transition, (), publish_next=False)
+    started = tuple(c.call_id for c in ticked.local)
+    _after_commit(rt, claim, view, transition, (), publish_next=False, started=started)
     _report_tick(rt, progress, claim, view, transition)
     for step in merged[:-1]:
         _report_merged(rt, progress, step, None, publish_next=False)
@@ -1184,8 +1192,9 @@ def _after_own_commit(
     claim, view, transition = ticked.claim, ticked.view, ticked.transition
     local, start_apart = ticked.local, ticked.start_apart
     follow = _follow(progress, claim, transition, local, start_apart)
+    started = tuple(c.call_id for c in local)
     result = _after_commit(
-        rt, claim, view, transition, tuple(c.call_id for c in local) + start_apart, follow=follow
+        rt, claim, view, transition, started + start_apart, follow=follow, started=started
     )
     _report_tick(rt, progress, claim, view, transition)
     return result, follow
@@ -1255,6 +1264,7 @@ def _report_merged(
             step.local_ids + tuple(c.call_id for c in step.local_calls),
             follow=follow,
             publish_next=publish_next,
+            started=tuple(c.call_id for c in step.local_calls),
         )
         _report_tick(rt, Progress(scope=scope), claim, view, transition)
         if report is not None:
@@ -1270,8 +1280,10 @@ def _after_commit(
     *,
     follow: Follow | None = None,
     publish_next: bool | None = None,
+    started: tuple[str, ...] = (),
 ) -> TickResult:
-    """A committed step's publishes (after the commit, I1) and its log line."""
+    """A committed step's publishes (after the commit, I1) and its log line. ``started``: the
+    calls this commit started (told to watchers as started, I9)."""
     _publish(
         rt,
         claim,
@@ -1280,7 +1292,7 @@ def _after_commit(
         publish_next=not isinstance(follow, NextTick) if publish_next is None else publish_next,
         local_calls=local_calls,
     )
-    safely(streamed.committed, rt.events, view, claim.turn, transition)
+    safely(streamed.committed, rt.events, view, claim.turn, transition, started)
     if transition.to is None:
         # Waiting (open tool calls, a stored wake-up): whoever settles the last call locks the
         # run after this commit and sees the wait (see store.calls.lock_run); the sweep wakes

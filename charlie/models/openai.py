@@ -1,5 +1,5 @@
 """Clients for OpenAI-compatible endpoints: ``openai:NAME`` (Chat Completions) and
-``openai-responses:NAME`` (Responses).
+``openai-responses:NAME`` (Responses), through the official ``openai`` SDK.
 
 Configuration is read from the environment when a client is built:
 
@@ -11,22 +11,32 @@ Configuration is read from the environment when a client is built:
 - ``CHARLIE_MODEL_TIMEOUT``: the read timeout in seconds (default 120; connecting gets 10);
 - ``CHARLIE_MODEL_MAX_ATTEMPTS``: HTTP attempts per ``complete`` call (default 5).
 
-Retries: 408, 409, 429 and 5xx answers and connection or timeout errors are retried with
-exponential backoff and full jitter, or after the server's ``Retry-After`` (``retry-after-ms``,
-seconds or an HTTP date). A wait is slept inside the call only while it is short (``max_sleep``,
-5 s); a longer one, or running out of attempts, raises :class:`TransientModelError` with
-``retry_after`` so the executor stores a wake-up time instead of sleeping in a tick (the policy is
-:mod:`charlie.models.retry`, shared with the ``anthropic:`` client). Other answers
-(400, 401, 403, 404, 413, 422, a 429 for exhausted quota, ...) raise :class:`ModelError` with the
-status and the first 4 KiB of the body as evidence.
+The SDK's own environment is not Charlie's: the key and the base URL are given to it, so
+``OPENAI_API_KEY``, ``OPENAI_ADMIN_KEY`` and ``OPENAI_BASE_URL`` are never used, no
+``OPENAI_ORG_ID`` / ``OPENAI_PROJECT_ID`` header is sent, and an ``Authorization`` in
+``OPENAI_CUSTOM_HEADERS`` is replaced by the configured key (or dropped without one; its other
+headers are sent, as the SDK does). Besides Charlie's ``User-Agent`` the SDK sends its
+``X-Stainless-*`` headers (language, package and runtime versions, OS, retry count, read
+timeout).
+
+Retries are Charlie's (:mod:`charlie.models.retry`, shared with the ``anthropic:`` client), the
+SDK's own are off (``max_retries=0``): 408, 409, 429 and 5xx answers and connection or timeout
+errors are retried with exponential backoff and full jitter, or after the server's
+``Retry-After`` (``retry-after-ms``, seconds or an HTTP date). A wait is slept inside the call
+only while it is short (``max_sleep``, 5 s); a longer one, or running out of attempts, raises
+:class:`TransientModelError` with ``retry_after`` so the executor stores a wake-up time instead of
+sleeping in a tick. Other answers (400, 401, 403, 404, 413, 422, a 429 for exhausted quota, ...)
+raise :class:`ModelError` with the status and the first 4 KiB of the body as evidence.
 
 Streaming: when someone may be watching (``request.deltas`` is not ``NO_DELTAS``) the request
-asks for a stream (``stream: true``) and the text, reasoning and tool-call argument pieces go to
-``request.deltas`` as they come (charlie/models/openai_stream.py); the answer is still built from
-the whole stream, never from part of one (I16, I28). A stream cut or stalled mid-way (past the
-read timeout) is a transient failure like a dropped connection, retried the same way; the
-watchers are told its pieces are void (``Deltas.restart``). A server that answers a streamed
-request with plain JSON is read as before.
+asks for a stream (``stream: true``); the SDK decodes the server-sent events and the text,
+reasoning and tool-call argument pieces go to ``request.deltas`` as they come
+(charlie/models/openai_stream.py); the answer is still built from the whole stream, never from
+part of one (I16, I28). A stream cut or stalled mid-way (past the read timeout) is a transient
+failure like a dropped connection, retried the same way; the watchers are told its pieces are
+void (``Deltas.restart``). A server that answers a streamed request with plain JSON is read as
+before. Answers are read as the JSON the server sent, not the SDK's typed models: what is kept in
+the transcript (a Responses reasoning item, say) is exactly what comes back next turn.
 
 The API key goes only into the ``Authorization`` header of the requests: it is redacted from every
 message, evidence and log line, and evidence never holds request headers.
@@ -40,22 +50,15 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from charlie.domain import JSON
 from charlie.models.base import NO_DELTAS, Deltas, ModelError, ModelRequest, ModelResponse
 from charlie.models.openai_chat import MalformedResponse, chat_request_body, parse_chat_completion
 from charlie.models.openai_responses import parse_response, responses_request_body
-from charlie.models.openai_stream import (
-    ChatStream,
-    ResponsesStream,
-    StreamFailed,
-    server_sent_events,
-)
+from charlie.models.openai_stream import ChatStream, ResponsesStream, StreamFailed
 from charlie.models.retry import (
     CONNECT_TIMEOUT,
     DEFAULT_BACKOFF_BASE,
@@ -74,6 +77,9 @@ from charlie.models.retry import (
     origin,
     parse_retry_after,
 )
+
+if TYPE_CHECKING:
+    import openai
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +138,9 @@ class EndpointConfig:
         )
 
 
-def _error_detail(text: str) -> tuple[str | None, str | None]:
-    """The provider's error ``(code, message)`` from an OpenAI-style error body."""
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return None, None
-    error = doc.get("error") if isinstance(doc, dict) else None
-    if isinstance(error, str):
-        return None, error
+def _error_detail(error: object) -> tuple[str | None, str | None]:
+    """The provider's error ``(code, message)`` from an OpenAI-style error object (what the SDK
+    gives as ``APIError.body``)."""
     if not isinstance(error, dict):
         return None, None
     code = error.get("code") or error.get("type")
@@ -149,6 +149,13 @@ def _error_detail(text: str) -> tuple[str | None, str | None]:
         code if isinstance(code, str) else None,
         message if isinstance(message, str) else None,
     )
+
+
+def _cause(exc: BaseException) -> str:
+    """What went wrong on the wire: the transport error the SDK wrapped (``ReadTimeout``,
+    ``ConnectError``, ``RemoteProtocolError``), named."""
+    cause = exc.__cause__ or exc
+    return f"{type(cause).__name__}: {cause}"
 
 
 class OpenAIModel:
@@ -181,8 +188,8 @@ class OpenAIModel:
         )
         self.redact = Redactor(config.api_key)
         self._lock = threading.Lock()
-        self._http: httpx.Client | None = None
-        self._http_pid = 0
+        self._sdk: openai.OpenAI | None = None
+        self._sdk_pid = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r}, base_url={self.config.base_url!r})"
@@ -224,29 +231,46 @@ class OpenAIModel:
 
     def close(self) -> None:
         with self._lock:
-            if self._http is not None and self._http_pid == os.getpid():
-                self._http.close()
-            self._http = None
+            if self._sdk is not None and self._sdk_pid == os.getpid():
+                self._sdk.close()
+            self._sdk = None
 
-    # -- HTTP ---------------------------------------------------------------------------------
+    # -- HTTP, through the SDK -------------------------------------------------------------------
 
-    def _client(self) -> httpx.Client:
-        """One connection pool per process: a pool inherited across a fork is left alone."""
+    def _client(self) -> openai.OpenAI:
+        """One SDK client (and its connection pool) per process; one inherited across a fork is
+        left alone."""
+        import httpx2
+        import openai
+
         with self._lock:
-            if self._http is None or self._http_pid != os.getpid():
-                self._http = httpx.Client(
-                    timeout=httpx.Timeout(
+            if self._sdk is None or self._sdk_pid != os.getpid():
+                self._sdk = openai.OpenAI(
+                    # given, never None: the SDK would read OPENAI_API_KEY / OPENAI_ADMIN_KEY
+                    api_key=self.config.api_key or "",
+                    admin_api_key="",
+                    base_url=self.config.base_url,
+                    max_retries=0,  # Charlie's retry policy decides (charlie.models.retry)
+                    timeout=httpx2.Timeout(
                         self.config.read_timeout, connect=self.config.connect_timeout
                     ),
-                    headers={"User-Agent": USER_AGENT},
+                    default_headers={"User-Agent": USER_AGENT},
                 )
-                self._http_pid = os.getpid()
-            return self._http
+                self._sdk_pid = os.getpid()
+            return self._sdk
 
-    def _headers(self) -> dict[str, str]:
-        if not self.config.api_key:
-            return {}
-        return {"Authorization": f"Bearer {self.config.api_key}"}
+    def _headers(self) -> dict[str, Any]:
+        """Per request, over whatever the SDK took from its environment: the key goes only where
+        it was configured (an ``Authorization`` in OPENAI_CUSTOM_HEADERS is dropped, none is sent
+        without a key), and no OPENAI_ORG_ID / OPENAI_PROJECT_ID header goes to any host."""
+        from openai import Omit
+
+        key = self.config.api_key
+        return {
+            "Authorization": f"Bearer {key}" if key else Omit(),
+            "OpenAI-Organization": Omit(),
+            "OpenAI-Project": Omit(),
+        }
 
     def _truncate(self, text: str) -> str:
         return self.redact.truncate(text)
@@ -255,64 +279,97 @@ class OpenAIModel:
         return {"task_id": request.task_id, "turn": request.turn, "model": self.spec, **more}
 
     def _attempt(self, body: JSON, deltas: Deltas) -> tuple[Any, str] | Failure:
-        url = self.config.base_url + self.path
+        import httpx2
+        import openai
+
+        # The SDK's generic POST sends the body as built: its typed ``create`` would walk every
+        # message of the transcript through its parameter types (about a millisecond each) only
+        # to send the same JSON.
+        # A redirect is an answer, as it always was (the SDK would follow it).
+        options: openai.RequestOptions = {"headers": self._headers(), "follow_redirects": False}
         try:
-            with self._client().stream("POST", url, json=body, headers=self._headers()) as response:
-                status = response.status_code
-                kind = response.headers.get("content-type", "")
-                if 200 <= status < 300 and body.get("stream") and "event-stream" in kind:
-                    return self._read_stream(response, deltas)
-                response.read()
-        except httpx.RequestError as exc:  # timeouts, connection, protocol and decoding errors
-            what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
-            detail = self.redact(f"{type(exc).__name__}: {exc}")
+            if body.get("stream"):
+                stream = self._client().post(
+                    self.path,
+                    cast_to=object,
+                    body=body,
+                    options=options,
+                    stream=True,
+                    stream_cls=openai.Stream[object],
+                )
+                with stream:
+                    response = stream.response
+                    if "event-stream" in response.headers.get("content-type", ""):
+                        return self._read_stream(stream, deltas)
+                    response.read()
+            else:
+                response = self._client().post(
+                    self.path, cast_to=httpx2.Response, body=body, options=options
+                )
+        except openai.APIStatusError as exc:
+            return self._status_failure(exc)
+        except (openai.APIConnectionError, httpx2.TransportError) as exc:
+            # timeouts, connection, protocol and decoding errors
+            timeout = isinstance(exc, openai.APITimeoutError | httpx2.TimeoutException)
+            detail = self.redact(_cause(exc))
+            what = "timed out" if timeout else "failed"
             return Failure(f"request {what} ({detail})", {"error": detail})
         text = response.text
-        status = response.status_code
-        if 200 <= status < 300:
-            try:
-                return response.json(), text
-            except ValueError:
-                raise ModelError(
-                    f"{self.spec}: HTTP {status} with a body that is not JSON",
-                    evidence={"status": status, "body": self._truncate(text)},
-                ) from None
-        evidence: JSON = {"status": status, "body": self._truncate(text)}
-        request_id = response.headers.get("x-request-id")
-        if request_id:
-            evidence["request_id"] = request_id
-        code, message = _error_detail(text)
+        try:
+            return json.loads(text), text
+        except ValueError:
+            status = response.status_code
+            raise ModelError(
+                f"{self.spec}: HTTP {status} with a body that is not JSON",
+                evidence={"status": status, "body": self._truncate(text)},
+            ) from None
+
+    def _status_failure(self, exc: openai.APIStatusError) -> Failure:
+        status = exc.status_code
+        evidence: JSON = {"status": status, "body": self._truncate(exc.response.text)}
+        if exc.request_id:
+            evidence["request_id"] = exc.request_id
+        code, message = _error_detail(exc.body)
         summary = f"HTTP {status}" + (f" {code}" if code else "")
         if message:
             summary += ": " + self.redact(message[:500])
         if status in RETRYABLE_STATUSES and code not in UNRETRYABLE_CODES:
-            return Failure(summary, evidence, status, parse_retry_after(response.headers))
+            return Failure(summary, evidence, status, parse_retry_after(exc.response.headers))
         if code == "context_length_exceeded":
             summary = "context length exceeded: " + summary
         return Failure(summary, evidence, status, retryable=False)
 
-    def _read_stream(self, response: httpx.Response, deltas: Deltas) -> tuple[Any, str] | Failure:
+    def _read_stream(self, events: Iterable[Any], deltas: Deltas) -> tuple[Any, str] | Failure:
         """The answer a whole stream adds up to; a stream cut, stalled or ended early, or one
         that reports an error, is a failure, never an answer (I16)."""
+        import openai
+
         reader = self.reader(deltas)
         try:
-            for event in server_sent_events(response.iter_lines()):
+            for event in events:
                 reader.feed(event)
-                if reader.done:
-                    break
-        except StreamFailed as exc:
-            message = self.redact(str(exc))[:500]
-            evidence: JSON = {"status": response.status_code, "stream_error": message}
-            retryable = exc.code not in UNRETRYABLE_CODES and exc.code != "context_length_exceeded"
+        except (StreamFailed, openai.APIError) as exc:
+            if isinstance(exc, openai.APIConnectionError):
+                timeout = isinstance(exc, openai.APITimeoutError)
+                detail = self.redact(_cause(exc))
+                what = "stalled" if timeout else "was cut"
+                return Failure(f"the stream {what} ({detail})", {"error": detail}, streamed=True)
+            if isinstance(exc, StreamFailed):
+                code, text = exc.code, str(exc)
+            else:  # an error object in place of a chunk
+                code, said = _error_detail(exc.body)
+                text = f"the stream reported an error: {said or exc.message}"
+            message = self.redact(text)[:500]
+            retryable = code not in UNRETRYABLE_CODES and code != "context_length_exceeded"
+            evidence: JSON = {"status": 200, "stream_error": message}
             return Failure(message, evidence, retryable=retryable, streamed=True)
-        except httpx.RequestError as exc:
-            what = "stalled" if isinstance(exc, httpx.TimeoutException) else "was cut"
-            detail = self.redact(f"{type(exc).__name__}: {exc}")
-            return Failure(f"the stream {what} ({detail})", {"error": detail}, streamed=True)
+        except ValueError as exc:  # an event that is not JSON
+            detail = self.redact(f"{type(exc).__name__}: {exc}")[:1000]
+            return Failure(f"the stream broke ({detail})", {"error": detail}, streamed=True)
         if not reader.done:
             message = "the stream ended before it was complete"
             return Failure(message, {"error": message}, streamed=True)
-        data = reader.response if isinstance(reader, ResponsesStream) else reader.completion()
+        data = reader.answer()
         return data, json.dumps(data)
 
     def _post(self, body: JSON, request: ModelRequest) -> tuple[Any, str]:

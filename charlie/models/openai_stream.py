@@ -1,82 +1,40 @@
-"""Streamed answers of OpenAI-compatible endpoints: server-sent events in, deltas out, and the
+"""Streamed answers of OpenAI-compatible endpoints: the events the ``openai`` SDK decodes from
+the server-sent event stream (each a JSON object as the server sent it), deltas out, and the
 whole answer rebuilt from the whole stream.
 
-Pure, no I/O: :mod:`charlie.models.openai` reads the HTTP body and feeds its lines here.
+Pure, no I/O: :mod:`charlie.models.openai` reads the stream through the SDK and feeds its events
+here.
 
-- Chat Completions (``stream: true``, ``stream_options.include_usage``): ``data:`` lines, each a
-  ``chat.completion.chunk`` whose first choice's ``delta`` carries a piece of ``content`` (or
+- Chat Completions (``stream: true``, ``stream_options.include_usage``): ``chat.completion.chunk``
+  objects, each with a first choice whose ``delta`` carries a piece of ``content`` (or
   ``reasoning_content``) or ``tool_calls`` fragments (by ``index``: the first has the ``id`` and
   the function's ``name``, the rest pieces of ``arguments``); a last chunk with no choices
-  carries the usage; ``data: [DONE]`` ends the stream. The pieces are put together into the
-  ``chat.completion`` :func:`parse_chat_completion` reads.
+  carries the usage; ``data: [DONE]`` ends the stream (the SDK stops there). The pieces are put
+  together into the ``chat.completion`` :func:`parse_chat_completion` reads. The stream is whole
+  once a chunk gave the finish reason and the stream then ended.
 - Responses (``stream: true``): typed events; ``response.output_text.delta``,
   ``response.reasoning_summary_text.delta`` and ``response.function_call_arguments.delta``
   (its call named by the ``response.output_item.added`` before it) are only shown to people;
   the answer is the response ``response.completed`` (or ``response.incomplete``) carries whole.
 
-A stream that stops before its end (``[DONE]``, ``response.completed``) is no answer (I16): the
-client treats it as a transient failure and asks again.
+A stream that stops before its end is no answer (I16): the client treats it as a transient
+failure and asks again.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from charlie.models.base import Deltas
 
 
-@dataclass(frozen=True)
-class SSE:
-    event: str | None
-    data: str
-
-
-def server_sent_events(lines: Iterable[str]) -> Iterator[SSE]:
-    """Events from the lines of a ``text/event-stream`` body (comments and ids skipped;
-    multi-line data joined with newlines, as the format says)."""
-    event: str | None = None
-    data: list[str] = []
-    for line in lines:
-        if line == "":
-            if data:
-                yield SSE(event, "\n".join(data))
-            event, data = None, []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        if value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            data.append(value)
-        elif name == "event":
-            event = value
-    if data:
-        yield SSE(event, "\n".join(data))
-
-
 class StreamFailed(Exception):
-    """The provider reported an error inside the stream. ``retryable``: worth asking again."""
+    """The provider reported an error inside the stream."""
 
-    def __init__(self, message: str, *, code: str | None, evidence: Any) -> None:
+    def __init__(self, message: str, *, code: str | None) -> None:
         super().__init__(message)
         self.code = code
-        self.evidence = evidence
-
-
-def _error(payload: Any) -> StreamFailed:
-    error = payload.get("error") if isinstance(payload, dict) else None
-    source = error if isinstance(error, dict) else payload if isinstance(payload, dict) else {}
-    code = source.get("code") or source.get("type")
-    message = source.get("message")
-    return StreamFailed(
-        f"the stream reported an error: {message if isinstance(message, str) else payload!r}",
-        code=code if isinstance(code, str) else None,
-        evidence=payload,
-    )
 
 
 @dataclass
@@ -100,18 +58,9 @@ class ChatStream:
         self._usage: Any = None
         self._id: Any = None
 
-    def feed(self, sse: SSE) -> None:
-        if sse.data.strip() == "[DONE]":
-            self.done = True
-            return
-        try:
-            chunk = json.loads(sse.data)
-        except ValueError:
-            return  # a keep-alive or a proxy's line: not part of the answer
+    def feed(self, chunk: Any) -> None:
         if not isinstance(chunk, dict):
             return
-        if "error" in chunk:
-            raise _error(chunk)
         self._id = chunk.get("id", self._id)
         if chunk.get("usage"):
             self._usage = chunk["usage"]
@@ -121,6 +70,7 @@ class ChatStream:
         choice = choices[0]
         if isinstance(choice.get("finish_reason"), str):
             self._finish = choice["finish_reason"]
+            self.done = True
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             return
@@ -155,7 +105,7 @@ class ChatStream:
             call.arguments.append(piece)
             self.deltas.tool_call(call.id or f"call_{index}", call.name or None, piece)
 
-    def completion(self) -> dict[str, Any]:
+    def answer(self) -> dict[str, Any]:
         """The ``chat.completion`` the whole stream adds up to."""
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content) or None}
         if self._refusal:
@@ -194,16 +144,17 @@ class ResponsesStream:
         #: function_call items by id: (call_id, name), from response.output_item.added
         self._calls: dict[str, tuple[str, str | None]] = {}
 
-    def feed(self, sse: SSE) -> None:
-        try:
-            event = json.loads(sse.data)
-        except ValueError:
-            return
+    def feed(self, event: Any) -> None:
         if not isinstance(event, dict):
             return
-        kind = event.get("type") or sse.event
+        kind = event.get("type")
         if kind == "error":
-            raise _error(event)
+            code = event.get("code") or event.get("type")
+            message = event.get("message")
+            raise StreamFailed(
+                f"the stream reported an error: {message if isinstance(message, str) else event!r}",
+                code=code if isinstance(code, str) else None,
+            )
         if kind in self.FINAL:
             self.response = event.get("response")
             self.done = True
@@ -229,3 +180,6 @@ class ResponsesStream:
             item_id = str(event.get("item_id") or event.get("output_index"))
             call_id, name = self._calls.get(item_id, (item_id, None))
             self.deltas.tool_call(call_id, name, delta)
+
+    def answer(self) -> Any:
+        return self.response

@@ -51,6 +51,6 @@ def resolve_model(spec: str) -> Model:
         from charlie.models import anthropic  # an optional import: the SDK only when used
 
         return anthropic.client_for(name, spec)
-    from charlie.models.openai import client_for  # an optional import: httpx only when used
+    from charlie.models.openai import client_for  # an optional import: the SDK only when used
 
     return client_for(provider, name, spec)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -39,6 +40,7 @@ REDACTED = "[REDACTED]"
 THROTTLE_STATUSES = frozenset({429, 529})
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 def env_name(model: str) -> str:
@@ -82,32 +84,174 @@ def check_key(api_key: str | None, model: str) -> str | None:
     return api_key
 
 
-def parse_retry_after(headers: Mapping[str, str], now: datetime | None = None) -> float | None:
-    """Seconds to wait from ``retry-after-ms`` or ``Retry-After`` (seconds or an HTTP date)."""
-    millis = headers.get("retry-after-ms")
-    if millis:
-        try:
-            value = float(millis) / 1000
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value):
-            return max(0.0, value)
-    raw = headers.get("retry-after")
-    if not raw:
+#: the longest wait a provider's answer may impose, in seconds, unless
+#: CHARLIE_MODEL_RETRY_AFTER_MAX says otherwise: a larger one is capped (and said).
+DEFAULT_RETRY_AFTER_MAX = 600.0
+#: the rate-limit reset headers a wait is read from when no ``Retry-After`` is given, each with
+#: the remaining-count header that says whether it is the limit that ran out
+RESET_HEADERS = (
+    ("x-ratelimit-reset-requests", "x-ratelimit-remaining-requests"),
+    ("x-ratelimit-reset-tokens", "x-ratelimit-remaining-tokens"),
+    ("anthropic-ratelimit-requests-reset", "anthropic-ratelimit-requests-remaining"),
+    ("anthropic-ratelimit-tokens-reset", "anthropic-ratelimit-tokens-remaining"),
+    ("anthropic-ratelimit-input-tokens-reset", "anthropic-ratelimit-input-tokens-remaining"),
+    ("anthropic-ratelimit-output-tokens-reset", "anthropic-ratelimit-output-tokens-remaining"),
+    ("ratelimit-reset", "ratelimit-remaining"),
+    ("x-ratelimit-reset", "x-ratelimit-remaining"),
+)
+#: a reset given as a number this large is a Unix time, not seconds from now
+_EPOCH_SECONDS = 1e9
+#: OpenAI's durations: ``1s``, ``6m0s``, ``1h2m3.5s``, ``20ms``
+_NUM = r"(\d+(?:\.\d+)?)"
+_DURATION = re.compile(rf"(?:{_NUM}h)?(?:{_NUM}m(?!s))?(?:{_NUM}s)?(?:{_NUM}ms)?")
+#: the most characters of a provider's value a warning quotes
+_QUOTED = 80
+
+
+@dataclass(frozen=True)
+class ProviderWait:
+    """How long a provider's answer asks to wait: ``seconds`` (never more than the cap),
+    ``header`` and ``value`` (what it said, as it said it), and whether the cap cut it."""
+
+    seconds: float
+    header: str
+    value: str
+    capped: bool = False
+
+
+def provider_wait(
+    headers: Mapping[str, str], now: datetime | None = None, cap: float = DEFAULT_RETRY_AFTER_MAX
+) -> ProviderWait | None:
+    """The wait a provider's answer asks for, or None when it names none (or none this reads).
+
+    ``retry-after-ms``, then ``Retry-After`` (seconds or an HTTP date), then the rate-limit reset
+    headers (of the limits the answer says ran out, remaining 0; the longest). Pure and
+    total: any text, however large, malformed or far in the future, gives a finite wait in
+    ``[0, cap]`` or None, never an exception (a value too large to hold is the cap)."""
+    now = now or datetime.now(UTC)
+    cap = cap if math.isfinite(cap) and cap > 0 else DEFAULT_RETRY_AFTER_MAX
+    found: tuple[float, str, str] | None = None
+    for header, read in (("retry-after-ms", _millis), ("retry-after", _seconds_or_date)):
+        raw = _header(headers, header)
+        if raw is not None:
+            seconds = read(raw, now)
+            if seconds is not None:
+                found = (seconds, header, raw)
+                break
+    if found is None:
+        for header, remaining in RESET_HEADERS:
+            raw = _header(headers, header)
+            # only a limit the answer says ran out: a reset header alone comes with every
+            # answer (a 5xx too), and names when a window ends, not that it must be waited for
+            if raw is None or _number(_header(headers, remaining) or "") != 0:
+                continue
+            seconds = _reset(raw, now)
+            if seconds is not None and (found is None or seconds > found[0]):
+                found = (seconds, header, raw)
+    if found is None:
+        return None
+    seconds, header, raw = found
+    # the provider's text, quoted in a log line: one printable line, cut short
+    shown = "".join(c if c.isprintable() else "?" for c in raw)
+    value = shown if len(shown) <= _QUOTED else shown[: _QUOTED - 1] + "…"
+    if not seconds <= cap:  # inf and nan included
+        return ProviderWait(cap, header, value, capped=True)
+    return ProviderWait(max(0.0, seconds), header, value)
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    try:
+        raw = headers.get(name)
+    except Exception:  # a mapping that refuses a name holds nothing this reads
+        return None
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    return text or None
+
+
+def _number(raw: str) -> float | None:
+    """A decimal number (``inf`` for one too large to hold), or None for anything else."""
+    if not re.fullmatch(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?", raw):
         return None
     try:
         value = float(raw)
-    except ValueError:
-        pass
-    else:
-        return max(0.0, value) if math.isfinite(value) else None
+    except (ValueError, OverflowError):
+        return None
+    return value if not math.isnan(value) else None
+
+
+def _millis(raw: str, now: datetime) -> float | None:
+    value = _number(raw)
+    return None if value is None else value / 1000
+
+
+def _seconds_or_date(raw: str, now: datetime) -> float | None:
+    value = _number(raw)
+    if value is not None:
+        return value
+    return _until(raw, now)
+
+
+def _until(raw: str, now: datetime) -> float | None:
+    """Seconds from ``now`` to an HTTP date or an RFC 3339 time (None: neither)."""
     try:
         when = parsedate_to_datetime(raw)
-    except (TypeError, ValueError, IndexError):
-        return None
+    except (TypeError, ValueError, IndexError, OverflowError):
+        try:
+            when = datetime.fromisoformat(raw.replace("Z", "+00:00"))
+        except (ValueError, OverflowError):
+            return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+    try:
+        return (when - now).total_seconds()
+    except OverflowError:
+        return math.inf
+
+
+def _reset(raw: str, now: datetime) -> float | None:
+    """A reset header: seconds (or a Unix time), a duration (``6m0s``), or a time."""
+    value = _number(raw)
+    if value is not None:
+        return value - now.timestamp() if value >= _EPOCH_SECONDS else value
+    match = _DURATION.fullmatch(raw)
+    if match and any(match.groups()):
+        h, m, s, ms = (float(g) if g else 0.0 for g in match.groups())
+        return h * 3600 + m * 60 + s + ms / 1000
+    return _until(raw, now)
+
+
+def retry_after_max(env: Mapping[str, str] | None = None) -> float:
+    """CHARLIE_MODEL_RETRY_AFTER_MAX (seconds): the longest wait a provider may impose. A value
+    that is not a positive number is the default here (the settings refuse it at start)."""
+    raw = (os.environ if env is None else env).get("CHARLIE_MODEL_RETRY_AFTER_MAX", "").strip()
+    value = _number(raw) if raw else None
+    return value if value is not None and 0 < value < math.inf else DEFAULT_RETRY_AFTER_MAX
+
+
+def parse_retry_after(
+    headers: Mapping[str, str], now: datetime | None = None, *, spec: str | None = None
+) -> float | None:
+    """Seconds to wait from a provider's answer (see provider_wait), capped by
+    CHARLIE_MODEL_RETRY_AFTER_MAX; a capped wait is logged with the provider's own value."""
+    wait = provider_wait(headers, now, retry_after_max())
+    if wait is None:
+        return None
+    if wait.capped:
+        _log.warning(
+            "the provider asked to wait %s (%s); waiting %.0f s, CHARLIE_MODEL_RETRY_AFTER_MAX",
+            wait.value,
+            wait.header,
+            wait.seconds,
+            extra={
+                "provider_header": wait.header,
+                "provider_value": wait.value,
+                "wait": wait.seconds,
+                **({"model": spec} if spec else {}),
+            },
+        )
+    return wait.seconds
 
 
 class Redactor:

@@ -19,6 +19,10 @@ SWEEP_NAMES = ("sweep.stalled_runs", "sweep.tool_calls", "sweep.task_timeouts")
 
 #: the heartbeats of workers are named this, then their node name.
 WORKER_PREFIX = "worker:"
+#: a worker whose settle that completes a turn stores a wake-up on the run (migration 0016's
+#: release and later) says so in a heartbeat of this name, then its node, beside its own: a
+#: live worker without one is of an earlier release, whose lost await ticks only a probe finds
+SETTLE_WAKES_PREFIX = "settle-wakes:"
 
 
 @dataclass(frozen=True)
@@ -48,3 +52,17 @@ def load_heartbeats(conn: Connection) -> dict[str, Heartbeat]:
 def forget_heartbeat(conn: Connection, name: str) -> None:
     """A worker that shuts down cleanly says so: doctor then does not count it alive."""
     conn.execute(delete(heartbeats).where(heartbeats.c.name == name))
+
+
+def earlier_release_about(conn: Connection, since: datetime, waiting: str) -> bool:
+    """Whether a worker of a release before settle wake-ups has beaten since ``since``: a
+    worker heartbeat without its ``SETTLE_WAKES_PREFIX`` one (one waiting for the schema,
+    its detail starting with ``waiting``, claims nothing and settles nothing)."""
+    beats = load_heartbeats(conn)
+    return any(
+        name.startswith(WORKER_PREFIX)
+        and beat.at >= since
+        and not (beat.detail or "").startswith(waiting)
+        and SETTLE_WAKES_PREFIX + name.removeprefix(WORKER_PREFIX) not in beats
+        for name, beat in beats.items()
+    )

@@ -33,7 +33,14 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from charlie.domain import Phase
 from charlie.limits import WINDOW, Counted
-from charlie.store.schema import executions, limit_slots, limit_state, limit_waiters, tasks
+from charlie.store.schema import (
+    executions,
+    limit_actions,
+    limit_slots,
+    limit_state,
+    limit_waiters,
+    tasks,
+)
 
 _s, _w, _e, _l = limit_slots.c, limit_waiters.c, executions.c, limit_state.c
 
@@ -409,3 +416,120 @@ def statuses(conn: Connection, now: datetime) -> list[LimitStatus]:
             )
         )
     return out
+
+
+# -- what operators see and do (I27, I32, I36) ---------------------------------------------
+
+
+def paused(conn: Connection, key: str) -> tuple[bool, datetime | None]:
+    """Whether the limit has been used (its row exists), and the pause recorded on it (None:
+    none)."""
+    row = conn.execute(select(_l.paused_until).where(_l.limit_key == key)).first()
+    return (row is not None, None if row is None else _aware(row.paused_until))
+
+
+def lift_pause(conn: Connection, key: str) -> datetime | None:
+    """Lift the limit's pause (its row locked first, as every caller of the limit does); the
+    pause it lifted, or None when there was none."""
+    until = lock_limit(conn, key)
+    conn.execute(update(limit_state).where(_l.limit_key == key).values(paused_until=None))
+    return _aware(until)
+
+
+def record_limit_action(
+    conn: Connection,
+    *,
+    key: str,
+    action: str,
+    actor: str,
+    now: datetime,
+    channel: str,
+    authenticated: bool,
+    note: str | None = None,
+    detail: Any = None,
+) -> int:
+    """The evidence row of an operator's action on a limit (I27), with how it arrived (I32)."""
+    row = conn.execute(
+        limit_actions.insert()
+        .values(
+            limit_key=key,
+            action=action,
+            actor=actor,
+            at=now,
+            note=note,
+            detail=detail,
+            channel=channel,
+            authenticated=authenticated,
+        )
+        .returning(limit_actions.c.id)
+    ).first()
+    assert row is not None
+    return int(row.id)
+
+
+@dataclass(frozen=True)
+class LimitActionRow:
+    id: int
+    key: str
+    action: str
+    actor: str
+    at: datetime
+    note: str | None
+    detail: Any
+    channel: str
+    authenticated: bool
+
+
+def limit_action_rows(
+    conn: Connection, key: str | None = None, last: int = 20
+) -> list[LimitActionRow]:
+    """The last ``last`` operator actions on limits (on ``key`` only, when given), newest
+    first."""
+    a = limit_actions.c
+    stmt = select(limit_actions).order_by(a.id.desc()).limit(last)
+    if key is not None:
+        stmt = stmt.where(a.limit_key == key)
+    return [
+        LimitActionRow(
+            int(r.id),
+            r.limit_key,
+            r.action,
+            r.actor,
+            _aware(r.at) or r.at,
+            r.note,
+            r.detail,
+            r.channel,
+            bool(r.authenticated),
+        )
+        for r in conn.execute(stmt).all()
+    ]
+
+
+@dataclass(frozen=True)
+class HeldRun:
+    execution_id: str
+    version: int
+    priority: int
+    model: str
+
+
+def held_until(conn: Connection, now: datetime, until: datetime, last: int) -> list[HeldRun]:
+    """Runs at a model call, free (no live lease), whose stored wake-up falls after ``now`` and
+    no later than ``until`` (a pause's end): those a lifted pause held, the throttled call's own
+    retry and the limit's waiters (the caller keeps those of its limit, by their task's
+    model)."""
+    stmt = (
+        select(_e.id, _e.version, tasks.c.priority, tasks.c.model)
+        .select_from(executions.join(tasks, tasks.c.id == _e.task_id))
+        .where(
+            _e.phase == Phase.CALL_MODEL.value,
+            _e.wake_at > now,
+            _e.wake_at <= until + timedelta(seconds=1),
+            or_(_e.lease_until.is_(None), _e.lease_until < now),
+        )
+        .order_by(tasks.c.priority.desc(), _e.wake_at)
+        .limit(last)
+    )
+    return [
+        HeldRun(r.id, int(r.version), int(r.priority or 0), r.model) for r in conn.execute(stmt)
+    ]

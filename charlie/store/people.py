@@ -448,6 +448,7 @@ def source_of_fork(conn: Connection, task_id: str) -> Any | None:
             _e.id.label("x_id"),
             _e.phase.label("x_phase"),
             _e.turn.label("x_turn"),
+            _e.state.label("x_state"),
         )
         .select_from(tasks.join(executions, _e.task_id == _t.id))
         .where(_t.id == task_id)

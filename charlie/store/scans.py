@@ -81,11 +81,13 @@ def _run_clause(
         # An await whose turn has settled, quietly, for the stall period, and that no wake-up
         # will find: read run by run (each quiet run in await_tools, for an open call or one
         # settled lately), hence only every CHARLIE_SWEEP_PROBE_SECONDS.
+        # A wake-up still ahead (an earlier wait's deadline) does not find it before that: a
+        # settle of a release before 0016 stores none of its own.
         in_turn = and_(_c.execution_id == _e.id, _c.turn == _e.turn)
         return and_(
             free,
             _e.phase == Phase.AWAIT_TOOLS.value,
-            _e.wake_at.is_(None),
+            or_(_e.wake_at.is_(None), _e.wake_at > now),
             _e.updated_at < now - stall,
             ~exists().where(in_turn, OPEN_CALL),
             ~exists().where(in_turn, _c.settled_at > now - stall),

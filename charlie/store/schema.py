@@ -391,6 +391,25 @@ class LimitWaiter(Base):
     woken_at: Mapped[datetime | None] = mapped_column(default=None)
 
 
+class LimitAction(Base):
+    """An operator's action on a provider limit (I27, I32): a pause lifted (``resume``), with
+    who, when, how it arrived and what it changed."""
+
+    __tablename__ = "limit_actions"
+    __table_args__ = (Index("ix_limit_actions_key", "limit_key", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    limit_key: Mapped[str] = mapped_column(String(500))
+    action: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(200))
+    at: Mapped[datetime]
+    note: Mapped[str | None] = mapped_column(Text, default=None)
+    detail: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
+    #: how it arrived (domain.Channel) and whether the channel established ``actor`` (I32)
+    channel: Mapped[str] = mapped_column(String(16))
+    authenticated: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+
+
 # The Core tables the hot path uses (the ORM classes above are their typed description).
 tasks = cast(Table, Task.__table__)
 executions = cast(Table, Execution.__table__)
@@ -404,3 +423,4 @@ schema_floor = cast(Table, SchemaFloor.__table__)
 limit_state = cast(Table, LimitState.__table__)
 limit_slots = cast(Table, LimitSlot.__table__)
 limit_waiters = cast(Table, LimitWaiter.__table__)
+limit_actions = cast(Table, LimitAction.__table__)

@@ -7,6 +7,11 @@ readers follow by polling the file's size. Bounded: past ``max_events`` x 512 by
 deltas are dropped (a ``truncated`` event says so once) and only the other events are kept, up
 to a quarter more. Expiring: any writer removes, at most once a minute, the files nobody has
 written to for ``ttl`` seconds.
+
+Every line is bounded too (``MAX_EVENT_BYTES``): an event that would be longer is split where it
+lists what can grow (a ``waiting`` event holding hundreds of calls becomes several, each with its
+``part`` and ``parts``) or has its longest texts cut (``clipped``); and a reader takes a line of
+any length (one an older writer left), so no line stalls every reader of a task for good.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from charlie.home import PRIVATE_FILE, private_dir
-from charlie.streams.base import StreamEvent, decode, encode
+from charlie.streams.base import StreamEvent, bound_event, decode, encode
 
 #: the event types dropped first when a task's file is full
 DELTAS = frozenset({"text", "reasoning", "tool_args"})
 BYTES_PER_EVENT = 512
 READ_CHUNK = 1 << 20
+#: the longest line an event is written as (a pad's lines too)
+MAX_EVENT_BYTES = 64 * 1024
 POLL_SECONDS = 0.05
 SWEEP_EVERY = 60.0
 
@@ -52,15 +59,19 @@ class FileTransport:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             size = os.fstat(fd).st_size
+            events = [part for e in events for part in bound_event(e, MAX_EVENT_BYTES)]
             data = "".join(encode(e) + "\n" for e in events).encode()
             if size + len(data) > self.max_bytes:
                 kept = [e for e in events if e.get("type") not in DELTAS]
-                if size <= self.max_bytes:
-                    # said once: padded past the bound, so the next writer sees the file full
-                    pad = " " * max(0, self.max_bytes - size)
-                    kept.insert(0, {"type": "truncated", "task_id": task_id, "pad": pad})
                 data = "".join(encode(e) + "\n" for e in kept).encode()
-                if not kept or size + len(data) > self.max_bytes * 5 // 4:
+                if size <= self.max_bytes:
+                    # said once: padded past the bound (blank lines, which readers skip, each
+                    # within a line's bound), so the next writer sees the file full
+                    truncated = encode({"type": "truncated", "task_id": task_id}) + "\n"
+                    data = truncated.encode() + _pad(self.max_bytes - size) + data
+                if not kept and size > self.max_bytes:
+                    return
+                if size + len(data) > self.max_bytes * 5 // 4:
                     return
             os.write(fd, data)
         finally:
@@ -84,9 +95,19 @@ class FileTransport:
                     start = 0
                 f.seek(start)
                 chunk = f.read(READ_CHUNK)
+                end = chunk.rfind(b"\n")
+                # a line longer than a chunk (written before lines were bounded): read on to
+                # its end, whatever its length, rather than wait for good for a newline
+                while end < 0 and len(chunk) < size - start:
+                    more = f.read(READ_CHUNK)
+                    if not more:
+                        break
+                    newline = more.find(b"\n")
+                    chunk += more
+                    if newline >= 0:
+                        end = len(chunk) - len(more) + newline
         except FileNotFoundError:
             return []
-        end = chunk.rfind(b"\n")
         if end < 0:
             return []
         events: list[StreamEvent] = []
@@ -116,6 +137,13 @@ class FileTransport:
 
     def close(self) -> None:
         pass
+
+
+def _pad(size: int) -> bytes:
+    """``size`` bytes (at least one line) of blank lines, none longer than an event may be."""
+    line = b" " * (MAX_EVENT_BYTES - 1) + b"\n"
+    whole, rest = divmod(max(1, size), MAX_EVENT_BYTES)
+    return line * whole + (b" " * (rest - 1) + b"\n" if rest else b"")
 
 
 def _offset(after: str | None) -> int:

@@ -51,7 +51,10 @@ class RabbitStreamTransport:
         }
         self._lock = threading.Lock()
         self._writer: Any = None
-        self._declared = False
+        self._channel_open: Any = None
+        #: what the broker said when the queue exists with other bounds (None: the same, or
+        #: not declared yet): the queue is used as it is (see declare)
+        self.differs: str | None = None
         #: (task, after) -> the last offset read past for it, so a follower does not read the
         #: other tasks' events again on every read
         self._scanned: dict[tuple[str, str | None], int] = {}
@@ -61,13 +64,29 @@ class RabbitStreamTransport:
             connection = Connection(self.url, connect_timeout=5)
             connection.connect()
             self._writer = connection
-        channel = self._writer.default_channel
-        if not self._declared:
-            channel.queue_declare(
+        if self._channel_open is None:
+            self._channel_open, _ = self.declare(self._writer)
+        return self._channel_open
+
+    def declare(self, connection: Any) -> tuple[Any, Any]:
+        """A channel on ``connection`` and the queue's declare-ok. A queue declared already
+        with other bounds (``x-max-age``, ``x-max-length-bytes``: another deployment's, or one
+        from before an operator or a release changed CHARLIE_STREAM_TTL or
+        CHARLIE_STREAM_MAX_EVENTS) is used as it is, its bounds the broker's (a RabbitMQ policy
+        changes them on a running fleet); ``differs`` keeps what the broker said, for
+        `charlie doctor`. Refusing it would drop every event (PRECONDITION_FAILED on every
+        declare)."""
+        channel = connection.channel()
+        try:
+            declared = channel.queue_declare(
                 self.queue, durable=True, auto_delete=False, arguments=self.arguments
             )
-            self._declared = True
-        return channel
+            self.differs = None
+            return channel, declared
+        except amqp.exceptions.PreconditionFailed as exc:
+            self.differs = str(exc)
+        channel = connection.channel()  # the broker closed the one it refused
+        return channel, channel.queue_declare(self.queue, passive=True)
 
     def append(self, task_id: str, events: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -90,7 +109,7 @@ class RabbitStreamTransport:
             with contextlib.suppress(Exception):  # already gone
                 self._writer.release()
         self._writer = None
-        self._declared = False
+        self._channel_open = None
 
     def read(self, task_id: str, after: str | None, block: float) -> list[StreamEvent]:
         if after is not None and not after.isdigit():
@@ -117,10 +136,7 @@ class RabbitStreamTransport:
 
         try:
             with Connection(self.url, connect_timeout=5) as connection:
-                channel = connection.channel()
-                declared = channel.queue_declare(
-                    self.queue, durable=True, auto_delete=False, arguments=self.arguments
-                )
+                channel, declared = self.declare(connection)
                 # The stream's end when this read began, read as its message count: exact while
                 # its offsets begin at 0 (nothing dropped yet by its bounds). What it holds past
                 # ``start`` is waited for, not taken for absent because the broker was slow to
@@ -162,3 +178,18 @@ def _read_past(last: int | None, expected: int | None, began: float) -> bool:
     if expected is None or (last is not None and last >= expected):
         return True
     return time.monotonic() - began >= FIRST_CHUNK_SECONDS
+
+
+def bounds_differ(url: str, *, ttl: float, max_events: int, queue: str = QUEUE) -> str | None:
+    """What differs between the event stream queue as the broker holds it and the bounds this
+    process's settings give it (the broker's PRECONDITION_FAILED text, naming the argument and
+    both values), or None: the same, or no such queue yet. Declares nothing new: the queue is
+    looked up first, and a declare of an equivalent queue changes nothing."""
+    transport = RabbitStreamTransport(url, ttl=ttl, max_events=max_events, queue=queue)
+    with Connection(url, connect_timeout=5) as connection:
+        try:
+            connection.channel().queue_declare(queue, passive=True)
+        except amqp.exceptions.NotFound:
+            return None
+        transport.declare(connection)
+    return transport.differs

@@ -8,10 +8,10 @@ opted out with CHARLIE_SANDBOX=off.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import secrets
+import posixpath
 import signal
-import stat
 import subprocess
 import threading
 import time
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO
 
 from charlie import sandbox
+from charlie.beneath import Outside, Root
 from charlie.config import Settings, settings
 from charlie.devbox.policy import command_env
 from charlie.domain import JSON
@@ -35,10 +36,7 @@ MAX_DIR_ENTRIES = 10_000
 @tool(effect="read", deadline=60, threadsafe=True)
 def read_file(path: str, ctx: ToolContext) -> str:
     """Read a text file in the workspace."""
-    target = ctx.resolve(path)
-    if not target.is_file():
-        raise ToolError(f"no such file: {path}")
-    data, size = _read_head(target, MAX_READ_BYTES, path)
+    data, size = _read_head(ctx, path, MAX_READ_BYTES)
     if len(data) > MAX_READ_BYTES:
         return data[:MAX_READ_BYTES].decode(errors="replace") + (
             f"\n[truncated: file is {size} bytes, showing the first {MAX_READ_BYTES}]"
@@ -46,46 +44,38 @@ def read_file(path: str, ctx: ToolContext) -> str:
     return data.decode(errors="replace")
 
 
-def _read_head(target: Path, limit: int, path: str) -> tuple[bytes, int]:
+def _read_head(ctx: ToolContext, path: str, limit: int) -> tuple[bytes, int]:
     """At most ``limit + 1`` bytes of a regular file (the extra byte says there is more) and
     its size: the file's size is the agent's to choose (a sparse file of 50 GB costs it
-    nothing), so what is read must not be (result cap, I15). Opened without following a link
-    and without blocking, so a file swapped for a link or a FIFO since it was looked at is
-    refused rather than followed out of the workspace or waited on."""
+    nothing), so what is read must not be (result cap, I15). Opened beneath the workspace by
+    descriptor (I33) and without blocking, so a directory swapped for a link since anyone
+    looked is refused rather than followed out of the workspace, a FIFO not waited on."""
+    rel = ctx.relative(path)
     try:
-        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with ctx.root() as root:
+            return root.read_head(rel, limit)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ToolError(f"no such file: {path}") from None
     except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise ToolError(f"no such file: {path}") from None  # a FIFO, a device
         raise ToolError(f"cannot read {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ToolError(f"no such file: {path}")
-        chunks: list[bytes] = []
-        want = limit + 1
-        while want > 0 and (chunk := f.read(min(want, 1 << 20))):
-            chunks.append(chunk)
-            want -= len(chunk)
-    return b"".join(chunks), st.st_size
 
 
 @tool(effect="write", deadline=60, threadsafe=True)
 def write_file(path: str, content: str, ctx: ToolContext) -> JSON:
     """Write a text file in the workspace, replacing it if it exists."""
-    target = ctx.resolve(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a crash leaves the old file or the new one, never half of one. The
-    # temporary name is random and created exclusively, never through a link: a command could
-    # have planted a symlink at a predictable name pointing outside the workspace.
+    # Write then rename, so a crash leaves the old file or the new one, never half of one; the
+    # temporary file is made and renamed in the directory opened beneath the workspace (I33).
     data = content.encode()
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(8)}.charlie-tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    rel = ctx.relative(path)
     try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        with ctx.root() as root:
+            root.write_atomic(rel, data)
+    except IsADirectoryError:
+        raise ToolError(f"{path} is a directory") from None
+    except OSError as exc:
+        raise ToolError(f"cannot write {path}: {exc.strerror}") from None
     return {"path": path, "bytes": len(data)}
 
 
@@ -115,22 +105,24 @@ def recall(call_id: str, ctx: ToolContext, offset: int = 0) -> str:
 @tool(effect="read", deadline=60, threadsafe=True)
 def list_files(ctx: ToolContext, path: str = ".") -> list[str]:
     """List files under a directory of the workspace (recursively, hidden entries skipped)."""
-    root = ctx.resolve(path)
-    if not root.is_dir():
-        raise ToolError(f"no such directory: {path}")
-    base = ctx.workspace.resolve()
+    start = posixpath.normpath(ctx.relative(path))
     found: list[str] = []
     crowded = False
-    pending = [str(root)]  # depth-first, each directory's entries sorted, as os.walk went
-    while pending and len(found) <= MAX_LIST_ENTRIES:
-        directory = pending.pop()
+    with ctx.root() as root:
         try:
-            dirs, files, cut = _entries(directory)
+            os.close(root.opendir(start))
         except OSError:
-            continue  # (gone, or unreadable: skipped, as os.walk skips it)
-        crowded = crowded or cut
-        found += [os.path.relpath(os.path.join(directory, f), base) for f in files]
-        pending += reversed([os.path.join(directory, d) for d in dirs])
+            raise ToolError(f"no such directory: {path}") from None
+        pending = [start]  # depth-first, each directory's entries sorted, as os.walk went
+        while pending and len(found) <= MAX_LIST_ENTRIES:
+            directory = pending.pop()
+            try:
+                dirs, files, cut = _entries(root, directory)
+            except (OSError, Outside):
+                continue  # (gone, unreadable or swapped for a link: skipped, as os.walk skips)
+            crowded = crowded or cut
+            found += [_joined(directory, f) for f in files]
+            pending += reversed([_joined(directory, d) for d in dirs])
     if len(found) > MAX_LIST_ENTRIES or pending:
         return [*found[:MAX_LIST_ENTRIES], f"[truncated at {MAX_LIST_ENTRIES} entries]"]
     if crowded:
@@ -138,13 +130,18 @@ def list_files(ctx: ToolContext, path: str = ".") -> list[str]:
     return found
 
 
-def _entries(directory: str) -> tuple[list[str], list[str], bool]:
+def _joined(directory: str, name: str) -> str:
+    return name if directory == "." else posixpath.join(directory, name)
+
+
+def _entries(root: Root, directory: str) -> tuple[list[str], list[str], bool]:
     """A directory's subdirectories (not followed through a link) and its other entries, hidden
     ones skipped, each sorted; at most ``MAX_DIR_ENTRIES`` of it read, since a command can put
-    millions in one (result cap, I15). True when there were more."""
+    millions in one (result cap, I15). True when there were more. Each directory is opened
+    beneath the workspace by descriptor (I33)."""
     dirs: list[str] = []
     files: list[str] = []
-    with os.scandir(directory) as scan:
+    with root.scandir(directory) as scan:
         for n, entry in enumerate(scan):
             if n >= MAX_DIR_ENTRIES:
                 return sorted(dirs), sorted(files), True

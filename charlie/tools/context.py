@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
+from charlie.beneath import Outside, Root
 from charlie.domain import JSON, Outcome, TaskStatus
 
 
@@ -214,11 +220,109 @@ class ToolContext:
         self.handle = handle
 
     def resolve(self, path: str) -> Path:
-        """A path inside the workspace; anything that resolves outside it is refused."""
+        """A path inside the workspace; anything that resolves outside it is refused.
+
+        A check, not a guarantee: it resolves symlinks now, and the path it returns is opened
+        by name later, when a command running in the workspace may have swapped a directory on
+        it for a symlink that leads outside. Open, write and list with :meth:`open`,
+        :meth:`read_text`, :meth:`write_text`, :meth:`listdir` or :meth:`root` instead, which
+        resolve at the moment of the open (I33); use this one for a path to show, or to hand to
+        a command that runs in the sandbox."""
         root = self.workspace.resolve()
         candidate = (root / path).resolve()
         if candidate != root and root not in candidate.parents:
-            raise WorkspaceEscape(
-                f"path {path!r} is outside the task's workspace", workspace=str(root)
-            )
+            raise self._escape(path)
         return candidate
+
+    # -- files, opened beneath the workspace by descriptor (I33) -------------------------------
+
+    def _escape(self, path: str) -> WorkspaceEscape:
+        return WorkspaceEscape(
+            f"path {path!r} is outside the task's workspace", workspace=str(self.workspace)
+        )
+
+    def relative(self, path: str) -> str:
+        """``path`` relative to the workspace: a relative path as it is, an absolute one that
+        lies (as written) in the workspace made relative; any other absolute path is refused.
+        Where it leads is decided by the open, not here."""
+        if not isinstance(path, str) or "\x00" in path:
+            raise ToolError(f"invalid path {path!r}")
+        if not os.path.isabs(path):
+            return path
+        for base in (os.path.abspath(self.workspace), os.path.realpath(self.workspace)):
+            rel = os.path.relpath(os.path.normpath(path), base)
+            if rel != ".." and not rel.startswith("../"):
+                return rel
+        raise self._escape(path)
+
+    @contextmanager
+    def root(self) -> Iterator[Root]:
+        """The workspace opened as a directory (:class:`charlie.beneath.Root`): every path its
+        methods take is opened beneath it, no step of it outside, at the moment of the open.
+        A path that leads outside raises :class:`WorkspaceEscape` out of the block."""
+        try:
+            root = Root(self.workspace)
+        except OSError as exc:
+            raise ToolError(f"cannot open the task's workspace: {exc.strerror}") from None
+        try:
+            with root:
+                yield root
+        except Outside as exc:
+            raise self._escape(exc.path) from None
+
+    def open(self, path: str, mode: str = "r", *, encoding: str | None = None) -> IO[Any]:
+        """``open(path, mode)`` for a regular file of the workspace, safe against a command
+        swapping symlinks in meanwhile: resolved beneath the workspace at the moment of the
+        open (a symlink that stays inside is followed, one that leaves it raises
+        :class:`WorkspaceEscape`). Modes as ``open()``'s (``r w a x``, ``+``, ``b``); a file
+        is created, never its directory (:meth:`write_text` makes those). A FIFO, a device or
+        a directory is refused rather than opened (OSError). Text mode defaults to UTF-8."""
+        flags = _open_flags(mode)
+        rel = self.relative(path)
+        with self.root() as root:
+            fd = root.open(rel, flags | os.O_NONBLOCK, 0o666)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            if "b" not in mode and encoding is None:
+                encoding = "utf-8"
+            return os.fdopen(fd, mode, encoding=encoding)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The text of a workspace file (see :meth:`open`)."""
+        with self.open(path, "r", encoding=encoding) as f:
+            return str(f.read())
+
+    def write_text(self, path: str, text: str, encoding: str = "utf-8") -> None:
+        """Replace a workspace file whole (its directories made as needed): written to a new
+        file beside it and renamed over it, each step relative to the directory opened beneath
+        the workspace, so a crash leaves the old file or the new one (I33)."""
+        rel = self.relative(path)
+        with self.root() as root:
+            root.write_atomic(rel, text.encode(encoding))
+
+    def listdir(self, path: str = ".") -> list[str]:
+        """The names in a workspace directory, sorted (see :meth:`open`)."""
+        rel = self.relative(path)
+        with self.root() as root, root.scandir(rel) as entries:
+            return sorted(entry.name for entry in entries)
+
+
+def _open_flags(mode: str) -> int:
+    """``os.open`` flags for an ``open()`` mode."""
+    kinds = {"r": os.O_RDONLY, "w": os.O_CREAT | os.O_TRUNC, "a": os.O_CREAT | os.O_APPEND}
+    kinds["x"] = os.O_CREAT | os.O_EXCL
+    base = [c for c in mode if c in kinds]
+    if len(base) != 1 or set(mode) - set("rwaxbt+") or len(set(mode)) != len(mode):
+        raise ValueError(f"invalid mode: {mode!r}")
+    (kind,) = base
+    if "+" in mode:
+        return kinds[kind] | os.O_RDWR
+    return kinds[kind] | (os.O_RDONLY if kind == "r" else os.O_WRONLY)

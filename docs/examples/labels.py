@@ -11,16 +11,16 @@ def label_exists(order_id: str, address: str, ctx: ToolContext) -> Reconciled | 
     """The reconcile hook: called with the tool's own arguments (and its context) when a call
     is found started without a result after a crash. It reads back what happened; returning
     None instead means "cannot tell", and the call settles `interrupted`."""
-    label = ctx.resolve(f"labels/{order_id}.txt")
-    if label.exists():
-        return Reconciled(Outcome.OK, {"label": f"labels/{order_id}.txt"})
-    return Reconciled(Outcome.ERROR, {"error": "no label was printed; print it again"})
+    try:
+        ctx.read_text(f"labels/{order_id}.txt")
+    except FileNotFoundError:
+        return Reconciled(Outcome.ERROR, {"error": "no label was printed; print it again"})
+    return Reconciled(Outcome.OK, {"label": f"labels/{order_id}.txt"})
 
 
 @charlie.tool(effect="write", deadline=30, reconcile=label_exists)
 def print_label(order_id: str, address: str, ctx: ToolContext) -> dict[str, str]:
     """Print a shipping label for an order."""  # what the model is told
-    label = ctx.resolve(f"labels/{order_id}.txt")  # inside the task's workspace, or refused
-    label.parent.mkdir(parents=True, exist_ok=True)
-    label.write_text(address)
+    # opened beneath the task's workspace, at the moment of the write, or refused
+    ctx.write_text(f"labels/{order_id}.txt", address)
     return {"label": f"labels/{order_id}.txt"}

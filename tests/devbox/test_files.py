@@ -75,6 +75,22 @@ def test_git_dir_not_writable(client: DevboxClient, workspace: str) -> None:
     assert error.status == 400 and ".git" in error.message
 
 
+def test_git_dir_not_writable_through_a_link(client: DevboxClient, workspace: str) -> None:
+    """Asked of the directory that was opened, not of the path's spelling: a link to .git (or
+    into it) is no way in, while a link to another directory inside is written through."""
+    root = Path(client.get_workspace(workspace).path)
+    os.symlink(".git", root / "g")
+    os.symlink(".git/config", root / "c")
+    for path in ("g/hooks/pre-commit", "g/config", "c"):
+        error = _refused(client.write_file, workspace, path, "[core]\n")
+        assert error.status == 400 and ".git" in error.message, path
+    assert not (root / ".git" / "hooks" / "pre-commit").exists()
+    (root / "sub").mkdir()
+    os.symlink("sub", root / "alias")
+    client.write_file(workspace, "alias/x.txt", "via a link inside")
+    assert (root / "sub" / "x.txt").read_text() == "via a link inside"
+
+
 def test_workspace_disk_cap(make_server: ServerFactory) -> None:
     server = make_server(limits=Limits(workspace_bytes=2 * 1024 * 1024))
     with DevboxClient(server.url, TOKEN) as c:

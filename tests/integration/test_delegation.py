@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
 
 import charlie
 from charlie import api
-from charlie.domain import TaskStatus
+from charlie.domain import Phase, TaskStatus
 from tests.conftest import model_calls, wait_for
 from tests.support.cluster import Cluster
 
@@ -81,7 +80,10 @@ def test_canceling_the_parent_cancels_its_child(cluster: Cluster, script) -> Non
     calls_at_cancel = len(model_calls(ledger))
     assert charlie.wait(parent, timeout=30).status is TaskStatus.CANCELED
     assert charlie.wait(child, timeout=30).status is TaskStatus.CANCELED
-    time.sleep(1)
+    # Its run ended (no tick moves it again), and sweep rounds went by after (one would
+    # re-publish a tick it still had to take): the model was not called after the cancel.
+    wait_for(lambda: charlie.get_task(parent).phase is Phase.DONE, timeout=30)
+    cluster.sweep_rounds(2)
     assert len(model_calls(ledger)) == calls_at_cancel  # not called again after the cancel
 
 

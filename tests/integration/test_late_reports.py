@@ -7,7 +7,6 @@ period, and records its end as the call's one late report; the outcome stands.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -76,8 +75,10 @@ def test_a_wait_past_its_deadline_is_watched_to_its_late_report(
     row = next(line for _, line in transcript_rows(task_id) if "wait_for_file" in line)
     assert "[deadline_exceeded" in row and "late report: ok" in row, row
 
-    # Once its end is recorded the watch stops looking: several stall periods, no new look.
+    # Once its end is recorded the watch stops looking: the sweep rounds of two stall periods
+    # went by (the watch looked once a stall period above), no new look.
     seen = len(looks(task_id))
-    time.sleep(5)
+    stall = float(cluster.env["CHARLIE_STALL_SECONDS"])
+    cluster.sweep_rounds(int(2 * stall / float(cluster.env["CHARLIE_SWEEP_INTERVAL"])) + 2)
     assert len(looks(task_id)) == seen
     assert api.calls(task_id)[0].late_reports == 1

@@ -118,6 +118,18 @@ def test_forty_turns_fit_a_window_learned_from_the_refusal(
     assert 1 <= len(model_server.refused) <= 3
     assert len(model_server.summaries) >= 1
     assert_record_whole(task_id)
+    # A fork keeps what the run learned (the window the refusal showed): its first input, from
+    # a turn whose history alone is over the window, is not refused again.
+    items = charlie.transcript(task_id)
+    turn = next(i.turn for i in items if i.kind == "compaction") - 1
+    history = sum(len(json.dumps(i.payload)) for i in items if i.turn <= turn)
+    assert history // 4 > FAKE_WINDOW_TOKENS
+    refused = len(model_server.refused)
+    model_server.enqueue(chat_text("the fork's answer"))
+    fork_id = charlie.fork(task_id, turn=turn)
+    forked = charlie.wait(fork_id, timeout=60)
+    assert forked.status is TaskStatus.SUCCEEDED, forked.error
+    assert len(model_server.refused) == refused
 
 
 def test_a_worker_killed_during_a_summary_repeats_only_that_call(

@@ -245,3 +245,75 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
         found = limits.statuses(conn, utcnow())
     (status,) = [s for s in found if s.key == "openai:"]
     assert status.in_flight == 0
+
+
+def test_a_providers_pause_is_bounded_shown_and_lifted_by_an_operator(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """A 429 asking to wait three years (``Retry-After: 100000000``) pauses the limit and the
+    throttled call for CHARLIE_MODEL_RETRY_AFTER_MAX (600 s by default) at most, with a warning
+    naming the provider's value; `charlie limits` shows the pause, `charlie limits resume`
+    lifts it (recorded with its channel, I27, I32) and the held call goes at once (I36)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from charlie.people import limit_actions, limit_states
+    from tests.support.cluster import REPO
+
+    limit = ProviderLimit(retry_after="100000000", latency=0.05, answer=answer(), refuse_next=1)
+    model_server.limit = limit
+    with limited(cluster, {"openai:": {"concurrency": 8}}):
+        task_id = charlie.submit("paused for years", model=MODEL)
+        wait_for(lambda: limit.refused_at, timeout=60)
+
+        def paused() -> Any:
+            return next((s for s in limit_states() if s.key == "openai:" and s.paused_until), None)
+
+        wait_for(paused, timeout=60)
+        state = paused()
+        left = (state.paused_until - charlie_now()).total_seconds()
+        assert 500 < left <= 601, state
+        wait_for(lambda: charlie.get_task(task_id).status is TaskStatus.RUNNING, timeout=30)
+        assert "100000000" in cluster.logs()  # the warning names the provider's value
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "charlie", "limits", *args],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, **cluster.settings_env},
+                timeout=60,
+            )
+
+        # the console's list shows it too (its panel of limits)
+        from charlie.console.server import load_list
+
+        listed = load_list([], None, None)["limits"]
+        assert [x.key for x in listed if x.paused_until] == ["openai:"]
+        shown = cli()
+        assert shown.returncode == 0, shown.stderr
+        assert "openai:: " in shown.stdout and "paused by the provider until" in shown.stdout
+        assert "charlie limits resume openai:" in shown.stdout
+        started = time.monotonic()
+        lifted = cli("resume", "openai:", "--note", "the gateway misbehaved")
+        assert lifted.returncode == 0, lifted.stderr
+        assert "lifted the pause of openai:" in lifted.stdout
+        info = charlie.wait(task_id, timeout=60)
+        assert info.status is TaskStatus.SUCCEEDED, info.error
+        assert time.monotonic() - started < 60
+        again = cli("resume", "openai:")
+        assert again.returncode == 2 and "is not paused" in again.stderr
+    action = limit_actions("openai:")[0]
+    assert action.action == "resume" and action.note == "the gateway misbehaved"
+    assert action.channel.value == "cli" and not action.authenticated
+    assert "(claimed, via CLI)" in action.by
+    assert not [s for s in limit_states() if s.key == "openai:" and s.paused_until]
+
+
+def charlie_now() -> Any:
+    from charlie.domain import utcnow
+
+    return utcnow()

@@ -681,3 +681,49 @@ def test_the_api_key_never_leaks(
     retries = [r for r in caplog.records if r.name == "charlie.models.openai"]
     assert {"task_id", "turn", "attempt", "status"} <= set(retries[0].__dict__)
     assert retries[0].__dict__["task_id"] == "task-1"
+
+
+def test_the_sdks_own_environment_sends_no_credential(
+    fake: FakeOpenAI, env: pytest.MonkeyPatch
+) -> None:
+    # The openai SDK reads OPENAI_* itself. Charlie gives it the key and URL it configured, so
+    # an ambient key, organization, project or base URL never goes to a model's host, with a key
+    # configured or without one, streamed or not.
+    env.setenv("OPENAI_API_KEY", "sk-ambient")
+    env.setenv("OPENAI_ADMIN_KEY", "sk-admin")
+    env.setenv("OPENAI_ORG_ID", "org-ambient")
+    env.setenv("OPENAI_PROJECT_ID", "proj-ambient")
+    env.setenv("OPENAI_BASE_URL", f"http://127.0.0.1:{free_port()}/v1")
+    env.setenv("OPENAI_CUSTOM_HEADERS", "Authorization: Bearer sk-custom")
+    env.delenv("CHARLIE_MODEL_API_KEY")
+    fake.enqueue(chat_text("hi"), response([message_item("m", "hi")]), chat_text("hi"))
+    make("openai:local-llama").complete(request())
+    make("openai-responses:local-llama").complete(request())
+    streamed = ModelRequest("task-1", "exec-1", 0, context(), [], deltas=Recorder())
+    make("openai:local-llama").complete(streamed)
+    env.setenv("CHARLIE_MODEL_API_KEY", KEY)
+    fake.enqueue(chat_text("hi"))
+    make("openai:gpt-4.1").complete(request())
+    sent = [r.headers for r in fake.requests]
+    assert len(sent) == 4
+    assert ["authorization" in h for h in sent] == [False, False, False, True]
+    assert sent[3]["authorization"] == f"Bearer {KEY}"
+    for headers in sent:
+        assert not {"openai-organization", "openai-project"} & set(headers)
+        assert headers["user-agent"] == "charlie/0.1"
+
+
+class Recorder:
+    """Deltas that keep nothing: asks for a stream."""
+
+    def text(self, delta: str) -> None:
+        pass
+
+    def reasoning(self, delta: str) -> None:
+        pass
+
+    def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None:
+        pass
+
+    def restart(self, reason: str) -> None:
+        pass

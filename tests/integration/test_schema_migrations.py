@@ -16,9 +16,13 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, Index, MetaData
+from sqlalchemy import Engine, Index, MetaData, text
+from sqlalchemy.engine import make_url
 
+from charlie.store.engine import current_revision, get_engine, head_revision, upgrade
 from charlie.store.schema import Base
+from tests.conftest import BACKEND, BACKEND_PROBLEM
+from tests.support.cluster import recreate_postgres_database
 from tests.support.databases import own_database
 
 
@@ -54,3 +58,60 @@ def test_the_comparison_sees_an_index_one_side_lacks(migrated: Engine) -> None:
     differences = _differences(migrated, declared)
     assert [d[0] for d in differences] == ["add_index"]
     assert differences[0][1].name == "ix_tasks_only_declared"
+
+
+def test_the_concurrent_index_migrations_run_again_after_an_interrupted_build(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """0015 and 0016 build their indexes CONCURRENTLY: an interrupted build leaves an INVALID
+    index of the name (PostgreSQL), and an interruption between two builds leaves the first
+    one built with the revision not recorded. `charlie db upgrade` run again drops the invalid
+    one and builds it, takes the valid one as it is, and ends with every index valid."""
+    if BACKEND_PROBLEM:
+        pytest.skip(BACKEND_PROBLEM)
+    postgres = (BACKEND.database_url or "").startswith("postgresql")
+    if postgres:
+        url = make_url(BACKEND.database_url or "")
+        url = url.set(database=f"{url.database}_rerun").render_as_string(hide_password=False)
+        recreate_postgres_database(url)
+    else:
+        url = f"sqlite:///{tmp_path_factory.mktemp('rerun') / 'charlie.db'}"
+    upgrade(url, "0014")
+    engine = get_engine(url)
+    try:
+        with engine.begin() as conn:
+            # 0015's first build interrupted: its index left behind, INVALID on PostgreSQL
+            conn.execute(
+                text(
+                    "CREATE INDEX ix_executions_live_updated ON executions (updated_at) "
+                    "WHERE phase <> 'done'"
+                )
+            )
+            # 0016's second build finished, the run stopped before the revision was recorded
+            conn.execute(
+                text(
+                    "CREATE INDEX ix_tool_calls_in_flight ON tool_calls (queued_at) "
+                    "WHERE state <> 'settled' AND hold IS NULL"
+                )
+            )
+            if postgres:
+                conn.execute(
+                    text(
+                        "UPDATE pg_index SET indisvalid = false "
+                        "WHERE indexrelid = 'ix_executions_live_updated'::regclass"
+                    )
+                )
+        upgrade(url)
+        assert current_revision(url) == head_revision()
+        if postgres:
+            with engine.connect() as conn:
+                invalid = conn.execute(
+                    text(
+                        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                        "WHERE NOT i.indisvalid"
+                    )
+                ).all()
+            assert invalid == []
+        assert _differences(engine, Base.metadata) == []
+    finally:
+        engine.dispose()

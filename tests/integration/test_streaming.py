@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 import charlie
 from charlie.domain import ItemKind, TaskStatus
 from charlie.streams.base import StreamEvent
+from tests.conftest import wait_for
 from tests.support.cluster import REPO, Cluster
 from tests.support.fake_openai import (
     FakeOpenAI,
@@ -372,3 +374,113 @@ def test_charlie_watch_waits_for_a_task_not_created_yet_as_wait_does(
     )
     assert never.returncode == 2
     assert f"no task with id 'never-{task_id}': it was not created within 1.5 s" in never.stderr
+
+
+def test_a_turn_holding_500_calls_streams_its_wait_and_what_follows(
+    cluster: Cluster, script: Any
+) -> None:
+    """A turn whose 500 calls all wait for a person (100 approvals, 400 questions of 3,000
+    characters): its ``waiting`` event would be 1.3 MB, longer than a file reader's chunk, and
+    stalled every reader of the task for good. Now it is told in parts within the line bound,
+    and a reader gets every held call, then the verdict and the end after it."""
+    question = "Which way? " + "x" * 2990
+    calls = [
+        {"id": f"a{i}", "name": "ledger_write", "arguments": {"key": f"held-{i}"}}
+        if i % 5 == 0
+        else {"id": f"q{i}", "name": "ask_human", "arguments": {"question": question}}
+        for i in range(500)
+    ]
+    model, _ = script([{"say": "Asking.", "tool_calls": calls}, {"say": "Done."}])
+    task_id = charlie.submit("hold 500 calls", model=model, approve=["ledger_write"])
+    wait_for(lambda: len(charlie.get_task(task_id).waiting_for or []) == 500, timeout=120)
+    charlie.approve(task_id, "a0")
+    charlie.cancel(task_id)
+    seen = list(charlie.events(task_id, timeout=120))
+    held = [c["call_id"] for e in seen if e.type == "waiting" for c in e.data["calls"]]
+    assert sorted(held) == sorted(c["id"] for c in calls)
+    kinds = [e.type for e in seen]
+    assert "verdict" in kinds and kinds.index("waiting") < kinds.index("verdict")
+    (verdict,) = [e.data for e in seen if e.type == "verdict"]
+    assert (verdict["call_id"], verdict["action"]) == ("a0", "approve")
+    assert kinds[-1] == "end" and seen[-1].data["status"] == "canceled"
+
+
+def test_a_watcher_of_a_resumed_task_follows_it_to_its_real_end(
+    cluster: Cluster, script: Any, tmp_path: Path
+) -> None:
+    """I28 after a resume: the first life's ``end`` is not the task's end. charlie.events from
+    the start (``after=None``), the console's live panel (what it reads) and `charlie watch`
+    go past it, as ``resumed``, to the resumed run's own events and its real end."""
+    from charlie.console.server import load_events
+
+    fault = tmp_path / "model-down"
+    fault.write_text("down")
+    model, _ = script(
+        [
+            {"say": "First life.", "tool_calls": [{"id": "l", "name": "list_files"}]},
+            {"raise": "the model is down", "raise_while": str(fault), "say": "Second life."},
+        ]
+    )
+    task_id = charlie.submit("fail, then resume", model=model)
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED
+    fault.unlink()
+    charlie.resume(task_id)
+    seen = list(charlie.events(task_id, timeout=60))
+    kinds = [e.type for e in seen]
+    assert kinds.count("end") == 1 and kinds[-1] == "end", kinds
+    assert seen[-1].data["status"] == "succeeded"
+    assert kinds.count("resumed") == 1
+    assert "final" in kinds[kinds.index("resumed") :]
+    assert "".join(e.data["text"] for e in seen if e.type == "text") == "First life.Second life."
+    # the console's panel reads what is there now, and is told the same
+    panel = load_events(task_id, None)["events"]
+    assert [e["type"] for e in panel] == kinds
+    watched = subprocess.run(
+        [sys.executable, "-m", "charlie", "watch", task_id],
+        cwd=REPO,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    assert "Second life." in watched.stdout and "resumed" in watched.stdout
+
+
+def test_a_queued_call_is_told_started_when_its_start_is_recorded_not_at_dispatch(
+    cluster: Cluster, script: Any
+) -> None:
+    """I9, I28: calls queued that no one has started yet (the worker that starts them pauses
+    before: a tool worker before its claim, or the dispatching worker before the commit that
+    starts the turn's local writes) are not shown started; the commit that starts each tells
+    it, once."""
+    task_id = f"told-{uuid.uuid4().hex}"
+    pause = {"action": "pause", "seconds": 5, "times": 1}
+    points = ("tool.before_claim", "tick.merged.before_start")
+    cluster.set_faults(
+        {
+            points[0]: {**pause, "match": {"task_id": task_id, "mode": "start"}},
+            points[1]: {**pause, "match": {"task_id": task_id}},
+        }
+    )
+    model, _ = script(
+        [
+            {
+                "tool_calls": [
+                    {"id": "a", "name": "ledger_write", "arguments": {"key": "told-a"}},
+                    {"id": "b", "name": "ledger_write", "arguments": {"key": "told-b"}},
+                ]
+            },
+            {"say": "both written"},
+        ]
+    )
+    charlie.submit("two writes", model=model, task_id=task_id)
+    wait_for(lambda: any(cluster.fault_count(p) for p in points), timeout=60)
+    told = [e for e in charlie.events(task_id, follow=False) if e.type == "tool_started"]
+    calls = {c.call_id: c for c in charlie.calls(task_id)}
+    for event in told:  # each told after its start was recorded
+        assert calls[event.data["call_id"]].started_at is not None, (event, calls)
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    told = [e for e in charlie.events(task_id) if e.type == "tool_started"]
+    assert sorted(e.data["call_id"] for e in told) == ["a", "b"]

@@ -300,7 +300,7 @@ def test_open_calls_of_an_ended_run_settle_canceled_and_live_ones_stay_open(clus
         return row.state, row.outcome
 
     wait_for(lambda: call("ended") == (CallState.SETTLED.value, "canceled"), timeout=30)
-    time.sleep(1.5)  # a few more sweep rounds
+    cluster.sweep_rounds(2)  # a round begun after the first call settled: it left these
     assert call("live") == (CallState.PENDING.value, None)
     assert call("settled") == (CallState.SETTLED.value, "ok")
 
@@ -360,4 +360,67 @@ def test_a_settled_turn_with_no_wake_up_is_found_by_the_probe_only_when_it_is_du
     sweep_stalled_runs(rt)
     assert publisher.ticks == [(stranded, Phase.AWAIT_TOOLS, 0)]
     sweep_stalled_runs(rt)  # probed now; and won for this stall period anyway
+    assert publisher.ticks == [(stranded, Phase.AWAIT_TOOLS, 0)]
+
+
+def test_during_a_rolling_upgrade_an_earlier_releases_lost_await_tick_is_found_each_round(
+    private_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """I4 whatever release wrote the run: a worker of a release before migration 0016 settles a
+    turn without storing a wake-up, and its await tick is lost; the run may hold a wake-up
+    still ahead (an earlier wait's deadline). While such a worker beats (a live worker
+    heartbeat without its settle-wakes one), every round probes the runs in await_tools, and a
+    wake-up ahead hides none of them: found within a stall period and a round, not a probe
+    period or the deadline."""
+    from dataclasses import replace
+
+    from charlie.config import load_settings
+    from charlie.runtime import Runtime
+    from charlie.store.engine import write_one
+    from charlie.store.heartbeats import SETTLE_WAKES_PREFIX, WORKER_PREFIX, record_heartbeat
+    from charlie.sweeps import sweep_stalled_runs
+    from charlie.testing import RecordingPublisher
+    from charlie.tools.registry import REGISTRY
+
+    engine = get_engine(private_database)
+    now = datetime.now(UTC)
+    long_ago = now - timedelta(minutes=5)
+    stranded = stalled_run(
+        engine, "upgrade", long_ago, phase=Phase.AWAIT_TOOLS.value, wake_at=now + timedelta(hours=1)
+    )
+    with write(engine) as conn:
+        conn.execute(
+            tool_calls.insert().values(
+                execution_id=stranded,
+                call_id="c0",
+                turn=0,
+                idx=0,
+                name="ledger_write",
+                arguments={"key": "k"},
+                effect="write",
+                state=CallState.SETTLED.value,
+                outcome="ok",
+                settled_at=long_ago,
+                queued_at=long_ago,
+            )
+        )
+    monkeypatch.setenv("CHARLIE_DATABASE_URL", private_database)
+    settings = replace(load_settings(), sweep_probe_seconds=3600.0)
+    publisher = RecordingPublisher()
+    rt = Runtime(
+        settings=settings,
+        engine=engine,
+        worker="upgrade-test",
+        publisher=publisher,  # type: ignore[arg-type]
+        tools=REGISTRY,
+    )
+    rt.probed_at = time.monotonic()  # probed a moment ago
+    with write_one(engine) as conn:  # a worker of this release: no upgrade under way
+        record_heartbeat(conn, SETTLE_WAKES_PREFIX + "new", "new", now)
+        record_heartbeat(conn, WORKER_PREFIX + "new", "new", now, "charlie")
+    sweep_stalled_runs(rt)
+    assert publisher.ticks == []
+    with write_one(engine) as conn:  # ...and one of the release before it
+        record_heartbeat(conn, WORKER_PREFIX + "old", "old", now, "charlie")
+    sweep_stalled_runs(rt)
     assert publisher.ticks == [(stranded, Phase.AWAIT_TOOLS, 0)]

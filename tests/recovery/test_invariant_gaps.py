@@ -117,6 +117,9 @@ def test_never_started_calls_lost_with_their_messages_start_normally(
     assert [c["turn"] for c in model_calls(ledger)] == [0, 1]
     assert info.model_repeats == 0
     assert_every_call_has_one_result(task_id)
+    # the starts the sweep's re-publish led to were told to watchers, once each (I9, I28)
+    told = [e.data["call_id"] for e in charlie.events(task_id) if e.type == "tool_started"]
+    assert sorted(told) == ["a", "b"]
 
 
 # --- I5 ----------------------------------------------------------------------------------

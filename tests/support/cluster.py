@@ -141,6 +141,9 @@ class Cluster:
     #: RLIMIT_AS of every worker started (bytes; None: no limit): a worker that tries to hold
     #: more memory than this gets MemoryError instead of taking the machine's.
     address_space: int | None = None
+    #: the schedule file of each beat started, by process id: a beat touches it after each
+    #: sweep round (sweep_rounds)
+    beat_schedules: dict[int, Path] = field(default_factory=dict)
 
     @property
     def env(self) -> dict[str, str]:
@@ -217,7 +220,31 @@ class Cluster:
         if port:
             self.metrics_ports[proc.pid] = port
         self.beats.append(proc)
+        self.beat_schedules[proc.pid] = schedule
         return proc
+
+    def sweep_rounds(self, rounds: int = 2, timeout: float = 60.0) -> None:
+        """Wait until a live beat has ended ``rounds`` sweep rounds from now (its schedule file
+        is touched after each): what a test asserts never happened is then told from what has
+        not happened yet. A round under way now ends first: two rounds hold one begun after
+        this call."""
+
+        def stamp() -> int | None:
+            for proc in self.beats:
+                path = self.beat_schedules.get(proc.pid)
+                if proc.poll() is None and path is not None and path.exists():
+                    return path.stat().st_mtime_ns
+            return None
+
+        deadline = time.monotonic() + timeout
+        seen, last = 0, stamp()
+        while seen < rounds:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the beat did not end {rounds} sweep rounds in {timeout} s")
+            time.sleep(0.05)
+            now = stamp()
+            if now is not None and now != last:
+                seen, last = seen + (last is not None), now
 
     @contextlib.contextmanager
     def metered(self, pool: str = "prefork") -> Iterator[Cluster]:

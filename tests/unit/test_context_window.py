@@ -10,9 +10,10 @@ import pytest
 
 from charlie.domain import Item, ItemKind, Phase
 from charlie.executor import context
-from charlie.executor.phases import call_model
+from charlie.executor.phases import call_model, load_context
 from charlie.models.base import ModelError, ModelResponse, NewItem, Usage
 from charlie.ports import PhaseLimits
+from charlie.tools.registry import build_tool
 from tests.unit.test_phases import FakeModel, deps, view
 
 pytestmark = pytest.mark.backend_free
@@ -262,3 +263,62 @@ def test_call_model_learns_the_window_from_a_refusal() -> None:
 def test_the_providers_count_calibrates_the_estimate() -> None:
     plan = context.plan(transcript(3), 3, WINDOW, {})
     assert context.after_call(plan, Usage(input_tokens=plan.raw_tokens * 2))["ratio"] == 2.0
+
+
+def test_a_refused_summary_call_summarises_less_and_fails_only_when_nothing_is_smaller() -> None:
+    """A summary call refused for length with no number in the message (I29): the next summary
+    call is sent less of the record, never a window of a token; the run fails only when the
+    part to summarise cannot be smaller, saying so."""
+    refusal = ModelError(
+        "context length exceeded: HTTP 400",
+        evidence={"status": 400, "body": "context length exceeded"},
+    )
+    v = view(Phase.CALL_MODEL, items=transcript(60))
+    v = type(v)(**{**v.__dict__, "turn": 60})
+    model = FakeModel(refusal)
+    state: dict[str, Any] = {}
+    sizes: list[int] = []
+    with pytest.raises(ModelError, match="nothing smaller can be summarised"):
+        for _ in range(40):
+            v = type(v)(**{**v.__dict__, "state": state})
+            moved = call_model.run(v, deps(model, context_tokens=5000))
+            assert moved.to is Phase.CALL_MODEL and not moved.items
+            assert moved.state is not None
+            learned: dict[str, Any] = moved.state["context"]
+            assert "window" not in learned  # the turn's window is not learned from a summary
+            state = moved.state
+            sizes.append(len(str(model.requests[-1].items[-1].payload["content"])))
+    # each summary input smaller than the last, down to a part of the record of a few tokens
+    record = str(model.requests[-1].items[-1].payload["content"]).split("summarise:\n")[-1]
+    assert len(sizes) >= 3 and context.text_tokens(record) < 2 * context.MIN_SUMMARY_TOKENS
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    # ...and a model that takes the smaller input compacts, the run going on
+    v = type(v)(**{**v.__dict__, "state": {"context": {"summary_tokens": 300}}})
+    moved = call_model.run(v, deps(FakeModel(text("what happened")), context_tokens=5000))
+    [item] = moved.items
+    assert item.kind is ItemKind.COMPACTION and item.payload["content"] == "what happened"
+
+
+def test_a_repeat_on_a_worker_with_other_settings_sends_the_same_input() -> None:
+    """What planning takes from a worker's settings (the configured window, the tools offered)
+    is recorded with the commit before the call (I29): a model call repeated after a crash on
+    a worker with another window and more tools sends what the first attempt sent."""
+    small = deps(FakeModel(text("ok")), context_tokens=5000)
+    started = load_context.run(view(Phase.LOAD_CONTEXT), small)
+    first = view(Phase.CALL_MODEL, items=transcript(12), state=started.state or {})
+    first = type(first)(**{**first.__dict__, "turn": 12})
+    small_model = FakeModel(text("ok"))
+    call_model.run(first, deps(small_model, context_tokens=5000))
+    # the repeat: another worker, a larger window and a tool the first one did not have
+    large_model = FakeModel(text("ok"))
+    large = deps(large_model, context_tokens=50000)
+    large.tools.add(build_tool(lambda: None, name="extra"))
+    again = type(first)(**{**first.__dict__, "attempts": 2})
+    moved = call_model.run(again, large)
+    [sent], [resent] = small_model.requests, large_model.requests
+    assert resent.items == sent.items and any("elided" in str(i.payload) for i in sent.items)
+    assert [t.name for t in resent.tools] == [t.name for t in sent.tools] == ["read", "wait"]
+    # ...and its commit records its own settings for the next call
+    assert moved.state is not None
+    planned = moved.state["context"]["planned"]
+    assert planned["window"][0] == 50000 and "extra" in planned["tools"]

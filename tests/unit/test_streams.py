@@ -221,3 +221,28 @@ def test_a_rabbitmq_follower_wakes_for_what_another_writer_appends(rabbit_transp
     got = rabbit_transport.read("t", None, 10)
     timer.join()
     assert texts(got) == ["piece 7"]
+
+
+def test_a_rabbitmq_stream_declared_with_other_bounds_is_used_as_it_is(
+    rabbit_transport: Any,
+) -> None:
+    """A worker whose CHARLIE_STREAM_TTL / CHARLIE_STREAM_MAX_EVENTS differ from those the
+    queue was declared with (an operator's change, a release's, a second deployment on the
+    vhost) still writes and reads the stream, and `charlie doctor` is told what differs."""
+    from charlie.streams import rabbitmq_stream
+
+    queue = rabbit_transport.queue
+    rabbit_transport.append("a", events(1))
+    other = rabbitmq_stream.RabbitStreamTransport(RABBIT, ttl=120, max_events=500, queue=queue)
+    try:
+        other.append("a", events(1, start=1))
+        assert texts(other.read("a", None, 5)) == ["piece 0", "piece 1"]
+        assert texts(rabbit_transport.read("a", None, 5)) == ["piece 0", "piece 1"]
+        assert other.differs is not None and "PRECONDITION_FAILED" in other.differs
+        bounds_differ = rabbitmq_stream.bounds_differ
+        said = bounds_differ(RABBIT, ttl=120, max_events=500, queue=queue)
+        assert said is not None and "x-max-" in said
+        assert bounds_differ(RABBIT, ttl=60, max_events=100, queue=queue) is None
+    finally:
+        other.close()
+    assert bounds_differ(RABBIT, ttl=60, max_events=100, queue=f"{queue}.x") is None

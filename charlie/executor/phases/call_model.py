@@ -31,7 +31,7 @@ from charlie.domain import (
 from charlie.executor import context
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
 from charlie.ports import CapacitySlot, CapacityWait, PhaseDeps
-from charlie.tools.registry import ToolRegistry
+from charlie.tools.registry import ToolDef, ToolRegistry
 
 #: what a run's state holds only while its model call is retried or waits for capacity
 _CALL_STATE = ("model_retries", "last_model_error", "capacity")
@@ -110,9 +110,19 @@ def plan_call(
 
 
 def run(view: RunView, deps: PhaseDeps) -> Transition:
+    """The model call, planned with the settings the run recorded; each commit records this
+    worker's for the next call (``context.settings``, I29)."""
+    available = deps.tools.enabled(view.task.tools)
+    mine = context.settings(view.task.model, deps.limits, [t.name for t in available])
+    moved = _run(view, deps, context.planned_tools(available, view.state, lambda t: t.name))
+    if moved.state is not None and isinstance(moved.state.get(context.STATE_KEY), dict):
+        moved = replace(moved, state=context.with_settings(moved.state, mine))
+    return moved
+
+
+def _run(view: RunView, deps: PhaseDeps, enabled: list[ToolDef]) -> Transition:
     task = view.task
     model = deps.model_for(task.model)
-    enabled = deps.tools.enabled(task.tools)
     tools = [t.spec() for t in enabled]
     retries = int(view.state.get("model_retries", 0))
     # The input under the model's window (I29): the transcript, elided or summarised.
@@ -267,8 +277,8 @@ def _transition(
         items.append(item)
 
     state = {k: v for k, v in view.state.items() if k not in _CALL_STATE}
-    if window_state or context.STATE_KEY in state:
-        state[context.STATE_KEY] = window_state
+    # always: the settings the next call plans with ride in it (run)
+    state[context.STATE_KEY] = window_state
     usage = response.usage.as_dict()
     repeats = max(0, view.attempts - 1)
     # A fork starts at this phase, its task still queued: its first model call starts it.

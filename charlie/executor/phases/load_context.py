@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from charlie.domain import ItemKind, NewItem, Phase, RunView, TaskStatus, Transition
+from charlie.executor import context
 from charlie.executor.phases.mailbox import take_messages
 from charlie.ports import PhaseDeps
 
@@ -17,6 +18,8 @@ SYSTEM_PROMPT = (
 
 def run(view: RunView, deps: PhaseDeps) -> Transition:
     system = view.task.metadata.get("system_prompt") or SYSTEM_PROMPT
+    tools = [t.name for t in deps.tools.enabled(view.task.tools)]
+    planned = context.settings(view.task.model, deps.limits, tools)
     # Messages sent before the task started follow its prompt (I22).
     return take_messages(
         view,
@@ -27,5 +30,7 @@ def run(view: RunView, deps: PhaseDeps) -> Transition:
                 NewItem(ItemKind.INPUT, {"role": "user", "content": view.task.prompt}),
             ],
             task_status=TaskStatus.RUNNING,
+            # the settings the first model call plans with, whichever worker makes it (I29)
+            state=context.with_settings(view.state, planned),
         ),
     )

@@ -12,8 +12,9 @@ Revises: 0014
 Create Date: 2026-12-04
 """
 
-import sqlalchemy as sa
 from alembic import op
+
+from charlie.store.index_builds import create_index_concurrently
 
 revision = "0015"
 down_revision = "0014"
@@ -32,15 +33,9 @@ def upgrade() -> None:
     # CONCURRENTLY on PostgreSQL (outside a transaction): the tables keep taking writes while
     # the indexes build.
     with op.get_context().autocommit_block():
+        # (again after an interrupted build: charlie/store/index_builds.py)
         for name, table, columns, where in INDEXES:
-            op.create_index(
-                name,
-                table,
-                columns,
-                postgresql_concurrently=True,
-                postgresql_where=sa.text(where),
-                sqlite_where=sa.text(where),
-            )
+            create_index_concurrently(name, table, columns, where)
 
 
 def downgrade() -> None:

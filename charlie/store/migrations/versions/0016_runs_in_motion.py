@@ -29,6 +29,8 @@ from datetime import UTC, datetime
 import sqlalchemy as sa
 from alembic import op
 
+from charlie.store.index_builds import create_index_concurrently
+
 revision = "0016"
 down_revision = "0015"
 branch_labels = None
@@ -63,15 +65,9 @@ _calls = sa.table(
 
 def upgrade() -> None:
     with op.get_context().autocommit_block():
+        # (again after an interrupted build: charlie/store/index_builds.py)
         for name, table, columns, where in INDEXES:
-            op.create_index(
-                name,
-                table,
-                columns,
-                postgresql_concurrently=True,
-                postgresql_where=sa.text(where),
-                sqlite_where=sa.text(where),
-            )
+            create_index_concurrently(name, table, columns, where)
     open_call = (
         sa.select(sa.literal(1))
         .where(
