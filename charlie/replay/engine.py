@@ -597,7 +597,9 @@ class _Replay:
 
     def _plan(self, view: RunView) -> dict[str, Any]:
         """The context plan of this model call (what call_model plans, executor/context.py)."""
-        enabled = self.tools.enabled(self.task.tools)
+        # the tools call_model offers: those the run's planning recorded, of today's
+        available = self.tools.enabled(self.task.tools)
+        enabled = context.planned_tools(available, view.state, lambda t: t.name)
         window = context.window_for(self.task.model, self.deps.limits, view.state)
         try:
             plan = context.plan(

@@ -43,6 +43,21 @@ def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value else None
 
 
+#: the metadata key and the model spec's mark of a task a Pydantic AI agent runs (charlie/agents)
+AGENT_KEY = "charlie.agent"
+AGENT_MARK = "#agent="
+
+
+def _agent_of(metadata: Any, model: str) -> dict[str, Any] | None:
+    """What names the agent of an agent task (its metadata entry, the model spec's agent part);
+    None for a native task. Such a task is exported with its own kind, which this version's
+    replay refuses rather than replay it as a native task."""
+    found = metadata.get(AGENT_KEY) if isinstance(metadata, dict) else None
+    if found is None and AGENT_MARK not in model:
+        return None
+    return {"metadata": found, "model": model}
+
+
 def _task_record(task_id: str, tools: ToolRegistry, depth: int) -> dict[str, Any]:
     info = api.get_task(task_id)
     run = api.run_record(task_id)
@@ -50,10 +65,11 @@ def _task_record(task_id: str, tools: ToolRegistry, depth: int) -> dict[str, Any
     model_name = env_name(info.model.partition(":")[2] or info.model)
     own_window = s.context_tokens_by_model.get(model_name)
     enabled = tools.enabled(run["tools"])
+    agent = _agent_of(info.metadata, info.model)
     record: dict[str, Any] = {
         "task": {
             "id": info.id,
-            "kind": "native",
+            "kind": "native" if agent is None else "pydantic_ai",
             "prompt": info.prompt,
             "model": info.model,
             "tools": run["tools"],
@@ -134,6 +150,8 @@ def _task_record(task_id: str, tools: ToolRegistry, depth: int) -> dict[str, Any
         ],
         "children": [],
     }
+    if agent is not None:
+        record["agent"] = agent
     if depth < MAX_DEPTH:
         children = api.list_tasks(parent=task_id, limit=MAX_CHILDREN)
         record["children"] = [
@@ -144,9 +162,16 @@ def _task_record(task_id: str, tools: ToolRegistry, depth: int) -> dict[str, Any
 
 
 def _capture(record: dict[str, Any], tools: ToolRegistry) -> None:
-    """The inputs the model was sent, from the record, for the task and each child."""
+    """The inputs the model was sent, from the record, for the task and each child (an agent
+    task's are its framework's to make: none are computed for it)."""
+    if _has_agents(record):
+        return
     report = replay_case({**record, "model_calls": []}, tools=tools, capture=True)
     _store_inputs(record, report)
+
+
+def _has_agents(record: dict[str, Any]) -> bool:
+    return record["task"]["kind"] != "native" or any(_has_agents(c) for c in record["children"])
 
 
 def _store_inputs(record: dict[str, Any], report: Any) -> None:
@@ -181,7 +206,7 @@ def export_task(
     }
     scrubbed = _scrub(case, scrubber)
     scrubbed["redacted"] = {"count": scrubber.count, "patterns": len(scrubber.patterns)}
-    return check_case(scrubbed, f"the export of {task_id}")
+    return check_case(scrubbed, f"the export of {task_id}", replaying=False)
 
 
 def _mark_children(record: dict[str, Any]) -> None:

@@ -383,3 +383,17 @@ def test_the_command_exits_0_1_or_2(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert [d["kind"] for d in json.loads(changed.output)["divergences"]] == ["system_prompt"]
     missing = runner.invoke(main, ["replay", str(tmp_path / "nope.json")])
     assert missing.exit_code == 2 and "cannot read" in missing.output
+
+
+def test_an_agent_task_is_exported_as_its_kind_and_not_replayed_as_native() -> None:
+    from charlie.replay.export import _agent_of
+
+    assert _agent_of({"team": "blue"}, "openai:gpt-4.1") is None
+    named = {"agent": "shop.agents:support", "deps": None}
+    found = _agent_of({"charlie.agent": named}, "openai:gpt-4.1#agent=shop.agents:support")
+    assert found == {"metadata": named, "model": "openai:gpt-4.1#agent=shop.agents:support"}
+    case = make_case(TURNS)
+    agent_case = {**case, "task": {**case["task"], "kind": "pydantic_ai"}, "agent": found}
+    assert check_case(agent_case, replaying=False) is agent_case  # an export writes it
+    with pytest.raises(CaseError, match="kind 'pydantic_ai'"):
+        check_case(agent_case)  # a replay refuses it (exit 2)
