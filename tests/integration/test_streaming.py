@@ -382,7 +382,12 @@ def test_a_turn_holding_500_calls_streams_its_wait_and_what_follows(
     """A turn whose 500 calls all wait for a person (100 approvals, 400 questions of 3,000
     characters): its ``waiting`` event would be 1.3 MB, longer than a file reader's chunk, and
     stalled every reader of the task for good. Now it is told in parts within the line bound,
-    and a reader gets every held call, then the verdict and the end after it."""
+    and a reader gets every held call, then the verdict and the end after it. The file
+    transport's (Redis and RabbitMQ take an entry of any length)."""
+    from tests.conftest import BACKEND
+
+    if BACKEND.broker_url:
+        pytest.skip("the file stream is the embedded default's")
     question = "Which way? " + "x" * 2990
     calls = [
         {"id": f"a{i}", "name": "ledger_write", "arguments": {"key": f"held-{i}"}}
