@@ -450,6 +450,11 @@ def test_a_watcher_of_a_resumed_task_follows_it_to_its_real_end(
     )
     assert watched.returncode == 0, watched.stdout + watched.stderr
     assert "Second life." in watched.stdout and "resumed" in watched.stdout
+    # a fork is a task of its own: its watcher follows its own stream to its own end
+    fork_id = charlie.fork(task_id, turn=0)
+    forked = list(charlie.events(fork_id, timeout=60))
+    assert [e.type for e in forked].count("end") == 1 and forked[-1].type == "end"
+    assert forked[-1].data["status"] == "succeeded" and "resumed" not in [e.type for e in forked]
 
 
 def test_a_queued_call_is_told_started_when_its_start_is_recorded_not_at_dispatch(
