@@ -790,3 +790,10 @@ def _execution_id(conn: Connection, task_id: str) -> str:
     if xid is None:
         raise TaskNotFound(task_id)
     return xid
+
+
+def limits() -> list[people.LimitState]:
+    """Every provider limit used so far (CHARLIE_MODEL_LIMITS) as it is now: what is in
+    flight, what waits, until when its provider paused it (I36). Lift a pause with
+    ``charlie limits resume KEY`` (:func:`charlie.people.resume_limit`)."""
+    return people.limit_states()
