@@ -43,11 +43,9 @@ from charlie.people import (
     approve,
     deny,
     fork,
-    limit_states,
     reconcile,
     reply,
     resume,
-    resume_limit,
     send,
 )
 from charlie.runtime import Producer, get_producer, import_tool_modules
@@ -242,13 +240,11 @@ __all__ = [
     "fork",
     "get_task",
     "history",
-    "limit_states",
     "list_tasks",
     "normalise_model",
     "reconcile",
     "reply",
     "resume",
-    "resume_limit",
     "revision",
     "run_record",
     "send",
@@ -843,3 +839,10 @@ def run_record(task_id: str) -> dict[str, Any]:
         "approve": row.approve,
         "context": found if isinstance(found, dict) else None,
     }
+
+
+def limits() -> list[people.LimitState]:
+    """Every provider limit used so far (CHARLIE_MODEL_LIMITS) as it is now: what is in
+    flight, what waits, until when its provider paused it (I36). Lift a pause with
+    ``charlie limits resume KEY`` (:func:`charlie.people.resume_limit`)."""
+    return people.limit_states()

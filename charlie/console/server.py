@@ -126,7 +126,7 @@ def load_list(
 def _limits() -> list[Any]:
     """The provider limits used so far, for the list's panel (I36): in flight, waiting, paused
     until (none used: none shown)."""
-    return list(api.limit_states())
+    return list(api.limits())
 
 
 #: the transcript rows a task page shows at first: the latest ones (``?all=1``: every row)
