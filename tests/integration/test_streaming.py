@@ -398,6 +398,15 @@ def test_a_turn_holding_500_calls_streams_its_wait_and_what_follows(
     model, _ = script([{"say": "Asking.", "tool_calls": calls}, {"say": "Done."}])
     task_id = charlie.submit("hold 500 calls", model=model, approve=["ledger_write"])
     wait_for(lambda: len(charlie.get_task(task_id).waiting_for or []) == 500, timeout=120)
+
+    # The worker tells the wait after its commit, from its writer thread; the verdict is told by
+    # this process: the approval waits until the whole wait has been told, so the order the
+    # reader checks is the order things happened in, not a race between two writers.
+    def told_held() -> int:
+        told = charlie.events(task_id, follow=False)
+        return sum(len(e.data["calls"]) for e in told if e.type == "waiting")
+
+    wait_for(lambda: told_held() == 500, timeout=120)
     charlie.approve(task_id, "a0")
     charlie.cancel(task_id)
     seen = list(charlie.events(task_id, timeout=120))
