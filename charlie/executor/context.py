@@ -81,6 +81,7 @@ class Window:
 def window_for(spec: str, limits: PhaseLimits, state: JSON) -> Window | None:
     """The model's window: its own setting, else the default one, and at most what the
     provider's refusal showed (recorded in the run's state). None: not known yet."""
+    spec = spec.partition("#")[0]  # a framework agent's spec: its model's window
     name = env_name(spec.partition(":")[2] or spec)
     own = limits.context_tokens_by_model.get(name)
     configured: Window | None = None
