@@ -253,7 +253,10 @@ def load(ref: str) -> Loaded:
         if agent.model is None:
             raise AgentRefused(f"agent {ref!r} has no model: give Agent(...) one")
         model = infer_model(agent.model)
-        tools = agent._function_toolset.tools
+        tools: dict[str, Any] = {}
+        for toolset in agent.toolsets:
+            if isinstance(toolset, FunctionToolset):
+                tools.update(toolset.tools)
         output_toolset = agent._output_toolset
         outputs = (
             frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
