@@ -39,6 +39,8 @@ from pydantic_ai.toolsets import FunctionToolset
 from charlie.agents import METADATA_KEY, AgentRefused, AgentSpec, Submission
 from charlie.domain import JSON, Effect, ItemKind, NewItem, OnInterrupt
 from charlie.models.base import (
+    NO_DELTAS,
+    Deltas,
     ModelError,
     ModelRequest,
     ModelResponse,
@@ -629,7 +631,12 @@ class AgentModel:
         if isinstance(found, _Ended):
             return self._final(found.output, Usage(), [])
         try:
-            answer = run(self.loaded.model.request(found.messages, found.settings, found.params))
+            if request.deltas is NO_DELTAS:
+                answer = run(
+                    self.loaded.model.request(found.messages, found.settings, found.params)
+                )
+            else:
+                answer = run(self._streamed(found, request.deltas))
         except ModelHTTPError as exc:
             if exc.status_code in (408, 409, 429) or exc.status_code >= 500:
                 raise TransientModelError(str(exc), evidence=exc.body) from exc
@@ -661,6 +668,39 @@ class AgentModel:
             if checked.messages and getattr(checked.messages[-1], "parts", None)
             else None,
         )
+
+    async def _streamed(self, found: _Captured, deltas: Deltas) -> pm.ModelResponse:
+        """The request streamed, for people watching (``charlie watch``): its text, reasoning
+        and tool arguments as they come. The answer is the whole response at its end, as
+        without streaming; a delta lost says nothing about it (I28)."""
+        ids: dict[int, str] = {}
+        async with self.loaded.model.request_stream(
+            found.messages, found.settings, found.params
+        ) as stream:
+            async for event in stream:
+                if isinstance(event, pm.PartStartEvent):
+                    part = event.part
+                    if isinstance(part, pm.TextPart) and part.content:
+                        deltas.text(part.content)
+                    elif isinstance(part, pm.ThinkingPart) and part.content:
+                        deltas.reasoning(part.content)
+                    elif isinstance(part, pm.ToolCallPart):
+                        ids[event.index] = part.tool_call_id
+                        args = part.args if isinstance(part.args, str) else ""
+                        name = self.loaded.charlie_name(part.tool_name)
+                        deltas.tool_call(part.tool_call_id, name, args)
+                elif isinstance(event, pm.PartDeltaEvent):
+                    delta = event.delta
+                    if isinstance(delta, pm.TextPartDelta):
+                        deltas.text(delta.content_delta)
+                    elif isinstance(delta, pm.ThinkingPartDelta) and delta.content_delta:
+                        deltas.reasoning(delta.content_delta)
+                    elif isinstance(delta, pm.ToolCallPartDelta) and isinstance(
+                        delta.args_delta, str
+                    ):
+                        call_id = ids.get(event.index, delta.tool_call_id or "")
+                        deltas.tool_call(call_id, None, delta.args_delta)
+            return stream.get()
 
     def _ended_by_output(self, items: list[Any]) -> ModelResponse | None:
         """An output tool that Charlie ran and that validated ends the run with its output,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -398,3 +398,38 @@ def test_the_registry_finds_an_agents_tools_by_name_and_nothing_else() -> None:
         f"{HERE}:agent.charge"
     ]
     assert adapter.load(f"{HERE}:agent") is adapter.load(f"{HERE}:agent")
+
+
+async def _stream(messages: list[pm.ModelMessage], info: AgentInfo) -> Any:
+    for piece in ("all ", "settled"):
+        yield piece
+
+
+streamer = Agent(FunctionModel(stream_function=_stream), instructions="say it")
+
+
+class Watched:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def text(self, delta: str) -> None:
+        self.texts.append(delta)
+
+    def reasoning(self, delta: str) -> None:
+        pass
+
+    def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None:
+        pass
+
+    def restart(self, reason: str) -> None:
+        pass
+
+
+def test_people_watching_see_the_agents_text_as_it_streams_and_the_answer_is_whole() -> None:
+    spec = agents.AgentSpec("function:x", f"{HERE}:streamer", None).render()
+    model = agents.model_for(spec, ToolRegistry())
+    watched = Watched()
+    request = replace(Transcript("hi").request(), deltas=watched)
+    response = model.complete(request)
+    assert "".join(watched.texts) == "all settled"
+    assert response.output[-1].payload["content"] == "all settled"
