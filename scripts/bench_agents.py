@@ -40,21 +40,24 @@ sys.path.insert(0, str(REPO))
 
 
 def _answers(agent: bool, turns: int) -> Any:
-    from tests.support.fake_openai import Reply, chat_text, chat_tool_calls
+    from tests.support.fake_openai import Reply, chat_stream, chat_text, chat_tool_calls
 
     def answer(recorded: Any) -> Reply:
         body = recorded.body or {}
+        streamed = bool(body.get("stream"))
+
+        def calls(found: list[tuple[str, str, str]]) -> Reply:
+            return chat_stream(calls=found) if streamed else chat_tool_calls(found)
+
         done = sum(1 for m in body.get("messages", []) if m.get("role") == "tool")
         n = done + 1
         if done < turns:
             if agent:
-                return chat_tool_calls([(f"c{n}", "lookup", json.dumps({"account": f"a{n}"}))])
-            args = json.dumps({"seconds": 0, "value": f"v{n}"})
-            return chat_tool_calls([(f"c{n}", "sleep_then", args)])
+                return calls([(f"c{n}", "lookup", json.dumps({"account": f"a{n}"}))])
+            return calls([(f"c{n}", "sleep_then", json.dumps({"seconds": 0, "value": f"v{n}"}))])
         if agent:
-            settled = json.dumps({"account": "acme", "charged_cents": 0})
-            return chat_tool_calls([("f", "final_result", settled)])
-        return chat_text("done")
+            return calls([("f", "final_result", json.dumps({"account": "a", "charged_cents": 0}))])
+        return chat_stream("done") if streamed else chat_text("done")
 
     return answer
 
@@ -67,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--patience", type=float, default=300, help="seconds a task may take")
     args = parser.parse_args()
 
     from tests.support.fake_openai import FakeOpenAI, ProviderLimit
@@ -84,11 +88,12 @@ def main() -> None:
         "PYTHONPATH": str(REPO),
     }
     os.environ.update(env)
+    log = open(home / "worker.log", "wb")  # noqa: SIM115 (open while the worker runs)
     worker = subprocess.Popen(
         [sys.executable, "-m", "charlie", "worker", "-c", "2"],
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
@@ -98,10 +103,14 @@ def main() -> None:
         def task_turn(agent: bool) -> float:
             server.limit = ProviderLimit(answer=_answers(agent, args.turns))
             if agent:
-                task_id = charlie.submit("bench", agent="tests.support.agents:support")
+                task_id = charlie.submit(
+                    "bench",
+                    agent="tests.support.agents:support",
+                    deps="tests.support.agents:make_deps",
+                )
             else:
                 task_id = charlie.submit("bench", model="openai:gpt-4.1", tools=["sleep_then"])
-            info = charlie.wait(task_id, timeout=600)
+            info = charlie.wait(task_id, timeout=args.patience)
             assert info.status.value == "succeeded", info.error
             assert info.started_at is not None and info.finished_at is not None
             seconds = (info.finished_at - info.started_at).total_seconds()

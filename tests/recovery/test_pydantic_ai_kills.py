@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from charlie.domain import TaskStatus
 from tests.conftest import wait_for
 from tests.integration.test_loop import assert_every_call_has_one_result
 from tests.support.cluster import Cluster
-from tests.support.fake_openai import FakeOpenAI, Reply, chat_tool_calls
+from tests.support.fake_openai import FakeOpenAI, Reply, chat_stream
 from tests.support.tools import read_ledger
 
 pytestmark = [pytest.mark.recovery, pytest.mark.timeout(180)]
@@ -31,9 +32,14 @@ def _runs(event: str, account: str) -> list[dict[str, Any]]:
     return [e for e in read_ledger() if e.get("event") == event and e.get("account") == account]
 
 
+def _calls(*calls: tuple[str, str, dict[str, Any]]) -> Reply:
+    """The model's answer, streamed as OpenAI streams it: with task events on (the default),
+    an agent task's request is streamed for people watching."""
+    return chat_stream(calls=[(i, n, json.dumps(a)) for i, n, a in calls])
+
+
 def _final(account: str, cents: int) -> Reply:
-    settled = json.dumps({"account": account, "charged_cents": cents})
-    return chat_tool_calls([("f", "final_result", settled)])
+    return _calls(("f", "final_result", {"account": account, "charged_cents": cents}))
 
 
 def _tool_messages(body: dict[str, Any]) -> dict[str, str]:
@@ -52,8 +58,8 @@ def test_a_killed_write_runs_once_settles_interrupted_and_the_agent_is_told(
     hold = cluster.ledger_path.parent / "agent-charge-hold"
     hold.touch()
     model_server.enqueue(
-        chat_tool_calls([("l", "lookup", json.dumps({"account": account}))]),
-        chat_tool_calls([("c", "charge", json.dumps({"account": account, "cents": 1200}))]),
+        _calls(("l", "lookup", {"account": account})),
+        _calls(("c", "charge", {"account": account, "cents": 1200})),
         _final(account, 0),
     )
     try:
@@ -94,8 +100,8 @@ def test_a_model_request_killed_in_flight_is_repeated_and_an_answered_one_is_not
     request is sent again, the first (answered and recorded) is not, its tool not rerun."""
     account = f"kill-{uuid.uuid4().hex[:8]}"
     model_server.enqueue(
-        chat_tool_calls([("l", "lookup", json.dumps({"account": account}))]),
-        Reply(200, _final(account, 5).body, delay=30),
+        _calls(("l", "lookup", {"account": account})),
+        replace(_final(account, 5), delay=30),
         _final(account, 5),
     )
     task_id = charlie.submit("settle the account", agent=AGENT, deps=DEPS)
@@ -121,11 +127,9 @@ def test_approvals_by_requires_approval_and_by_the_approve_list_hold_no_worker(
     agent's model sees both outcomes."""
     account = f"ask-{uuid.uuid4().hex[:8]}"
     model_server.enqueue(
-        chat_tool_calls(
-            [
-                ("c", "charge", json.dumps({"account": account, "cents": 300})),
-                ("r", "refund", json.dumps({"account": account, "cents": 300})),
-            ]
+        _calls(
+            ("c", "charge", {"account": account, "cents": 300}),
+            ("r", "refund", {"account": account, "cents": 300}),
         ),
         _final(account, 300),
     )
