@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 from pydantic_ai import Agent, ModelRetry, RunContext
@@ -41,12 +42,19 @@ def hold_path() -> Path:
     return ledger_path().parent / "agent-charge-hold"
 
 
+async def _say_who_asks(request: httpx.Request) -> None:
+    # which process sends a request (a forked pool process: read when it is sent), so that a
+    # test kills the worker that is waiting for its answer and no other
+    request.headers["x-test-pid"] = str(os.getpid())
+
+
 def _model() -> OpenAIChatModel:
     client = AsyncOpenAI(
         base_url=os.environ.get("CHARLIE_MODEL_BASE_URL", "http://127.0.0.1:9/v1"),
         api_key=os.environ.get("CHARLIE_MODEL_API_KEY", "test"),
         max_retries=0,
         timeout=10,
+        http_client=httpx.AsyncClient(event_hooks={"request": [_say_who_asks]}),
     )
     return OpenAIChatModel("gpt-4.1", provider=OpenAIProvider(openai_client=client))
 

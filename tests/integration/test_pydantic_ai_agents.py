@@ -1,8 +1,8 @@
 """A Pydantic AI agent as a Charlie task, through real workers (I34): its own OpenAIChatModel
 against the session's fake Chat Completions server, a read tool, a write tool, a structured
-output; SIGKILL in the write and in a model request; approvals by ``requires_approval`` and
-by the task's ``approve`` list. The agents are tests/support/agents.py; every real run of one
-of their tools is in the test ledger."""
+output; SIGKILL in the write (I9, I10) and in a model request (I3); approvals by
+``requires_approval`` and by the task's ``approve`` list (I23). The agents are
+tests/support/agents.py; every real run of one of their tools is in the test ledger."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from tests.support.cluster import Cluster
 from tests.support.fake_openai import FakeOpenAI, Reply, chat_stream
 from tests.support.tools import read_ledger
 
-pytestmark = [pytest.mark.recovery, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 AGENT = "tests.support.agents:support"
 DEPS = "tests.support.agents:make_deps"
@@ -96,8 +96,8 @@ def test_a_killed_write_runs_once_settles_interrupted_and_the_agent_is_told(
 def test_a_model_request_killed_in_flight_is_repeated_and_an_answered_one_is_not(
     cluster: Cluster, model_server: FakeOpenAI
 ) -> None:
-    """I3: every worker killed while the agent's second model request is in flight: that
-    request is sent again, the first (answered and recorded) is not, its tool not rerun."""
+    """I3: the worker whose agent's second model request is in flight is killed: that request
+    is sent again, the first (answered and recorded) is not, its tool not rerun."""
     account = f"kill-{uuid.uuid4().hex[:8]}"
     model_server.enqueue(
         _calls(("l", "lookup", {"account": account})),
@@ -106,8 +106,7 @@ def test_a_model_request_killed_in_flight_is_repeated_and_an_answered_one_is_not
     )
     task_id = charlie.submit("settle the account", agent=AGENT, deps=DEPS)
     wait_for(lambda: len(model_server.requests) >= 2, timeout=60)
-    for worker in cluster.alive_workers():
-        cluster.kill(worker)
+    cluster.kill_pid_group(int(model_server.requests[1].headers["x-test-pid"]))
 
     info = charlie.wait(task_id, timeout=90)
     assert info.status is TaskStatus.SUCCEEDED, info.error
