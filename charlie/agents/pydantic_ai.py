@@ -59,6 +59,9 @@ T = TypeVar("T")
 _DEFAULT_CAPABILITIES = frozenset({"ToolSearch", "PendingMessageDrainCapability"})
 #: the name of the context parameter of an agent tool's handler (never a model argument)
 _CTX = "_charlie_ctx"
+#: the call Charlie records for a text answer the agent's output does not accept (the model
+#: never calls it): its result is the feedback Pydantic AI sends, and the model answers again
+TEXT_OUTPUT = "__text_output__"
 
 
 # -- the event loop ----------------------------------------------------------------------------
@@ -267,11 +270,11 @@ def load(ref: str) -> Loaded:
             ref=ref,
             agent=agent,
             model=model,
-            names={n: f"{ref}.{n}" for n in [*tools, *outputs]},
-            output_tools=outputs,
+            names={n: f"{ref}.{n}" for n in [*tools, *outputs, TEXT_OUTPUT]},
+            output_tools=outputs | {TEXT_OUTPUT},
         )
         loaded.defs = [_tool_def(loaded, t) for t in tools.values()] + [
-            _output_def(loaded, n) for n in sorted(outputs)
+            _output_def(loaded, n) for n in sorted(outputs | {TEXT_OUTPUT})
         ]
         _loaded[ref] = loaded
         return loaded
@@ -465,6 +468,8 @@ def call_tool(
     info = ctx.metadata.get(METADATA_KEY) if isinstance(ctx.metadata, dict) else None
     deps_ref = info.get("deps") if isinstance(info, dict) else None
     deps = _deps(deps_ref)
+    if name == TEXT_OUTPUT:
+        return _check_text(loaded, deps, str(arguments.get("text", "")))
     call = pm.ToolCallPart(name, json.dumps(arguments), ctx.call_id)
     history: list[pm.ModelMessage] = [
         pm.ModelRequest(parts=[pm.UserPromptPart("")]),
@@ -488,10 +493,29 @@ def call_tool(
     return pydantic_core.to_jsonable_python(getattr(part, "content", None))
 
 
+def _check_text(loaded: Loaded, deps: Any, text: str) -> Any:
+    """A text answer, validated as ``agent.run`` validates it: ``{"output": ...}``, or a
+    ToolError carrying the feedback parts Pydantic AI sends the model instead."""
+    found = run(
+        _drive(
+            loaded,
+            deps,
+            history=[pm.ModelRequest(parts=[pm.UserPromptPart("")])],
+            replay=pm.ModelResponse(parts=[pm.TextPart(text)]),
+        )
+    )
+    if isinstance(found, _Ended):
+        return {"output": pydantic_core.to_jsonable_python(found.output)}
+    parts = list(getattr(found.messages[-1], "parts", []))
+    if not parts:
+        raise ToolError(f"agent {loaded.ref!r} neither accepted the answer nor said why")
+    raise ToolError(_text_of(parts[0]), pydantic_ai_parts=[_part_json(p) for p in parts])
+
+
 # -- the model ---------------------------------------------------------------------------------
 
 
-def _retries_exceeded(items: list[Any]) -> str | None:
+def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
     """Pydantic AI's count of a tool's retries, from the transcript: a tool failed (a retry
     part) in more consecutive steps than its ``max_retries`` ends the run, as it ends
     ``agent.run``."""
@@ -510,6 +534,8 @@ def _retries_exceeded(items: list[Any]) -> str | None:
             if isinstance(data, dict):
                 retry = data.get("retry") or {}
                 failed[name] = retry.get("max_retries") if isinstance(retry, dict) else None
+            elif isinstance(result, dict) and "pydantic_ai_parts" in result:
+                failed[name] = text_limit  # a text answer refused: the output's retries
             else:
                 succeeded.add(name)
         for name in succeeded - set(failed):
@@ -517,6 +543,8 @@ def _retries_exceeded(items: list[Any]) -> str | None:
         for name, limit in failed.items():
             counts[name] = counts.get(name, 0) + 1
             if limit is not None and counts[name] > limit:
+                if name.endswith(TEXT_OUTPUT):
+                    return f"Exceeded maximum output retries ({limit})"
                 return f"Tool {name!r} exceeded max retries count of {limit}"
     return None
 
@@ -530,6 +558,15 @@ class AgentModel:
         self.loaded = loaded
 
     # the transcript as Pydantic AI's messages
+
+    def _tool_parts(self, payload: JSON, call_id: str) -> list[pm.ModelRequestPart]:
+        name = self.loaded.agent_name(str(payload.get("name")))
+        result = payload.get("result")
+        if isinstance(result, dict) and isinstance(result.get("pydantic_ai_parts"), list):
+            return [_part_from(p) for p in result["pydantic_ai_parts"]]
+        if name == TEXT_OUTPUT:
+            return []  # a refused text's feedback is above; anything else says nothing new
+        return [self._tool_part(payload, call_id)]
 
     def _tool_part(self, payload: JSON, call_id: str) -> pm.ModelRequestPart:
         name = self.loaded.agent_name(str(payload.get("name")))
@@ -581,6 +618,8 @@ class AgentModel:
                 )
             elif item.kind is ItemKind.TOOL_CALL:
                 flush_request()
+                if self.loaded.agent_name(str(payload.get("name"))) == TEXT_OUTPUT:
+                    continue  # Charlie's record of a refused text, not a call the model made
                 response.append(
                     pm.ToolCallPart(
                         self.loaded.agent_name(str(payload.get("name"))),
@@ -590,7 +629,7 @@ class AgentModel:
                 )
             elif item.kind is ItemKind.TOOL_RESULT:
                 flush_response()
-                request.append(self._tool_part(payload, item.call_id or ""))
+                request.extend(self._tool_parts(payload, item.call_id or ""))
         flush_request()
         flush_response()
         return messages
@@ -612,7 +651,7 @@ class AgentModel:
         return parts
 
     def complete(self, request: ModelRequest) -> ModelResponse:
-        stop = _retries_exceeded(request.items)
+        stop = _retries_exceeded(request.items, self.loaded.agent._max_output_retries)
         if stop is not None:
             raise ModelError(stop)
         deps = _deps(self.parsed.deps)
@@ -661,13 +700,13 @@ class AgentModel:
             return self._final(checked.output, usage, kept, answer.finish_reason)
         if outputs:
             return ModelResponse(items, usage, answer.finish_reason)
-        raise ModelError(
-            f"agent {self.loaded.ref!r}: the model answered with text its output type does not "
-            "accept; Pydantic AI would ask it again, a Charlie task does not yet",
-            evidence=_text_of(checked.messages[-1].parts[0])
-            if checked.messages and getattr(checked.messages[-1], "parts", None)
-            else None,
+        # A text the output does not accept: recorded as a call of its own, whose result is
+        # the feedback Pydantic AI sends, so that the model answers again (from any worker).
+        text = "".join(p.content for p in answer.parts if isinstance(p, pm.TextPart))
+        call = tool_call_item(
+            f"text_output_{request.turn}", self.loaded.charlie_name(TEXT_OUTPUT), {"text": text}
         )
+        return ModelResponse([*items, call], usage, answer.finish_reason)
 
     async def _streamed(self, found: _Captured, deltas: Deltas) -> pm.ModelResponse:
         """The request streamed, for people watching (``charlie watch``): its text, reasoning

@@ -170,7 +170,8 @@ def test_submission_names_the_model_the_tools_and_maps_the_approve_list() -> Non
     )
     assert agents.base_model(made.model) == "function:fn"
     assert made.tools == sorted(
-        f"{HERE}:agent.{n}" for n in ("lookup", "charge", "refund", "final_result")
+        f"{HERE}:agent.{n}"
+        for n in ("lookup", "charge", "refund", "final_result", adapter.TEXT_OUTPUT)
     )
     assert made.approve == [f"{HERE}:agent.charge"]
     assert made.metadata == {
@@ -433,3 +434,45 @@ def test_people_watching_see_the_agents_text_as_it_streams_and_the_answer_is_who
     response = model.complete(request)
     assert "".join(watched.texts) == "all settled"
     assert response.output[-1].payload["content"] == "all settled"
+
+
+def test_a_text_the_output_refuses_is_recorded_and_the_model_is_told_as_agent_run_tells_it() -> (
+    None
+):
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:agent.lookup")
+    model = _model()
+    t = Transcript("settle acme")
+    SCRIPT.append(pm.ModelResponse(parts=[pm.TextPart("it is settled")]))
+    response = model.complete(t.request())
+    [call] = response.tool_calls
+    assert call.payload["name"] == f"{HERE}:agent.{adapter.TEXT_OUTPUT}"
+    assert call.payload["arguments"] == {"text": "it is settled"}
+    t.add(*response.output)
+    t.turn = 1
+    definition = registry.get_registered(call.payload["name"])
+    assert definition is not None
+    refused = _result(
+        definition.name,
+        call.call_id or "",
+        lambda: definition.handler(text="it is settled", _charlie_ctx=_ctx("x")),
+    )
+    assert refused.payload["outcome"] == "error"
+    t.add(refused)
+    SCRIPT.append(
+        pm.ModelResponse(parts=[pm.ToolCallPart("final_result", {"account": "a", "cents": 1}, "f")])
+    )
+    final = model.complete(t.request())
+    assert json.loads(final.output[-1].payload["content"]) == {"account": "a", "cents": 1}
+    sent = SEEN[-1][0]
+    # the model saw its text, then Pydantic AI's own feedback; never a call it did not make
+    assert isinstance(sent[-2], pm.ModelResponse)
+    assert [type(p) for p in sent[-2].parts] == [pm.TextPart]
+    feedback = sent[-1].parts[-1]
+    assert isinstance(feedback, pm.UserPromptPart) and "validation" in str(feedback.content)
+    # refused again, past the output's retries (1): the task ends as agent.run ends
+    t.turn = 2
+    t.add(*response.output)
+    t.add(refused)
+    with pytest.raises(ModelError, match="Exceeded maximum output retries"):
+        model.complete(t.request())
