@@ -18,6 +18,7 @@ from charlie import api
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
 from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.integration.test_production_path import charlie_cli
 from tests.support.cluster import Cluster
 from tests.support.fake_openai import FakeOpenAI, Reply, chat_stream
 from tests.support.tools import read_ledger
@@ -165,3 +166,39 @@ def test_an_agent_that_cannot_be_made_durable_is_refused_before_anything_is_writ
         charlie.submit("x", agent="tests.support.agents:nothing")
     with pytest.raises(api.InvalidSubmission, match="approve names tool"):
         charlie.submit("x", agent=AGENT, approve=["delete_everything"])
+
+
+def test_the_cli_and_a_celery_only_producer_submit_an_agent_task(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """`charlie submit --agent/--deps` and ``send_task("charlie.submit", kwargs={"agent":
+    ...})`` start the same agent task as ``charlie.submit(agent=...)``; a refused agent is an
+    error naming what is refused, and nothing is written."""
+    from charlie.app import app
+
+    model_server.enqueue(_final("cli", 1), _final("celery", 2))
+    done = charlie_cli(
+        cluster.settings_env, "submit", "settle", "--agent", AGENT, "--deps", DEPS, "--wait"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("succeeded: ")
+    assert 'charged_cents\\":1' in done.stdout
+    task_id = f"celery-{uuid.uuid4().hex[:8]}"
+    app.send_task(
+        "charlie.submit",
+        kwargs={"prompt": "settle", "agent": AGENT, "deps": DEPS},
+        task_id=task_id,
+    )
+    info = wait_for(lambda: _terminal(task_id), timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert json.loads(info.result["answer"]) == {"account": "celery", "charged_cents": 2}
+    refused = charlie_cli(cluster.settings_env, "submit", "x", "--agent", f"{AGENT}_nope")
+    assert refused.returncode != 0 and "has no 'support_nope'" in refused.stderr
+
+
+def _terminal(task_id: str) -> Any:
+    try:
+        info = charlie.get_task(task_id)
+    except api.TaskNotFound:
+        return None
+    return info if info.terminal else None
