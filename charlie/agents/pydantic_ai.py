@@ -21,6 +21,7 @@ import contextlib
 import importlib
 import inspect
 import json
+import logging
 import os
 import threading
 from collections.abc import Coroutine
@@ -52,6 +53,7 @@ from charlie.tools.context import ToolContext, ToolError
 from charlie.tools.registry import REGISTRY, ToolDef, ToolDefinitionError, ToolRegistry
 
 T = TypeVar("T")
+log = logging.getLogger("charlie.agents")
 
 #: the capabilities every Agent holds by default; any other is refused at submit (a history
 #: processor, a hook: code that runs around Pydantic AI's own steps, which Charlie does not
@@ -257,7 +259,10 @@ def load(ref: str) -> Loaded:
             )
         if agent.model is None:
             raise AgentRefused(f"agent {ref!r} has no model: give Agent(...) one")
-        model = infer_model(agent.model)
+        try:
+            model = infer_model(agent.model)
+        except Exception as exc:  # a provider without its key, an unknown model name, ...
+            raise AgentRefused(f"agent {ref!r}: its model cannot be made here: {exc}") from exc
         tools: dict[str, Any] = {}
         for toolset in agent.toolsets:
             if isinstance(toolset, FunctionToolset):
@@ -300,7 +305,14 @@ def _register(loaded: Loaded, tools: ToolRegistry) -> None:
 def register_module_agents(module: Any, tools: ToolRegistry) -> None:
     for attr, value in list(vars(module).items()):
         if isinstance(value, Agent):
-            register_agent_tools(f"{module.__name__}:{attr}", tools)
+            ref = f"{module.__name__}:{attr}"
+            try:
+                load(ref)
+            except AgentRefused as exc:
+                # not a task's agent (or not one Charlie can run): a submit naming it says why
+                log.info("agent %s not registered: %s", ref, exc)
+                continue
+            register_agent_tools(ref, tools)
 
 
 def model_spec_of(loaded: Loaded) -> str:

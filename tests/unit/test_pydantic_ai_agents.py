@@ -476,3 +476,16 @@ def test_a_text_the_output_refuses_is_recorded_and_the_model_is_told_as_agent_ru
     t.add(refused)
     with pytest.raises(ModelError, match="Exceeded maximum output retries"):
         model.complete(t.request())
+
+
+no_model_here = Agent("nonexistent-provider:model", defer_model_check=True)
+
+
+def test_an_agent_whose_model_cannot_be_made_is_refused_and_a_tool_module_still_loads() -> None:
+    with pytest.raises(agents.AgentRefused, match="its model cannot be made here"):
+        agents.prepare_submission(f"{HERE}:no_model_here", None, None, None)
+    registry = ToolRegistry()
+    import sys
+
+    agents.register_module_agents(sys.modules[HERE], registry)  # a worker's start: no raise
+    assert registry.get_registered(f"{HERE}:agent.lookup") is not None
