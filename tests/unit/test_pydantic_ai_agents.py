@@ -489,3 +489,20 @@ def test_an_agent_whose_model_cannot_be_made_is_refused_and_a_tool_module_still_
 
     agents.register_module_agents(sys.modules[HERE], registry)  # a worker's start: no raise
     assert registry.get_registered(f"{HERE}:agent.lookup") is not None
+
+
+def test_an_agent_tasks_spec_is_priced_limited_and_windowed_as_its_model() -> None:
+    from charlie import limits, pricing
+    from charlie.executor import context
+    from charlie.ports import PhaseLimits
+
+    spec = agents.AgentSpec("openai:gpt-4.1", f"{HERE}:agent", f"{HERE}:make_deps").render()
+    prices = pricing.parse_prices('{"openai:gpt-4.1": {"input": 2, "output": 8}}')
+    assert pricing.price_for(spec, prices) == pricing.price_for("openai:gpt-4.1", prices)
+    assert pricing.price_for(spec, prices) is not None
+    table = limits.parse_limits('{"openai:gpt-4.1": {"concurrency": 2}}')
+    assert limits.limit_for(spec, table) == limits.limit_for("openai:gpt-4.1", table)
+    assert limits.limit_for(spec, table) is not None
+    own = PhaseLimits(context_tokens_by_model={"GPT_4_1": 5000})
+    window = context.window_for(spec, own, {})
+    assert window is not None and window.tokens == 5000
