@@ -12,13 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import charlie
-from charlie import api
+from charlie import api, cli
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
 from tests.integration.test_loop import assert_every_call_has_one_result
-from tests.integration.test_production_path import charlie_cli
 from tests.support.cluster import Cluster
 from tests.support.fake_openai import FakeOpenAI, Reply, chat_stream
 from tests.support.tools import read_ledger
@@ -177,12 +177,13 @@ def test_the_cli_and_a_celery_only_producer_submit_an_agent_task(
     from charlie.app import app
 
     model_server.enqueue(_final("cli", 1), _final("celery", 2))
-    done = charlie_cli(
-        cluster.settings_env, "submit", "settle", "--agent", AGENT, "--deps", DEPS, "--wait"
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1].startswith("succeeded: ")
-    assert 'charged_cents\\":1' in done.stdout
+    # in this process (its environment is the cluster's): a subprocess would import the
+    # framework again, seconds on a loaded machine
+    runner = CliRunner()
+    done = runner.invoke(cli.main, ["submit", "settle", "--agent", AGENT, "--deps", DEPS, "--wait"])
+    assert done.exit_code == 0, done.output
+    assert done.output.splitlines()[-1].startswith("succeeded: ")
+    assert 'charged_cents\\":1' in done.output
     task_id = f"celery-{uuid.uuid4().hex[:8]}"
     app.send_task(
         "charlie.submit",
@@ -192,8 +193,8 @@ def test_the_cli_and_a_celery_only_producer_submit_an_agent_task(
     info = wait_for(lambda: _terminal(task_id), timeout=90)
     assert info.status is TaskStatus.SUCCEEDED, info.error
     assert json.loads(info.result["answer"]) == {"account": "celery", "charged_cents": 2}
-    refused = charlie_cli(cluster.settings_env, "submit", "x", "--agent", f"{AGENT}_nope")
-    assert refused.returncode != 0 and "has no 'support_nope'" in refused.stderr
+    refused = runner.invoke(cli.main, ["submit", "x", "--agent", f"{AGENT}_nope"])
+    assert refused.exit_code != 0 and "has no 'support_nope'" in refused.output
 
 
 def _terminal(task_id: str) -> Any:
