@@ -97,8 +97,10 @@ def find_tool(tools: ToolRegistry, name: str) -> bool:
     ref, dot, _ = name.rpartition(".")
     if not dot or ":" not in ref or name.startswith("mcp__"):
         return False
-    from charlie.agents import pydantic_ai
-
+    try:
+        from charlie.agents import pydantic_ai
+    except ImportError:
+        return False  # no framework here: no agent's tool either
     return pydantic_ai.register_agent_tools(ref, tools)
 
 

@@ -95,7 +95,7 @@ def _import_ref(ref: str, what: str) -> Any:
         raise AgentRefused(f"{what} {ref!r} must be 'module:attribute'")
     try:
         found: Any = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # not there, or its import raised: either way, no agent
         raise AgentRefused(f"{what} {ref!r}: cannot import {module_name!r}: {exc}") from exc
     for part in attr.split("."):
         try:

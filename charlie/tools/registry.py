@@ -229,6 +229,12 @@ class ToolRegistry:
         return found
 
     def get(self, name: str) -> ToolDef | None:
+        return self._tools.get(name)
+
+    def find(self, name: str) -> ToolDef | None:
+        """The tool registered under ``name``, else one a finder registers by that name. Only
+        for names Charlie recorded or a producer gave (a planned call's, a task's tools), never
+        one a model chose: a finder may import the module a name names."""
         found = self._tools.get(name)
         if found is None and self._finders:
             for finder in self._finders:
@@ -248,7 +254,7 @@ class ToolRegistry:
         if allowed is None:
             return [tools[n] for n in sorted(tools)]
         if self._finders and any(n not in tools for n in allowed):
-            found = [self.get(n) for n in allowed]
+            found = [self.find(n) for n in allowed]
             return [d for d in found if d is not None]
         return [tools[n] for n in allowed if n in tools]
 

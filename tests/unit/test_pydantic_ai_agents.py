@@ -391,9 +391,11 @@ def test_a_text_agent_ends_with_its_text() -> None:
 def test_the_registry_finds_an_agents_tools_by_name_and_nothing_else() -> None:
     registry = ToolRegistry()
     registry.add_finder(agents.find_tool)
-    assert registry.get("no_such_tool") is None
-    assert registry.get(f"{HERE}:nothing.tool") is None
-    found = registry.get(f"{HERE}:agent.lookup")
+    assert registry.find("no_such_tool") is None
+    assert registry.find(f"{HERE}:nothing.tool") is None
+    # a name a model chose is looked up with get(), which imports nothing
+    assert registry.get(f"{HERE}:agent.lookup") is None
+    found = registry.find(f"{HERE}:agent.lookup")
     assert found is not None and found.source == f"agent:{HERE}:agent"
     assert [d.name for d in registry.enabled([f"{HERE}:agent.charge", "gone"])] == [
         f"{HERE}:agent.charge"
