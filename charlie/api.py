@@ -280,7 +280,7 @@ def unknown_tools(names: list[str], modules: tuple[str, ...]) -> list[str]:
 def submit(
     prompt: str,
     *,
-    model: str,
+    model: str | None = None,
     tools: list[str] | None = None,
     task_id: str | None = None,
     timeout: float | None = None,
@@ -288,6 +288,8 @@ def submit(
     approve: list[str] | None = None,
     budget: JSON | None = None,
     priority: int = 0,
+    agent: str | None = None,
+    deps: str | None = None,
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
     id again returns it without starting a second run. ``approve``: tool names whose calls in
@@ -296,7 +298,11 @@ def submit(
     of CHARLIE_BUDGET_* (a limit given as None drops its default); stored on the task, checked
     before every model call: the task fails rather than call its model past it.
     ``priority``: a whole number, higher first, that orders this task's model calls among those
-    waiting for a provider limit's capacity (CHARLIE_MODEL_LIMITS); 0 by default."""
+    waiting for a provider limit's capacity (CHARLIE_MODEL_LIMITS); 0 by default.
+    ``agent``: ``"module:attr"`` of a Pydantic AI agent to run instead of a ``model`` (its
+    model, tools and output are the task's; docs/agents/pydantic-ai.md), importable here and
+    on the workers; ``deps``: ``"module:function"`` that builds its deps on the worker. What
+    of the agent cannot be made durable is refused here, by name (InvalidSubmission)."""
     rt = get_producer()
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidSubmission(f"priority must be a whole number, got {priority!r}")
@@ -310,7 +316,26 @@ def submit(
             f"prompt is {size} bytes; the limit is {rt.settings.max_prompt_bytes} "
             "(CHARLIE_MAX_PROMPT_BYTES)"
         )
-    model = normalise_model(model)
+    if agent is not None:
+        if model is not None or tools is not None:
+            raise InvalidSubmission(
+                "an agent task takes its model and tools from its agent: give agent= without "
+                "model= or tools="
+            )
+        from charlie.agents import AgentRefused, prepare_submission
+
+        try:
+            made = prepare_submission(agent, deps, approve, metadata)
+        except AgentRefused as exc:
+            raise InvalidSubmission(str(exc)) from None
+        model, tools, metadata = made.model, made.tools, made.metadata
+        approve = None if made.approve is None else list(made.approve)
+    elif deps is not None:
+        raise InvalidSubmission("deps= is for an agent task (agent=)")
+    elif model is None:
+        raise InvalidSubmission("give model= (a model spec) or agent= (module:attr)")
+    else:
+        model = normalise_model(model)
     if tools is not None:
         if isinstance(tools, str) or not all(isinstance(t, str) for t in tools):
             raise InvalidSubmission("tools must be a list of tool names")

@@ -207,8 +207,12 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
 
 @main.command()
 @click.argument("prompt")
-@click.option("--model", "-m", required=True, help="scripted:PATH, openai:NAME, ...")
+@click.option("--model", "-m", default=None, help="scripted:PATH, openai:NAME, ...")
 @click.option("--tool", "tools", multiple=True, help="A tool the model may use (repeatable).")
+@click.option(
+    "--agent", default=None, help="A Pydantic AI agent (module:attr) to run instead of --model."
+)
+@click.option("--deps", default=None, help="module:function that builds the agent's deps.")
 @click.option("--task-id", default=None, help="Your own id; submitting it again is a no-op.")
 @click.option("--timeout", type=float, default=None, help="Seconds before the task times out.")
 @click.option(
@@ -233,8 +237,10 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
 @click.option("--wait", "wait_", is_flag=True, help="Wait and print the final status.")
 def submit(
     prompt: str,
-    model: str,
+    model: str | None,
     tools: tuple[str, ...],
+    agent: str | None,
+    deps: str | None,
     task_id: str | None,
     timeout: float | None,
     workspace: str | None,
@@ -250,6 +256,8 @@ def submit(
 
     # absolute here: the worker's working directory is not this one
     metadata = {"workspace": os.path.abspath(workspace)} if workspace else None
+    if agent is not None and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # an agent's module is found as `python -m` finds it
     try:
         tid = api.submit(
             prompt,
@@ -261,6 +269,8 @@ def submit(
             approve=list(approve) or None,
             budget=_budget(budget_tokens, budget_usd, budget_model_calls),
             priority=priority,
+            agent=agent,
+            deps=deps,
         )
     except (ValueError, ImportError) as exc:  # ImportError: a CHARLIE_TOOL_MODULES module
         _fail(str(exc))

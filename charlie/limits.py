@@ -113,6 +113,8 @@ def limit_table(raw: str | None) -> LimitTable:
 
 def limit_for(model: str, table: LimitTable) -> Limit | None:
     """The exact entry, else the longest key ending at a separator that prefixes ``model``."""
+    # a framework agent's spec (``openai:gpt-4.1#agent=...``) is limited as its model
+    model = model.partition("#")[0]
     exact = table.get(model)
     if exact is not None:
         return exact

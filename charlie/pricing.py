@@ -124,6 +124,8 @@ def price_table(raw: str | None) -> PriceTable:
 
 def price_for(model: str, table: PriceTable) -> Price | None:
     """The exact entry, else the longest key ending at a separator that prefixes ``model``."""
+    # a framework agent's spec (``openai:gpt-4.1#agent=...``) is priced as its model
+    model = model.partition("#")[0]
     exact = table.get(model)
     if exact is not None:
         return exact

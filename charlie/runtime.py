@@ -24,7 +24,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from charlie import home
+from charlie import agents, home
 from charlie.capacity import FleetLimits
 from charlie.config import TICK_QUEUE, Settings, broker_priority, queue_mismatch_hint, settings
 from charlie.domain import Phase
@@ -196,7 +196,11 @@ class Runtime(Producer):
     def model_for(self, spec: str) -> Model:
         model = self._models.get(spec)
         if model is None:
-            model = resolve_model(spec)
+            if agents.is_agent_spec(spec):
+                # a framework agent's task: its own model object, its tools registered here
+                model = agents.model_for(spec, self.tools)
+            else:
+                model = resolve_model(spec)
             if self.observer.enabled:
                 model = self.observer.wrap_model(spec, model)
             self._models[spec] = model
@@ -260,13 +264,16 @@ _lock = threading.Lock()
 def import_tool_modules(modules: Iterable[str]) -> None:
     import charlie.tools  # noqa: F401  (the built-ins)
 
+    # A framework agent's tools are found by name when first named (charlie.agents).
+    REGISTRY.add_finder(agents.find_tool)
     for name in modules:
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
         except ImportError as exc:
             raise ImportError(
                 f"CHARLIE_TOOL_MODULES names {name!r}, which cannot be imported: {exc}"
             ) from exc
+        agents.register_module_agents(module, REGISTRY)
 
 
 def check_worker_ready(s: Settings) -> None:

@@ -167,7 +167,7 @@ def submit_task(
     self: Task,
     prompt: str,
     *,
-    model: str,
+    model: str | None = None,
     task_id: str | None = None,
     tools: list[str] | None = None,
     timeout: float | None = None,
@@ -175,6 +175,8 @@ def submit_task(
     approve: list[str] | None = None,
     budget: dict[str, object] | None = None,
     priority: int = 0,
+    agent: str | None = None,
+    deps: str | None = None,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
     ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
@@ -199,6 +201,8 @@ def submit_task(
             approve=approve,
             budget=budget,
             priority=priority,
+            agent=agent,
+            deps=deps,
         )
 
 

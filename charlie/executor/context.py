@@ -88,6 +88,7 @@ class Window:
 
 def configured_window(spec: str, limits: PhaseLimits) -> Window | None:
     """The window this worker's settings give the model: its own, else the default one."""
+    spec = spec.partition("#")[0]  # a framework agent's spec: its model's window
     name = env_name(spec.partition(":")[2] or spec)
     own = limits.context_tokens_by_model.get(name)
     if own is not None:
@@ -137,6 +138,7 @@ def window_for(spec: str, limits: PhaseLimits, state: JSON) -> Window | None:
     """The model's window: the configured one the run recorded (``settings``), else this
     worker's, and at most what the provider's refusal showed (recorded in the run's state).
     None: not known yet."""
+    spec = spec.partition("#")[0]  # a framework agent's spec: its model's window
     name = env_name(spec.partition(":")[2] or spec)
     planned = _planned(state)
     configured: Window | None

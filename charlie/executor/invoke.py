@@ -278,7 +278,14 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
     (``"still_running"`` when observing an overdue wait, which is not parked)."""
     faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call.call_id)
     started = time.perf_counter()
-    definition = rt.tools.get(call.name)
+    definition = rt.tools.get_registered(call.name)
+    if definition is None and mode != "observe":
+        # A tool found by name when first named in this process (a framework agent's, its
+        # module imported now) may take longer to load than a lease lasts: held meanwhile (I5).
+        with _call_heartbeat(rt, call):
+            definition = rt.tools.find(call.name)
+    elif definition is None:
+        definition = rt.tools.find(call.name)
     if definition is None:
         outcome, result = Outcome.ERROR, {"error": f"tool {call.name!r} is not registered here"}
     else:

@@ -194,6 +194,14 @@ class ToolRegistry:
     def __init__(self) -> None:
         self._tools: dict[str, ToolDef] = {}
         self._implementations: tuple[dict[str, ToolDef], tuple[tuple[str, str], ...]] | None = None
+        #: asked, in order, for a name no tool is registered under: each may register tools
+        #: found by that name (a framework agent's, imported when first named) and says
+        #: whether it did
+        self._finders: tuple[Callable[[ToolRegistry, str], bool], ...] = ()
+
+    def add_finder(self, finder: Callable[[ToolRegistry, str], bool]) -> None:
+        if finder not in self._finders:
+            self._finders = (*self._finders, finder)
 
     def add(self, definition: ToolDef) -> ToolDef:
         existing = self._tools.get(definition.name)
@@ -223,6 +231,21 @@ class ToolRegistry:
     def get(self, name: str) -> ToolDef | None:
         return self._tools.get(name)
 
+    def find(self, name: str) -> ToolDef | None:
+        """The tool registered under ``name``, else one a finder registers by that name. Only
+        for names Charlie recorded or a producer gave (a planned call's, a task's tools), never
+        one a model chose: a finder may import the module a name names."""
+        found = self._tools.get(name)
+        if found is None and self._finders:
+            for finder in self._finders:
+                if finder(self, name):
+                    return self._tools.get(name)
+        return found
+
+    def get_registered(self, name: str) -> ToolDef | None:
+        """The tool registered under ``name`` now, asking no finder."""
+        return self._tools.get(name)
+
     def names(self) -> list[str]:
         return sorted(self._tools)
 
@@ -230,6 +253,9 @@ class ToolRegistry:
         tools = self._tools
         if allowed is None:
             return [tools[n] for n in sorted(tools)]
+        if self._finders and any(n not in tools for n in allowed):
+            found = [self.find(n) for n in allowed]
+            return [d for d in found if d is not None]
         return [tools[n] for n in allowed if n in tools]
 
 

@@ -1,0 +1,833 @@
+"""A Pydantic AI agent driven by Charlie's phases.
+
+Charlie's call_model phase asks :class:`AgentModel` for the next turn; its tools' calls are
+recorded, claimed and settled as any tool's (I9-I11). What Pydantic AI itself decides (the
+system prompts and instructions, static and given ``RunContext``; the tool and output
+definitions its model is sent, prepare functions included; the model settings; how a tool's
+arguments are validated, how its ``ModelRetry`` or return value becomes the part its model is
+shown; whether an output is valid under the agent's output validators) is decided by Pydantic
+AI's own graph, run up to the point where it would send a model request, and stopped there
+(:class:`_Intercept`). No tool runs in that graph but the one call a Charlie tool call stands
+for, in the worker that claimed it.
+
+One event loop per process, in a thread of its own, runs the framework's coroutines: the
+agent's model keeps its HTTP client across calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pydantic_core
+from pydantic_ai import Agent, DeferredToolResults
+from pydantic_ai import messages as pm
+from pydantic_ai.exceptions import ModelAPIError, ModelHTTPError
+from pydantic_ai.models import Model as PaiModel
+from pydantic_ai.models import ModelRequestParameters, infer_model
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.toolsets import FunctionToolset
+
+from charlie.agents import METADATA_KEY, AgentRefused, AgentSpec, Submission
+from charlie.domain import JSON, Effect, ItemKind, NewItem, OnInterrupt
+from charlie.models.base import (
+    NO_DELTAS,
+    Deltas,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    TransientModelError,
+    Usage,
+    tool_call_item,
+)
+from charlie.tools.context import ToolContext, ToolError
+from charlie.tools.registry import REGISTRY, ToolDef, ToolDefinitionError, ToolRegistry
+
+T = TypeVar("T")
+log = logging.getLogger("charlie.agents")
+
+#: the capabilities every Agent holds by default; any other is refused at submit (a history
+#: processor, a hook: code that runs around Pydantic AI's own steps, which Charlie does not
+#: run, or runs without recording)
+_DEFAULT_CAPABILITIES = frozenset({"ToolSearch", "PendingMessageDrainCapability"})
+#: the name of the context parameter of an agent tool's handler (never a model argument)
+_CTX = "_charlie_ctx"
+#: the call Charlie records for a text answer the agent's output does not accept (the model
+#: never calls it): its result is the feedback Pydantic AI sends, and the model answers again
+TEXT_OUTPUT = "__text_output__"
+
+
+# -- the event loop ----------------------------------------------------------------------------
+
+_loop_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_pid: int | None = None
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a framework coroutine on this process's agent loop and wait for it."""
+    global _loop, _loop_pid
+    with _loop_lock:
+        if _loop is None or _loop_pid != os.getpid():
+            # a forked pool child does not inherit the loop's thread: it starts its own
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="charlie-agents", daemon=True).start()
+            _loop, _loop_pid = loop, os.getpid()
+        loop = _loop
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+# -- loading an agent --------------------------------------------------------------------------
+
+
+def _import_ref(ref: str, what: str) -> Any:
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise AgentRefused(f"{what} {ref!r} must be 'module:attribute'")
+    try:
+        found: Any = importlib.import_module(module_name)
+    except Exception as exc:  # not there, or its import raised: either way, no agent
+        raise AgentRefused(f"{what} {ref!r}: cannot import {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            raise AgentRefused(f"{what} {ref!r}: {module_name!r} has no {attr!r}") from None
+    return found
+
+
+@dataclass
+class Loaded:
+    """An agent as this process imported it, with its tools as Charlie registers them."""
+
+    ref: str
+    agent: Agent[Any, Any]
+    model: PaiModel
+    #: the agent's tool name -> Charlie's name (``module:attr.tool``)
+    names: dict[str, str]
+    output_tools: frozenset[str]
+    defs: list[ToolDef] = field(default_factory=list)
+    #: the first request's system prompt parts per run (execution id), as first computed here
+    system_parts: dict[str, list[pm.ModelRequestPart]] = field(default_factory=dict)
+
+    def charlie_name(self, name: str) -> str:
+        return f"{self.ref}.{name}"
+
+    def agent_name(self, name: str) -> str:
+        prefix = f"{self.ref}."
+        return name[len(prefix) :] if name.startswith(prefix) else name
+
+
+_loaded: dict[str, Loaded] = {}
+_loaded_lock = threading.Lock()
+
+
+def refusals(agent: Agent[Any, Any]) -> list[str]:
+    """What of ``agent`` Charlie cannot run with its guarantees, one sentence each."""
+    found: list[str] = []
+    for toolset in agent.toolsets:
+        if not isinstance(toolset, FunctionToolset):
+            label = getattr(toolset, "id", None) or getattr(toolset, "label", None)
+            found.append(
+                f"toolset {type(toolset).__name__}"
+                + (f" ({label})" if label else "")
+                + ": only function tools are recorded before they run (MCP servers and other "
+                "toolsets are not supported yet; give the task Charlie's own MCP tools instead)"
+            )
+    for capability in getattr(agent.root_capability, "capabilities", []) or []:
+        if type(capability).__name__ not in _DEFAULT_CAPABILITIES:
+            found.append(
+                f"capability {type(capability).__name__}: it runs around Pydantic AI's own "
+                "steps (a history processor, a hook), which a Charlie task does not run"
+            )
+    if agent.event_stream_handler is not None:
+        found.append(
+            "event_stream_handler: a Charlie task streams to `charlie watch` instead; a handler "
+            "would run again on every repeated step"
+        )
+    output_toolset = agent._output_toolset
+    if output_toolset is not None:
+        for name, processor in output_toolset.processors.items():
+            if getattr(processor, "_function_schema", None) is not None:
+                found.append(
+                    f"output function {name!r}: it would run while the output is validated, "
+                    "unrecorded; make it a tool (effect write) and the output a plain type"
+                )
+    return found
+
+
+def _tool_def(loaded: Loaded, tool: Any) -> ToolDef:
+    """A Charlie tool for one of the agent's function tools: its effect and reconcile hook from
+    its metadata (``{"effect": "read"}``; unmarked is a write), its approval from
+    ``requires_approval``."""
+    metadata = tool.metadata or {}
+    name = loaded.charlie_name(tool.name)
+    try:
+        effect = Effect(metadata.get("effect", "write"))
+    except ValueError:
+        raise AgentRefused(
+            f"tool {tool.name!r}: metadata effect must be 'read' or 'write', got "
+            f"{metadata.get('effect')!r}"
+        ) from None
+    if effect is Effect.WAIT:
+        raise AgentRefused(f"tool {tool.name!r}: effect 'wait' is for Charlie's own tools")
+    reconcile = None
+    if metadata.get("reconcile"):
+        hook = _import_ref(str(metadata["reconcile"]), f"tool {tool.name!r}: reconcile")
+
+        def reconcile(**arguments: Any) -> Any:
+            arguments.pop(_CTX, None)
+            return hook(**arguments)
+
+    try:
+        on_interrupt = OnInterrupt(metadata.get("on_interrupt", "report"))
+    except ValueError:
+        raise AgentRefused(
+            f"tool {tool.name!r}: metadata on_interrupt must be 'report' or 'hold'"
+        ) from None
+    approval = bool(tool.requires_approval)
+
+    def handler(**arguments: Any) -> Any:
+        ctx = arguments.pop(_CTX)
+        return call_tool(loaded, tool.name, arguments, ctx, approved=approval)
+
+    return ToolDef(
+        name=name,
+        handler=handler,
+        description=(tool.description or tool.name).split("\n\n")[0],
+        # Pydantic AI validates the arguments itself (a failure is a retry its model sees)
+        parameters={"type": "object"},
+        effect=effect,
+        deadline=float(metadata["deadline"]) if metadata.get("deadline") else None,
+        resumable=False,
+        reconcile=reconcile,
+        context_param=_CTX,
+        implementation=f"{loaded.ref}:{tool.name}",
+        approval=approval,
+        on_interrupt=on_interrupt,
+        source=f"agent:{loaded.ref}",
+    )
+
+
+def _output_def(loaded: Loaded, name: str) -> ToolDef:
+    """The agent's output tool, run by Charlie only when its model's call of it did not
+    validate (or came with other calls): a read, which validates again and says why."""
+
+    def handler(**arguments: Any) -> Any:
+        ctx = arguments.pop(_CTX)
+        return call_tool(loaded, name, arguments, ctx, approved=False)
+
+    return ToolDef(
+        name=loaded.charlie_name(name),
+        handler=handler,
+        description=f"the output of agent {loaded.ref}",
+        parameters={"type": "object"},
+        effect=Effect.READ,
+        deadline=None,
+        resumable=False,
+        reconcile=None,
+        context_param=_CTX,
+        implementation=f"{loaded.ref}:{name}",
+        source=f"agent:{loaded.ref}",
+    )
+
+
+def load(ref: str) -> Loaded:
+    """The agent ``ref`` names, imported once per process, or AgentRefused."""
+    with _loaded_lock:
+        found = _loaded.get(ref)
+        if found is not None:
+            return found
+        agent = _import_ref(ref, "agent")
+        if not isinstance(agent, Agent):
+            raise AgentRefused(
+                f"agent {ref!r} is a {type(agent).__name__}, not a pydantic_ai.Agent"
+            )
+        problems = refusals(agent)
+        if problems:
+            raise AgentRefused(
+                f"agent {ref!r} cannot run as a Charlie task: " + "; ".join(problems)
+            )
+        if agent.model is None:
+            raise AgentRefused(f"agent {ref!r} has no model: give Agent(...) one")
+        try:
+            model = infer_model(agent.model)
+        except Exception as exc:  # a provider without its key, an unknown model name, ...
+            raise AgentRefused(f"agent {ref!r}: its model cannot be made here: {exc}") from exc
+        tools: dict[str, Any] = {}
+        for toolset in agent.toolsets:
+            if isinstance(toolset, FunctionToolset):
+                tools.update(toolset.tools)
+        output_toolset = agent._output_toolset
+        outputs = (
+            frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
+        )
+        loaded = Loaded(
+            ref=ref,
+            agent=agent,
+            model=model,
+            names={n: f"{ref}.{n}" for n in [*tools, *outputs, TEXT_OUTPUT]},
+            output_tools=outputs | {TEXT_OUTPUT},
+        )
+        loaded.defs = [_tool_def(loaded, t) for t in tools.values()] + [
+            _output_def(loaded, n) for n in sorted(outputs | {TEXT_OUTPUT})
+        ]
+        _loaded[ref] = loaded
+        return loaded
+
+
+def register_agent_tools(ref: str, tools: ToolRegistry) -> bool:
+    try:
+        loaded = load(ref)
+    except AgentRefused:
+        return False
+    _register(loaded, tools)
+    return True
+
+
+def _register(loaded: Loaded, tools: ToolRegistry) -> None:
+    for definition in loaded.defs:
+        if tools.get_registered(definition.name) is None:
+            # another thread may have registered it meanwhile
+            with contextlib.suppress(ToolDefinitionError):
+                tools.add(definition)
+
+
+def register_module_agents(module: Any, tools: ToolRegistry) -> None:
+    for attr, value in list(vars(module).items()):
+        if isinstance(value, Agent):
+            ref = f"{module.__name__}:{attr}"
+            try:
+                load(ref)
+            except AgentRefused as exc:
+                # not a task's agent (or not one Charlie can run): a submit naming it says why
+                log.info("agent %s not registered: %s", ref, exc)
+                continue
+            register_agent_tools(ref, tools)
+
+
+def model_spec_of(loaded: Loaded) -> str:
+    """The agent's model as Charlie's specs name models (``openai:gpt-4.1``), so that prices,
+    provider limits and context windows configured for it apply."""
+    system = loaded.model.system
+    name = loaded.model.model_name
+    return f"{system}:{name}" if not name.startswith(f"{system}:") else name
+
+
+def prepare_submission(
+    agent: str, deps: str | None, approve: list[str] | None, metadata: dict[str, Any] | None
+) -> Submission:
+    loaded = load(agent)
+    _register(loaded, REGISTRY)
+    if deps is not None:
+        factory = _import_ref(deps, "deps factory")
+        if not callable(factory):
+            raise AgentRefused(f"deps factory {deps!r} is not callable")
+    names = loaded.names
+    mapped = None
+    if approve is not None:
+        unknown = [n for n in approve if n not in names and n not in names.values()]
+        if unknown:
+            raise AgentRefused(
+                f"approve names tool(s) agent {agent!r} does not have: {', '.join(unknown)} "
+                f"(its tools: {', '.join(sorted(names)) or 'none'})"
+            )
+        mapped = sorted({names.get(n, n) for n in approve})
+    spec = AgentSpec(model_spec_of(loaded), agent, deps).render()
+    return Submission(
+        model=spec,
+        tools=sorted(names.values()),
+        approve=mapped,
+        metadata={**(metadata or {}), METADATA_KEY: {"agent": agent, "deps": deps}},
+    )
+
+
+# -- running the agent's graph up to its next model request ------------------------------------
+
+
+class _Captured(Exception):
+    """Pydantic AI's graph reached a model request: what it would send, and how."""
+
+    def __init__(
+        self,
+        messages: list[pm.ModelMessage],
+        settings: Any,
+        params: ModelRequestParameters,
+    ) -> None:
+        super().__init__("captured")
+        self.messages = messages
+        self.settings = settings
+        self.params = params
+
+
+class _Intercept(WrapperModel):
+    """The agent's own model (its profile, its name, its request preparation) that stops the
+    graph where it would send a request: Charlie sends it, from a call_model step."""
+
+    async def request(
+        self, messages: list[pm.ModelMessage], model_settings: Any, params: ModelRequestParameters
+    ) -> pm.ModelResponse:
+        raise _Captured(list(messages), model_settings, params)
+
+
+class _Replay(_Intercept):
+    """The agent's model answering its first request with a response it already gave (so that
+    Pydantic AI's graph processes it as ``agent.run`` would: the output validated, or a retry
+    asked for), and stopping the graph at the next."""
+
+    def __init__(self, wrapped: PaiModel, answer: pm.ModelResponse) -> None:
+        super().__init__(wrapped)
+        self.answer: pm.ModelResponse | None = answer
+
+    async def request(
+        self, messages: list[pm.ModelMessage], model_settings: Any, params: ModelRequestParameters
+    ) -> pm.ModelResponse:
+        answer, self.answer = self.answer, None
+        if answer is None:
+            raise _Captured(list(messages), model_settings, params)
+        return answer
+
+
+@dataclass(frozen=True)
+class _Ended:
+    output: Any
+
+
+async def _drive(
+    loaded: Loaded,
+    deps: Any,
+    *,
+    prompt: str | None = None,
+    history: list[pm.ModelMessage] | None = None,
+    deferred: DeferredToolResults | None = None,
+    replay: pm.ModelResponse | None = None,
+) -> _Captured | _Ended:
+    intercept = _Intercept(loaded.model) if replay is None else _Replay(loaded.model, replay)
+    try:
+        result = await loaded.agent.run(
+            prompt,
+            message_history=history,
+            model=intercept,
+            deps=deps,
+            deferred_tool_results=deferred,
+        )
+    except _Captured as captured:
+        return captured
+    return _Ended(result.output)
+
+
+def _deps(ref: str | None) -> Any:
+    if not ref:
+        return None
+    made = _import_ref(ref, "deps factory")()
+    if inspect.isawaitable(made):
+        return run(_awaited(made))
+    return made
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+# -- the tool calls ----------------------------------------------------------------------------
+
+
+def _part_json(part: pm.ModelRequestPart) -> JSON:
+    dumped = pm.ModelMessagesTypeAdapter.dump_python([pm.ModelRequest(parts=[part])], mode="json")
+    parts: JSON = dumped[0]["parts"][0]
+    return parts
+
+
+def _part_from(data: JSON) -> pm.ModelRequestPart:
+    message = pm.ModelMessagesTypeAdapter.validate_python([{"kind": "request", "parts": [data]}])[0]
+    assert isinstance(message, pm.ModelRequest)
+    return message.parts[0]
+
+
+def _is_retry(part: pm.ModelRequestPart) -> bool:
+    if isinstance(part, pm.RetryPromptPart):
+        return True
+    return getattr(part, "outcome", None) == "retried"
+
+
+def _text_of(part: Any) -> str:
+    if isinstance(part, pm.RetryPromptPart):
+        return part.model_response()
+    content = getattr(part, "content", "")
+    return (
+        content
+        if isinstance(content, str)
+        else json.dumps(pydantic_core.to_jsonable_python(content))
+    )
+
+
+def call_tool(
+    loaded: Loaded, name: str, arguments: JSON, ctx: ToolContext, *, approved: bool
+) -> Any:
+    """One call of the agent's tool ``name``, through Pydantic AI's own validation and call:
+    its return value (the ``ok`` result), or a ToolError carrying the retry part its model is
+    shown (a ``ModelRetry``, arguments that did not validate). An output tool's call returns
+    ``{"output": ...}`` when the output validates."""
+    info = ctx.metadata.get(METADATA_KEY) if isinstance(ctx.metadata, dict) else None
+    deps_ref = info.get("deps") if isinstance(info, dict) else None
+    deps = _deps(deps_ref)
+    if name == TEXT_OUTPUT:
+        return _check_text(loaded, deps, str(arguments.get("text", "")))
+    call = pm.ToolCallPart(name, json.dumps(arguments), ctx.call_id)
+    history: list[pm.ModelMessage] = [
+        pm.ModelRequest(parts=[pm.UserPromptPart("")]),
+        pm.ModelResponse(parts=[call]),
+    ]
+    deferred = DeferredToolResults(approvals={ctx.call_id: True}) if approved else None
+    found = run(_drive(loaded, deps, history=history, deferred=deferred))
+    if isinstance(found, _Ended):
+        if name in loaded.output_tools:
+            return {"output": pydantic_core.to_jsonable_python(found.output)}
+        raise ToolError(f"agent {loaded.ref!r} ended instead of running tool {name!r}")
+    last = found.messages[-1]
+    parts = [
+        p for p in getattr(last, "parts", []) if getattr(p, "tool_call_id", None) == ctx.call_id
+    ]
+    if not parts:
+        raise ToolError(f"agent {loaded.ref!r} gave no result for tool {name!r}")
+    part = parts[0]
+    if _is_retry(part):
+        raise ToolError(_text_of(part), pydantic_ai_part=_part_json(part))
+    return pydantic_core.to_jsonable_python(getattr(part, "content", None))
+
+
+def _check_text(loaded: Loaded, deps: Any, text: str) -> Any:
+    """A text answer, validated as ``agent.run`` validates it: ``{"output": ...}``, or a
+    ToolError carrying the feedback parts Pydantic AI sends the model instead."""
+    found = run(
+        _drive(
+            loaded,
+            deps,
+            history=[pm.ModelRequest(parts=[pm.UserPromptPart("")])],
+            replay=pm.ModelResponse(parts=[pm.TextPart(text)]),
+        )
+    )
+    if isinstance(found, _Ended):
+        return {"output": pydantic_core.to_jsonable_python(found.output)}
+    parts = list(getattr(found.messages[-1], "parts", []))
+    if not parts:
+        raise ToolError(f"agent {loaded.ref!r} neither accepted the answer nor said why")
+    raise ToolError(_text_of(parts[0]), pydantic_ai_parts=[_part_json(p) for p in parts])
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
+    """Pydantic AI's count of a tool's retries, from the transcript: a tool failed (a retry
+    part) in more consecutive steps than its ``max_retries`` ends the run, as it ends
+    ``agent.run``."""
+    counts: dict[str, int] = {}
+    turns: dict[int, list[Any]] = {}
+    for item in items:
+        if item.kind is ItemKind.TOOL_RESULT:
+            turns.setdefault(item.turn, []).append(item)
+    for turn in sorted(turns):
+        failed: dict[str, int | None] = {}
+        succeeded: set[str] = set()
+        for item in turns[turn]:
+            result = item.payload.get("result")
+            data = result.get("pydantic_ai_part") if isinstance(result, dict) else None
+            name = str(item.payload.get("name"))
+            if isinstance(data, dict):
+                retry = data.get("retry") or {}
+                failed[name] = retry.get("max_retries") if isinstance(retry, dict) else None
+            elif isinstance(result, dict) and "pydantic_ai_parts" in result:
+                failed[name] = text_limit  # a text answer refused: the output's retries
+            else:
+                succeeded.add(name)
+        for name in succeeded - set(failed):
+            counts.pop(name, None)
+        for name, limit in failed.items():
+            counts[name] = counts.get(name, 0) + 1
+            if limit is not None and counts[name] > limit:
+                if name.endswith(TEXT_OUTPUT):
+                    return f"Exceeded maximum output retries ({limit})"
+                return f"Tool {name!r} exceeded max retries count of {limit}"
+    return None
+
+
+class AgentModel:
+    """Charlie's model client for an agent's task (charlie.models.base.Model)."""
+
+    def __init__(self, spec: str, parsed: AgentSpec, loaded: Loaded) -> None:
+        self.spec = spec
+        self.parsed = parsed
+        self.loaded = loaded
+
+    # the transcript as Pydantic AI's messages
+
+    def _tool_parts(self, payload: JSON, call_id: str) -> list[pm.ModelRequestPart]:
+        name = self.loaded.agent_name(str(payload.get("name")))
+        result = payload.get("result")
+        if isinstance(result, dict) and isinstance(result.get("pydantic_ai_parts"), list):
+            return [_part_from(p) for p in result["pydantic_ai_parts"]]
+        if name == TEXT_OUTPUT:
+            return []  # a refused text's feedback is above; anything else says nothing new
+        return [self._tool_part(payload, call_id)]
+
+    def _tool_part(self, payload: JSON, call_id: str) -> pm.ModelRequestPart:
+        name = self.loaded.agent_name(str(payload.get("name")))
+        result = payload.get("result")
+        if isinstance(result, dict) and isinstance(result.get("pydantic_ai_part"), dict):
+            return _part_from(result["pydantic_ai_part"])
+        if payload.get("outcome") == "ok":
+            content = (
+                result.get("output", result)
+                if name in self.loaded.output_tools and isinstance(result, dict)
+                else result
+            )
+            return pm.ToolReturnPart(name, content, call_id)
+        # interrupted, denied, past its deadline, canceled, raised: Charlie's words for it
+        return pm.ToolReturnPart(name, str(payload.get("content", "")), call_id)
+
+    def history(self, items: list[Any]) -> list[pm.ModelMessage]:
+        messages: list[pm.ModelMessage] = []
+        request: list[pm.ModelRequestPart] = []
+        response: list[pm.ModelResponsePart] = []
+
+        def flush_request() -> None:
+            if request:
+                messages.append(pm.ModelRequest(parts=list(request)))
+                request.clear()
+
+        def flush_response() -> None:
+            if response:
+                messages.append(pm.ModelResponse(parts=list(response)))
+                response.clear()
+
+        for item in items:
+            payload = item.payload
+            if item.kind is ItemKind.INPUT:
+                if payload.get("role") == "user":
+                    flush_response()
+                    request.append(pm.UserPromptPart(str(payload.get("content", ""))))
+            elif item.kind is ItemKind.COMPACTION:
+                flush_response()
+                request.append(pm.UserPromptPart(str(payload.get("content", ""))))
+            elif item.kind in (ItemKind.MESSAGE, ItemKind.FINAL):
+                flush_request()
+                response.append(pm.TextPart(str(payload.get("content", ""))))
+            elif item.kind is ItemKind.REASONING:
+                flush_request()
+                raw = payload.get("raw")
+                response.append(
+                    pm.ThinkingPart(**raw) if isinstance(raw, dict) else pm.ThinkingPart("")
+                )
+            elif item.kind is ItemKind.TOOL_CALL:
+                flush_request()
+                if self.loaded.agent_name(str(payload.get("name"))) == TEXT_OUTPUT:
+                    continue  # Charlie's record of a refused text, not a call the model made
+                response.append(
+                    pm.ToolCallPart(
+                        self.loaded.agent_name(str(payload.get("name"))),
+                        str(payload.get("raw_arguments") or "{}"),
+                        item.call_id,
+                    )
+                )
+            elif item.kind is ItemKind.TOOL_RESULT:
+                flush_response()
+                request.extend(self._tool_parts(payload, item.call_id or ""))
+        flush_request()
+        flush_response()
+        return messages
+
+    def _system_parts(self, deps: Any, execution_id: str, prompt: str) -> list[pm.ModelRequestPart]:
+        """The system prompts of the run's first request, as Pydantic AI builds them (static
+        ones and those given RunContext), computed once per run in this process."""
+        parts = self.loaded.system_parts.get(execution_id)
+        if parts is None:
+            first = run(_drive(self.loaded, deps, prompt=prompt))
+            if not isinstance(first, _Captured):
+                raise ModelError(f"agent {self.loaded.ref!r} ended before its first request")
+            head = first.messages[0]
+            assert isinstance(head, pm.ModelRequest)
+            parts = [p for p in head.parts if isinstance(p, pm.SystemPromptPart)]
+            if len(self.loaded.system_parts) > 256:
+                self.loaded.system_parts.clear()
+            self.loaded.system_parts[execution_id] = parts
+        return parts
+
+    def complete(self, request: ModelRequest) -> ModelResponse:
+        stop = _retries_exceeded(request.items, self.loaded.agent._max_output_retries)
+        if stop is not None:
+            raise ModelError(stop)
+        deps = _deps(self.parsed.deps)
+        history = self.history(request.items)
+        ended = self._ended_by_output(request.items)
+        if ended is not None:
+            return ended
+        if not history or not isinstance(history[0], pm.ModelRequest):
+            raise ModelError("an agent's transcript must start with its prompt")
+        prompt = next(
+            (str(p.content) for p in history[0].parts if isinstance(p, pm.UserPromptPart)), ""
+        )
+        system = self._system_parts(deps, request.execution_id, prompt)
+        history[0] = pm.ModelRequest(parts=[*system, *history[0].parts])
+        found = run(_drive(self.loaded, deps, history=history))
+        if isinstance(found, _Ended):
+            return self._final(found.output, Usage(), [])
+        try:
+            if request.deltas is NO_DELTAS:
+                answer = run(
+                    self.loaded.model.request(found.messages, found.settings, found.params)
+                )
+            else:
+                answer = run(self._streamed(found, request.deltas))
+        except ModelHTTPError as exc:
+            if exc.status_code in (408, 409, 429) or exc.status_code >= 500:
+                raise TransientModelError(str(exc), evidence=exc.body) from exc
+            raise ModelError(str(exc), evidence=exc.body) from exc
+        except ModelAPIError as exc:
+            raise TransientModelError(str(exc)) from exc
+        usage = _usage(answer)
+        outputs, items = self._items(answer)
+        calls = [p for p in answer.parts if isinstance(p, pm.ToolCallPart)]
+        functions = [c for c in calls if c.tool_name not in self.loaded.output_tools]
+        if functions:
+            return ModelResponse(items, usage, answer.finish_reason)
+        # Only text or output calls: does the output validate? Pydantic AI's graph says,
+        # running no tool (only the output's validators).
+        parts: list[pm.ModelResponsePart] = [
+            p for p in answer.parts if not isinstance(p, pm.ToolCallPart)
+        ]
+        shown = pm.ModelResponse(parts=[*parts, *outputs])
+        checked = run(_drive(self.loaded, deps, history=found.messages, replay=shown))
+        if isinstance(checked, _Ended):
+            kept = [i for i in items if i.kind is ItemKind.REASONING]
+            return self._final(checked.output, usage, kept, answer.finish_reason)
+        if outputs:
+            return ModelResponse(items, usage, answer.finish_reason)
+        # A text the output does not accept: recorded as a call of its own, whose result is
+        # the feedback Pydantic AI sends, so that the model answers again (from any worker).
+        text = "".join(p.content for p in answer.parts if isinstance(p, pm.TextPart))
+        call = tool_call_item(
+            f"text_output_{request.turn}", self.loaded.charlie_name(TEXT_OUTPUT), {"text": text}
+        )
+        return ModelResponse([*items, call], usage, answer.finish_reason)
+
+    async def _streamed(self, found: _Captured, deltas: Deltas) -> pm.ModelResponse:
+        """The request streamed, for people watching (``charlie watch``): its text, reasoning
+        and tool arguments as they come. The answer is the whole response at its end, as
+        without streaming; a delta lost says nothing about it (I28)."""
+        ids: dict[int, str] = {}
+        async with self.loaded.model.request_stream(
+            found.messages, found.settings, found.params
+        ) as stream:
+            async for event in stream:
+                if isinstance(event, pm.PartStartEvent):
+                    part = event.part
+                    if isinstance(part, pm.TextPart) and part.content:
+                        deltas.text(part.content)
+                    elif isinstance(part, pm.ThinkingPart) and part.content:
+                        deltas.reasoning(part.content)
+                    elif isinstance(part, pm.ToolCallPart):
+                        ids[event.index] = part.tool_call_id
+                        args = part.args if isinstance(part.args, str) else ""
+                        name = self.loaded.charlie_name(part.tool_name)
+                        deltas.tool_call(part.tool_call_id, name, args)
+                elif isinstance(event, pm.PartDeltaEvent):
+                    delta = event.delta
+                    if isinstance(delta, pm.TextPartDelta):
+                        deltas.text(delta.content_delta)
+                    elif isinstance(delta, pm.ThinkingPartDelta) and delta.content_delta:
+                        deltas.reasoning(delta.content_delta)
+                    elif isinstance(delta, pm.ToolCallPartDelta) and isinstance(
+                        delta.args_delta, str
+                    ):
+                        call_id = ids.get(event.index, delta.tool_call_id or "")
+                        deltas.tool_call(call_id, None, delta.args_delta)
+            return stream.get()
+
+    def _ended_by_output(self, items: list[Any]) -> ModelResponse | None:
+        """An output tool that Charlie ran and that validated ends the run with its output,
+        without another model request."""
+        results = [i for i in items if i.kind is ItemKind.TOOL_RESULT]
+        if not results:
+            return None
+        last_turn = results[-1].turn
+        for item in results:
+            name = self.loaded.agent_name(str(item.payload.get("name")))
+            result = item.payload.get("result")
+            if (
+                item.turn == last_turn
+                and name in self.loaded.output_tools
+                and item.payload.get("outcome") == "ok"
+                and isinstance(result, dict)
+                and "output" in result
+            ):
+                return self._final(result["output"], Usage(), [])
+        return None
+
+    def _items(self, answer: pm.ModelResponse) -> tuple[list[pm.ToolCallPart], list[NewItem]]:
+        items: list[NewItem] = []
+        outputs: list[pm.ToolCallPart] = []
+        for n, part in enumerate(answer.parts):
+            if isinstance(part, pm.TextPart):
+                items.append(
+                    NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": part.content})
+                )
+            elif isinstance(part, pm.ThinkingPart):
+                raw = {
+                    "content": part.content,
+                    "id": part.id,
+                    "signature": part.signature,
+                    "provider_name": part.provider_name,
+                }
+                items.append(NewItem(ItemKind.REASONING, {"summary": part.content, "raw": raw}))
+            elif isinstance(part, pm.ToolCallPart):
+                call_id = part.tool_call_id or f"call_{n}"
+                if part.tool_name in self.loaded.output_tools:
+                    outputs.append(part)
+                args: str | dict[str, Any] = (
+                    part.args if isinstance(part.args, str) else dict(part.args or {})
+                )
+                items.append(
+                    tool_call_item(call_id, self.loaded.charlie_name(part.tool_name), args)
+                )
+        return outputs, items
+
+    def _final(
+        self, output: Any, usage: Usage, kept: list[NewItem], finish: str | None = None
+    ) -> ModelResponse:
+        text = output if isinstance(output, str) else pydantic_core.to_json(output).decode()
+        return ModelResponse(
+            [*kept, NewItem(ItemKind.MESSAGE, {"role": "assistant", "content": text})],
+            usage,
+            finish,
+        )
+
+
+def _usage(answer: pm.ModelResponse) -> Usage:
+    u = answer.usage
+    details = getattr(u, "details", None) or {}
+    return Usage(
+        input_tokens=int(u.input_tokens or 0),
+        output_tokens=int(u.output_tokens or 0),
+        reasoning_tokens=int(details.get("reasoning_tokens", 0) or 0),
+        cache_read_tokens=int(getattr(u, "cache_read_tokens", 0) or 0),
+        cache_write_tokens=int(getattr(u, "cache_write_tokens", 0) or 0),
+    )
+
+
+def model_for(parsed: AgentSpec, tools: ToolRegistry) -> AgentModel:
+    try:
+        loaded = load(parsed.agent)
+    except AgentRefused as exc:
+        raise ModelError(str(exc)) from exc
+    _register(loaded, tools)
+    return AgentModel(parsed.render(), parsed, loaded)

@@ -1,0 +1,205 @@
+"""A Pydantic AI agent as a Charlie task, through real workers (I34): its own OpenAIChatModel
+against the session's fake Chat Completions server, a read tool, a write tool, a structured
+output; SIGKILL in the write (I9, I10) and in a model request (I3); approvals by
+``requires_approval`` and by the task's ``approve`` list (I23). The agents are
+tests/support/agents.py; every real run of one of their tools is in the test ledger."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import charlie
+from charlie import api, cli
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.integration.test_loop import assert_every_call_has_one_result
+from tests.support.cluster import Cluster
+from tests.support.fake_openai import FakeOpenAI, Reply, chat_stream
+from tests.support.tools import read_ledger
+
+pytestmark = pytest.mark.timeout(180)
+
+AGENT = "tests.support.agents:support"
+DEPS = "tests.support.agents:make_deps"
+
+
+def _runs(event: str, account: str) -> list[dict[str, Any]]:
+    return [e for e in read_ledger() if e.get("event") == event and e.get("account") == account]
+
+
+def _calls(*calls: tuple[str, str, dict[str, Any]]) -> Reply:
+    """The model's answer, streamed as OpenAI streams it: with task events on (the default),
+    an agent task's request is streamed for people watching."""
+    return chat_stream(calls=[(i, n, json.dumps(a)) for i, n, a in calls])
+
+
+def _final(account: str, cents: int) -> Reply:
+    return _calls(("f", "final_result", {"account": account, "charged_cents": cents}))
+
+
+def _tool_messages(body: dict[str, Any]) -> dict[str, str]:
+    return {
+        m["tool_call_id"]: m["content"] for m in body.get("messages", []) if m["role"] == "tool"
+    }
+
+
+def test_a_killed_write_runs_once_settles_interrupted_and_the_agent_is_told(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """I9, I10: the agent's unmarked tool is a write; killed after its side effect it is never
+    run again, settles interrupted, and the agent's model is shown so; its read ran, its
+    structured output is the task's result (I34)."""
+    account = f"acme-{uuid.uuid4().hex[:8]}"
+    hold = cluster.ledger_path.parent / "agent-charge-hold"
+    hold.touch()
+    model_server.enqueue(
+        _calls(("l", "lookup", {"account": account})),
+        _calls(("c", "charge", {"account": account, "cents": 1200})),
+        _final(account, 0),
+    )
+    try:
+        task_id = charlie.submit("settle the account", agent=AGENT, deps=DEPS)
+        charged = wait_for(lambda: _runs("agent.charge", account), timeout=60)
+        call = next(c for c in api.calls(task_id) if c.call_id == "c")
+        assert call.state == "started" and call.started_by  # I9: recorded before it acted
+        cluster.kill_pid_group(int(charged[0]["pid"]))
+    finally:
+        hold.unlink(missing_ok=True)
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert json.loads(info.result["answer"]) == {"account": account, "charged_cents": 0}
+    assert info.model.startswith("openai:gpt-4.1#agent=")
+    calls = {c.call_id: c for c in api.calls(task_id)}
+    assert calls["l"].effect == "read" and calls["l"].outcome == "ok"
+    assert calls["c"].effect == "write" and calls["c"].outcome == "interrupted"
+    assert len(_runs("agent.charge", account)) == 1  # never run again
+    assert len(_runs("agent.lookup", account)) == 1
+    bodies = model_server.bodies
+    assert len(bodies) == 3
+    first = bodies[0]["messages"]
+    # the agent's own prompts (its instructions, its system prompt given the deps), not Charlie's
+    assert any("EUR cents" in str(m.get("content")) for m in first if m["role"] == "system")
+    assert not any("You are Charlie" in str(m.get("content")) for m in first)
+    assert {t["function"]["name"] for t in bodies[0]["tools"]} >= {"lookup", "charge"}
+    assert _tool_messages(bodies[1])["l"] == f"{account} owes 1200"
+    assert "INTERRUPTED" in _tool_messages(bodies[2])["c"]  # the model is told
+    assert info.model_calls == 3 and info.usage["input_tokens"] > 0
+    assert_every_call_has_one_result(task_id)
+
+
+def test_a_model_request_killed_in_flight_is_repeated_and_an_answered_one_is_not(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """I3: the worker whose agent's second model request is in flight is killed: that request
+    is sent again, the first (answered and recorded) is not, its tool not rerun."""
+    account = f"kill-{uuid.uuid4().hex[:8]}"
+    model_server.enqueue(
+        _calls(("l", "lookup", {"account": account})),
+        replace(_final(account, 5), delay=30),
+        _final(account, 5),
+    )
+    task_id = charlie.submit("settle the account", agent=AGENT, deps=DEPS)
+    wait_for(lambda: len(model_server.requests) >= 2, timeout=60)
+    cluster.kill_pid_group(int(model_server.requests[1].headers["x-test-pid"]))
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert json.loads(info.result["answer"])["charged_cents"] == 5
+    bodies = model_server.bodies
+    answered = [b for b in bodies if not _tool_messages(b)]
+    assert len(answered) == 1  # the recorded answer was not asked for again
+    assert len(bodies) == 3 and info.model_repeats == 1
+    assert len(_runs("agent.lookup", account)) == 1
+
+
+def test_approvals_by_requires_approval_and_by_the_approve_list_hold_no_worker(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """I23, I25: ``refund`` (requires_approval=True) and ``charge`` (on the task's approve
+    list) wait for a person; the approved one runs once, the denied one never, and the
+    agent's model sees both outcomes."""
+    account = f"ask-{uuid.uuid4().hex[:8]}"
+    model_server.enqueue(
+        _calls(
+            ("c", "charge", {"account": account, "cents": 300}),
+            ("r", "refund", {"account": account, "cents": 300}),
+        ),
+        _final(account, 300),
+    )
+    task_id = charlie.submit("settle the account", agent=AGENT, deps=DEPS, approve=["charge"])
+    waiting = wait_for(
+        lambda: (
+            (i := charlie.get_task(task_id)).status is TaskStatus.WAITING
+            and len(i.waiting_for) == 2
+            and i.waiting_for
+        )
+    )
+    why = {w.call_id: (w.kind, w.detail.get("why")) for w in waiting}
+    assert why == {
+        "c": ("approval", "the task's approve list"),
+        "r": ("approval", "the tool needs approval"),
+    }
+    assert not _runs("agent.charge", account) and not _runs("agent.refund", account)
+    charlie.approve(task_id, "c")
+    charlie.deny(task_id, "r", "no refunds today")
+
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert len(_runs("agent.charge", account)) == 1
+    assert not _runs("agent.refund", account)
+    seen = _tool_messages(model_server.bodies[1])
+    assert seen["c"] == f"charged 300 EUR cents to {account}"
+    assert "DENIED" in seen["r"] and "no refunds today" in seen["r"]
+
+
+def test_an_agent_that_cannot_be_made_durable_is_refused_before_anything_is_written(
+    cluster: Cluster,
+) -> None:
+    with pytest.raises(api.InvalidSubmission, match="no 'nothing'"):
+        charlie.submit("x", agent="tests.support.agents:nothing")
+    with pytest.raises(api.InvalidSubmission, match="approve names tool"):
+        charlie.submit("x", agent=AGENT, approve=["delete_everything"])
+
+
+def test_the_cli_and_a_celery_only_producer_submit_an_agent_task(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """`charlie submit --agent/--deps` and ``send_task("charlie.submit", kwargs={"agent":
+    ...})`` start the same agent task as ``charlie.submit(agent=...)``; a refused agent is an
+    error naming what is refused, and nothing is written."""
+    from charlie.app import app
+
+    model_server.enqueue(_final("cli", 1), _final("celery", 2))
+    # in this process (its environment is the cluster's): a subprocess would import the
+    # framework again, seconds on a loaded machine
+    runner = CliRunner()
+    done = runner.invoke(cli.main, ["submit", "settle", "--agent", AGENT, "--deps", DEPS, "--wait"])
+    assert done.exit_code == 0, done.output
+    assert done.output.splitlines()[-1].startswith("succeeded: ")
+    assert 'charged_cents\\":1' in done.output
+    task_id = f"celery-{uuid.uuid4().hex[:8]}"
+    app.send_task(
+        "charlie.submit",
+        kwargs={"prompt": "settle", "agent": AGENT, "deps": DEPS},
+        task_id=task_id,
+    )
+    info = wait_for(lambda: _terminal(task_id), timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert json.loads(info.result["answer"]) == {"account": "celery", "charged_cents": 2}
+    refused = runner.invoke(cli.main, ["submit", "x", "--agent", f"{AGENT}_nope"])
+    assert refused.exit_code != 0 and "has no 'support_nope'" in refused.output
+
+
+def _terminal(task_id: str) -> Any:
+    try:
+        info = charlie.get_task(task_id)
+    except api.TaskNotFound:
+        return None
+    return info if info.terminal else None

@@ -1,0 +1,510 @@
+"""The Pydantic AI adapter's mapping (charlie/agents/), against Pydantic AI's FunctionModel:
+what the agent's model is sent, how its answer becomes Charlie's items and calls, how a tool
+call runs through Pydantic AI and comes back as the part its model is shown (I34). No worker,
+no database: a transcript is built by hand, as call_model would hand it over."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+from pydantic_ai import Agent, ModelRetry, RunContext
+from pydantic_ai import messages as pm
+from pydantic_ai.capabilities import ProcessEventStream, ProcessHistory
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.models.test import TestModel
+from pydantic_ai.toolsets import AbstractToolset
+
+from charlie import agents
+from charlie.agents import pydantic_ai as adapter
+from charlie.domain import Effect, Item, ItemKind, NewItem
+from charlie.models.base import ModelError, ModelRequest
+from charlie.tools.context import ToolContext, ToolError
+from charlie.tools.registry import ToolRegistry
+
+pytestmark = pytest.mark.backend_free
+
+HERE = "tests.unit.test_pydantic_ai_agents"
+
+
+class Out(BaseModel):
+    account: str
+    cents: int
+
+
+@dataclass
+class Deps:
+    who: str
+
+
+def make_deps() -> Deps:
+    return Deps(who="ana")
+
+
+#: what the FunctionModel answers: set by each test; it records what it was sent
+SCRIPT: list[pm.ModelResponse] = []
+SEEN: list[tuple[list[pm.ModelMessage], AgentInfo]] = []
+
+
+def scripted(messages: list[pm.ModelMessage], info: AgentInfo) -> pm.ModelResponse:
+    SEEN.append((messages, info))
+    return SCRIPT.pop(0)
+
+
+agent = Agent(
+    FunctionModel(scripted, model_name="fn"),
+    output_type=Out,
+    deps_type=Deps,
+    instructions="be exact",
+    model_settings={"temperature": 0.25},
+)
+
+
+@agent.system_prompt
+def who(ctx: RunContext[Deps]) -> str:
+    return f"working for {ctx.deps.who}"
+
+
+@agent.tool_plain(metadata={"effect": "read"})
+def lookup(account: str) -> str:
+    return f"{account} owes 5"
+
+
+@agent.tool(metadata={"reconcile": f"{HERE}:found_charge"})
+def charge(ctx: RunContext[Deps], account: str, cents: int) -> str:
+    if cents > 100:
+        raise ModelRetry("at most 100 cents")
+    return f"charged {cents} for {ctx.deps.who}"
+
+
+def found_charge(account: str, cents: int) -> None:
+    return None
+
+
+@agent.tool_plain(requires_approval=True)
+def refund(account: str) -> str:
+    return f"refunded {account}"
+
+
+@agent.output_validator
+def positive(output: Out) -> Out:
+    if output.cents < 0:
+        raise ModelRetry("cents must not be negative")
+    return output
+
+
+plain = Agent(TestModel(custom_output_text="all done"), instructions="say it")
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> None:
+    SCRIPT.clear()
+    SEEN.clear()
+
+
+def _model(ref: str = f"{HERE}:agent", deps: str | None = f"{HERE}:make_deps") -> Any:
+    spec = agents.AgentSpec("function:fn", ref, deps).render()
+    return agents.model_for(spec, ToolRegistry())
+
+
+class Transcript:
+    """Items as call_model hands them over: the prompt, then what each turn added."""
+
+    def __init__(self, prompt: str) -> None:
+        self.items: list[Item] = []
+        self.turn = 0
+        self.add(
+            NewItem(ItemKind.INPUT, {"role": "system", "content": "Charlie's own"}),
+            NewItem(ItemKind.INPUT, {"role": "user", "content": prompt}),
+        )
+
+    def add(self, *new: NewItem) -> None:
+        for item in new:
+            self.items.append(
+                Item(len(self.items), self.turn, item.kind, item.call_id, item.payload)
+            )
+
+    def request(self) -> ModelRequest:
+        return ModelRequest("t1", "t1:x", self.turn, list(self.items), [])
+
+
+def _ctx(call_id: str, deps: str | None = f"{HERE}:make_deps") -> ToolContext:
+    return ToolContext(
+        task_id="t1",
+        execution_id="t1:x",
+        call_id=call_id,
+        turn=0,
+        workspace=Path("."),
+        metadata={agents.METADATA_KEY: {"agent": f"{HERE}:agent", "deps": deps}},
+        resumed=False,
+        handle=None,
+        _record_handle=lambda h: None,
+    )
+
+
+def _result(name: str, call_id: str, run: Callable[[], Any]) -> NewItem:
+    """The tool_result item Charlie records for a call, as the executor makes it."""
+    try:
+        outcome, result = "ok", run()
+    except ToolError as exc:
+        outcome, result = "error", exc.as_result()
+    content = result if isinstance(result, str) else json.dumps(result)
+    return NewItem(
+        ItemKind.TOOL_RESULT,
+        {"name": name, "outcome": outcome, "result": result, "content": content},
+        call_id=call_id,
+    )
+
+
+def test_submission_names_the_model_the_tools_and_maps_the_approve_list() -> None:
+    made = agents.prepare_submission(f"{HERE}:agent", f"{HERE}:make_deps", ["charge"], {"k": 1})
+    assert made.model == f"function:fn#agent={HERE}:agent&deps={HERE}:make_deps"
+    assert agents.parse_spec(made.model) == agents.AgentSpec(
+        "function:fn", f"{HERE}:agent", f"{HERE}:make_deps"
+    )
+    assert agents.base_model(made.model) == "function:fn"
+    assert made.tools == sorted(
+        f"{HERE}:agent.{n}"
+        for n in ("lookup", "charge", "refund", "final_result", adapter.TEXT_OUTPUT)
+    )
+    assert made.approve == [f"{HERE}:agent.charge"]
+    assert made.metadata == {
+        "k": 1,
+        agents.METADATA_KEY: {"agent": f"{HERE}:agent", "deps": f"{HERE}:make_deps"},
+    }
+    with pytest.raises(agents.AgentRefused, match=r"approve names tool.*nope"):
+        agents.prepare_submission(f"{HERE}:agent", None, ["nope"], None)
+
+
+def test_effects_reconcile_and_approval_come_from_the_tools_metadata() -> None:
+    registry = ToolRegistry()
+    assert agents.find_tool(registry, f"{HERE}:agent.lookup")
+    get = registry.get_registered
+    lookup_def, charge_def = get(f"{HERE}:agent.lookup"), get(f"{HERE}:agent.charge")
+    refund_def, output_def = get(f"{HERE}:agent.refund"), get(f"{HERE}:agent.final_result")
+    assert lookup_def and charge_def and refund_def and output_def
+    assert lookup_def.effect is Effect.READ
+    assert charge_def.effect is Effect.WRITE  # unmarked: a write
+    assert charge_def.reconcile is not None and lookup_def.reconcile is None
+    assert refund_def.approval and not charge_def.approval
+    assert output_def.effect is Effect.READ
+    assert charge_def.implementation == f"{HERE}:agent:charge"
+
+
+class Opaque(AbstractToolset[Any]):
+    @property
+    def id(self) -> str:
+        return "opaque-server"
+
+    async def get_tools(self, ctx: Any) -> dict[str, Any]:
+        return {}
+
+    async def call_tool(self, name: str, tool_args: Any, ctx: Any, tool: Any) -> Any:
+        return None
+
+
+async def _handler(ctx: Any, events: Any) -> None:
+    return None
+
+
+def divide(a: int, b: int) -> float:
+    return a / b
+
+
+with_toolset = Agent(TestModel(), toolsets=[Opaque()])
+
+
+def _keep(messages: list[pm.ModelMessage]) -> list[pm.ModelMessage]:
+    return messages
+
+
+with_handler = Agent(TestModel(), capabilities=[ProcessEventStream(_handler)])
+with_history = Agent(TestModel(), capabilities=[ProcessHistory(_keep)])
+with_output_function = Agent(TestModel(), output_type=divide)
+not_an_agent = object()
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("with_toolset", "toolset Opaque (opaque-server)"),
+        ("with_handler", "capability ProcessEventStream"),
+        ("with_history", "capability ProcessHistory"),
+        ("with_output_function", "output function"),
+        ("not_an_agent", "not a pydantic_ai.Agent"),
+        ("missing", "has no 'missing'"),
+    ],
+)
+def test_what_cannot_be_made_durable_is_refused_by_name(name: str, says: str) -> None:
+    with pytest.raises(agents.AgentRefused, match=re.escape(says)):
+        agents.prepare_submission(f"{HERE}:{name}", None, None, None)
+
+
+def test_a_turn_sends_what_agent_run_would_and_maps_calls_to_charlie_names() -> None:
+    model = _model()
+    t = Transcript("settle acme")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[
+                pm.TextPart("looking"),
+                pm.ToolCallPart("lookup", {"account": "acme"}, "c1"),
+                pm.ToolCallPart("charge", '{"account": "acme", "cents": 5}', "c2"),
+            ],
+            usage=pm.RequestUsage(input_tokens=11, output_tokens=3),
+        )
+    )
+    response = model.complete(t.request())
+    messages, info = SEEN[0]
+    first = messages[0]
+    assert isinstance(first, pm.ModelRequest)
+    # the agent's own system prompt (given RunContext and the deps), never Charlie's
+    assert [p.content for p in first.parts if isinstance(p, pm.SystemPromptPart)] == [
+        "working for ana"
+    ]
+    assert [p.content for p in first.parts if isinstance(p, pm.UserPromptPart)] == ["settle acme"]
+    assert info.instructions == "be exact"
+    assert info.model_settings is not None and info.model_settings.get("temperature") == 0.25
+    assert sorted(t.name for t in info.function_tools) == ["charge", "lookup", "refund"]
+    assert [t.name for t in info.output_tools] == ["final_result"]
+    assert [(i.kind, i.payload.get("name")) for i in response.output] == [
+        (ItemKind.MESSAGE, None),
+        (ItemKind.TOOL_CALL, f"{HERE}:agent.lookup"),
+        (ItemKind.TOOL_CALL, f"{HERE}:agent.charge"),
+    ]
+    assert response.output[2].payload["arguments"] == {"account": "acme", "cents": 5}
+    assert response.usage.input_tokens == 11 and response.usage.output_tokens == 3
+
+
+def test_tool_calls_run_through_pydantic_ai_and_the_model_sees_its_parts() -> None:
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:agent.lookup")
+    model = _model()
+    t = Transcript("settle acme")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[
+                pm.ToolCallPart("lookup", {"account": "acme"}, "c1"),
+                pm.ToolCallPart("charge", {"account": "acme", "cents": 500}, "c2"),
+            ]
+        )
+    )
+    t.add(*model.complete(t.request()).output)
+    t.turn = 1
+
+    def call(name: str, call_id: str, args: dict[str, Any]) -> Any:
+        definition = registry.get_registered(f"{HERE}:agent.{name}")
+        assert definition is not None
+        return definition.handler(**args, _charlie_ctx=_ctx(call_id))
+
+    ok = _result(f"{HERE}:agent.lookup", "c1", lambda: call("lookup", "c1", {"account": "acme"}))
+    assert ok.payload["result"] == "acme owes 5"
+    retried = _result(
+        f"{HERE}:agent.charge",
+        "c2",
+        lambda: call("charge", "c2", {"account": "acme", "cents": 500}),
+    )
+    assert retried.payload["outcome"] == "error"  # ModelRetry: a retry part, not a run's end
+    assert retried.payload["result"]["error"] == "at most 100 cents"
+    t.add(ok, retried)
+    SCRIPT.append(pm.ModelResponse(parts=[pm.ToolCallPart("lookup", {"account": "b"}, "c3")]))
+    model.complete(t.request())
+    sent = SEEN[-1][0][-1]
+    assert isinstance(sent, pm.ModelRequest)
+    returned = {getattr(p, "tool_call_id", None): p for p in sent.parts}
+    assert returned["c1"].content == "acme owes 5"
+    assert getattr(returned["c2"], "outcome", None) == "retried"
+    assert returned["c2"].content == "at most 100 cents"
+    # the tool with RunContext gets the deps the task's factory built
+    assert call("charge", "c4", {"account": "acme", "cents": 5}) == "charged 5 for ana"
+    # an approved call of a requires_approval tool runs
+    assert call("refund", "c5", {"account": "acme"}) == "refunded acme"
+    # arguments Pydantic AI does not accept: a validation retry, as agent.run would send
+    with pytest.raises(ToolError) as bad:
+        call("charge", "c6", {"account": "acme"})
+    assert bad.value.details["pydantic_ai_part"]["retry"]["cause"] == "validation_error"
+
+
+def test_a_valid_output_ends_the_run_with_it_as_json() -> None:
+    model = _model()
+    t = Transcript("settle acme")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("final_result", {"account": "acme", "cents": 7}, "f")]
+        )
+    )
+    response = model.complete(t.request())
+    assert response.tool_calls == []
+    assert json.loads(response.output[-1].payload["content"]) == {"account": "acme", "cents": 7}
+
+
+def test_an_output_its_validator_refuses_is_a_call_whose_retry_the_model_sees() -> None:
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:agent.final_result")
+    model = _model()
+    t = Transcript("settle acme")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("final_result", {"account": "acme", "cents": -1}, "f1")]
+        )
+    )
+    response = model.complete(t.request())
+    assert [c.payload["name"] for c in response.tool_calls] == [f"{HERE}:agent.final_result"]
+    t.add(*response.output)
+    t.turn = 1
+    definition = registry.get_registered(f"{HERE}:agent.final_result")
+    assert definition is not None
+    result = _result(
+        definition.name,
+        "f1",
+        lambda: definition.handler(account="acme", cents=-1, _charlie_ctx=_ctx("f1")),
+    )
+    assert result.payload["result"]["error"] == "cents must not be negative"
+    t.add(result)
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("final_result", {"account": "acme", "cents": 3}, "f2")]
+        )
+    )
+    final = model.complete(t.request())
+    assert json.loads(final.output[-1].payload["content"])["cents"] == 3
+    # a second refusal past the output's retries (1) ends the run, as agent.run ends
+    t.turn = 2
+    t.add(*response.output)
+    t.add(result)
+    with pytest.raises(ModelError, match="exceeded max retries count of 1"):
+        model.complete(t.request())
+
+
+def test_a_text_agent_ends_with_its_text() -> None:
+    spec = agents.AgentSpec("test:test", f"{HERE}:plain", None).render()
+    model = agents.model_for(spec, ToolRegistry())
+    response = model.complete(Transcript("hi").request())
+    assert response.output[-1].payload["content"] == "all done"
+
+
+def test_the_registry_finds_an_agents_tools_by_name_and_nothing_else() -> None:
+    registry = ToolRegistry()
+    registry.add_finder(agents.find_tool)
+    assert registry.find("no_such_tool") is None
+    assert registry.find(f"{HERE}:nothing.tool") is None
+    # a name a model chose is looked up with get(), which imports nothing
+    assert registry.get(f"{HERE}:agent.lookup") is None
+    found = registry.find(f"{HERE}:agent.lookup")
+    assert found is not None and found.source == f"agent:{HERE}:agent"
+    assert [d.name for d in registry.enabled([f"{HERE}:agent.charge", "gone"])] == [
+        f"{HERE}:agent.charge"
+    ]
+    assert adapter.load(f"{HERE}:agent") is adapter.load(f"{HERE}:agent")
+
+
+async def _stream(messages: list[pm.ModelMessage], info: AgentInfo) -> Any:
+    for piece in ("all ", "settled"):
+        yield piece
+
+
+streamer = Agent(FunctionModel(stream_function=_stream), instructions="say it")
+
+
+class Watched:
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def text(self, delta: str) -> None:
+        self.texts.append(delta)
+
+    def reasoning(self, delta: str) -> None:
+        pass
+
+    def tool_call(self, call_id: str, name: str | None, arguments_delta: str) -> None:
+        pass
+
+    def restart(self, reason: str) -> None:
+        pass
+
+
+def test_people_watching_see_the_agents_text_as_it_streams_and_the_answer_is_whole() -> None:
+    spec = agents.AgentSpec("function:x", f"{HERE}:streamer", None).render()
+    model = agents.model_for(spec, ToolRegistry())
+    watched = Watched()
+    request = replace(Transcript("hi").request(), deltas=watched)
+    response = model.complete(request)
+    assert "".join(watched.texts) == "all settled"
+    assert response.output[-1].payload["content"] == "all settled"
+
+
+def test_a_text_the_output_refuses_is_recorded_and_the_model_is_told_as_agent_run_tells_it() -> (
+    None
+):
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:agent.lookup")
+    model = _model()
+    t = Transcript("settle acme")
+    SCRIPT.append(pm.ModelResponse(parts=[pm.TextPart("it is settled")]))
+    response = model.complete(t.request())
+    [call] = response.tool_calls
+    assert call.payload["name"] == f"{HERE}:agent.{adapter.TEXT_OUTPUT}"
+    assert call.payload["arguments"] == {"text": "it is settled"}
+    t.add(*response.output)
+    t.turn = 1
+    definition = registry.get_registered(call.payload["name"])
+    assert definition is not None
+    refused = _result(
+        definition.name,
+        call.call_id or "",
+        lambda: definition.handler(text="it is settled", _charlie_ctx=_ctx("x")),
+    )
+    assert refused.payload["outcome"] == "error"
+    t.add(refused)
+    SCRIPT.append(
+        pm.ModelResponse(parts=[pm.ToolCallPart("final_result", {"account": "a", "cents": 1}, "f")])
+    )
+    final = model.complete(t.request())
+    assert json.loads(final.output[-1].payload["content"]) == {"account": "a", "cents": 1}
+    sent = SEEN[-1][0]
+    # the model saw its text, then Pydantic AI's own feedback; never a call it did not make
+    assert isinstance(sent[-2], pm.ModelResponse)
+    assert [type(p) for p in sent[-2].parts] == [pm.TextPart]
+    feedback = sent[-1].parts[-1]
+    assert isinstance(feedback, pm.UserPromptPart) and "validation" in str(feedback.content)
+    # refused again, past the output's retries (1): the task ends as agent.run ends
+    t.turn = 2
+    t.add(*response.output)
+    t.add(refused)
+    with pytest.raises(ModelError, match="Exceeded maximum output retries"):
+        model.complete(t.request())
+
+
+no_model_here = Agent("nonexistent-provider:model", defer_model_check=True)
+
+
+def test_an_agent_whose_model_cannot_be_made_is_refused_and_a_tool_module_still_loads() -> None:
+    with pytest.raises(agents.AgentRefused, match="its model cannot be made here"):
+        agents.prepare_submission(f"{HERE}:no_model_here", None, None, None)
+    registry = ToolRegistry()
+    import sys
+
+    agents.register_module_agents(sys.modules[HERE], registry)  # a worker's start: no raise
+    assert registry.get_registered(f"{HERE}:agent.lookup") is not None
+
+
+def test_an_agent_tasks_spec_is_priced_limited_and_windowed_as_its_model() -> None:
+    from charlie import limits, pricing
+    from charlie.executor import context
+    from charlie.ports import PhaseLimits
+
+    spec = agents.AgentSpec("openai:gpt-4.1", f"{HERE}:agent", f"{HERE}:make_deps").render()
+    prices = pricing.parse_prices('{"openai:gpt-4.1": {"input": 2, "output": 8}}')
+    assert pricing.price_for(spec, prices) == pricing.price_for("openai:gpt-4.1", prices)
+    assert pricing.price_for(spec, prices) is not None
+    table = limits.parse_limits('{"openai:gpt-4.1": {"concurrency": 2}}')
+    assert limits.limit_for(spec, table) == limits.limit_for("openai:gpt-4.1", table)
+    assert limits.limit_for(spec, table) is not None
+    own = PhaseLimits(context_tokens_by_model={"GPT_4_1": 5000})
+    window = context.window_for(spec, own, {})
+    assert window is not None and window.tokens == 5000
