@@ -88,26 +88,37 @@ def test_a_concurrency_limit_is_kept_by_the_whole_fleet(
 def test_requests_and_tokens_per_minute_hold_calls_for_the_minute(
     cluster: Cluster, model_server: FakeOpenAI
 ) -> None:
-    # rpm: 3 requests a minute. tpm: 2,500 tokens a minute, each request about 1,100 tokens
-    # by its size before it is sent (a prompt of 4,000 characters and one small tool), 1,000
-    # by the usage the provider reports: 2 go at once, the third would pass the limit.
+    # rpm: 3 requests a minute. tpm: 2,500 tokens a minute, requests of different sizes by
+    # their size before they are sent (a prompt and one small tool), each 1,000 by the usage
+    # the provider reports: "tpm a" (about 1,050) goes; "tpm b" (about 2,150) would pass the
+    # limit and waits for the minute; "tpm c" (about 650), submitted while b waits, fits but
+    # goes after b, in line order (I30), not past it as a stream of small calls would (and
+    # not beside it: with b's estimate it would pass the limit, so it goes once b's answer
+    # has corrected b's count).
     limit = ProviderLimit(rpm=6, retry_after="5", answer=answer(tokens=1000))
     model_server.limit = limit
     table = {"openai:fake-rpm": {"rpm": 3}, "openai:fake-tpm": {"tpm": 2500}}
+
+    def tpm_call(name: str, size: int) -> str:
+        prompt = f"tpm {name} " + "x" * size
+        return charlie.submit(prompt, model="openai:fake-tpm", tools=["echo_number"])
+
     with limited(cluster, table):
         ids = [charlie.submit(f"rpm {i}", model="openai:fake-rpm") for i in range(4)]
-        ids += [
-            charlie.submit(f"tpm {i} " + "x" * 4000, model="openai:fake-tpm", tools=["echo_number"])
-            for i in range(4)
-        ]
+        ids.append(tpm_call("a", 4000))
+        wait_for(lambda: arrivals(limit, "tpm a"), timeout=60)
+        ids.append(tpm_call("b", 8400))
+        wait_for(lambda: charlie.get_task(ids[-1]).capacity is not None, timeout=60)
+        ids.append(tpm_call("c", 2400))
         wait_all(ids, timeout=150)
     assert limit.refusals == 0
     rpm = sorted(arrivals(limit, "rpm"))
-    tpm = sorted(arrivals(limit, "tpm"))
-    assert len(rpm) == 4 and len(tpm) == 4
+    assert len(rpm) == 4
     # the first ones at once, the next a minute after the first
     assert rpm[2] - rpm[0] < 20 and rpm[3] - rpm[0] >= 59, rpm
-    assert tpm[1] - tpm[0] < 20 and tpm[2] - tpm[0] >= 59, tpm
+    tpm = [(at, prompt_of(r)[:5]) for at, r in limit.admitted if prompt_of(r).startswith("tpm")]
+    assert [name for _, name in tpm] == ["tpm a", "tpm b", "tpm c"], tpm
+    assert tpm[1][0] - tpm[0][0] >= 59, tpm
 
 
 def test_a_429_with_retry_after_pauses_every_caller_of_the_limit(
