@@ -21,6 +21,7 @@ from tests.support.fake_openai import (
     ProviderLimit,
     Recorded,
     Reply,
+    chat_stream,
     chat_text,
     chat_tool_calls,
     usage_chat,
@@ -256,3 +257,68 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
         found = limits.statuses(conn, utcnow())
     (status,) = [s for s in found if s.key == "openai:"]
     assert status.in_flight == 0
+
+
+def _pause(key: str, seconds: float, task_id: str | None = None) -> None:
+    """The limit paused as a provider's 429 pauses it (every caller waits until then); with
+    ``task_id``, that task's run woken too (a pause lifted early)."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from charlie.domain import utcnow
+    from charlie.runtime import get_producer
+    from charlie.store import limits
+    from charlie.store.engine import write
+    from charlie.store.schema import executions, limit_state
+
+    now = utcnow()
+    with write(get_producer().engine) as conn:
+        limits.lock_limit(conn, key)
+        conn.execute(
+            update(limit_state)
+            .where(limit_state.c.limit_key == key)
+            .values(paused_until=now + timedelta(seconds=seconds))
+        )
+        if task_id is not None:
+            conn.execute(
+                update(executions).where(executions.c.task_id == task_id).values(wake_at=now)
+            )
+
+
+def test_a_repeat_that_waits_for_capacity_streams_anew_and_counts_as_a_repeat(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """I3: a worker SIGKILLed mid-stream; the call's repeat first waits for capacity (the
+    provider paused the limit), a wait that ends with the claim's attempt count reset. The
+    repeat still streams under a name of its own (not the killed attempt's, which watchers
+    saw abandoned) and is counted as the one repeat it is."""
+    spec = "openai:fake-paused"
+    partial = "This first attempt dies with its worker"
+    cut_short = chat_stream(partial, hold_at=4, hold_seconds=60)
+    model_server.enqueue(cut_short, chat_text("done after the pause"))
+    with limited(cluster, {spec: {"concurrency": 4}}):
+        task_id = charlie.submit("repeat after a pause", model=spec)
+        try:
+            for event in charlie.events(task_id, timeout=150):
+                if event.type == "text":
+                    # Paused from before the kill until the repeat's claim has seen it.
+                    _pause(spec, 120)
+                    with cluster._lock:
+                        for proc in cluster.alive_workers():
+                            cluster.kill(proc)
+                    break
+            # the repeat waits for capacity
+            wait_for(lambda: charlie.get_task(task_id).capacity is not None, timeout=60)
+            _pause(spec, 0, task_id)
+        finally:
+            cut_short.release.set()
+        info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    seen = list(charlie.events(task_id, timeout=30))
+    started = [e.data["call"] for e in seen if e.type == "model_start"]
+    assert len(started) == 2 and len(set(started)) == 2, started
+    ended = [(e.data["call"], e.data.get("status")) for e in seen if e.type == "model_end"]
+    assert (started[0], "abandoned") in ended and (started[1], "completed") in ended, ended
+    assert info.model_repeats == 1
+    assert len(model_server.requests) == 2
