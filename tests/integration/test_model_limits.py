@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 import charlie
-from charlie.domain import TaskStatus
+from charlie.domain import TaskStatus, utcnow
 from tests.conftest import wait_for
 from tests.support.cluster import Cluster
 from tests.support.fake_openai import (
@@ -156,6 +157,53 @@ def _waiting(count: int) -> Callable[[], bool]:
     return check
 
 
+#: the cluster's lease (tests/support/cluster.py, CHARLIE_LEASE_SECONDS)
+LEASE_SECONDS = 2.0
+
+
+def _run_row(task_id: str) -> Any:
+    from sqlalchemy import select
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import read
+    from charlie.store.schema import executions
+
+    with read(get_producer().engine) as conn:
+        return conn.execute(select(executions).where(executions.c.task_id == task_id)).one()
+
+
+def _lease_until(task_id: str) -> datetime | None:
+    value = _run_row(task_id).lease_until
+    if value is None:
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _live_slots(task_id: str) -> int:
+    """The slots of the task's run that count as in flight now (store.limits._live_slot)."""
+    from sqlalchemy import func, select
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import read
+    from charlie.store.schema import executions, limit_slots
+
+    s, e = limit_slots.c, executions.c
+    with read(get_producer().engine) as conn:
+        return int(
+            conn.execute(
+                select(func.count())
+                .select_from(limit_slots.join(executions, e.id == s.execution_id))
+                .where(
+                    e.task_id == task_id,
+                    s.released_at.is_(None),
+                    e.version == s.version,
+                    e.attempts == s.attempt,
+                    e.lease_until > utcnow(),
+                )
+            ).scalar_one()
+        )
+
+
 def _clear_waiters() -> None:
     from sqlalchemy import delete
 
@@ -240,15 +288,26 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
         wait_for(lambda: limit.admitted, timeout=60)
         behind = charlie.submit("behind", model=MODEL)
         wait_for(_waiting(1), timeout=30)
-        for worker in list(cluster.alive_workers()):
-            cluster.kill(worker)
+        with cluster._lock:  # no worker restarted (and renewing a lease) before all are dead
+            for worker in list(cluster.alive_workers()):
+                cluster.kill(worker)
+        killed_at = utcnow()
+        # The slot comes back within a lease from the kill: the lease its holder's run had
+        # then (renewed by a live worker only) ends by then, and with it the slot's count.
+        lease_until = _lease_until(holder)
+        assert lease_until is not None
+        assert lease_until <= killed_at + timedelta(seconds=LEASE_SECONDS), (
+            lease_until,
+            killed_at,
+        )
+        wait_for(lambda: utcnow() > lease_until, timeout=LEASE_SECONDS + 5)
+        assert _live_slots(holder) == 0
         charlie.cancel(holder)
         cluster.ensure(workers=2)
         wait_all([behind])
         assert charlie.wait(holder, timeout=60).status is TaskStatus.CANCELED
     order = [prompt_of(r) for _, r in limit.admitted]
     assert order == ["holder", "behind"], order
-    from charlie.domain import utcnow
     from charlie.runtime import get_producer
     from charlie.store import limits
     from charlie.store.engine import read
@@ -322,3 +381,52 @@ def test_a_repeat_that_waits_for_capacity_streams_anew_and_counts_as_a_repeat(
     assert (started[0], "abandoned") in ended and (started[1], "completed") in ended, ended
     assert info.model_repeats == 1
     assert len(model_server.requests) == 2
+
+
+def test_a_call_waiting_for_capacity_holds_no_lease_and_no_worker(
+    cluster: Cluster, model_server: FakeOpenAI, script: Any
+) -> None:
+    """I30's first clause: a call waiting for capacity waits as a stored wake-up, its run's
+    lease released (no lease_owner, no lease_until) and no worker taken: with more calls
+    waiting than the workers have processes, a task of another model still runs through."""
+    _clear_waiters()
+    blocking = chat_stream("held", hold_at=2, hold_seconds=150)
+
+    def hold_the_blocker(recorded: Recorded) -> Reply:
+        if prompt_of(recorded) == "blocker":
+            return blocking
+        return Reply(200, chat_text("done").body)
+
+    limit = ProviderLimit(latency=0.05, answer=hold_the_blocker)
+    model_server.limit = limit
+    table = json.dumps({"openai:": {"concurrency": 1}})
+    # the blocker's call is held longer than the session's model timeout allows
+    with cluster.configured(CHARLIE_MODEL_LIMITS=table, CHARLIE_MODEL_TIMEOUT="180"):
+        try:
+            blocker = charlie.submit("blocker", model=MODEL)
+            wait_for(lambda: limit.admitted, timeout=60)
+            # 2 workers of 2 processes: more waiting calls than processes
+            waiting = [charlie.submit(f"waiting {i}", model=MODEL) for i in range(5)]
+            wait_for(_waiting(5), timeout=60)
+            for task_id in waiting:
+                wait_for(lambda t=task_id: charlie.get_task(t).capacity is not None, timeout=60)
+
+            # A waiting run's wait is committed with its lease released (a run holds one only
+            # for a moment when it looks again, in a tick of its own).
+            def released(task_id: str) -> bool:
+                row = _run_row(task_id)
+                assert row.phase == "call_model", row
+                return row.lease_owner is None and row.lease_until is None and bool(row.wake_at)
+
+            wait_for(lambda: all(released(t) for t in waiting), timeout=30)
+            other_model, _ = script([{"say": "not held back"}])
+            other = charlie.submit("another model", model=other_model)
+            info = charlie.wait(other, timeout=90)
+            assert info.status is TaskStatus.SUCCEEDED, info.error
+            # ...while they all still wait, the blocker still holding the one slot
+            assert [prompt_of(r) for _, r in limit.admitted] == ["blocker"]
+            assert all(charlie.get_task(t).capacity is not None for t in waiting)
+        finally:
+            blocking.release.set()
+        wait_all([blocker, *waiting])
+    assert limit.refusals == 0
