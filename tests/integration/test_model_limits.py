@@ -318,6 +318,20 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
     assert status.in_flight == 0
 
 
+#: the last tests' limits, in one configuration of the workers (each configuration restarts
+#: them): "openai:fake-paused" for the repeat that waits, "openai:" held by one call; the
+#: model timeout longer than the session's, for a call held longer
+LAST_TABLE = {"openai:fake-paused": {"concurrency": 4}, "openai:": {"concurrency": 1}}
+
+
+@pytest.fixture(scope="module")
+def last_limits(cluster_session: Cluster) -> Iterator[Cluster]:
+    with cluster_session.configured(
+        CHARLIE_MODEL_LIMITS=json.dumps(LAST_TABLE), CHARLIE_MODEL_TIMEOUT="180"
+    ) as configured:
+        yield configured
+
+
 def _pause(key: str, seconds: float, task_id: str | None = None) -> None:
     """The limit paused as a provider's 429 pauses it (every caller waits until then); with
     ``task_id``, that task's run woken too (a pause lifted early)."""
@@ -346,7 +360,7 @@ def _pause(key: str, seconds: float, task_id: str | None = None) -> None:
 
 
 def test_a_repeat_that_waits_for_capacity_streams_anew_and_counts_as_a_repeat(
-    cluster: Cluster, model_server: FakeOpenAI
+    last_limits: Cluster, cluster: Cluster, model_server: FakeOpenAI
 ) -> None:
     """I3: a worker SIGKILLed mid-stream; the call's repeat first waits for capacity (the
     provider paused the limit), a wait that ends with the claim's attempt count reset. The
@@ -356,23 +370,22 @@ def test_a_repeat_that_waits_for_capacity_streams_anew_and_counts_as_a_repeat(
     partial = "This first attempt dies with its worker"
     cut_short = chat_stream(partial, hold_at=4, hold_seconds=60)
     model_server.enqueue(cut_short, chat_text("done after the pause"))
-    with limited(cluster, {spec: {"concurrency": 4}}):
-        task_id = charlie.submit("repeat after a pause", model=spec)
-        try:
-            for event in charlie.events(task_id, timeout=150):
-                if event.type == "text":
-                    # Paused from before the kill until the repeat's claim has seen it.
-                    _pause(spec, 120)
-                    with cluster._lock:
-                        for proc in cluster.alive_workers():
-                            cluster.kill(proc)
-                    break
-            # the repeat waits for capacity
-            wait_for(lambda: charlie.get_task(task_id).capacity is not None, timeout=60)
-            _pause(spec, 0, task_id)
-        finally:
-            cut_short.release.set()
-        info = charlie.wait(task_id, timeout=60)
+    task_id = charlie.submit("repeat after a pause", model=spec)
+    try:
+        for event in charlie.events(task_id, timeout=150):
+            if event.type == "text":
+                # Paused from before the kill until the repeat's claim has seen it.
+                _pause(spec, 120)
+                with cluster._lock:
+                    for proc in cluster.alive_workers():
+                        cluster.kill(proc)
+                break
+        # the repeat waits for capacity
+        wait_for(lambda: charlie.get_task(task_id).capacity is not None, timeout=60)
+        _pause(spec, 0, task_id)
+    finally:
+        cut_short.release.set()
+    info = charlie.wait(task_id, timeout=60)
     assert info.status is TaskStatus.SUCCEEDED, info.error
     seen = list(charlie.events(task_id, timeout=30))
     started = [e.data["call"] for e in seen if e.type == "model_start"]
@@ -384,7 +397,7 @@ def test_a_repeat_that_waits_for_capacity_streams_anew_and_counts_as_a_repeat(
 
 
 def test_a_call_waiting_for_capacity_holds_no_lease_and_no_worker(
-    cluster: Cluster, model_server: FakeOpenAI, script: Any
+    last_limits: Cluster, cluster: Cluster, model_server: FakeOpenAI, script: Any
 ) -> None:
     """I30's first clause: a call waiting for capacity waits as a stored wake-up, its run's
     lease released (no lease_owner, no lease_until) and no worker taken: with more calls
@@ -399,34 +412,32 @@ def test_a_call_waiting_for_capacity_holds_no_lease_and_no_worker(
 
     limit = ProviderLimit(latency=0.05, answer=hold_the_blocker)
     model_server.limit = limit
-    table = json.dumps({"openai:": {"concurrency": 1}})
-    # the blocker's call is held longer than the session's model timeout allows
-    with cluster.configured(CHARLIE_MODEL_LIMITS=table, CHARLIE_MODEL_TIMEOUT="180"):
-        try:
-            blocker = charlie.submit("blocker", model=MODEL)
-            wait_for(lambda: limit.admitted, timeout=60)
-            # 2 workers of 2 processes: more waiting calls than processes
-            waiting = [charlie.submit(f"waiting {i}", model=MODEL) for i in range(5)]
-            wait_for(_waiting(5), timeout=60)
-            for task_id in waiting:
-                wait_for(lambda t=task_id: charlie.get_task(t).capacity is not None, timeout=60)
+    # (the blocker's call is held longer than the session's model timeout allows)
+    try:
+        blocker = charlie.submit("blocker", model=MODEL)
+        wait_for(lambda: limit.admitted, timeout=60)
+        # 2 workers of 2 processes: more waiting calls than processes
+        waiting = [charlie.submit(f"waiting {i}", model=MODEL) for i in range(5)]
+        wait_for(_waiting(5), timeout=60)
+        for task_id in waiting:
+            wait_for(lambda t=task_id: charlie.get_task(t).capacity is not None, timeout=60)
 
-            # A waiting run's wait is committed with its lease released (a run holds one only
-            # for a moment when it looks again, in a tick of its own).
-            def released(task_id: str) -> bool:
-                row = _run_row(task_id)
-                assert row.phase == "call_model", row
-                return row.lease_owner is None and row.lease_until is None and bool(row.wake_at)
+        # A waiting run's wait is committed with its lease released (a run holds one only
+        # for a moment when it looks again, in a tick of its own).
+        def released(task_id: str) -> bool:
+            row = _run_row(task_id)
+            assert row.phase == "call_model", row
+            return row.lease_owner is None and row.lease_until is None and bool(row.wake_at)
 
-            wait_for(lambda: all(released(t) for t in waiting), timeout=30)
-            other_model, _ = script([{"say": "not held back"}])
-            other = charlie.submit("another model", model=other_model)
-            info = charlie.wait(other, timeout=90)
-            assert info.status is TaskStatus.SUCCEEDED, info.error
-            # ...while they all still wait, the blocker still holding the one slot
-            assert [prompt_of(r) for _, r in limit.admitted] == ["blocker"]
-            assert all(charlie.get_task(t).capacity is not None for t in waiting)
-        finally:
-            blocking.release.set()
-        wait_all([blocker, *waiting])
+        wait_for(lambda: all(released(t) for t in waiting), timeout=30)
+        other_model, _ = script([{"say": "not held back"}])
+        other = charlie.submit("another model", model=other_model)
+        info = charlie.wait(other, timeout=90)
+        assert info.status is TaskStatus.SUCCEEDED, info.error
+        # ...while they all still wait, the blocker still holding the one slot
+        assert [prompt_of(r) for _, r in limit.admitted] == ["blocker"]
+        assert all(charlie.get_task(t).capacity is not None for t in waiting)
+    finally:
+        blocking.release.set()
+    wait_all([blocker, *waiting])
     assert limit.refusals == 0
