@@ -12,8 +12,9 @@ start in A), a write (its start apart), two calls run at once by that worker (th
 tools), a fan-out published to the workers (a tool that is not threadsafe), calls born settled
 (invalid arguments, an unknown tool), a float whose stored form jsonb changes (``1e-07``:
 not predicted, so written step by step), a call held for approval with mail sent while it is
-held, a delegated child waited for, and a final answer; the task has a tokens budget, and its
-first model call waits for capacity (its provider limit paused until the run is seen waiting).
+held, a delegated child waited for, and a final answer; the task has a tokens budget, its
+first model call waits for capacity (its provider limit paused until the run is seen waiting),
+and its transcript outgrows the model's window (a compaction).
 Every column that does not name a time or a worker is compared (I1, I3, I30, I31).
 """
 
@@ -94,6 +95,9 @@ CHILD_SCRIPT = [{"say": "the child's answer"}]
 #: the limit every scripted model call is under (paused at first: a capacity wait)
 LIMITS = {"scripted:": {"concurrency": 4}}
 MAIL = "mail sent while the approval is held"
+#: the scripted models' context window, in tokens: the tools' schemas and the first turns fit,
+#: the transcript outgrows it at turn 7 (measured: 1,200 compacts at turn 6, 1,400 at 9)
+WINDOW = 1300
 
 
 def _rows(url: str, task_id: str) -> dict[str, Any]:
@@ -204,6 +208,8 @@ def _run_once(
         CHARLIE_FUSE_COMMITS="1" if fuse else "0",
         CHARLIE_METRICS_PORT=str(port),
         CHARLIE_MODEL_LIMITS=json.dumps(LIMITS),
+        # a window the transcript outgrows at the delegation's turn: a compaction (I29)
+        CHARLIE_MODEL_CONTEXT_TOKENS=str(WINDOW),
         PYTHONPATH=str(REPO),
     )
     run = [sys.executable, "-m", "charlie"]
@@ -221,7 +227,7 @@ def _run_once(
     try:
         child = tmp_path / "child.json"  # (one path for both runs: the call names it)
         child.write_text(json.dumps(CHILD_SCRIPT))
-        script = home / "script.json"
+        script = tmp_path / "script.json"  # (as the child's: a compaction names its model)
         script.write_text(json.dumps(SCRIPT).replace('"CHILD"', json.dumps(f"scripted:{child}")))
         # (the same id in both databases: a child's id, in results and rows, is made of it)
         task_id = "fused"
@@ -327,6 +333,8 @@ def test_a_fused_run_and_a_stepwise_run_leave_the_same_rows(tmp_path: Path) -> N
     assert fused["children"] == stepwise["children"]
     assert [c[3] for c in fused["children"]] == ["succeeded"]
     assert fused["mail"] == stepwise["mail"] == 1
+    compactions = [i for i in fused["items"] if i[2] == "compaction"]
+    assert compactions, [i[:3] for i in fused["items"]]  # (two, in this script)
     # the budget and a model call that waited for capacity: counted once, no repeat
     assert fused["task"][11] == {"tokens": 100000}, fused["task"]
     assert fused["run"][8] == 0, fused["run"]
