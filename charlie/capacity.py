@@ -62,6 +62,9 @@ class FleetLimits:
         self.wake = wake
         #: the runs this process woke (handed_over), for it to run once its tick is done
         self._handed: list[tuple[str, int]] = []
+        #: the runs whose waits this process wrote, until its tick is done: one a release woke
+        #: while it still held its lease is run again then (handed_over)
+        self._waited: list[str] = []
         self._lock = threading.Lock()
         self.fallback = look_again_after(lease_seconds)
         self.stale = stale_after(lease_seconds, stall_seconds)
@@ -88,7 +91,7 @@ class FleetLimits:
                 self._wait(conn, limit.key, view, verdict.wake_at, priority, since, now)
                 # Room is free while the callers ahead sleep: wake them to use it.
                 woken = store.next_in_line(
-                    conn, limit.key, now, verdict.wake_ahead, self.woken_grace
+                    conn, limit.key, now, verdict.wake_ahead, self.woken_grace, view.execution_id
                 )
         slot: CapacitySlot | None = None
         if verdict.wake_at is None:
@@ -122,6 +125,7 @@ class FleetLimits:
             # the queue.
             with self._lock:
                 self._handed.extend((w.execution_id, w.version) for w in woken)
+                self._waited.append(view.execution_id)
         observer = self.observer()
         if slot is not None:
             if observer.enabled:
@@ -181,9 +185,36 @@ class FleetLimits:
         with self._lock:
             self._handed.extend((w.execution_id, w.version) for w in woken)
 
+    def leave(self, view: RunView) -> None:
+        """The run's wait for capacity ended without a slot (its task canceled, stopped, over
+        budget, or its call failed): its place in line ends, and the room a release may have
+        woken it for is passed on to the next in line (I30)."""
+        try:
+            with write_one(self.engine) as conn:
+                woken = store.leave(conn, view.execution_id, utcnow(), self.woken_grace)
+        except Exception:
+            # Its row expires by itself, and the waiters' own wake-ups stand.
+            log.exception("could not end the wait of %s", view.execution_id)
+            return
+        for waiter in woken:
+            self.wake(waiter.execution_id, waiter.version, waiter.priority)
+        with self._lock:
+            self._handed.extend((w.execution_id, w.version) for w in woken)
+
     def handed_over(self) -> list[tuple[str, int]]:
         with self._lock:
             handed, self._handed = self._handed, []
+            waited, self._waited = self._waited, []
+        if waited:
+            # A release that found one of them still holding its lease (its wait not yet
+            # committed) woke it all the same: its wait is over, it looks again now.
+            try:
+                with write_one(self.engine) as conn:
+                    woken = store.woken_while_leased(conn, waited, utcnow())
+            except Exception:
+                log.exception("could not look for waits woken meanwhile")
+                woken = []
+            handed += [(w.execution_id, w.version) for w in woken]
         return handed
 
     def throttled(self, slot: CapacitySlot, seconds: float) -> None:

@@ -203,7 +203,17 @@ def decide(limit: Limit, counted: Counted, tokens: int, fallback: timedelta) -> 
             wake = max(window_end, now + timedelta(milliseconds=50))
             return Verdict(wake, "requests/min", wake_ahead)
     if limit.tpm is not None:
+        soon = now + timedelta(milliseconds=50)
         over = counted.recent_tokens > 0 and counted.recent_tokens + tokens > limit.tpm
-        if over or (counted.ahead and counted.recent_tokens >= limit.tpm):
-            return Verdict(max(window_end, now + timedelta(milliseconds=50)), "tokens/min")
+        if over:
+            return Verdict(max(window_end, soon), "tokens/min", wake_ahead)
+        if counted.ahead:
+            # The tokens free are the callers' ahead first, whatever their sizes (unknown
+            # here): a small newcomer that fits does not pass a larger call waiting for the
+            # minute, or a stream of small calls starves it (I30). It looks again when the
+            # window moves, or after a lease or more the further back it is (a release wakes
+            # the next in line sooner).
+            rounds = min(MAX_ROUNDS, 1 + counted.ahead)
+            wake = max(soon, min(window_end, now + fallback * rounds))
+            return Verdict(wake, "tokens/min", wake_ahead)
     return Verdict(None)

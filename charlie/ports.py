@@ -71,6 +71,11 @@ class CapacityPort(Protocol):
         is done (their ticks were published too; the later one is stale, I2)."""
         ...
 
+    def leave(self, view: RunView) -> None:
+        """The run's wait for capacity ended without a slot: its place in line ends and the
+        room it may have been woken for goes to the next in line."""
+        ...
+
 
 class NoLimits:
     """No limit declared: every call goes, nothing is counted."""
@@ -88,6 +93,9 @@ class NoLimits:
 
     def handed_over(self) -> list[tuple[str, int]]:
         return []
+
+    def leave(self, view: RunView) -> None:
+        return None
 
 
 NO_LIMITS = NoLimits()

@@ -903,6 +903,13 @@ def _slow_work(rt: Runtime, phase: Phase, claim: runs.Claim, view: RunView) -> T
         with _heartbeat(rt, claim):
             transition = compute(rt, view)
         faults.hit("tick.before_commit", phase=phase.value, task_id=view.task.id)
+        left = transition.to is Phase.REPORT_FAILURE
+    else:
+        left = transition.to not in (None, Phase.CALL_MODEL)
+    if left and phase is Phase.CALL_MODEL and "capacity" in view.state:
+        # I30: a call that waited for capacity leaves without a slot (canceled, stopped, over
+        # budget, failed): its wait ends, the room it may have been woken for passed on.
+        rt.deps.capacity.leave(view)
     return transition
 
 

@@ -44,7 +44,7 @@ from sqlalchemy.exc import DBAPIError
 from charlie import faults
 from charlie.domain import JSON, Phase
 from charlie.store.engine import sqlstate
-from charlie.store.runs import ACTIVE, Fresh
+from charlie.store.runs import ACTIVE, TOKEN_COLUMNS, Fresh
 
 log = logging.getLogger(__name__)
 
@@ -279,12 +279,17 @@ def _task_after(settles: bool, orders: bool) -> str:
     return after
 
 
-# (delegated: whether the task has started a child, store.runs._DELEGATED)
-_TASK_RETURNED = (
-    "t.status, t.timeout_at, t.budget, t.input_tokens, t.output_tokens, t.reasoning_tokens, "
-    "t.cache_read_tokens, t.cache_write_tokens, "
-    "EXISTS (SELECT 1 FROM tasks child WHERE child.parent_id = t.id) AS delegated"
+#: What a fused commit returns of its task (runs.Fresh), in this order, whether the statement
+#: wrote it or a read-back after a lost connection reads it: one definition for both, so a
+#: budget's tokens and the delegated flag are read back as the commit returns them (I1, I3,
+#: I31). (delegated: whether the task has started a child, store.runs._DELEGATED)
+_FRESH_TASK = ("status", "timeout_at", "budget", *TOKEN_COLUMNS, "delegated")
+_TASK_RETURNED = ", ".join(
+    [f"t.{name}" for name in _FRESH_TASK[:-1]]
+    + ["EXISTS (SELECT 1 FROM tasks child WHERE child.parent_id = t.id) AS delegated"]
 )
+#: ... and of its run
+_FRESH_RUN = ("inbox", "model_calls")
 
 
 def _task_cte(task_write: bool, after: str) -> tuple[str, str]:
@@ -359,11 +364,25 @@ _RECORDED = """recorded AS (
 
 #: What commit_fused returns (runs.Fresh): the run's and the task's rows as the statement left
 #: them
-_RESULT = """
-    SELECT run.inbox, run.model_calls, t.status, t.timeout_at, t.budget, t.input_tokens,
-        t.output_tokens, t.reasoning_tokens, t.cache_read_tokens, t.cache_write_tokens,
-        t.delegated
+_RESULT = f"""
+    SELECT {", ".join(f"run.{name}" for name in _FRESH_RUN)},
+        {", ".join(f"t.{name}" for name in _FRESH_TASK)}
     FROM run, checked, task_now t"""
+
+
+def _fresh(row: Any, task_id: str) -> Fresh:
+    """runs.Fresh from a row of ``_FRESH_RUN`` then ``_FRESH_TASK`` (the commit's, or its
+    read-back's)."""
+    return Fresh(
+        row.inbox,
+        row.model_calls,
+        row.status,
+        row.timeout_at,
+        row.budget,
+        task_id,
+        tuple(getattr(row, name) for name in TOKEN_COLUMNS),
+        delegated=bool(row.delegated),
+    )
 
 
 def _wrapped(value: Any) -> dict[str, Any]:
@@ -524,22 +543,7 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
             extra=context,
         )
         return None
-    return Fresh(
-        row.inbox,
-        row.model_calls,
-        row.status,
-        row.timeout_at,
-        row.budget,
-        fused.run.task_id,
-        (
-            row.input_tokens,
-            row.output_tokens,
-            row.reasoning_tokens,
-            row.cache_read_tokens,
-            row.cache_write_tokens,
-        ),
-        delegated=bool(row.delegated),
-    )
+    return _fresh(row, fused.run.task_id)
 
 
 class OutcomeUnknown(Exception):
@@ -554,7 +558,10 @@ def _fault_after_commit(conn: Connection, fused: FusedCommit) -> None:
     worker hears the driver's own error for a connection lost after the commit."""
     try:
         faults.hit(
-            "store.fused.after_commit", task_id=fused.run.task_id, phase=fused.run.phase.value
+            "store.fused.after_commit",
+            task_id=fused.run.task_id,
+            phase=fused.run.phase.value,
+            turn=fused.run.turn,
         )
     except faults.InjectedFault:
         conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
@@ -567,9 +574,8 @@ _AWAIT_RUN = "SELECT version FROM executions WHERE id = %(id)s FOR UPDATE"
 #: Whether a fused commit went through: its first step's ``transitions`` row, written by this
 #: worker at that step's own time, exists (nothing else writes that row); and what the last
 #: step's claim needs of the run and task as they are now (runs.Fresh).
-_READ_BACK = """
-SELECT e.inbox, e.model_calls, t.status, t.timeout_at, t.budget, t.input_tokens,
-    t.output_tokens, t.reasoning_tokens,
+_READ_BACK = f"""
+SELECT {", ".join(f"e.{name}" for name in _FRESH_RUN)}, {_TASK_RETURNED},
     EXISTS (SELECT 1 FROM transitions r WHERE r.execution_id = e.id
         AND r.version = %(version)s AND r.worker = %(owner)s AND r.at = %(at)s) AS applied
 FROM executions e JOIN tasks t ON t.id = e.task_id
@@ -602,15 +608,7 @@ def fused_outcome(conn: Connection, fused: FusedCommit) -> Fresh | None:
         "fused commit read back: it was committed before its connection was lost",
         extra={"execution_id": fused.run.execution_id, "version": fused.run.version},
     )
-    return Fresh(
-        row.inbox,
-        row.model_calls,
-        row.status,
-        row.timeout_at,
-        row.budget,
-        fused.run.task_id,
-        (row.input_tokens, row.output_tokens, row.reasoning_tokens),
-    )
+    return _fresh(row, fused.run.task_id)
 
 
 #: A holder's settle of one call with what every settler does around it (store.calls.

@@ -108,7 +108,13 @@ def _count_statement() -> Any:
         .where(tasks.c.id == bindparam("b_task", type_=tasks.c.id.type))
         .scalar_subquery()
     )
-    since = select(_w.since).where(_w.limit_key == _KEY, _w.execution_id == _XID).scalar_subquery()
+    # A row whose wait ended long ago (its run stopped or failed while waiting, and was
+    # resumed) is no place in line: a run that waits again starts at the back.
+    since = (
+        select(_w.since)
+        .where(_w.limit_key == _KEY, _w.execution_id == _XID, _w.expires_at > _NOW)
+        .scalar_subquery()
+    )
     others = and_(_fresh_waiter(_KEY, _NOW), _w.execution_id != _XID)
     ahead = or_(
         _w.priority > priority,
@@ -304,12 +310,15 @@ _RELEASE_WITH_TOKENS = (
     .where(_s.id == bindparam("b_slot"), _s.released_at.is_(None))
     .values(released_at=_NOW, tokens=bindparam("b_tokens"))
 )
+# A waiter whose run still holds its lease (its tick is about to commit its wait) is woken
+# too: its tick sees the mark once its wait is committed and looks again at once (woken_while
+# _leased), rather than the room idling until its own wake-up (I30).
 _NEXT_IN_LINE = (
     select(_w.execution_id, _w.version, _w.priority)
     .select_from(_WAITERS_WITH_RUNS)
     .where(
         _fresh_waiter(_KEY, _NOW),
-        or_(_e.lease_until.is_(None), _e.lease_until < _NOW),
+        _w.execution_id != _XID,
         or_(_w.woken_at.is_(None), _w.woken_at < bindparam("b_woken", type_=_w.woken_at.type)),
     )
     .order_by(_w.priority.desc(), _w.since, _w.execution_id)
@@ -352,16 +361,64 @@ def release(
 
 
 def next_in_line(
-    conn: Connection, key: str, now: datetime, wake: int, woken_grace: timedelta
+    conn: Connection,
+    key: str,
+    now: datetime,
+    wake: int,
+    woken_grace: timedelta,
+    caller: str = "",
 ) -> list[Woken]:
-    """The first ``wake`` waiters of the limit free to run (no lease) and not woken in the
-    last ``woken_grace``, marked woken: the caller publishes their call_model ticks."""
+    """The first ``wake`` waiters of the limit (but ``caller``) not woken in the last
+    ``woken_grace``, marked woken: the caller publishes their call_model ticks."""
     if wake <= 0:
         return []
-    params = {"b_key": key, "b_now": now, "b_woken": now - woken_grace, "b_wake": wake}
+    params = {
+        "b_key": key,
+        "b_now": now,
+        "b_woken": now - woken_grace,
+        "b_wake": wake,
+        "b_xid": caller,
+    }
     rows = conn.execute(_NEXT_IN_LINE, params).all()
     if rows:
         conn.execute(_MARK_WOKEN, {**params, "b_woken_ids": [r.execution_id for r in rows]})
+    return [Woken(r.execution_id, r.version, r.priority) for r in rows]
+
+
+_LEAVE = delete(limit_waiters).where(_w.execution_id == _XID).returning(_w.limit_key)
+
+
+def leave(
+    conn: Connection, execution_id: str, now: datetime, woken_grace: timedelta
+) -> list[Woken]:
+    """The run's wait ended without a slot (its task canceled, stopped, over budget, failed):
+    its waiter rows end with it (a resumed run does not keep its old place), and the next in
+    line of each limit it waited on is woken, for the room it may have been woken for
+    (I30)."""
+    keys = conn.execute(_LEAVE, {"b_xid": execution_id}).scalars().all()
+    woken: list[Woken] = []
+    for key in keys:
+        woken += next_in_line(conn, key, now, 1, woken_grace)
+    return woken
+
+
+_WOKEN_WHILE_LEASED = (
+    select(_w.execution_id, _w.version, _w.priority)
+    .select_from(_WAITERS_WITH_RUNS)
+    .where(
+        _w.execution_id.in_(bindparam("b_ids", expanding=True)),
+        _w.woken_at.is_not(None),
+        _e.version == _w.version,
+        _e.phase == Phase.CALL_MODEL.value,
+        or_(_e.lease_until.is_(None), _e.lease_until < _NOW),
+    )
+)
+
+
+def woken_while_leased(conn: Connection, execution_ids: list[str], now: datetime) -> list[Woken]:
+    """Of these runs, whose waits this process has just committed, those a release woke while
+    they still held their leases (a wait's own write clears the mark): their waits are over."""
+    rows = conn.execute(_WOKEN_WHILE_LEASED, {"b_ids": execution_ids, "b_now": now}).all()
     return [Woken(r.execution_id, r.version, r.priority) for r in rows]
 
 

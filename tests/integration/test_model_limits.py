@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 import charlie
-from charlie.domain import TaskStatus
+from charlie.domain import TaskStatus, utcnow
 from tests.conftest import wait_for
 from tests.support.cluster import Cluster
 from tests.support.fake_openai import (
@@ -21,6 +22,7 @@ from tests.support.fake_openai import (
     ProviderLimit,
     Recorded,
     Reply,
+    chat_stream,
     chat_text,
     chat_tool_calls,
     usage_chat,
@@ -88,26 +90,37 @@ def test_a_concurrency_limit_is_kept_by_the_whole_fleet(
 def test_requests_and_tokens_per_minute_hold_calls_for_the_minute(
     cluster: Cluster, model_server: FakeOpenAI
 ) -> None:
-    # rpm: 3 requests a minute. tpm: 2,500 tokens a minute, each request about 1,100 tokens
-    # by its size before it is sent (a prompt of 4,000 characters and one small tool), 1,000
-    # by the usage the provider reports: 2 go at once, the third would pass the limit.
+    # rpm: 3 requests a minute. tpm: 2,500 tokens a minute, requests of different sizes by
+    # their size before they are sent (a prompt and one small tool), each 1,000 by the usage
+    # the provider reports: "tpm a" (about 1,050) goes; "tpm b" (about 2,150) would pass the
+    # limit and waits for the minute; "tpm c" (about 650), submitted while b waits, fits but
+    # goes after b, in line order (I30), not past it as a stream of small calls would (and
+    # not beside it: with b's estimate it would pass the limit, so it goes once b's answer
+    # has corrected b's count).
     limit = ProviderLimit(rpm=6, retry_after="5", answer=answer(tokens=1000))
     model_server.limit = limit
     table = {"openai:fake-rpm": {"rpm": 3}, "openai:fake-tpm": {"tpm": 2500}}
+
+    def tpm_call(name: str, size: int) -> str:
+        prompt = f"tpm {name} " + "x" * size
+        return charlie.submit(prompt, model="openai:fake-tpm", tools=["echo_number"])
+
     with limited(cluster, table):
         ids = [charlie.submit(f"rpm {i}", model="openai:fake-rpm") for i in range(4)]
-        ids += [
-            charlie.submit(f"tpm {i} " + "x" * 4000, model="openai:fake-tpm", tools=["echo_number"])
-            for i in range(4)
-        ]
+        ids.append(tpm_call("a", 4000))
+        wait_for(lambda: arrivals(limit, "tpm a"), timeout=60)
+        ids.append(tpm_call("b", 8400))
+        wait_for(lambda: charlie.get_task(ids[-1]).capacity is not None, timeout=60)
+        ids.append(tpm_call("c", 2400))
         wait_all(ids, timeout=150)
     assert limit.refusals == 0
     rpm = sorted(arrivals(limit, "rpm"))
-    tpm = sorted(arrivals(limit, "tpm"))
-    assert len(rpm) == 4 and len(tpm) == 4
+    assert len(rpm) == 4
     # the first ones at once, the next a minute after the first
     assert rpm[2] - rpm[0] < 20 and rpm[3] - rpm[0] >= 59, rpm
-    assert tpm[1] - tpm[0] < 20 and tpm[2] - tpm[0] >= 59, tpm
+    tpm = [(at, prompt_of(r)[:5]) for at, r in limit.admitted if prompt_of(r).startswith("tpm")]
+    assert [name for _, name in tpm] == ["tpm a", "tpm b", "tpm c"], tpm
+    assert tpm[1][0] - tpm[0][0] >= 59, tpm
 
 
 def test_a_429_with_retry_after_pauses_every_caller_of_the_limit(
@@ -142,6 +155,53 @@ def _waiting(count: int) -> Callable[[], bool]:
         return bool(waiting >= count)
 
     return check
+
+
+#: the cluster's lease (tests/support/cluster.py, CHARLIE_LEASE_SECONDS)
+LEASE_SECONDS = 2.0
+
+
+def _run_row(task_id: str) -> Any:
+    from sqlalchemy import select
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import read
+    from charlie.store.schema import executions
+
+    with read(get_producer().engine) as conn:
+        return conn.execute(select(executions).where(executions.c.task_id == task_id)).one()
+
+
+def _lease_until(task_id: str) -> datetime | None:
+    value = _run_row(task_id).lease_until
+    if value is None:
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _live_slots(task_id: str) -> int:
+    """The slots of the task's run that count as in flight now (store.limits._live_slot)."""
+    from sqlalchemy import func, select
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import read
+    from charlie.store.schema import executions, limit_slots
+
+    s, e = limit_slots.c, executions.c
+    with read(get_producer().engine) as conn:
+        return int(
+            conn.execute(
+                select(func.count())
+                .select_from(limit_slots.join(executions, e.id == s.execution_id))
+                .where(
+                    e.task_id == task_id,
+                    s.released_at.is_(None),
+                    e.version == s.version,
+                    e.attempts == s.attempt,
+                    e.lease_until > utcnow(),
+                )
+            ).scalar_one()
+        )
 
 
 def _clear_waiters() -> None:
@@ -228,15 +288,26 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
         wait_for(lambda: limit.admitted, timeout=60)
         behind = charlie.submit("behind", model=MODEL)
         wait_for(_waiting(1), timeout=30)
-        for worker in list(cluster.alive_workers()):
-            cluster.kill(worker)
+        with cluster._lock:  # no worker restarted (and renewing a lease) before all are dead
+            for worker in list(cluster.alive_workers()):
+                cluster.kill(worker)
+        killed_at = utcnow()
+        # The slot comes back within a lease from the kill: the lease its holder's run had
+        # then (renewed by a live worker only) ends by then, and with it the slot's count.
+        lease_until = _lease_until(holder)
+        assert lease_until is not None
+        assert lease_until <= killed_at + timedelta(seconds=LEASE_SECONDS), (
+            lease_until,
+            killed_at,
+        )
+        wait_for(lambda: utcnow() > lease_until, timeout=LEASE_SECONDS + 5)
+        assert _live_slots(holder) == 0
         charlie.cancel(holder)
         cluster.ensure(workers=2)
         wait_all([behind])
         assert charlie.wait(holder, timeout=60).status is TaskStatus.CANCELED
     order = [prompt_of(r) for _, r in limit.admitted]
     assert order == ["holder", "behind"], order
-    from charlie.domain import utcnow
     from charlie.runtime import get_producer
     from charlie.store import limits
     from charlie.store.engine import read
@@ -245,3 +316,128 @@ def test_a_worker_killed_while_it_holds_a_slot_gives_it_back(
         found = limits.statuses(conn, utcnow())
     (status,) = [s for s in found if s.key == "openai:"]
     assert status.in_flight == 0
+
+
+#: the last tests' limits, in one configuration of the workers (each configuration restarts
+#: them): "openai:fake-paused" for the repeat that waits, "openai:" held by one call; the
+#: model timeout longer than the session's, for a call held longer
+LAST_TABLE = {"openai:fake-paused": {"concurrency": 4}, "openai:": {"concurrency": 1}}
+
+
+@pytest.fixture(scope="module")
+def last_limits(cluster_session: Cluster) -> Iterator[Cluster]:
+    with cluster_session.configured(
+        CHARLIE_MODEL_LIMITS=json.dumps(LAST_TABLE), CHARLIE_MODEL_TIMEOUT="180"
+    ) as configured:
+        yield configured
+
+
+def _pause(key: str, seconds: float, task_id: str | None = None) -> None:
+    """The limit paused as a provider's 429 pauses it (every caller waits until then); with
+    ``task_id``, that task's run woken too (a pause lifted early)."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from charlie.domain import utcnow
+    from charlie.runtime import get_producer
+    from charlie.store import limits
+    from charlie.store.engine import write
+    from charlie.store.schema import executions, limit_state
+
+    now = utcnow()
+    with write(get_producer().engine) as conn:
+        limits.lock_limit(conn, key)
+        conn.execute(
+            update(limit_state)
+            .where(limit_state.c.limit_key == key)
+            .values(paused_until=now + timedelta(seconds=seconds))
+        )
+        if task_id is not None:
+            conn.execute(
+                update(executions).where(executions.c.task_id == task_id).values(wake_at=now)
+            )
+
+
+def test_a_repeat_that_waits_for_capacity_streams_anew_and_counts_as_a_repeat(
+    last_limits: Cluster, cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """I3: a worker SIGKILLed mid-stream; the call's repeat first waits for capacity (the
+    provider paused the limit), a wait that ends with the claim's attempt count reset. The
+    repeat still streams under a name of its own (not the killed attempt's, which watchers
+    saw abandoned) and is counted as the one repeat it is."""
+    spec = "openai:fake-paused"
+    partial = "This first attempt dies with its worker"
+    cut_short = chat_stream(partial, hold_at=4, hold_seconds=60)
+    model_server.enqueue(cut_short, chat_text("done after the pause"))
+    task_id = charlie.submit("repeat after a pause", model=spec)
+    try:
+        for event in charlie.events(task_id, timeout=150):
+            if event.type == "text":
+                # Paused from before the kill until the repeat's claim has seen it.
+                _pause(spec, 120)
+                with cluster._lock:
+                    for proc in cluster.alive_workers():
+                        cluster.kill(proc)
+                break
+        # the repeat waits for capacity
+        wait_for(lambda: charlie.get_task(task_id).capacity is not None, timeout=60)
+        _pause(spec, 0, task_id)
+    finally:
+        cut_short.release.set()
+    info = charlie.wait(task_id, timeout=60)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    seen = list(charlie.events(task_id, timeout=30))
+    started = [e.data["call"] for e in seen if e.type == "model_start"]
+    assert len(started) == 2 and len(set(started)) == 2, started
+    ended = [(e.data["call"], e.data.get("status")) for e in seen if e.type == "model_end"]
+    assert (started[0], "abandoned") in ended and (started[1], "completed") in ended, ended
+    assert info.model_repeats == 1
+    assert len(model_server.requests) == 2
+
+
+def test_a_call_waiting_for_capacity_holds_no_lease_and_no_worker(
+    last_limits: Cluster, cluster: Cluster, model_server: FakeOpenAI, script: Any
+) -> None:
+    """I30's first clause: a call waiting for capacity waits as a stored wake-up, its run's
+    lease released (no lease_owner, no lease_until) and no worker taken: with more calls
+    waiting than the workers have processes, a task of another model still runs through."""
+    _clear_waiters()
+    blocking = chat_stream("held", hold_at=2, hold_seconds=150)
+
+    def hold_the_blocker(recorded: Recorded) -> Reply:
+        if prompt_of(recorded) == "blocker":
+            return blocking
+        return Reply(200, chat_text("done").body)
+
+    limit = ProviderLimit(latency=0.05, answer=hold_the_blocker)
+    model_server.limit = limit
+    # (the blocker's call is held longer than the session's model timeout allows)
+    try:
+        blocker = charlie.submit("blocker", model=MODEL)
+        wait_for(lambda: limit.admitted, timeout=60)
+        # 2 workers of 2 processes: more waiting calls than processes
+        waiting = [charlie.submit(f"waiting {i}", model=MODEL) for i in range(5)]
+        wait_for(_waiting(5), timeout=60)
+        for task_id in waiting:
+            wait_for(lambda t=task_id: charlie.get_task(t).capacity is not None, timeout=60)
+
+        # A waiting run's wait is committed with its lease released (a run holds one only
+        # for a moment when it looks again, in a tick of its own).
+        def released(task_id: str) -> bool:
+            row = _run_row(task_id)
+            assert row.phase == "call_model", row
+            return row.lease_owner is None and row.lease_until is None and bool(row.wake_at)
+
+        wait_for(lambda: all(released(t) for t in waiting), timeout=30)
+        other_model, _ = script([{"say": "not held back"}])
+        other = charlie.submit("another model", model=other_model)
+        info = charlie.wait(other, timeout=90)
+        assert info.status is TaskStatus.SUCCEEDED, info.error
+        # ...while they all still wait, the blocker still holding the one slot
+        assert [prompt_of(r) for _, r in limit.admitted] == ["blocker"]
+        assert all(charlie.get_task(t).capacity is not None for t in waiting)
+    finally:
+        blocking.release.set()
+    wait_all([blocker, *waiting])
+    assert limit.refusals == 0

@@ -351,3 +351,52 @@ def test_a_fused_commit_whose_connection_is_lost_after_it_committed_is_read_back
     next model call's claim) goes on to the model call under that claim, with no late report
     of the call's own result and no orphaned claim (no repeat counted for it)."""
     _commit_lost_then_read_back(cluster, script, "store.fused.after_commit", commit, "m17c")
+
+
+@pytest.mark.skipif(MODE != "fused", reason="a fused commit's connection lost after its commit")
+def test_a_fused_commit_read_back_carries_the_budget_and_the_delegation(
+    cluster: Cluster, script, tmp_path
+) -> None:
+    """I1, I3, I31: B's fused commit (a read's settle and the next model call's claim) of a
+    task with a tokens budget that has delegated a child loses its connection after the server
+    committed it. The read-back returns what the commit returns: the task's five token counts
+    (read back as three, the claim's budget check raised, the tick died holding the claim and
+    the call was counted as repeated) and that the task has delegated (read back as not, the
+    claim's check skipped the child's spend and the model was called over the budget).
+
+    The budget, 1,000 tokens: the parent's first two calls spend about 80 and the child about
+    600 (under it at the third call), the third about 650 more (about 730 of its own, under
+    it; with the child's, over it), so the fourth call is never made."""
+    task_id = f"m35b-{uuid.uuid4().hex[:12]}"
+    match = {"task_id": task_id, "phase": "await_tools", "turn": 2}
+    point = "store.fused.after_commit"
+    cluster.set_faults({point: {"action": "raise", "times": 1, "match": match}})
+    child_model, _ = script([{"say": "y" * 2400}])
+    model, ledger = script(
+        [
+            {"tool_calls": [{"id": "d", "name": "delegate", "arguments": {
+                "prompt": "spend", "model": child_model}}]},
+            {"tool_calls": [{"id": "w", "name": "wait_for_task", "arguments": {
+                "task_id": "{task_id}.0.d"}}]},
+            {"say": "z" * 2400, "tool_calls": [{"id": "a", "name": "sleep_then", "arguments": {
+                "seconds": 0, "value": "v"}}]},
+            {"say": "over the budget"},
+        ]
+    )  # fmt: skip
+    charlie.submit("a budget read back", model=model, task_id=task_id, budget={"tokens": 1000})
+    info = charlie.wait(task_id, timeout=120)
+    assert cluster.fault_count(point) == 1
+    assert info.status is TaskStatus.FAILED, info
+    assert info.error["reason"] == "budget exceeded", info.error
+    assert "delegated tasks" in info.error["message"], info.error
+    assert api.get_task(f"{task_id}.0.d").status is TaskStatus.SUCCEEDED
+    turns = [c["turn"] for c in model_calls(ledger)]
+    assert turns == [0, 1, 2], turns  # the fourth call was never made
+    # The read-back claim was used, not orphaned: its first attempt is the one that failed.
+    assert info.error["attempt"] == 1, info.error
+    assert info.model_repeats == 0
+    (call,) = [c for c in api.calls(task_id) if c.call_id == "a"]
+    assert call.outcome == "ok" and call.late_reports == 0, call
+    history = api.history(task_id)
+    versions = [h["version"] for h in history]
+    assert versions == list(range(versions[0], versions[0] + len(versions))), history

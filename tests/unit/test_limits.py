@@ -99,6 +99,24 @@ def test_rpm_and_tpm_wait_for_the_oldest_request_to_leave_the_window() -> None:
     assert decide(tpm, counted(), 5000, FALLBACK).wake_at is None
 
 
+def test_room_under_tokens_per_minute_is_given_in_line_order() -> None:
+    """I30: a newcomer of 100 tokens that fits (400 of 1,000 counted) does not pass a caller
+    of 900 waiting ahead of it for the minute; alone in line, it goes."""
+    oldest = NOW - timedelta(seconds=30)
+    tpm = Limit("k", tpm=1000)
+    behind = decide(tpm, counted(recent_tokens=400, oldest=oldest, ahead=1), 100, FALLBACK)
+    assert behind.wake_at is not None and behind.reason == "tokens/min"
+    assert NOW < behind.wake_at <= NOW + 2 * FALLBACK  # a lease a place in line
+    alone = decide(tpm, counted(recent_tokens=400, oldest=oldest), 100, FALLBACK)
+    assert alone.wake_at is None
+    # so with every kind of limit, and with several at once
+    both = Limit("k", concurrency=4, tpm=1000)
+    assert decide(both, counted(recent_tokens=400, ahead=1), 100, FALLBACK).wake_at is not None
+    rpm = Limit("k", rpm=10)
+    assert decide(rpm, counted(recent=8, oldest=oldest, ahead=2), 1, FALLBACK).wake_at
+    assert decide(rpm, counted(recent=7, oldest=oldest, ahead=2), 1, FALLBACK).wake_at is None
+
+
 def test_a_pause_the_provider_asked_for_holds_every_call() -> None:
     until = NOW + timedelta(seconds=3)
     verdict = decide(Limit("k", concurrency=9), counted(paused_until=until), 1, FALLBACK)

@@ -34,7 +34,11 @@ from charlie.ports import CapacitySlot, CapacityWait, PhaseDeps
 from charlie.tools.registry import ToolDef, ToolRegistry
 
 #: what a run's state holds only while its model call is retried or waits for capacity
-_CALL_STATE = ("model_retries", "last_model_error", "capacity")
+_CALL_STATE = ("model_retries", "last_model_error", "capacity", "model_attempts")
+#: the attempts of this (turn, version)'s call before its last wait (a capacity wait, a
+#: transient failure's retry), which ends with its attempt count reset: how many there were
+#: (their streams' names are taken) and the repeats after a crash among them (I3)
+_ATTEMPTS = "model_attempts"
 
 #: messages: its boundary takes in any that wait before the model is called (I22, boundary.
 #: take_mail); read only when the claim counts some, so a steady turn reads no mailbox
@@ -138,16 +142,15 @@ def _run(view: RunView, deps: PhaseDeps, enabled: list[ToolDef]) -> Transition:
         items=plan.items,
         tools=tools,
     )
-    stream = deps.events.model_stream(
-        task.id, view.turn, f"{view.turn}.{view.version}.{view.attempts}"
-    )
+    attempt = _attempts_before(view)[0] + view.attempts
+    stream = deps.events.model_stream(task.id, view.turn, f"{view.turn}.{view.version}.{attempt}")
     if view.attempts > 1 and deps.events.enabled:
         # I3: the attempt before this one lost its worker before its answer committed
         deps.events.emit(
             task.id,
             "model_end",
             turn=view.turn,
-            call=f"{view.turn}.{view.version}.{view.attempts - 1}",
+            call=f"{view.turn}.{view.version}.{attempt - 1}",
             status="abandoned",
             reason="its worker stopped before the answer was recorded; the call is repeated",
         )
@@ -158,7 +161,7 @@ def _run(view: RunView, deps: PhaseDeps, enabled: list[ToolDef]) -> Transition:
         return taken
     request, slot = taken
     if deps.events.enabled:
-        stream.start(model=task.model, attempt=view.attempts, retry=retries)
+        stream.start(model=task.model, attempt=attempt, retry=retries)
         request = replace(request, deltas=stream)
     try:
         response = model.complete(request)
@@ -203,7 +206,8 @@ def _compact(view: RunView, deps: PhaseDeps, plan: context.Plan, retries: int) -
         raise
     deps.capacity.release(slot, response.usage)
     faults.hit("call_model.summarised", task_id=task.id, turn=view.turn)
-    return context.compacted(view.state, plan, response, task.model, view.attempts)
+    # (the attempts whose count is its repeats: this claim's, and those before its waits)
+    return context.compacted(view.state, plan, response, task.model, 1 + _repeats(view))
 
 
 def _take_slot(
@@ -220,6 +224,30 @@ def _take_slot(
     return request, slot
 
 
+def _attempts_before(view: RunView) -> tuple[int, int]:
+    """The attempts of this call before its last wait, and the repeats among them."""
+    carried = view.state.get(_ATTEMPTS)
+    if isinstance(carried, dict) and carried.get("version") == view.version:
+        return int(carried.get("attempts", 0)), int(carried.get("repeats", 0))
+    return 0, 0
+
+
+def _repeats(view: RunView) -> int:
+    """The call's repeats after a crash (I3): this claim's attempts beyond its first, and
+    those counted before its waits (a wait resets the claim's count)."""
+    return _attempts_before(view)[1] + max(0, view.attempts - 1)
+
+
+def _carried(view: RunView) -> dict[str, int]:
+    """What a wait of this call keeps of its attempts (``_ATTEMPTS``), for the next to see."""
+    attempts, _ = _attempts_before(view)
+    return {
+        "version": view.version,
+        "attempts": attempts + view.attempts,
+        "repeats": _repeats(view),
+    }
+
+
 def _wait_for_capacity(view: RunView, wait: CapacityWait) -> Transition:
     """Wait as a stored wake-up (the sweep, or the release of a slot, publishes the tick
     again), never in a tick; the wait is not a failed attempt of the model."""
@@ -232,7 +260,7 @@ def _wait_for_capacity(view: RunView, wait: CapacityWait) -> Transition:
     }
     return Transition(
         to=None,
-        state={**view.state, "capacity": capacity},
+        state={**view.state, "capacity": capacity, _ATTEMPTS: _carried(view)},
         wake_at=wait.until,
         publish_next=False,
         note=wait.describe(),
@@ -255,6 +283,7 @@ def _retry_later(
             **{k: v for k, v in view.state.items() if k != "capacity"},
             "model_retries": retries + 1,
             "last_model_error": str(exc),
+            _ATTEMPTS: _carried(view),
         },
         wake_at=view.now + timedelta(seconds=delay),
         publish_next=False,
@@ -280,7 +309,7 @@ def _transition(
     # always: the settings the next call plans with ride in it (run)
     state[context.STATE_KEY] = window_state
     usage = response.usage.as_dict()
-    repeats = max(0, view.attempts - 1)
+    repeats = _repeats(view)
     # A fork starts at this phase, its task still queued: its first model call starts it.
     started = TaskStatus.RUNNING if task.status is TaskStatus.QUEUED else None
     if calls:
