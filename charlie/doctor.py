@@ -74,6 +74,46 @@ def transport_problem(app: Celery) -> str | None:
     return None
 
 
+def explain(exc: BaseException, settings: Settings | None = None) -> str:
+    """What a command that failed on its infrastructure says instead of a traceback: what is
+    wrong, where, and what to do, in a line or two (``charlie --debug`` shows the traceback).
+    An error that is not the infrastructure's is named by its type and first line."""
+    from charlie.store.engine import SchemaMissing
+    from charlie.store.types import DatabaseError
+
+    doctor = "`charlie doctor` checks the whole deployment"
+    if isinstance(exc, SchemaMissing):
+        text = str(exc).strip()
+        return text if "charlie db upgrade" in text else f"{text}; run `charlie db upgrade`"
+    if isinstance(exc, DatabaseError):
+        where = _safe_url(settings.database_url) if settings else "CHARLIE_DATABASE_URL"
+        cause = _first_line(getattr(exc, "orig", None) or exc)
+        lowered = cause.lower()
+        if ("does not exist" in lowered and "relation" in lowered) or "no such table" in lowered:
+            return f"the database {where} has no Charlie schema ({cause}); run `charlie db upgrade`"
+        if type(exc).__name__ in ("ArgumentError", "NoSuchModuleError"):
+            return (
+                f"CHARLIE_DATABASE_URL is not a database URL Charlie can use ({cause}); use "
+                "postgresql://USER:PASSWORD@HOST:PORT/DB or sqlite:///PATH"
+            )
+        return (
+            f"cannot reach the database {where}: {cause}; check CHARLIE_DATABASE_URL and that "
+            f"the server is up ({doctor})"
+        )
+    if type(exc).__module__.split(".")[0] in ("kombu", "amqp", "redis", "celery"):
+        where = _safe_url(settings.broker_url) if settings else "CHARLIE_BROKER_URL"
+        return (
+            f"cannot reach the broker {where}: {_first_line(exc)}; check CHARLIE_BROKER_URL "
+            f"and that the broker is up ({doctor})"
+        )
+    if isinstance(exc, ImportError) and "CHARLIE_TOOL_MODULES" in str(exc):
+        return f"{exc}; fix CHARLIE_TOOL_MODULES, or install the package that provides it"
+    return (
+        f"{_first_line(exc)} (an unexpected error: `charlie --debug ...` or CHARLIE_DEBUG=1 "
+        "shows its traceback)"
+    )
+
+
 class _Doctor:
     def __init__(self, settings: Settings, timeout: float) -> None:
         self.s = settings
@@ -99,6 +139,7 @@ class _Doctor:
             self.add("broker", "skip", "not checked: this process cannot sign its messages")
         self.tools()
         self.model_limits(engine)
+        self.checks.append(model_retries(engine if self.schema_ok else None))
         self.mcp()
         self.sandbox()
         self.devbox()
@@ -695,6 +736,39 @@ class _Doctor:
             )
         else:
             self.add("connections", "ok", detail)
+
+
+def model_retries(engine: Any) -> Check:
+    """Runs whose model call fails and is being retried (I36): how many, and the soonest's
+    last error, attempts and next attempt. A WARN: they may yet succeed, and each ends at
+    CHARLIE_MODEL_RETRY_SECONDS at the latest. ``engine`` None: the database is not usable."""
+    from charlie.domain import utcnow
+    from charlie.models import retrying
+    from charlie.store.engine import read
+    from charlie.store.reads import model_call_states
+
+    name = "model calls"
+    if engine is None:
+        return Check(name, "skip", "not checked: the database is unreachable or not migrated")
+    try:
+        with read(engine) as conn:
+            rows = model_call_states(conn)
+    except Exception as exc:
+        return Check(name, "skip", f"not checked: {_first_line(exc)}")
+    found = [(r.task_id, retrying.from_state(r.state)) for r in rows]
+    failing = [(task_id, retry) for task_id, retry in found if retry is not None]
+    if not failing:
+        return Check(name, "ok", "no run is retrying a failed model call")
+    task_id, first = failing[0]
+    more = f" (and {len(failing) - 1} more)" if len(failing) > 1 else ""
+    return Check(
+        name,
+        "WARN",
+        f"{len(failing)} run(s) retrying a failed model call; task {task_id}{more}: "
+        + first.describe(utcnow()),
+        "check the model's provider, its URL and key (`charlie status TASK` shows the last "
+        "error); a run gives up at CHARLIE_MODEL_RETRY_SECONDS",
+    )
 
 
 #: in use server-wide and on this database, the limit, the superusers' reserve, and the port
