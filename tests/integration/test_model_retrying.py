@@ -46,10 +46,11 @@ def test_an_unreachable_model_shows_retrying_then_fails_at_the_bound(cluster: Cl
         mine = next(line for line in listed.output.splitlines() if task_id in line)
         assert "[retrying:" in mine, listed.output
 
-        from charlie.doctor import model_retries
+        from charlie.doctor import Context, check_model_retries
         from charlie.runtime import get_producer
 
-        check = model_retries(get_producer().engine)
+        rt = get_producer()
+        check = check_model_retries(Context(rt.settings, 3.0, engine=rt.engine, schema_ok=True))
         assert check.status == "WARN" and "retrying a failed model call" in check.detail
 
         done = charlie.wait(task_id, timeout=90)
