@@ -278,7 +278,7 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     )
     # the live panel names the model as the header does (a scripted model by its file's name)
     # and says the model's call ended, never "completed" while the run waits for people
-    line = f"turn 3: {text_of(browser, '#model')} wrote its answer"
+    line = f"turn 3: {text_of(browser, '#model')} wrote its tool calls"
     retry(lambda: text_of(browser, "#live-call") == line, timeout=30)
     assert "scripted:…/" in line
     screenshot(browser, screenshots, "task-awaiting-approval")
