@@ -1,4 +1,4 @@
-"""A tool module: workers import it (CHARLIE_TOOL_MODULES=labels) so its tools register."""
+"""Tools a worker registers by importing this module (CHARLIE_TOOL_MODULES=labels)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from charlie.tools import Reconciled, ToolContext
 
 
 def label_exists(order_id: str, address: str, ctx: ToolContext) -> Reconciled | None:
-    """The reconcile hook: called with the tool's own arguments (and its context) when a call
-    is found started without a result after a crash. It reads back what happened; returning
-    None instead means "cannot tell", and the call settles `interrupted`."""
+    """The reconcile hook: called with the tool's own arguments (and its context) when
+    a call is found started without a result after a crash. It reads back what
+    happened; returning None instead means "cannot tell": the call is `interrupted`."""
     label = ctx.resolve(f"labels/{order_id}.txt")
     if label.exists():
         return Reconciled(Outcome.OK, {"label": f"labels/{order_id}.txt"})
@@ -20,7 +20,8 @@ def label_exists(order_id: str, address: str, ctx: ToolContext) -> Reconciled | 
 @charlie.tool(effect="write", deadline=30, reconcile=label_exists)
 def print_label(order_id: str, address: str, ctx: ToolContext) -> dict[str, str]:
     """Print a shipping label for an order."""  # what the model is told
-    label = ctx.resolve(f"labels/{order_id}.txt")  # inside the task's workspace, or refused
+    # inside the task's workspace, or refused
+    label = ctx.resolve(f"labels/{order_id}.txt")
     label.parent.mkdir(parents=True, exist_ok=True)
     label.write_text(address)
     return {"label": f"labels/{order_id}.txt"}
