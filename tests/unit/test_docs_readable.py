@@ -10,7 +10,6 @@ import importlib.util
 import os
 import re
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.backend_free
 DOCS = REPO / "docs"
 EXAMPLES = DOCS / "examples"
 #: what a person reads in the web view: the pages, the README and CONTRIBUTING
-PAGES = sorted(DOCS.rglob("*.md")) + [REPO / "README.md", REPO / "CONTRIBUTING.md"]
+PAGES = [*sorted(DOCS.rglob("*.md")), REPO / "README.md", REPO / "CONTRIBUTING.md"]
 #: the width a code block is wrapped at, so it fits the column of the web view and the site
 CODE_WIDTH = 88
 #: the pages whose code blocks are wrapped (a newcomer's path through the docs)
