@@ -275,7 +275,15 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", required=True, help="scripted:PATH, openai:NAME, ...")
-@click.option("--tool", "tools", multiple=True, help="A tool the model may use (repeatable).")
+@click.option(
+    "--tool",
+    "tools",
+    multiple=True,
+    help="A tool the model may use (repeatable). Left out, the model may use every tool the "
+    "workers offer: the built-ins (read_file, write_file, list_files, run_command, recall, "
+    "ask_human, delegate, wait_for_task), CHARLIE_TOOL_MODULES' and the MCP servers' "
+    "(`charlie tools` lists them).",
+)
 @click.option("--task-id", default=None, help="Your own id; submitting it again is a no-op.")
 @click.option("--timeout", type=float, default=None, help="Seconds before the task times out.")
 @click.option(
@@ -386,7 +394,14 @@ def wait(task_id: str, timeout: float) -> None:
     help="Stop following after this long (and wait this long at most, 3600 s when not given, "
     "for a task not created yet).",
 )
-def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None) -> None:
+@click.option(
+    "--until-waiting",
+    is_flag=True,
+    help="Stop, exit 0, once the task waits for a person (an approval, a reply).",
+)
+def watch(
+    task_id: str, after: str | None, offsets: bool, timeout: float | None, until_waiting: bool
+) -> None:
     """Follow a task live: the model's text as it is written, tool calls as they start and
     settle, waits for people, the end. Exits as `charlie wait` does: 0 only if it succeeded.
 
@@ -405,6 +420,8 @@ def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None)
     try:
         for event in api.events(task_id, after=after, timeout=left):
             view.show(event)
+            if until_waiting and event.type == "waiting":
+                sys.exit(0)
     except TaskNotFound as exc:
         _fail(str(exc))
     except (api.StreamUnavailable, ValueError) as exc:

@@ -98,3 +98,16 @@ def test_code_blocks_fit_the_column() -> None:
                 f"{page.relative_to(REPO)}:{n} is {len(line)} characters in a code block "
                 f"(wrap at {CODE_WIDTH})"
             )
+
+
+def test_the_api_reference_starts_with_what_a_user_calls_first() -> None:
+    page = (DOCS / "reference" / "api.md").read_text()
+    directives = re.findall(r"^::: ([\w.]+)", page, flags=re.M)
+    first = ["charlie.api.submit", "charlie.api.wait", "charlie.api.get_task"]
+    assert directives[:4] == [*first, "charlie.api.approve"], directives
+
+
+def test_the_reference_tables_keep_a_variable_name_whole() -> None:
+    css = (DOCS / "stylesheets" / "extra.css").read_text()
+    assert "td:first-child code" in css and "white-space: nowrap" in css
+    assert "stylesheets/extra.css" in (REPO / "mkdocs.yml").read_text()
