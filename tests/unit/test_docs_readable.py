@@ -24,13 +24,21 @@ EXAMPLES = DOCS / "examples"
 PAGES = [*sorted(DOCS.rglob("*.md")), REPO / "README.md", REPO / "CONTRIBUTING.md"]
 #: the width a code block is wrapped at, so it fits the column of the web view and the site
 CODE_WIDTH = 88
-#: the pages whose code blocks are wrapped (a newcomer's path through the docs)
+#: pages whose code blocks are not wrapped yet: diagrams and tables drawn in text, and pages
+#: being rewritten elsewhere; every other page's are
+NOT_WRAPPED_YET = {
+    "architecture.md",
+    "benchmarks.md",
+    "concepts/phases.md",
+    "models/limits.md",
+    "production/index.md",
+    "production/multi-host.md",
+    "production/pgbouncer.md",
+}
 WRAPPED = [
-    REPO / "README.md",
-    REPO / "CONTRIBUTING.md",
-    DOCS / "getting-started.md",
-    DOCS / "tools.md",
-    DOCS / "index.md",
+    p
+    for p in PAGES
+    if str(p.relative_to(DOCS) if DOCS in p.parents else p.name) not in NOT_WRAPPED_YET
 ]
 
 
