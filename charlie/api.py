@@ -27,7 +27,8 @@ from charlie.domain import (
     execution_id_for,
     task_id_of,
 )
-from charlie.models import normalise_model
+from charlie.models import normalise_model, retrying
+from charlie.models.retrying import Retrying
 from charlie.people import (
     ActionRecord,
     ActionRefused,
@@ -130,6 +131,10 @@ class TaskInfo:
     #: look at the limit saw it: "waiting for capacity on openai:gpt-4.1 (2 in flight, 14
     #: waiting)"; None when it is not waiting for capacity
     capacity: str | None = None
+    #: its model call failing and being retried (I36): the last error, the failed attempts,
+    #: the next attempt's time and when the retrying gives up (``describe()`` says it in a
+    #: line); None when its model call is not being retried
+    retrying: Retrying | None = None
     #: the task's budget as stored at submit (``{"tokens": N, "usd": X, "model_calls": K}``,
     #: any of them), or None.
     budget: JSON | None = None
@@ -539,6 +544,7 @@ def _task_info(row: Any, waiting_for: list[WaitingFor] | None = None) -> TaskInf
         },
         waiting_for=waiting_for or [],
         capacity=_capacity(row),
+        retrying=_retrying(row),
         budget=row.budget,
         cost_usd=_cost(row),
     )
@@ -557,6 +563,13 @@ def _capacity(row: Any) -> str | None:
         f"waiting for capacity on {waiting.get('limit')} ({waiting.get('in_flight')} in "
         f"flight, {waiting.get('waiting')} waiting)"
     )
+
+
+def _retrying(row: Any) -> Retrying | None:
+    """A model call being retried, while the run is still at call_model and not ended."""
+    if row.x_phase != Phase.CALL_MODEL.value or TaskStatus(row.status).terminal:
+        return None
+    return retrying.from_state(getattr(row, "x_state", None))
 
 
 def _cost(row: Any) -> float | None:

@@ -50,6 +50,13 @@ def _short(value: Any, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _safe_database(url: str) -> str:
+    """A database URL as it may be printed: without its password."""
+    from charlie.store.probe import printable_url
+
+    return printable_url(url)
+
+
 def _celery_app() -> Celery:
     """The Celery app, once its broker transport is known to load: a missing transport
     dependency is one clear line and exit status 2, not a traceback from inside Celery."""
@@ -65,10 +72,70 @@ def _celery_app() -> Celery:
     return app
 
 
-@click.group()
+#: whether a command's unexpected error shows its traceback (``charlie --debug``, or
+#: CHARLIE_DEBUG=1 in the environment)
+_debug = False
+
+
+class _Short(logging.Handler):
+    """Where a command's log records go when nothing else is set up for them (Python's last
+    resort): one line each, ``charlie: message (Error: its first line)``, not a traceback; with
+    --debug, the traceback too. The long-running commands (worker, beat, ui) set up logging of
+    their own and never reach it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info and record.exc_info[1] is not None:
+                error = record.exc_info[1]
+                first = (str(error).strip().splitlines() or [""])[0]
+                text += f" ({type(error).__name__}: {first})" if first else ""
+                if _debug:
+                    text += "\n" + logging.Formatter().formatException(record.exc_info)
+            _say(f"charlie: {text}", err=True, multiline=True)
+        except Exception:
+            self.handleError(record)
+
+
+class _Main(click.Group):
+    """Every command's errors said in one place: an infrastructure error (a database that
+    refuses, one not migrated, a broker down, tool modules that do not import) is a line or
+    two saying what, where and what to do, exit status 2; ``--debug`` raises it as it is."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise
+        except Exception as exc:
+            if _debug:
+                raise
+            from charlie.doctor import explain
+
+            try:
+                current = settings()
+            except ValueError:
+                current = None
+            _fail(explain(exc, current))
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="charlie")
-def main() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    envvar="CHARLIE_DEBUG",
+    help="Show the traceback of an error instead of its one-line explanation (also "
+    "CHARLIE_DEBUG=1).",
+)
+def main(debug: bool) -> None:
     """Charlie: durable agent tasks on Celery."""
+    global _debug
+    _debug = debug
+    logging.lastResort = _Short()
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -208,7 +275,15 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", default=None, help="scripted:PATH, openai:NAME, ...")
-@click.option("--tool", "tools", multiple=True, help="A tool the model may use (repeatable).")
+@click.option(
+    "--tool",
+    "tools",
+    multiple=True,
+    help="A tool the model may use (repeatable). Left out, the model may use every tool the "
+    "workers offer: the built-ins (read_file, write_file, list_files, run_command, recall, "
+    "ask_human, delegate, wait_for_task), CHARLIE_TOOL_MODULES' and the MCP servers' "
+    "(`charlie tools` lists them).",
+)
 @click.option(
     "--agent", default=None, help="A Pydantic AI agent (module:attr) to run instead of --model."
 )
@@ -253,6 +328,14 @@ def submit(
 ) -> None:
     """Submit a task and print its id."""
     from charlie import api
+    from charlie.runtime import import_tool_modules
+
+    try:
+        # what a worker imports before it takes any task: a module that cannot be imported
+        # here is said now, not accepted into a task no worker can start
+        import_tool_modules(settings().tool_modules)
+    except ImportError as exc:
+        _fail(f"{exc}; fix CHARLIE_TOOL_MODULES (workers refuse to start with it)")
 
     # absolute here: the worker's working directory is not this one
     metadata = {"workspace": os.path.abspath(workspace)} if workspace else None
@@ -321,7 +404,14 @@ def wait(task_id: str, timeout: float) -> None:
     help="Stop following after this long (and wait this long at most, 3600 s when not given, "
     "for a task not created yet).",
 )
-def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None) -> None:
+@click.option(
+    "--until-waiting",
+    is_flag=True,
+    help="Stop, exit 0, once the task waits for a person (an approval, a reply).",
+)
+def watch(
+    task_id: str, after: str | None, offsets: bool, timeout: float | None, until_waiting: bool
+) -> None:
     """Follow a task live: the model's text as it is written, tool calls as they start and
     settle, waits for people, the end. Exits as `charlie wait` does: 0 only if it succeeded.
 
@@ -340,6 +430,8 @@ def watch(task_id: str, after: str | None, offsets: bool, timeout: float | None)
     try:
         for event in api.events(task_id, after=after, timeout=left):
             view.show(event)
+            if until_waiting and event.type == "waiting":
+                sys.exit(0)
     except TaskNotFound as exc:
         _fail(str(exc))
     except (api.StreamUnavailable, ValueError) as exc:
@@ -456,6 +548,8 @@ class _Watch:
         elif kind == "verdict":
             cid, by = _short(data.get("call_id"), 60), _short(data.get("by"), 100)
             self.line(f"  {_short(data.get('action'), 20)} of {cid} by {by}")
+        elif kind == "retrying":
+            self.line(_retrying_line(data))
         elif kind == "final":
             self.line("final answer recorded")
         elif kind == "truncated":
@@ -468,6 +562,23 @@ class _Watch:
 
             info = api.get_task(str(data.get("task_id")))
             self.line(f"{info.status.value}: {_short(info.result or info.error, 2000)}")
+
+
+def _retrying_line(data: dict[str, Any]) -> str:
+    """A model call that failed and is asked again later (I36): when, and until when."""
+
+    def clock(value: Any) -> str:
+        try:
+            return datetime.fromisoformat(str(value)).astimezone(UTC).strftime("%H:%M:%S UTC")
+        except ValueError:
+            return _short(value, 40)
+
+    attempts = _short(data.get("attempts"), 10)
+    return (
+        f"  retrying the model call: {attempts} attempts failed; next attempt at "
+        f"{clock(data.get('next_at'))}, gives up at {clock(data.get('until'))}; last error: "
+        f"{_short(data.get('error'), 300)}"
+    )
 
 
 @main.command()
@@ -602,9 +713,11 @@ def list_(
     for t in page:
         phase = t.phase.value if t.phase else "-"
         age = _age((now - t.created_at).total_seconds())
+        # a run retrying its model call says so in its row (I36): `charlie status` says more
+        marker = f"  [retrying: {t.retrying.attempts} failed]" if t.retrying else ""
         _say(
             f"{_short(t.id, 36):<36}  {t.status.value:<9}  {phase:<15}  {t.turn:>4}  "
-            f"{age:>6}  {_short(t.model, 40)}"
+            f"{age:>6}  {_short(t.model, 40)}{marker}"
         )
     if len(page) == limit:
         filters = "".join(f" --status {s}" for s in statuses)
@@ -652,6 +765,8 @@ def status(task_id: str) -> None:
     rows += [("waiting for", _short(w.describe(), 200)) for w in info.waiting_for]
     if info.capacity:
         rows.append(("waiting", info.capacity))
+    if info.retrying:
+        rows.append(("retrying", _short(info.retrying.describe(datetime.now(UTC)), 600)))
     for key, value in rows:
         _say(f"{key:>12}  {value}")
 
@@ -1049,12 +1164,19 @@ def db() -> None:
 def upgrade() -> None:
     """Apply Alembic migrations to CHARLIE_DATABASE_URL."""
     from charlie.home import prepare as prepare_home
+    from charlie.store.engine import current_revision
     from charlie.store.engine import upgrade as do_upgrade
 
     s = settings()
     prepare_home(s.home)
+    before = current_revision(s.database_url)
     do_upgrade(s.database_url)
-    _say("database is at the current schema")
+    after = current_revision(s.database_url)
+    where = _safe_database(s.database_url)
+    if before == after:
+        _say(f"{where}: already at revision {after}; nothing to do")
+    else:
+        _say(f"{where}: upgraded from revision {before or '(empty database)'} to {after}")
 
 
 @main.command()

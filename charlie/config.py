@@ -236,6 +236,11 @@ class Settings:
     #: how many times report_terminal retries a transient scheduler write inside one tick before
     #: it stores a wake-up time and lets the sweep come back.
     report_retries: int = 4
+    #: how long a run keeps retrying a model call that fails in a way waiting may fix (a
+    #: connection refused, a timeout, a 429 or 5xx), in seconds from its first failure; past it
+    #: the task fails with the last error (I36). Errors waiting cannot fix (401, 403, an unknown
+    #: model, a malformed request) fail at once.
+    model_retry_seconds: float = 600.0
     #: the embedded broker's polling interval (seconds); an idle worker spends about 1.5% of a
     #: core on it.
     embedded_poll_interval: float = 0.005
@@ -505,9 +510,21 @@ def _context_overrides() -> dict[str, int]:
     return found
 
 
+def database_url_of(url: str) -> str:
+    """The URL as SQLAlchemy takes it: ``postgres://`` (what most hosts hand out, and what
+    people paste) is PostgreSQL's other spelling, read as ``postgresql://``."""
+    url = url.strip()
+    for spelling in ("postgres://", "postgres+"):
+        if url.startswith(spelling):
+            return "postgresql" + url[len("postgres") :]
+    return url
+
+
 def load_settings() -> Settings:
     home = Path(os.environ.get("CHARLIE_HOME", ".charlie")).resolve()
-    database_url = os.environ.get("CHARLIE_DATABASE_URL") or f"sqlite:///{home / 'charlie.db'}"
+    database_url = database_url_of(
+        os.environ.get("CHARLIE_DATABASE_URL") or f"sqlite:///{home / 'charlie.db'}"
+    )
     broker_url = os.environ.get("CHARLIE_BROKER_URL") or "charliefs://"
     modules = tuple(
         m.strip() for m in os.environ.get("CHARLIE_TOOL_MODULES", "").split(",") if m.strip()
@@ -542,6 +559,7 @@ def load_settings() -> Settings:
         max_result_bytes=_env_int("CHARLIE_MAX_RESULT_BYTES", 256 * 1024),
         max_prompt_bytes=_env_int("CHARLIE_MAX_PROMPT_BYTES", 1024 * 1024),
         report_retries=_env_int("CHARLIE_REPORT_RETRIES", 4),
+        model_retry_seconds=_env_float("CHARLIE_MODEL_RETRY_SECONDS", 600.0),
         embedded_poll_interval=_env_float("CHARLIE_EMBEDDED_POLL_INTERVAL", 0.005),
         task_events=task_events,
         devbox_url=os.environ.get("CHARLIE_DEVBOX_URL") or None,

@@ -780,6 +780,7 @@ _ENDING_STATE = (
     "report_failure_retries",
     "model_retries",
     "last_model_error",
+    "model_retry",
 )
 
 _RESUMABLE = (TaskStatus.FAILED.value, TaskStatus.TIMED_OUT.value)

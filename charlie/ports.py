@@ -108,7 +108,10 @@ class PhaseLimits:
     human_deadline: float = 86400.0
     report_retries: int = 4
     report_backoff: float = 0.05
-    model_retries: int = 8
+    #: a backstop on how many times the executor asks again; the time bound below decides first
+    model_retries: int = 100
+    #: how long a failing model call is retried, from its first failure (I36)
+    model_retry_seconds: float = 600.0
     #: the context window of a model without one of its own (CHARLIE_MODEL_CONTEXT_TOKENS);
     #: None: learned from the provider's refusal (executor/context.py)
     context_tokens: int | None = None

@@ -227,6 +227,7 @@ class Runtime(Producer):
                 tool_deadline=s.tool_deadline,
                 human_deadline=s.human_deadline,
                 report_retries=s.report_retries,
+                model_retry_seconds=s.model_retry_seconds,
                 context_tokens=s.model_context_tokens,
                 context_tokens_by_model=s.context_tokens_by_model,
             ),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from charlie import api
@@ -34,7 +36,10 @@ def transcript_rows(task_id: str, *, after_seq: int = -1) -> list[tuple[int, str
                 break  # shown once the turn has settled, so rows never change after printing
             call = by_call.get(key)
             outcome = (call.outcome or call.state) if call else "?"
-            took = f"{call.duration_ms:.0f} ms" if call and call.duration_ms is not None else "-"
+            took = call_took(call) if call else "-"
+            again = recovery(call) if call else None
+            if again is not None:
+                took += f", {again.badge}"
             result = short(call.result, 80) if call and call.result is not None else ""
             if call and call.late_reports:
                 # I12: the outcome stands; what came after it is shown beside it.
@@ -106,3 +111,110 @@ def budget_text(info: api.TaskInfo) -> str:
         else:
             parts.append(f"{key} {used} of {limit}")
     return ", ".join(parts) or "none"
+
+
+#: how a person's verdict is recorded as a call's settler (charlie.people): ``operator:NAME``
+PERSON_PREFIX = "operator:"
+
+
+def span(ms: float | None) -> str:
+    """A duration in milliseconds, in the unit a person reads it in."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    return f"{ms / 60_000:.1f} min"
+
+
+def held_for_verdict(call: api.CallRecord) -> tuple[float, float] | None:
+    """A call a person settled after it was held for a verdict: (ms it ran before it was held,
+    ms it was held), so its run time is not read as the time it waited for a person."""
+    info = call.hold_info if isinstance(call.hold_info, dict) else {}
+    try:
+        held_at = datetime.fromisoformat(str(info.get("held_at")))
+    except ValueError:
+        return None
+    if (
+        call.started_at is None
+        or call.settled_at is None
+        or not (call.settled_by or "").startswith(PERSON_PREFIX)
+        or not call.started_at <= held_at <= call.settled_at
+    ):
+        return None
+    ran = (held_at - call.started_at).total_seconds() * 1000
+    if call.duration_ms is not None:
+        ran = call.duration_ms
+    return ran, (call.settled_at - held_at).total_seconds() * 1000
+
+
+def call_took(call: api.CallRecord) -> str:
+    """A call's one duration, as `charlie show`, the console's row and its timeline all say
+    it: from its start to its settle (a call recovered after its worker died counts the time
+    until it was settled, not the milliseconds its reconcile hook took); a call held for a
+    person's verdict, how long it ran and how long it was held; a call not started (settled by
+    a person, or refused) the handler's time, if any."""
+    held = held_for_verdict(call)
+    if held is not None:
+        return f"{span(held[0])}, held {span(held[1])}"
+    if call.started_at is not None and call.settled_at is not None:
+        return span((call.settled_at - call.started_at).total_seconds() * 1000)
+    return span(call.duration_ms)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A call that did not settle the ordinary way: its worker died, or a person decided it.
+    ``badge``: its short name (``reconciled``, ``interrupted``, ``decided by a person``,
+    ``repeated``); ``lost``: the worker that died holding it (None: unknown); ``settled``: the
+    worker or person that settled it; ``why``: what happened, in a sentence."""
+
+    badge: str
+    lost: str | None
+    settled: str | None
+    why: str
+
+
+def recovery(call: api.CallRecord) -> Recovery | None:
+    """How a call was recovered, or None for a call that settled the ordinary way (I10, I24)."""
+    result = call.result if isinstance(call.result, dict) else {}
+    found = result.get("evidence")
+    evidence = found if isinstance(found, dict) else {}
+    by = call.settled_by or None
+    if result.get("reconciled") is True:
+        lost = str(evidence.get("started_by") or call.started_by or "") or None
+        return Recovery(
+            "reconciled",
+            lost,
+            by,
+            f"its worker {lost or '?'} stopped before a result was recorded; "
+            f"{by or 'a worker'} ran its reconcile hook, which found it {call.outcome}",
+        )
+    if by is not None and by.startswith(PERSON_PREFIX) and held_for_verdict(call) is not None:
+        person = by[len(PERSON_PREFIX) :]
+        return Recovery(
+            "decided by a person",
+            call.started_by,
+            person,
+            f"its worker {call.started_by or '?'} stopped before a result was recorded; "
+            f"{person} gave the verdict ({call.outcome})",
+        )
+    if call.outcome == "interrupted":
+        lost = str(result.get("started_by") or call.started_by or "") or None
+        return Recovery(
+            "interrupted",
+            lost,
+            by,
+            f"its worker {lost or '?'} stopped before a result was recorded; {by or 'a sweep'} "
+            "settled it interrupted: whether it took effect is unknown",
+        )
+    if call.attempts > 1 and call.outcome is not None:
+        return Recovery(
+            "repeated",
+            None,
+            call.started_by,
+            f"run {call.attempts} times: a worker stopped before its result was recorded, and "
+            f"{call.started_by or 'another'} ran it again",
+        )
+    return None

@@ -388,8 +388,9 @@ CONFIGURATION_INTRO = """\
 
 Charlie is configured by its environment: every process (worker, beat, producer, console,
 `charlie doctor`) reads the same variables, so processes started with the same environment agree
-on where the database and the broker are. This page is generated from the code when the site is
-built: the first table from the `Settings` fields of `charlie/config.py` (their `#:` comments
+on where the database and the broker are. This page is generated from the code
+(`python scripts/docs_reference.py --write`; a test fails when it is not current): the first
+table from the `Settings` fields of `charlie/config.py` (their `#:` comments
 and defaults, and the variables `load_settings` reads for each), the second from every other
 `CHARLIE_*` variable a module of `charlie/` reads. Celery's own settings live in
 `celeryconfig.py`, each with the reason it is set.
@@ -453,14 +454,18 @@ def cli_markdown() -> str:
     out = [
         "# CLI reference",
         "",
-        "Every `charlie` command, generated from the commands themselves when the site is "
-        "built (`charlie COMMAND --help` prints the same). Each reads the "
+        "Every `charlie` command, generated from the commands themselves (`python "
+        "scripts/docs_reference.py --write`; a test fails when it is not current; `charlie "
+        "COMMAND --help` prints the same). Each reads the "
         "[configuration](configuration.md) from the environment.",
         "",
     ]
 
     def walk(command: click.Command, path: list[str], parent: click.Context | None) -> None:
-        ctx = click.Context(command, info_name=path[-1], parent=parent)
+        # a fixed width: the page is the same whatever terminal generates it (it is committed)
+        ctx = click.Context(
+            command, info_name=path[-1], parent=parent, terminal_width=88, max_content_width=88
+        )
         if path != ["charlie"]:
             out.append(f"## `{' '.join(path)}`\n")
             out.append("```text")
@@ -500,8 +505,30 @@ def _escape_md(text: str) -> str:
     return _oneline(text.replace("<", "&lt;").replace(">", "&gt;").replace("\b", ""))
 
 
-if __name__ == "__main__":  # pragma: no cover - a way to look at the pages by hand
+#: the pages this module writes, committed so that the repository's web view shows them too
+PAGES = {
+    "docs/reference/configuration.md": configuration_markdown,
+    "docs/reference/cli.md": cli_markdown,
+}
+
+
+def write_pages() -> list[str]:
+    """Write the reference pages into docs/reference/; the paths of those that changed."""
+    changed = []
+    for path, make in PAGES.items():
+        target = REPO / path
+        text = make()
+        if not target.exists() or target.read_text() != text:
+            target.write_text(text)
+            changed.append(path)
+    return changed
+
+
+if __name__ == "__main__":  # pragma: no cover - the pages by hand, or written into docs/
     import sys
 
     page = sys.argv[1] if len(sys.argv) > 1 else "configuration"
-    print(configuration_markdown() if page == "configuration" else cli_markdown())
+    if page == "--write":
+        print("\n".join(write_pages()) or "the reference pages are current")
+    else:
+        print(configuration_markdown() if page == "configuration" else cli_markdown())

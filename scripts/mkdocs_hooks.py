@@ -1,5 +1,7 @@
 """MkDocs hooks (mkdocs.yml ``hooks:``): the reference pages are generated from the code when the
-site is built, so they cannot drift from it (scripts/docs_reference.py says how)."""
+site is built, so the site cannot drift from it (scripts/docs_reference.py says how); the same
+pages are committed in docs/reference/ for the repository's web view, and
+tests/unit/test_docs.py fails when those are not current."""
 
 from __future__ import annotations
 

@@ -17,7 +17,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from charlie import api
-from charlie.views import compaction_text, short
+from charlie.views import (
+    PERSON_PREFIX,
+    Recovery,
+    call_took,
+    compaction_text,
+    held_for_verdict,
+    recovery,
+    short,
+    span,
+)
 
 #: the badge of each outcome, and of each state a call is in before it has one
 OUTCOME_LABELS = {
@@ -71,17 +80,6 @@ def age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
-def span(ms: float | None) -> str:
-    """A duration in milliseconds, in the unit a person reads it in."""
-    if ms is None:
-        return "-"
-    if ms < 1000:
-        return f"{ms:.0f} ms"
-    if ms < 60_000:
-        return f"{ms / 1000:.1f} s"
-    return f"{ms / 60_000:.1f} min"
-
-
 def call_state(call: api.CallRecord) -> tuple[str, str]:
     """(badge text, badge class) of a call: its outcome once it has one, else where it is."""
     if call.outcome:
@@ -99,10 +97,6 @@ def call_state(call: api.CallRecord) -> tuple[str, str]:
     return "pending", "pending"
 
 
-#: how a person's verdict is recorded as a call's settler (charlie.people): ``operator:NAME``
-PERSON_PREFIX = "operator:"
-
-
 def decided_by(call: api.CallRecord, verdict: api.ActionRecord | None = None) -> str | None:
     """A person's verdict that settled a call, as a person reads it: what they did and their
     name (``denied by ui:ana``, not the record's ``operator:ui:ana``); with the verdict's
@@ -117,27 +111,6 @@ def decided_by(call: api.CallRecord, verdict: api.ActionRecord | None = None) ->
     if call.started_at is None:
         return f"answered by {name}"
     return f"reconciled by {name}"
-
-
-def held_for_verdict(call: api.CallRecord) -> tuple[float, float] | None:
-    """A call a person settled after it was held for a verdict: (ms it ran before it was held,
-    ms it was held), so its run time is not read as the time it waited for a person."""
-    info = call.hold_info if isinstance(call.hold_info, dict) else {}
-    try:
-        held_at = datetime.fromisoformat(str(info.get("held_at")))
-    except ValueError:
-        return None
-    if (
-        call.started_at is None
-        or call.settled_at is None
-        or not (call.settled_by or "").startswith(PERSON_PREFIX)
-        or not call.started_at <= held_at <= call.settled_at
-    ):
-        return None
-    ran = (held_at - call.started_at).total_seconds() * 1000
-    if call.duration_ms is not None:
-        ran = call.duration_ms
-    return ran, (call.settled_at - held_at).total_seconds() * 1000
 
 
 @dataclass(frozen=True)
@@ -160,6 +133,9 @@ class CallView:
     settled: bool
     #: (label, value) lines of evidence behind the row
     evidence: list[tuple[str, str]]
+    #: how it was recovered after its worker died or a person decided it (views.recovery):
+    #: a badge of its own, and a marker on the timeline
+    recovered: Recovery | None = None
 
 
 def interrupted_in_words(call: api.CallRecord) -> str | None:
@@ -188,6 +164,15 @@ def interrupted_in_words(call: api.CallRecord) -> str | None:
     if detail.get("error"):
         return f"interrupted, the tool said: {short(detail['error'], 100)}"
     return "interrupted before a result was recorded"
+
+
+def _reconciled_in_words(call: api.CallRecord, recovered: Recovery | None) -> str | None:
+    """A call its reconcile hook settled: what the hook found, without the bookkeeping (the
+    evidence of the lost attempt is in the opened row)."""
+    if recovered is None or recovered.badge != "reconciled" or not isinstance(call.result, dict):
+        return None
+    found = {k: v for k, v in call.result.items() if k not in ("reconciled", "evidence")}
+    return f"its reconcile hook found: {short(found, 100)}"
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -223,13 +208,20 @@ def call_view(
         wall = (call.settled_at - call.started_at).total_seconds() * 1000
     held = held_for_verdict(call)
     took = f"{span(wall)} from start to settle; handler {span(call.duration_ms)}"
-    duration = span(wall if wall is not None else call.duration_ms)
+    # one duration for a call everywhere (charlie show, this row, the timeline): views.call_took
+    duration = call_took(call)
     if held is not None:
         took = f"{span(held[0])} from start until held; held {span(held[1])} for a verdict"
-        duration = f"{span(held[0])}, held {span(held[1])}"
     # a person's verdict says so beside the worker that ran it (if one did)
     person = decided_by(call, verdict)
-    worker = " · ".join(w for w in (call.started_by, person) if w) or call.settled_by or "-"
+    recovered = recovery(call)
+    # a worker that settled what another started (its reconcile hook, a sweep) says so too
+    settler = None
+    if recovered is not None and person is None and recovered.settled != call.started_by:
+        settler = f"{recovered.badge} by {recovered.settled}" if recovered.settled else None
+    worker = (
+        " · ".join(w for w in (call.started_by, person or settler) if w) or call.settled_by or "-"
+    )
     evidence = (
         []
         if not full
@@ -253,6 +245,8 @@ def call_view(
         evidence.append(("late reports", f"{call.late_reports}: {short(call.late_result, 300)}"))
     if full and call.hold_info:
         evidence.append(("held because", short(call.hold_info, 600)))
+    if full and recovered is not None:
+        evidence.insert(0, ("recovered", recovered.why))
     return CallView(
         call_id=call.call_id,
         turn=call.turn,
@@ -266,10 +260,12 @@ def call_view(
         finish_order=call.finish_order,
         late=late,
         result_short=interrupted_in_words(call)
+        or _reconciled_in_words(call, recovered)
         or (short(call.result, 120) if call.result is not None else ""),
         result=pretty(call.result) if full else "",
         settled=call.state == "settled",
         evidence=evidence,
+        recovered=recovered,
     )
 
 
@@ -286,6 +282,8 @@ class Row:
     text: str = ""
     call: CallView | None = None
     copied: str | None = None
+    #: a call row's result item (the row shows both items' numbers, so none seems missing)
+    result_seq: int | None = None
 
 
 #: the actions that settle a call themselves (an approve releases it; a worker settles it)
@@ -320,6 +318,7 @@ def transcript_rows(
         if a.action.value == "send" and (a.detail or {}).get("message_id") is not None:
             senders.setdefault(str((a.detail or {})["message_id"]), a)
     has_call_item = {(e.turn, e.call_id) for e in entries if e.kind == "tool_call"}
+    result_seqs = {(e.turn, e.call_id): e.seq for e in entries if e.kind == "tool_result"}
     rows: list[Row] = []
     for e in entries:
         p = e.payload or {}
@@ -341,7 +340,16 @@ def transcript_rows(
                 else _call_from_items(e, entries)
             )
             rows.append(
-                Row(key, e.seq, e.turn, "call", str(p.get("name")), call=view, copied=copied)
+                Row(
+                    key,
+                    e.seq,
+                    e.turn,
+                    "call",
+                    str(p.get("name")),
+                    call=view,
+                    copied=copied,
+                    result_seq=result_seqs.get((e.turn, e.call_id)),
+                )
             )
         elif e.kind == "tool_result":
             if (e.turn, e.call_id) in has_call_item:

@@ -21,12 +21,11 @@ from typing import Any
 from charlie import api
 from charlie.console.rows import (
     OUTCOME_LABELS,
-    PERSON_PREFIX,
     clock,
     decided_by,
-    span,
     verdicts_of,
 )
+from charlie.views import PERSON_PREFIX, call_took, recovery, span
 
 WIDTH = 1000
 LABEL = 150
@@ -129,6 +128,15 @@ def build(
     for c in calls:
         if c.started_by and c.started_by not in workers:
             workers.append(c.started_by)
+    # a recovered call is marked on the lane of the worker that died holding it and on the
+    # lane of the one that settled it, so both ends of the recovery are in the picture
+    recovered = {(c.turn, c.call_id): r for c in calls if (r := recovery(c)) is not None}
+    for r in recovered.values():
+        # (a person who decided one is in the people lane)
+        by_worker = r.settled if r.badge != "decided by a person" else None
+        for name in (r.lost, by_worker):
+            if name and not name.startswith(PERSON_PREFIX) and name not in workers:
+                workers.append(name)
     people_needed = by_person or bool(actions) or any(c.hold or c.hold_info for c in calls)
     names = ["run", *workers] + (["people"] if people_needed else [])
     lane_y = {name: TOP + n * LANE for n, name in enumerate(names)}
@@ -191,8 +199,11 @@ def build(
             until = held_at or c.settled_at or end
             outcome = "interrupted" if held_at else (c.outcome or "open")
             css = f"call outcome-{outcome}"
+            if (c.turn, c.call_id) in recovered:
+                css += " recovered"  # outlined: not an ordinary bar of its outcome
             title = (
-                f"{c.name} ({c.call_id}, turn {c.turn}): {label}; started {clock(c.started_at)} "
+                f"{c.name} ({c.call_id}, turn {c.turn}): {label}, {call_took(c)}; started "
+                f"{clock(c.started_at)} "
                 f"by {c.started_by}, settled {clock(c.settled_at)} "
                 + (
                     decided_by(c, settled_by_person.get((c.turn, c.call_id)))
@@ -243,6 +254,25 @@ def build(
     for a in actions:
         what = a.describe() + (f" — call {a.call_id}" if a.call_id else "")
         tl.points.append(Point(x(a.at), lane_y["people"] + LANE / 2, "action", what))
+    for c in calls:
+        r = recovered.get((c.turn, c.call_id))
+        if r is None:
+            continue
+        title = f"recovered ({r.badge}): {c.name} ({c.call_id}, turn {c.turn}): {r.why}"
+        held_at = _parse(
+            (c.hold_info or {}).get("held_at") if isinstance(c.hold_info, dict) else None
+        )
+        found = held_at or c.settled_at or end
+        settled = c.settled_at or end
+        if r.badge == "repeated":
+            found = settled = c.started_at or settled
+        if r.lost in lane_y:
+            tl.points.append(Point(x(found), lane_y[r.lost] + LANE / 2, "recovered", title))
+        by_lane = r.settled if r.settled in lane_y else None
+        if r.badge == "decided by a person" and "people" in lane_y:
+            by_lane = "people"
+        if by_lane is not None and by_lane != r.lost:
+            tl.points.append(Point(x(settled), lane_y[by_lane] + LANE / 2, "recovered", title))
 
     # a tick narrower than a few pixels is part of a texture, not something to point at: no
     # tooltip of its own (a long run's picture stays light)

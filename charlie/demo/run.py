@@ -173,9 +173,10 @@ def _details(call: api.CallRecord) -> list[str]:
     out: list[str] = []
     if call.name == "run_command" and data.get("execution_id"):
         how = (
-            f"parked, then observed to its end by {data.get('observed_by')}"
+            f"it ran on in the devbox while no worker waited for it; worker "
+            f"{data.get('observed_by')} saw it end"
             if data.get("resumed")
-            else f"observed by {data.get('observed_by')}"
+            else f"worker {data.get('observed_by')} saw it end"
         )
         status = data.get("status")
         code = f"exit {data.get('exit_code')}" if status == "exited" else status

@@ -563,6 +563,7 @@ def compacted(
     state = {**view_state, STATE_KEY: plan.state}
     state.pop("model_retries", None)
     state.pop("last_model_error", None)
+    state.pop("model_retry", None)
     first, last = summary.covers
     return Transition(
         to=Phase.CALL_MODEL,

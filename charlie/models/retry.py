@@ -331,9 +331,14 @@ class RetryPolicy:
             if throttled is not None and failure.status in THROTTLE_STATUSES:
                 throttled(failure.retry_after if failure.retry_after is not None else 1.0)
             if attempt >= attempts:
-                log.warning("model call failed; no attempts left: %s", failure.message, extra=more)
+                log.warning(
+                    "model call failed %d times; the run retries it later: %s",
+                    attempt,
+                    failure.message,
+                    extra=more,
+                )
                 raise TransientModelError(
-                    f"{spec}: {failure.message} (gave up after {attempt} attempts)",
+                    f"{spec}: {failure.message} ({attempt} attempts failed)",
                     retry_after=failure.retry_after,
                     evidence=evidence,
                 )

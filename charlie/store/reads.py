@@ -202,3 +202,15 @@ def task_resumes(conn: Connection, task_id: str) -> Any:
             a.task_id == task_id, a.action == "resume"
         )
     ).one()
+
+
+def model_call_states(conn: Connection, limit: int = 500) -> list[Any]:
+    """Runs at call_model: task id and state, the most recently moved first, at most
+    ``limit`` (``charlie doctor`` reads which of them retry a failed model call, I36)."""
+    stmt = (
+        select(_e.task_id, _e.state)
+        .where(_e.phase == "call_model")
+        .order_by(_e.updated_at.desc())
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).all())

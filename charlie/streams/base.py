@@ -20,6 +20,7 @@ EVENT_TYPES = (
     "tool_started",  # a tool call's start was recorded (I9), by whoever started it: call_id
     "tool_settled",  # a tool call has its outcome, once a call (I12): call_id, name, outcome
     "tool_late_report",  # a call's handler reported after it had its outcome: call_id, outcome
+    "retrying",  # a failed model call is asked again later (I36): error, attempts, next_at, until
     "final",  # the final answer committed (I16): text
     "waiting",  # the task waits for people: calls (call_id, name, hold, question)
     "verdict",  # a person's approve, deny, reply or reconcile committed: call_id, action, by

@@ -1,4 +1,4 @@
-"""A tool module: workers import it (CHARLIE_TOOL_MODULES=labels) so its tools register."""
+"""Tools a worker registers by importing this module (CHARLIE_TOOL_MODULES=labels)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from charlie.tools import Reconciled, ToolContext
 
 
 def label_exists(order_id: str, address: str, ctx: ToolContext) -> Reconciled | None:
-    """The reconcile hook: called with the tool's own arguments (and its context) when a call
-    is found started without a result after a crash. It reads back what happened; returning
-    None instead means "cannot tell", and the call settles `interrupted`."""
+    """The reconcile hook: called with the tool's own arguments (and its context) when
+    a call is found started without a result after a crash. It reads back what
+    happened; returning None instead means "cannot tell": the call is `interrupted`."""
     try:
         ctx.read_text(f"labels/{order_id}.txt")
     except FileNotFoundError:
-        return Reconciled(Outcome.ERROR, {"error": "no label was printed; print it again"})
+        missing = {"error": "no label was printed; print it again"}
+        return Reconciled(Outcome.ERROR, missing)
     return Reconciled(Outcome.OK, {"label": f"labels/{order_id}.txt"})
 
 

@@ -226,6 +226,9 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     (slow,) = [c for c in charlie.calls(task_id) if c.call_id == "slow"]
     assert f"started by {slow.started_by} at " in text_of(browser, lost)
     assert "{" not in text_of(browser, lost)
+    # a recovered call says so beside its outcome (I36)
+    slow_badge = 'details.call[data-call="slow"] .badge.recovered'
+    retry(lambda: text_of(browser, slow_badge).strip() == "recovered: interrupted")
     assert badge(browser, "ok1") == "ok"
     assert badge(browser, "err1") == "error"
     assert "the disk is full" in text_of(browser, 'details.call[data-call="err1"]')
@@ -268,6 +271,8 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     assert worker == f"{call.started_by} · reconciled by {SIGNED_IN}"
     dur = text_of(browser, f"{row} .dur").strip()
     assert dur.startswith(f"{ran.total_seconds():.1f} s, held "), (dur, ran, waited)
+    hw_badge = 'details.call[data-call="hw"] .badge.recovered'
+    retry(lambda: text_of(browser, hw_badge).strip() == "recovered: decided by a person")
     assert dur != f"{(call.settled_at - call.started_at).total_seconds():.1f} s"
 
     # two approvals arrive live; approve one, deny the other
@@ -278,7 +283,7 @@ def test_a_run_with_every_kind_of_call_and_the_people_who_decide_it(
     )
     # the live panel names the model as the header does (a scripted model by its file's name)
     # and says the model's call ended, never "completed" while the run waits for people
-    line = f"turn 3: {text_of(browser, '#model')} wrote its answer"
+    line = f"turn 3: {text_of(browser, '#model')} wrote its tool calls"
     retry(lambda: text_of(browser, "#live-call") == line, timeout=30)
     assert "scripted:…/" in line
     screenshot(browser, screenshots, "task-awaiting-approval")

@@ -35,7 +35,7 @@ def test_demo_tells_the_story_and_exits_0(tmp_path: Path) -> None:
     assert "started for the demo" in out and "token generated" in out
     # inspect, reproduce (a failing focused test, observed by execution id through polling)
     assert "read_file" in out and "test_hash_comments_are_ignored" in out
-    assert "exit 1; parked, then observed to its end by" in out
+    assert "exit 1; it ran on in the devbox while no worker waited for it; worker" in out
     # delegate a compatibility check and wait for the child, whose own turns are shown
     assert "child task demo-" in out and ".compat" in out
     assert "│ " in out and "test_semicolon_comments_are_ignored" in out

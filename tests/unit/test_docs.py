@@ -80,15 +80,6 @@ def test_the_documented_examples_run(tmp_path: Path) -> None:
     assert " passed" in run.stdout and " failed" not in run.stdout
 
 
-def test_the_pages_include_the_examples_they_show() -> None:
-    """The site's pages include docs/examples/ files (pymdownx.snippets), never copies."""
-    pages = (REPO / "docs" / "getting-started.md").read_text() + (
-        REPO / "docs" / "tools.md"
-    ).read_text()
-    for example in ("labels.py", "test_labels.py"):
-        assert f'--8<-- "{example}"' in pages
-
-
 def _variables_read_in_charlie() -> set[str]:
     """Every CHARLIE_* name written as a whole string in charlie/'s code, found by text alone
     (not by the generator's own parsing)."""

@@ -201,6 +201,60 @@ def test_call_model_gives_up_after_bounded_retries() -> None:
         )
 
 
+def test_call_model_retry_records_the_error_attempts_and_next_attempt() -> None:
+    """I36: what status, list, watch, the console and doctor show of a retried model call."""
+    from charlie.models import retrying
+
+    failure = TransientModelError("conn refused (2 attempts failed)", evidence={"attempts": 2})
+    t = call_model.run(view(Phase.CALL_MODEL), deps(FakeModel(failure)))
+    retry = retrying.from_state(t.state)
+    assert retry is not None and retry.error == "conn refused (2 attempts failed)"
+    assert retry.attempts == 2 and retry.since == NOW and retry.next_at == t.wake_at
+    assert retry.until == NOW + timedelta(seconds=600)
+    t = call_model.run(view(Phase.CALL_MODEL, state=t.state), deps(FakeModel(failure)))
+    again = retrying.from_state(t.state)
+    assert again is not None and again.attempts == 4 and again.since == NOW
+    line = again.describe(NOW)
+    assert "4 attempts failed" in line and "last error: conn refused" in line
+    assert "next attempt at 00:00:02 UTC (in 2 s)" in line and "gives up at 00:10:00" in line
+
+
+def test_call_model_retry_ends_at_its_time_bound_naming_it() -> None:
+    """I36: the whole retry is bounded in time; its end is a failure that names the bound."""
+    from charlie.models import retrying
+    from charlie.models.base import ModelError
+
+    since = NOW - timedelta(seconds=55)
+    state = {
+        "model_retries": 3,
+        retrying.STATE_KEY: retrying.Retrying("x", 6, since, NOW, 60.0).as_state(),
+    }
+    failure = TransientModelError("HTTP 503: overloaded", retry_after=10)
+    with pytest.raises(ModelError) as raised:
+        call_model.run(
+            view(Phase.CALL_MODEL, state=state),
+            deps(FakeModel(failure), model_retry_seconds=60.0),
+        )
+    message = str(raised.value)
+    assert "CHARLIE_MODEL_RETRY_SECONDS=60" in message and "7 attempts over 55 s" in message
+    assert message.endswith("last error: HTTP 503: overloaded")
+    # within the bound, the same failure waits for its retry
+    t = call_model.run(
+        view(Phase.CALL_MODEL, state=state), deps(FakeModel(failure), model_retry_seconds=70.0)
+    )
+    assert t.wake_at == NOW + timedelta(seconds=10)
+
+
+def test_a_model_answer_clears_the_retry_state() -> None:
+    from charlie.models import retrying
+
+    retry = retrying.Retrying("x", 1, NOW, NOW, 60.0).as_state()
+    t = call_model.run(
+        view(Phase.CALL_MODEL, state={"model_retries": 1, retrying.STATE_KEY: retry}), deps()
+    )
+    assert retrying.STATE_KEY not in t.state and "model_retries" not in t.state
+
+
 def test_model_sees_the_committed_transcript() -> None:
     model = FakeModel(ModelResponse(output=[]))
     items = [Item(0, 0, ItemKind.INPUT, None, {"role": "user", "content": "x"})]

@@ -119,6 +119,13 @@
         panel.hidden = false;
         panel.setAttribute("data-state", "writing");
         callLine.textContent = writer(e) + " is writing";
+      } else if (e.type === "retrying") {
+        // the model call failed and is asked again later (I36): say when, and why
+        panel.hidden = false;
+        panel.setAttribute("data-state", "retrying");
+        callLine.textContent = "the model call failed (" + e.attempts + " attempts so far); next "
+          + "attempt at " + String(e.next_at || "").slice(11, 19) + " UTC: " + (e.error || "");
+        return;
       } else if (e.call !== call) {
         return;
       } else if (e.type === "text") {
@@ -141,8 +148,10 @@
       } else if (e.type === "model_end") {
         panel.setAttribute("data-state", e.status);
         // the model's call ended, not the task: a run may go on to wait for people
+        // a turn that wrote tool calls did not write its answer (the calls run next)
         callLine.textContent = writer(e) + (e.status === "completed"
-          ? " wrote its answer"
+          ? (argsOf !== null ? " wrote its tool calls"
+            : (text.hidden ? " finished writing" : " wrote its answer"))
           : " stopped: " + e.status + (e.reason ? " (" + e.reason + ")" : ""));
       }
     }

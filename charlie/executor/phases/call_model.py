@@ -29,12 +29,19 @@ from charlie.domain import (
     Transition,
 )
 from charlie.executor import context
+from charlie.models import retrying
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
 from charlie.ports import CapacitySlot, CapacityWait, PhaseDeps
 from charlie.tools.registry import ToolDef, ToolRegistry
 
 #: what a run's state holds only while its model call is retried or waits for capacity
-_CALL_STATE = ("model_retries", "last_model_error", "capacity", "model_attempts")
+_CALL_STATE = (
+    "model_retries",
+    "last_model_error",
+    "capacity",
+    "model_attempts",
+    retrying.STATE_KEY,
+)
 #: the attempts of this (turn, version)'s call before its last wait (a capacity wait, a
 #: transient failure's retry), which ends with its attempt count reset: how many there were
 #: (their streams' names are taken) and the repeats after a crash among them (I3)
@@ -270,24 +277,48 @@ def _wait_for_capacity(view: RunView, wait: CapacityWait) -> Transition:
 def _retry_later(
     view: RunView, deps: PhaseDeps, model: str, retries: int, exc: TransientModelError
 ) -> Transition:
-    if retries + 1 >= deps.limits.model_retries:
+    """Ask again later, as a stored wake-up for the sweep (never slept in a tick), while the
+    retry stays within its bound (I36): ``model_retry_seconds`` from the first failure. What
+    the run waits for (the last error, the attempts, the next attempt's time, the bound) is in
+    its state for status, list, watch, the console and doctor (charlie/models/retrying.py)."""
+    retry = retrying.from_state(view.state)
+    since = retry.since if retry is not None else view.now
+    attempts = (retry.attempts if retry is not None else 0) + retrying.attempts_in(exc)
+    delay = exc.retry_after if exc.retry_after is not None else min(60.0, 2.0**retries)
+    bound = deps.limits.model_retry_seconds
+    elapsed = (view.now - since).total_seconds()
+    if elapsed + delay > bound or retries + 1 >= deps.limits.model_retries:
         raise ModelError(
-            f"model {model} kept failing after {retries + 1} attempts: {exc}",
+            retrying.gave_up(model, attempts, elapsed, bound, str(exc)),
             evidence=exc.evidence,
         ) from exc
-    delay = exc.retry_after if exc.retry_after is not None else min(60.0, 2.0**retries)
-    # A long wait is stored as a wake-up time for the sweep, never slept in a tick.
+    next_at = view.now + timedelta(seconds=delay)
+    state = {
+        **{k: v for k, v in view.state.items() if k != "capacity"},
+        "model_retries": retries + 1,
+        "last_model_error": str(exc),
+        retrying.STATE_KEY: retrying.Retrying(
+            error=str(exc), attempts=attempts, since=since, next_at=next_at, bound=bound
+        ).as_state(),
+        _ATTEMPTS: _carried(view),
+    }
+    if deps.events.enabled:
+        # what a watcher sees of it (I36); the stream is a view, never read back (I28)
+        deps.events.emit(
+            view.task.id,
+            "retrying",
+            turn=view.turn,
+            error=str(exc),
+            attempts=attempts,
+            next_at=next_at.isoformat(),
+            until=(since + timedelta(seconds=bound)).isoformat(),
+        )
     return Transition(
         to=None,
-        state={
-            **{k: v for k, v in view.state.items() if k != "capacity"},
-            "model_retries": retries + 1,
-            "last_model_error": str(exc),
-            _ATTEMPTS: _carried(view),
-        },
-        wake_at=view.now + timedelta(seconds=delay),
+        state=state,
+        wake_at=next_at,
         publish_next=False,
-        note=f"model transient failure, retry in {delay:.1f}s",
+        note=f"model call failed ({attempts} attempts so far), retry in {delay:.1f}s",
     )
 
 

@@ -1,0 +1,75 @@
+"""A model that cannot be reached, through real workers (I36): while its call is retried the
+task says so wherever a person looks (status, list, watch's events, doctor), and the retrying
+ends at its time bound (CHARLIE_MODEL_RETRY_SECONDS) in a failure that names the bound and the
+last error. A failure waiting cannot fix (a 401) fails at once with the provider's message."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+import charlie
+from charlie import api, cli
+from charlie.domain import TaskStatus
+from tests.conftest import wait_for
+from tests.support.cluster import Cluster, free_port
+from tests.support.fake_openai import FakeOpenAI, Reply
+
+pytestmark = pytest.mark.timeout(180)
+
+#: short enough for a test, long enough for status and list to be read while it retries
+BOUND = "12"
+
+
+def test_an_unreachable_model_shows_retrying_then_fails_at_the_bound(cluster: Cluster) -> None:
+    closed = free_port()  # nothing listens there: each attempt's connection is refused
+    with cluster.configured(
+        CHARLIE_MODEL_RETRY_SECONDS=BOUND,
+        CHARLIE_MODEL_MAX_ATTEMPTS="1",
+        CHARLIE_MODEL_NOWHERE_BASE_URL=f"http://127.0.0.1:{closed}/v1",
+        CHARLIE_MODEL_NOWHERE_API_KEY="sk-test-nowhere",
+    ):
+        task_id = charlie.submit("hi", model="openai:nowhere")
+        info = wait_for(lambda: (i := charlie.get_task(task_id)).retrying and i, timeout=60)
+        assert info.retrying is not None and not info.terminal
+        assert "ConnectError" in info.retrying.error and info.retrying.attempts >= 1
+
+        # in this process, as a person's shell would run them (a process of their own takes
+        # seconds to start on a loaded machine: the retrying could end first)
+        status = CliRunner().invoke(cli.main, ["status", task_id])
+        listed = CliRunner().invoke(cli.main, ["list", "--search", task_id])
+        assert status.exit_code == 0, status.output
+        row = next(line for line in status.output.splitlines() if "retrying" in line)
+        assert "attempt" in row and "failed; next attempt at" in row, row
+        assert "gives up at" in row and "ConnectError" in row, row
+        assert listed.exit_code == 0, listed.output
+        mine = next(line for line in listed.output.splitlines() if task_id in line)
+        assert "[retrying:" in mine, listed.output
+
+        from charlie.doctor import Context, check_model_retries
+        from charlie.runtime import get_producer
+
+        rt = get_producer()
+        check = check_model_retries(Context(rt.settings, 3.0, engine=rt.engine, schema_ok=True))
+        assert check.status == "WARN" and "retrying a failed model call" in check.detail
+
+        done = charlie.wait(task_id, timeout=90)
+        assert done.status is TaskStatus.FAILED and done.retrying is None
+        message = done.error["message"]
+        assert f"CHARLIE_MODEL_RETRY_SECONDS={BOUND}" in message, message
+        assert "ConnectError" in message, message
+        assert (done.finished_at - done.created_at).total_seconds() < float(BOUND) + 30
+        seen = [e.type for e in api.events(task_id, follow=False)]
+        assert "retrying" in seen, seen
+
+
+def test_a_refused_key_fails_at_once_with_the_providers_message(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    body = {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}}
+    model_server.enqueue(Reply(401, body))
+    task_id = charlie.submit("hi", model="openai:fake-model")
+    done = charlie.wait(task_id, timeout=60)
+    assert done.status is TaskStatus.FAILED
+    assert "Incorrect API key provided" in done.error["message"], done.error
+    assert len(model_server.bodies) == 1  # asked once: waiting cannot fix a refused key
