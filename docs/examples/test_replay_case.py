@@ -1,10 +1,12 @@
-"""Every case exported into cases/ (`charlie export TASK -o cases/NAME.json`), replayed with
-today's code: the model's answers and people's verdicts from the record, reads run again, no
-write run (I35). A directory of incidents becomes a regression suite."""
+"""Every case exported into cases/ (`charlie export TASK -o cases/NAME.json`),
+replayed with today's code: the model's answers and people's verdicts from the
+record, reads run again, no write run (I35). A directory of incidents becomes a
+regression suite."""
 
 from pathlib import Path
 
-import labels  # noqa: F401  (the tools the cases call: importing the module registers them)
+# the tools the cases call: importing the module registers them
+import labels  # noqa: F401
 import pytest
 
 from charlie.testing import replay
