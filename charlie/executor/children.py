@@ -107,8 +107,8 @@ class DbChildren:
 def child_sandbox(parent: TaskSnapshot, metadata: JSON) -> None:
     """I31, the sandbox part: a child's policy is never wider than its parent's, whichever
     tool asks. Network access in the sandbox (``metadata["sandbox"]["network"]``) only when
-    its parent has it; a workspace only its parent's or one inside it (a parent with none
-    gives its child none). A widening is a ToolError the model sees (I15); nothing is
+    its parent has it; a workspace only its parent's own (a parent with none gives its
+    child none). A widening is a ToolError the model sees (I15); nothing is
     created."""
     policy = metadata.get("sandbox") if isinstance(metadata, dict) else None
     if isinstance(policy, dict) and policy.get("network") is True:
@@ -123,14 +123,19 @@ def child_sandbox(parent: TaskSnapshot, metadata: JSON) -> None:
     if workspace is None:
         return
     own_workspace = parent.metadata.get("workspace")
-    inside = False
+    same = False
     if isinstance(own_workspace, str) and isinstance(workspace, str):
         mine, theirs = Path(os.path.realpath(own_workspace)), Path(os.path.realpath(workspace))
-        inside = theirs == mine or mine in theirs.parents
-    if not inside:
+        same = theirs == mine
+    if not same:
+        # Not even a directory inside it: the parent's own commands can exchange any entry of
+        # its workspace with a symlink (to /etc, say) between this check and the child's
+        # first open of its root, which is opened by its path (I33); the workspace itself is
+        # no entry of the workspace, so no command in it can move it.
         raise ToolError(
             f"cannot delegate: workspace {str(workspace)!r} is not this task's "
-            f"({own_workspace!r}) nor inside it; a child works in its parent's workspace",
+            f"({own_workspace!r}); a child works in its parent's workspace, not in a "
+            "directory of it, which the parent's commands could replace",
             refused_workspace=str(workspace),
         )
 

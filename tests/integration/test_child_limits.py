@@ -92,6 +92,8 @@ def test_i31_a_child_never_has_more_than_its_parent(
         },
         "another workspace": {"metadata": {"workspace": str(tmp_path / "elsewhere")}},
         "a workspace out of its parent's": {"metadata": {"workspace": f"{workspace}/../other"}},
+        # a directory of its parent's workspace: the parent's commands could swap it (I33)
+        "a directory inside its parent's": {"metadata": {"workspace": str(workspace / "part")}},
     }
     for why, asked in refusals.items():
         with pytest.raises(ToolError):
@@ -111,7 +113,7 @@ def test_i31_a_child_never_has_more_than_its_parent(
         )
 
     # What it may have: no more than its parent's, its approvals and budget included.
-    child_id = submit(metadata={"workspace": str(workspace / "part")})
+    child_id = submit(metadata={"workspace": str(workspace)})
     with read(engine) as conn:
         row = conn.execute(
             select(tasks.c.tools, tasks.c.approve, tasks.c.budget, tasks.c.metadata).where(
