@@ -6,6 +6,7 @@ a real run."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -470,3 +471,38 @@ def test_a_replay_never_reaches_the_deployments_devbox(
             assert "recorded ok result stands in" in line, text
         assert not [d for d in report.divergences if d.kind in ("read_result", "write_result")]
         assert "c2 echo_number" in text and "same result" in text  # a local read still runs
+
+
+def test_a_replay_never_calls_the_deployments_mcp_servers(devbox_listener: list[str]) -> None:
+    """I35: an MCP server's tools, a read's too, are not run in a replay (the server, here
+    the same listener, is sent nothing): their recorded results stand in."""
+    import mcp_types
+
+    from charlie.mcp.config import load
+    from charlie.mcp.tools import Servers, definition
+
+    url = os.environ["CHARLIE_DEVBOX_URL"] + "/mcp"
+    config = load(None, json.dumps({"mcpServers": {"s": {"url": url}}}))
+    servers = Servers(config, timeout=5.0, default_deadline=5.0)
+    registry = registry_with()
+    effects = {}
+    for name, hint in (("r", True), ("w", False)):
+        hints = mcp_types.ToolAnnotations(readOnlyHint=hint)
+        made = definition(
+            servers,
+            config.servers[0],
+            mcp_types.Tool(name=name, annotations=hints, input_schema={"type": "object"}),
+        )
+        assert made is not None and made.remote == "MCP server s"
+        registry.add(made)
+        effects[made.name] = made.effect.value
+    turns = [(name, {}, "ok", {"found": name}) for name in effects]
+    case = make_case(turns, tools=[*TOOLS, *effects])
+    for call in case["calls"]:
+        call["effect"] = effects[call["name"]]
+    for run_writes in (False, True):
+        text = replay_case(case, tools=registry, run_writes=run_writes).render()
+        assert devbox_listener == [], text
+        for name in effects:
+            [line] = [line for line in text.splitlines() if f" {name}(" in line]
+            assert "runs against the deployment's MCP server s: not run" in line, text
