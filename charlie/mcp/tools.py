@@ -190,6 +190,8 @@ def definition(servers: Servers, server: ServerConfig, tool: mcp_types.Tool) -> 
         # one session per server and process, which takes concurrent requests (its event loop
         # runs in a thread of its own, connections.py)
         threadsafe=True,
+        # a replay never calls the deployment's MCP servers: the recorded result stands in (I35)
+        remote=f"MCP server {server.name}",
     )
 
 

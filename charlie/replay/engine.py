@@ -12,6 +12,8 @@ from the record:
   handler in a scratch workspace; every other call (a write, a wait, a delegation, a question to
   a person) is settled with its recorded outcome and result, and its handler is never called,
   unless ``run_writes``, and then only in that scratch workspace, never the original;
+- a call of a tool that talks to a service of the deployment (``ToolDef.remote``: the devbox's
+  tools, an MCP server's) is never run, a read's neither: its recorded result stands in;
 - people's verdicts and answers come from the record: a denied call is settled with its
   recorded denial, an approved one runs as the record says it ran.
 
@@ -806,6 +808,17 @@ class _Replay:
             )
             self._stand_in(call, recorded, quiet=True)
             return
+        if definition.remote:
+            # I35: the deployment is never touched. Its devbox or MCP server would be called
+            # with the original task's identity (a devbox tool computes the task's own
+            # workspace and creates it), not the scratch workspace: the record answers.
+            self.say(
+                f"  ↳ {call.call_id} {call.name}({_short(call.arguments, 60)}): runs against "
+                f"the deployment's {definition.remote}: not run, its recorded "
+                f"{recorded_outcome or Outcome.ERROR.value} result stands in"
+            )
+            self._stand_in(call, recorded, quiet=True)
+            return
         reads = recorded_effect == Effect.READ.value
         # An outcome of the original run's circumstances (a deadline, a crash, a cancel), not
         # of its code, is not a result to compare: it stands in.
@@ -849,7 +862,7 @@ class _Replay:
         """Call today's handler, as a worker would (charlie.testing.ToolEnvironment's way),
         in the scratch workspace; None: it would wait (a Pending, a question)."""
         definition = self.tools.get(call.name)
-        assert definition is not None
+        assert definition is not None and not definition.remote  # I35: see _run_call
         ctx = ToolContext(
             task_id=self.task.id,
             execution_id=self.execution_id,

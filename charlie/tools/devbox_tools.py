@@ -691,18 +691,27 @@ def _finished(status: CommandStatus, ctx: ToolContext, polls: int, rebuilt: str 
 # -- registration ----------------------------------------------------------------------------
 
 
+#: what a devbox tool talks to (ToolDef.remote): a replay runs none of them (I35)
+DEVBOX = "devbox"
+
+
 def install(registry: ToolRegistry = REGISTRY, s: Settings | None = None) -> None:
     """Put the devbox's tools in ``registry`` in place of the local ones of the same names."""
     s = s or load_settings()
     # Every call is its own request to the devbox, which serves requests concurrently.
     for definition in (
-        build_tool(read_file, effect="read", deadline=60, threadsafe=True),
-        build_tool(list_files, effect="read", deadline=120, threadsafe=True),
-        build_tool(write_file, effect="write", deadline=60, threadsafe=True),
-        build_tool(apply_patch, effect="write", deadline=120, threadsafe=True),
-        build_tool(git_diff, effect="read", deadline=120, threadsafe=True),
+        build_tool(read_file, effect="read", deadline=60, threadsafe=True, remote=DEVBOX),
+        build_tool(list_files, effect="read", deadline=120, threadsafe=True, remote=DEVBOX),
+        build_tool(write_file, effect="write", deadline=60, threadsafe=True, remote=DEVBOX),
+        build_tool(apply_patch, effect="write", deadline=120, threadsafe=True, remote=DEVBOX),
+        build_tool(git_diff, effect="read", deadline=120, threadsafe=True, remote=DEVBOX),
         build_tool(
-            git_commit, effect="write", deadline=120, reconcile=_commit_landed, threadsafe=True
+            git_commit,
+            effect="write",
+            deadline=120,
+            reconcile=_commit_landed,
+            threadsafe=True,
+            remote=DEVBOX,
         ),
         build_tool(
             run_command,
@@ -710,6 +719,7 @@ def install(registry: ToolRegistry = REGISTRY, s: Settings | None = None) -> Non
             resumable=True,
             deadline=s.devbox_command_deadline,
             threadsafe=True,
+            remote=DEVBOX,
         ),
     ):
         registry.replace(definition)

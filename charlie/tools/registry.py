@@ -69,6 +69,10 @@ class ToolDef:
     #: a turn of several calls of such tools runs them in the worker that dispatched them
     #: (CHARLIE_LOCAL_CALLS) instead of one worker each through the broker
     threadsafe: bool = False
+    #: the service of the deployment its implementation talks to ("devbox", "MCP server X"),
+    #: or "" for a tool that runs in its process alone: a replay never runs such a tool, its
+    #: recorded result stands in, a read's too (I35: the deployment is never touched).
+    remote: str = ""
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -128,6 +132,7 @@ def build_tool(
     answered_by_person: bool = False,
     parks: bool = False,
     threadsafe: bool = False,
+    remote: str = "",
 ) -> ToolDef:
     tool_name = name or fn.__name__
     effect = Effect(effect)
@@ -183,6 +188,7 @@ def build_tool(
         parks=bool(parks),
         source="built-in" if fn.__module__.startswith("charlie.") else "user",
         threadsafe=bool(threadsafe),
+        remote=remote,
     )
 
 

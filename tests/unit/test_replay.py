@@ -6,6 +6,8 @@ a real run."""
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -397,3 +399,110 @@ def test_an_agent_task_is_exported_as_its_kind_and_not_replayed_as_native() -> N
     assert check_case(agent_case, replaying=False) is agent_case  # an export writes it
     with pytest.raises(CaseError, match="kind 'pydantic_ai'"):
         check_case(agent_case)  # a replay refuses it (exit 2)
+
+
+@pytest.fixture
+def devbox_listener(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """CHARLIE_DEVBOX_URL pointed at a local HTTP listener, as in an operator's shell: the
+    requests it is sent ("METHOD path"), each answered 200 {}."""
+    import secrets
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from charlie.config import settings
+    from tests.support.cluster import free_port
+
+    requests: list[str] = []
+
+    class Listener(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            requests.append(f"{self.command} {self.path}")
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_PUT = do_POST = do_DELETE = _any
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Listener)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("CHARLIE_DEVBOX_URL", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setenv("CHARLIE_DEVBOX_TOKEN", secrets.token_urlsafe(32))
+    settings.cache_clear()
+    try:
+        yield requests
+    finally:
+        server.shutdown()
+        server.server_close()
+        monkeypatch.undo()
+        settings.cache_clear()
+
+
+def test_a_replay_never_reaches_the_deployments_devbox(
+    devbox_listener: list[str], tmp_path: Path
+) -> None:
+    """I35: with a devbox configured (its tools installed, as importing charlie.tools does
+    when CHARLIE_DEVBOX_URL is set), neither a read nor, with --run-writes, a write of a
+    devbox tool is run: they would act on the original task's devbox workspace."""
+    from charlie.config import load_settings
+    from charlie.tools import devbox_tools
+
+    registry = registry_with()
+    devbox_tools.install(registry, load_settings())
+    turns = [
+        ("read_file", {"path": "notes.txt"}, "ok", "recorded text"),
+        ("write_file", {"path": "notes.txt", "content": "new"}, "ok", {"written": 3}),
+        ("echo_number", {"value": 4}, "ok", {"value": 4, "half": 2.0}),
+    ]
+    case = make_case(turns, tools=[*TOOLS, "write_file"])
+    for run_writes in (False, True):
+        report = replay_case(case, tools=registry, workspace=tmp_path, run_writes=run_writes)
+        text = report.render()
+        assert devbox_listener == [], text
+        for call_id, name in (("c0", "read_file"), ("c1", "write_file")):
+            [line] = [line for line in text.splitlines() if f"{call_id} {name}(" in line]
+            assert "runs against the deployment's devbox: not run" in line, text
+            assert "recorded ok result stands in" in line, text
+        assert not [d for d in report.divergences if d.kind in ("read_result", "write_result")]
+        assert "c2 echo_number" in text and "same result" in text  # a local read still runs
+
+
+def test_a_replay_never_calls_the_deployments_mcp_servers(devbox_listener: list[str]) -> None:
+    """I35: an MCP server's tools, a read's too, are not run in a replay (the server, here
+    the same listener, is sent nothing): their recorded results stand in."""
+    import mcp_types
+
+    from charlie.mcp.config import load
+    from charlie.mcp.tools import Servers, definition
+
+    url = os.environ["CHARLIE_DEVBOX_URL"] + "/mcp"
+    config = load(None, json.dumps({"mcpServers": {"s": {"url": url}}}))
+    servers = Servers(config, timeout=5.0, default_deadline=5.0)
+    registry = registry_with()
+    effects = {}
+    for name, hint in (("r", True), ("w", False)):
+        hints = mcp_types.ToolAnnotations(readOnlyHint=hint)
+        made = definition(
+            servers,
+            config.servers[0],
+            mcp_types.Tool(name=name, annotations=hints, input_schema={"type": "object"}),
+        )
+        assert made is not None and made.remote == "MCP server s"
+        registry.add(made)
+        effects[made.name] = made.effect.value
+    turns = [(name, {}, "ok", {"found": name}) for name in effects]
+    case = make_case(turns, tools=[*TOOLS, *effects])
+    for call in case["calls"]:
+        call["effect"] = effects[call["name"]]
+    for run_writes in (False, True):
+        text = replay_case(case, tools=registry, run_writes=run_writes).render()
+        assert devbox_listener == [], text
+        for name in effects:
+            [line] = [line for line in text.splitlines() if f" {name}(" in line]
+            assert "runs against the deployment's MCP server s: not run" in line, text
