@@ -1265,11 +1265,17 @@ def limits_resume(key: str, note: str | None) -> None:
     "patterns",
     multiple=True,
     metavar="PATTERN",
-    help="A regular expression whose matches are blanked in the case too (repeatable).",
+    help="A regular expression whose matches are blanked in the case too (repeatable); "
+    "use it for secrets only the workers' environment holds.",
 )
 def export_(task_id: str, output: Path, patterns: tuple[str, ...]) -> None:
     """Export a task's record (and its delegated children's) as a case file for
-    `charlie replay`; secrets never go in (docs/replay.md)."""
+    `charlie replay`; secrets never go in (docs/replay.md).
+
+    The secrets looked for by value are those of THIS process's environment (the exporter's),
+    not the workers': a secret only the workers hold is blanked only if it has a known shape
+    (a URL's password, a Bearer token, an sk-/ghp_ key, a field named like a secret) or a
+    --redact pattern matches it."""
     from charlie.replay.export import export_task
     from charlie.scheduler import TaskNotFound
 

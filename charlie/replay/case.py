@@ -12,9 +12,14 @@ keys a reader does not know are ignored (a newer exporter may add some), a versi
 know is refused: the case cannot be replayed (exit 2), never replayed wrong.
 
 Secrets never go in: the values of environment variables whose names look like secrets (keys,
-tokens, passwords, credentials; the password of a URL), any metadata key that looks like one or
-holds headers, and whatever the exporter's ``--redact`` patterns match, are replaced by
-``[redacted]`` wherever they occur, in every string of the case.
+tokens, passwords, credentials; the password of a URL; percent-encoded or decoded), and whatever
+the exporter's ``--redact`` patterns match, are replaced by ``[redacted]`` wherever they occur, in
+every string of the case. Whatever the environment: the password of any URL, ``Bearer``/``Basic``
+credentials and well-known token shapes are blanked in every string, a metadata key that looks
+like a secret (or holds headers) keeps only its name at any depth, and so does a field named like
+one (``password``, ``api_key``, ``Authorization``, ``headers``, ...) anywhere in the task's
+arguments, results and transcript, as a value or as JSON inside a string. The environment is the
+exporter's, not the workers': a secret only the workers hold needs ``--redact``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 FORMAT = "charlie-case"
 FORMAT_VERSION = 1
@@ -40,6 +45,32 @@ SECRET_NAME = re.compile(
     r"SIGNATURE|HEADERS?)",
     re.IGNORECASE,
 )
+#: a field anywhere in a case (arguments, results, transcript) whose value is a secret by its
+#: name; narrower than SECRET_NAME, which metadata keys meet, so a ledger's "key" or a tool's
+#: "author" stays readable (a number or a boolean is never a secret: token counts stay)
+SECRET_FIELD = re.compile(
+    r"(api[_-]?key|access[_-]?key|secret|token|passw(?:or)?d|passphrase|credential|"
+    r"authori[sz]ation|(?:^|[_-])auth(?:$|[_-])|cookie|session[_-]?(?:id|key|token)|"
+    r"private[_-]?key|^headers?$)",
+    re.IGNORECASE,
+)
+#: the password of any URL (scheme://user:password@host): the password goes, the rest stays
+URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@\"']*:)([^\s/@\"']+)(@)")
+#: an HTTP credential: "Bearer <token>", "Basic <token>"
+HTTP_CREDENTIAL = re.compile(r"\b(Bearer|Basic)(\s+)([A-Za-z0-9\-._~+/]{4,}=*)")
+#: tokens whose shape alone says what they are
+TOKEN_SHAPES = re.compile(
+    r"\bsk-(?:[A-Za-z]+-)?[A-Za-z0-9_\-]{16,}|\bgh[pousr]_[A-Za-z0-9]{10,}|"
+    r"\bgithub_pat_[A-Za-z0-9_]{20,}|\bglpat-[A-Za-z0-9_\-]{20,}|\bxox[abposr]-[A-Za-z0-9\-]{10,}|"
+    r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|\bAIza[0-9A-Za-z_\-]{35}|"
+    r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----"
+)
+#: a JSON field inside a string (a tool's raw arguments, a rendered result): "name": value
+JSON_FIELD = re.compile(
+    r'("([A-Za-z0-9_.\-]{1,64})"\s*:\s*)("(?:[^"\\]|\\.)*"|\{[^{}]*\}|\[[^\[\]]*\])'
+)
+#: NAME=value in text (an environment dump, a command line, a query string)
+ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_\-]*)=([^\s&\"';,]{6,})")
 #: values shorter than this are not hunted in text (a "1" would blank every digit)
 MIN_SECRET = 6
 
@@ -119,13 +150,20 @@ def environment_secrets(environ: Mapping[str, str] | None = None) -> list[str]:
                 password = None
             if password and len(password) >= MIN_SECRET:
                 found.add(password)
+    # a URL's password is percent-encoded (p%40ss); a text may hold it decoded (p@ss)
+    for value in list(found):
+        decoded = unquote(value)
+        if decoded != value and len(decoded) >= MIN_SECRET:
+            found.add(decoded)
     # longest first, so a secret that contains another is blanked whole
     return sorted(found, key=len, reverse=True)
 
 
 class Scrubber:
-    """Blanks secrets in every string of a JSON value: the given literal values and the
-    regular expressions of ``--redact``; metadata keys named like secrets lose their value."""
+    """Blanks secrets in every string of a JSON value: the given literal values, the regular
+    expressions of ``--redact``, and what is a secret whatever the environment (a URL's password,
+    an HTTP credential, a token of a known shape, a field named like a secret); metadata keys
+    named like secrets lose their value at any depth."""
 
     def __init__(self, secrets: Iterable[str], patterns: Iterable[str] = ()) -> None:
         self.secrets = [s for s in secrets if s]
@@ -147,27 +185,81 @@ class Scrubber:
         for pattern in self.patterns:
             value, n = pattern.subn(REDACTED, value)
             self.count += n
+        value, n = URL_PASSWORD.subn(rf"\g<1>{REDACTED}\g<3>", value)
+        self.count += n
+        value = HTTP_CREDENTIAL.sub(self._credential, value)
+        value, n = TOKEN_SHAPES.subn(REDACTED, value)
+        self.count += n
+        if ":" in value:
+            value = JSON_FIELD.sub(self._json_field, value)
+        if "=" in value:
+            value = ASSIGNMENT.sub(self._assignment, value)
         return value
 
-    def value(self, value: Any) -> Any:
+    def _credential(self, match: re.Match[str]) -> str:
+        token = match.group(3)
+        # "Basic usage", "Bearer Tokens": a word of prose, not a credential
+        if token.isalpha() and token[1:].islower():
+            return match.group(0)
+        self.count += 1
+        return f"{match.group(1)}{match.group(2)}{REDACTED}"
+
+    def _json_field(self, match: re.Match[str]) -> str:
+        body = match.group(3)
+        if not SECRET_FIELD.search(match.group(2)) or body in ('""', f'"{REDACTED}"', "{}", "[]"):
+            return match.group(0)
+        self.count += 1
+        return f'{match.group(1)}"{REDACTED}"'
+
+    def _assignment(self, match: re.Match[str]) -> str:
+        value = match.group(2)
+        if not SECRET_FIELD.search(match.group(1)) or value.isdigit() or REDACTED in value:
+            return match.group(0)
+        self.count += 1
+        return f"{match.group(1)}={REDACTED}"
+
+    def strings(self, value: Any) -> Any:
+        """``value`` with its strings scrubbed and its keys' names not looked at: for what must
+        stay as it is to replay (a tool's parameter schema may name a ``password``)."""
         if isinstance(value, str):
             return self.text(value)
         if isinstance(value, list):
-            return [self.value(v) for v in value]
+            return [self.strings(v) for v in value]
         if isinstance(value, dict):
-            return {self.text(str(k)): self.value(v) for k, v in value.items()}
+            return {self.text(str(k)): self.strings(v) for k, v in value.items()}
+        return value
+
+    def value(
+        self, value: Any, secret_key: re.Pattern[str] = SECRET_FIELD, numbers: bool = False
+    ) -> Any:
+        """``value`` with its strings scrubbed, and the value of any key named like a secret
+        (``secret_key``), at any depth, blanked whole unless it is empty, or a number or a
+        boolean (unless ``numbers``)."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.value(v, secret_key, numbers) for v in value]
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            for key, val in value.items():
+                name = self.text(str(key))
+                if secret_key.search(str(key)) and _holds_secret(val, numbers):
+                    self.count += 1
+                    out[name] = REDACTED
+                else:
+                    out[name] = self.value(val, secret_key, numbers)
+            return out
         return value
 
     def metadata(self, metadata: Any) -> Any:
-        """A task's metadata: a key named like a secret (or headers) keeps its name only."""
-        if not isinstance(metadata, dict):
-            return self.value(metadata)
-        out: dict[str, Any] = {}
-        for key, val in metadata.items():
-            if SECRET_NAME.search(str(key)) and val not in (None, "", {}, []):
-                self.count += 1
-                out[self.text(str(key))] = REDACTED
-            else:
-                nested = isinstance(val, dict)
-                out[self.text(str(key))] = self.metadata(val) if nested else self.value(val)
-        return out
+        """A task's metadata: a key named like a secret (or headers), at any depth, through
+        lists and dicts, keeps its name only."""
+        return self.value(metadata, SECRET_NAME, numbers=True)
+
+
+def _holds_secret(value: Any, numbers: bool) -> bool:
+    # outside metadata a number or a boolean is a count or a setting (input_tokens,
+    # auth_required), not a secret
+    if value is None or (not numbers and isinstance(value, bool | int | float)):
+        return False
+    return value not in ("", {}, [], REDACTED)

@@ -506,3 +506,79 @@ def test_a_replay_never_calls_the_deployments_mcp_servers(devbox_listener: list[
         for name in effects:
             [line] = [line for line in text.splitlines() if f" {name}(" in line]
             assert "runs against the deployment's MCP server s: not run" in line, text
+
+
+def test_a_url_password_is_blanked_whatever_the_environment() -> None:
+    """I35: a URL's password goes even if the exporter's environment never held it; the rest of
+    the URL stays, in the task's metadata, a child's, and a tool's result."""
+    from charlie.replay.export import _scrub
+
+    repo = "https://ci:ghp_SECRETTOKEN123@github.com/o/r.git"
+    task = {"id": "t", "prompt": "p", "model": "m", "metadata": {"devbox": {"repo": repo}}}
+    result = {"log": "cloned postgresql://app:s3cret-Pw@db:5432/x ok"}
+    record = {"task": task, "calls": [{"result": result}], "children": [{"task": task}]}
+    out = json.dumps(_scrub(record, Scrubber([])))
+    assert "SECRETTOKEN123" not in out and "s3cret-Pw" not in out
+    assert f"https://ci:{REDACTED}@github.com/o/r.git" in out
+    assert f"postgresql://app:{REDACTED}@db:5432/x ok" in out
+    assert Scrubber([]).text("see https://example.com/a@b and ftp://anon@host") == (
+        "see https://example.com/a@b and ftp://anon@host"
+    )
+
+
+def test_metadata_lists_of_dicts_are_checked_by_key_name() -> None:
+    scrubber = Scrubber([])
+    metadata = scrubber.metadata(
+        {"services": [{"name": "billing", "api_key": "LEAK1"}, [{"token": "LEAK2"}]]}
+    )
+    assert metadata == {
+        "services": [{"name": "billing", "api_key": REDACTED}, [{"token": REDACTED}]]
+    }
+    assert scrubber.count == 2
+
+
+def test_secret_fields_and_credentials_are_blanked_everywhere_in_the_case() -> None:
+    """I35: headers, Authorization and their like lose their value in arguments, results and
+    transcript payloads too, structured or as JSON in a string; Bearer/Basic credentials and
+    known token shapes go from any string; ordinary words, counts and a ledger's key stay."""
+    from charlie.replay.export import _scrub
+
+    arguments = {"url": "https://api.example.com", "headers": {"Authorization": "Bearer LEAK4"}}
+    raw = json.dumps({"password": "LEAK5-long", "key": "k1"})
+    record = {
+        "task": {"id": "t", "prompt": "p", "model": "m", "metadata": {}},
+        "calls": [{"arguments": arguments, "result": {"auth": {"api_key": "LEAK6"}, "n": 3}}],
+        "transcript": [
+            {"payload": {"name": "fetch", "arguments": {"key": "k1"}, "raw_arguments": raw}},
+            {
+                "payload": {
+                    "content": 'got {"Authorization": "Bearer LEAK7"} and {"secret": "LEAK8"}'
+                }
+            },
+            {"payload": {"content": "curl -H 'Authorization: Basic dXNlcjpMRUFLOQ==' x"}},
+            {"payload": {"content": "keys sk-proj-LEAK10abcdefghijklmnop ghp_LEAK11abcdefghij"}},
+            {
+                "payload": {
+                    "content": "xoxb-LEAK12-abcdef AKIALEAK13ABCDEFGHIJ OPENAI_API_KEY=LEAK14xyz"
+                }
+            },
+        ],
+        "model_calls": [{"usage": {"input_tokens": 120, "output_tokens": 7}}],
+        "tools": {"login": {"parameters": {"properties": {"password": {"type": "string"}}}}},
+    }
+    out = json.dumps(_scrub(record, Scrubber([])))
+    for n in range(4, 15):
+        assert f"LEAK{n}" not in out, (n, out)
+    assert '"input_tokens": 120' in out and '"key": "k1"' in out and '\\"key\\": \\"k1\\"' in out
+    assert '"password": {"type": "string"}' in out  # a schema replay compares stays
+    assert "https://api.example.com" in out
+    prose = "Basic usage: send a Bearer Token; the author of sk-learn has a password manager."
+    assert Scrubber([]).text(prose) == prose
+
+
+def test_a_percent_encoded_password_is_blanked_decoded_too() -> None:
+    env = {"CHARLIE_BROKER_URL": "redis://app:p%40ssw0rd!@cache:6379/0"}
+    found = environment_secrets(env)
+    assert "p%40ssw0rd!" in found and "p@ssw0rd!" in found
+    text = Scrubber(found).text("login as app with p@ssw0rd! failed")
+    assert text == f"login as app with {REDACTED} failed"
