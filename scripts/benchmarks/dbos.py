@@ -1,0 +1,78 @@
+"""DBOS on the PostgreSQL round, between Charlie's runs (``--dbos-python``): each turn a model
+step and a tool step as a DBOS workflow (``scripts/_bench_dbos.py``), same database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from benchmarks.harness import PG_URL, SCRIPTS, Row, progress
+
+
+class DbosFigure:
+    """A DBOS trial, run by the transitions figure when an interpreter with dbos is there."""
+
+    def dbos_trial(self) -> None:
+        """DBOS on the same PostgreSQL, between Charlie's runs (scripts/_bench_dbos.py)."""
+        s = self.sizes
+        url = f"{PG_URL}_dbos"
+        argv = [str(self.dbos_python), str(SCRIPTS / "_bench_dbos.py"), "--database-url", url]
+        argv += ["--turns", str(s.turns_one), "--runs", str(s.runs_many)]
+        argv += ["--runs-turns", str(s.turns_many)]
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+            doc = json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+            self.results.notes.append(f"DBOS run failed: {type(exc).__name__}: {exc}")
+            return
+        self.results.info["dbos"] = doc["version"]
+        turn_ms = doc["turn_ms"][0]
+        self.results.add("dbos.turn_ms", turn_ms)
+        self.results.add("dbos.one_sps", doc["one_steps_s"][0])
+        self.results.add("dbos.many_sps", doc["many_steps_s"][0])
+        charlie_turn = self.results.values["turn.ms"][-1]
+        self.results.add("turn_vs_dbos", charlie_turn / turn_ms)
+        self.results.add(
+            "whole_turn_vs_dbos", self.results.values["one.turn_wall_ms"][-1] / turn_ms
+        )
+        # The same figures for DBOS, per turn, 1 workflow and 50 at once.
+        for which in ("one", "many"):
+            for figure in ("turn_ms", "commits_per_turn", "wal_bytes_per_turn"):
+                if doc.get(f"{which}_{figure}"):
+                    self.results.add(f"dbos.{which}_{figure}", doc[f"{which}_{figure}"][0])
+        ratios = (
+            ("many_turn_vs_dbos", "many.turn_wall_ms", "dbos.many_turn_ms"),
+            ("one_commits_vs_dbos", "one.commits_per_turn", "dbos.one_commits_per_turn"),
+            ("many_commits_vs_dbos", "many.commits_per_turn", "dbos.many_commits_per_turn"),
+            ("one_wal_vs_dbos", "one.wal_bytes_per_turn", "dbos.one_wal_bytes_per_turn"),
+            ("many_wal_vs_dbos", "many.wal_bytes_per_turn", "dbos.many_wal_bytes_per_turn"),
+        )
+        for name, ours, theirs in ratios:
+            a, b = self.results.values.get(ours), self.results.values.get(theirs)
+            if a and b and b[-1]:
+                self.results.add(name, a[-1] / b[-1])
+        progress(f"DBOS {doc['version']}: {turn_ms:.1f} ms per turn (a model and a tool step)")
+
+
+ROWS: list[Row | str] = [
+    "**DBOS** (optional: each turn a model step and a tool step as a DBOS workflow, same database)",
+    Row("DBOS, 1 workflow: ms per turn", "dbos.turn_ms", 1),
+    Row("Charlie per-turn overhead / DBOS per turn", "turn_vs_dbos", 2, "< 1 (stretch)"),
+    Row("Charlie whole turn (wall / turns) / DBOS per turn", "whole_turn_vs_dbos", 2, "≤ 1.5"),
+    Row("... trial by trial", "whole_turn_vs_dbos", 2, "", "all"),
+    Row("... per-turn overhead / DBOS per turn, trial by trial", "turn_vs_dbos", 2, "", "all"),
+    Row("DBOS, 50 workflows: ms per turn (wall / all turns)", "dbos.many_turn_ms", 2),
+    Row("Charlie 50 runs / DBOS 50 workflows, per turn", "many_turn_vs_dbos", 2),
+    Row("... trial by trial", "many_turn_vs_dbos", 2, "", "all"),
+    Row("DBOS commits per turn, 1 workflow (in its process)", "dbos.one_commits_per_turn", 2),
+    Row("DBOS commits per turn, 50 workflows", "dbos.many_commits_per_turn", 2),
+    Row("Charlie / DBOS commits per turn, 1 / 50", "one_commits_vs_dbos", 2),
+    Row("... 50 runs / 50 workflows", "many_commits_vs_dbos", 2),
+    Row("DBOS WAL bytes per turn, 1 workflow", "dbos.one_wal_bytes_per_turn"),
+    Row("DBOS WAL bytes per turn, 50 workflows", "dbos.many_wal_bytes_per_turn"),
+    Row("Charlie / DBOS WAL bytes per turn, 1 / 50", "one_wal_vs_dbos", 2),
+    Row("... 50 runs / 50 workflows", "many_wal_vs_dbos", 2),
+    Row("DBOS, 1 workflow: steps/s", "dbos.one_sps"),
+    Row("DBOS, 50 workflows: steps/s", "dbos.many_sps"),
+]
