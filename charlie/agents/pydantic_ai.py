@@ -31,11 +31,12 @@ from typing import Any, TypeVar
 import pydantic_core
 from pydantic_ai import Agent, DeferredToolResults
 from pydantic_ai import messages as pm
-from pydantic_ai.exceptions import ModelAPIError, ModelHTTPError
+from pydantic_ai.exceptions import ModelAPIError, ModelHTTPError, UsageLimitExceeded
 from pydantic_ai.models import Model as PaiModel
 from pydantic_ai.models import ModelRequestParameters, infer_model
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.toolsets import FunctionToolset
+from pydantic_ai.usage import RunUsage, UsageLimits
 
 from charlie.agents import METADATA_KEY, AgentRefused, AgentSpec, Submission
 from charlie.domain import JSON, Effect, ItemKind, NewItem, OnInterrupt
@@ -64,6 +65,10 @@ _CTX = "_charlie_ctx"
 #: the call Charlie records for a text answer the agent's output does not accept (the model
 #: never calls it): its result is the feedback Pydantic AI sends, and the model answers again
 TEXT_OUTPUT = "__text_output__"
+#: the payload key of the run's usage so far as Pydantic AI counts it (requests, tokens, tool
+#: calls), on the first item of each model answer of a task with usage limits: cumulative, so
+#: the latest one in the transcript is the run's usage, after a crash, a fork or a compaction
+USAGE_KEY = "pydantic_ai_usage"
 
 
 # -- the event loop ----------------------------------------------------------------------------
@@ -324,7 +329,11 @@ def model_spec_of(loaded: Loaded) -> str:
 
 
 def prepare_submission(
-    agent: str, deps: str | None, approve: list[str] | None, metadata: dict[str, Any] | None
+    agent: str,
+    deps: str | None,
+    approve: list[str] | None,
+    metadata: dict[str, Any] | None,
+    usage_limits: tuple[tuple[str, int], ...] = (),
 ) -> Submission:
     loaded = load(agent)
     _register(loaded, REGISTRY)
@@ -342,7 +351,7 @@ def prepare_submission(
                 f"(its tools: {', '.join(sorted(names)) or 'none'})"
             )
         mapped = sorted({names.get(n, n) for n in approve})
-    spec = AgentSpec(model_spec_of(loaded), agent, deps).render()
+    spec = AgentSpec(model_spec_of(loaded), agent, deps, usage_limits).render()
     return Submission(
         model=spec,
         tools=sorted(names.values()),
@@ -561,6 +570,24 @@ def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
     return None
 
 
+def _run_usage(items: list[Any]) -> RunUsage:
+    """The run's usage as Pydantic AI counts it, from the transcript's latest stamp."""
+    for item in reversed(items):
+        stamp = item.payload.get(USAGE_KEY) if isinstance(item.payload, dict) else None
+        if isinstance(stamp, dict):
+            return RunUsage(
+                requests=int(stamp.get("requests", 0)),
+                tool_calls=int(stamp.get("tool_calls", 0)),
+                input_tokens=int(stamp.get("input_tokens", 0)),
+                output_tokens=int(stamp.get("output_tokens", 0)),
+            )
+    return RunUsage()
+
+
+def _limit_error(exc: UsageLimitExceeded) -> ModelError:
+    return ModelError(f"UsageLimitExceeded: {exc}")
+
+
 class AgentModel:
     """Charlie's model client for an agent's task (charlie.models.base.Model)."""
 
@@ -568,6 +595,8 @@ class AgentModel:
         self.spec = spec
         self.parsed = parsed
         self.loaded = loaded
+        given: dict[str, Any] = dict(parsed.usage_limits)
+        self.limits = UsageLimits(**given) if given else None
 
     # the transcript as Pydantic AI's messages
 
@@ -681,6 +710,49 @@ class AgentModel:
         found = run(_drive(self.loaded, deps, history=history))
         if isinstance(found, _Ended):
             return self._final(found.output, Usage(), [])
+        used = _run_usage(request.items)
+        if self.limits is not None:
+            try:  # before the request, as agent.run checks it
+                self.limits.check_before_request(used)
+            except UsageLimitExceeded as exc:
+                raise _limit_error(exc) from None
+        response = self._answer(request, found, deps)
+        if self.limits is None:
+            return response
+        # After the answer, as agent.run checks them: its tokens, then its function tool calls
+        # before any of them runs (none is planned past the limit).
+        used.requests += 1
+        used.input_tokens += response.usage.input_tokens
+        used.output_tokens += response.usage.output_tokens
+        functions = [
+            i
+            for i in response.output
+            if i.kind is ItemKind.TOOL_CALL
+            and self.loaded.agent_name(str(i.payload.get("name"))) not in self.loaded.output_tools
+        ]
+        try:
+            self.limits.check_tokens(used)
+            if functions:
+                used.tool_calls += len(functions)
+                self.limits.check_before_tool_call(used)
+        except UsageLimitExceeded as exc:
+            raise _limit_error(exc) from None
+        stamp = {
+            "requests": used.requests,
+            "tool_calls": used.tool_calls,
+            "input_tokens": used.input_tokens,
+            "output_tokens": used.output_tokens,
+        }
+        if not response.output:
+            return response
+        first = response.output[0]
+        stamped = NewItem(first.kind, {**first.payload, USAGE_KEY: stamp}, first.call_id)
+        return ModelResponse(
+            [stamped, *response.output[1:]], response.usage, response.finish_reason
+        )
+
+    def _answer(self, request: ModelRequest, found: _Captured, deps: Any) -> ModelResponse:
+        """The agent's model asked what ``found`` holds: its answer as Charlie's items."""
         try:
             if request.deltas is NO_DELTAS:
                 answer = run(

@@ -20,6 +20,7 @@ from pydantic_ai.capabilities import ProcessEventStream, ProcessHistory
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.models.test import TestModel
 from pydantic_ai.toolsets import AbstractToolset
+from pydantic_ai.usage import UsageLimits
 
 from charlie import agents
 from charlie.agents import pydantic_ai as adapter
@@ -508,3 +509,84 @@ def test_an_agent_tasks_spec_is_priced_limited_and_windowed_as_its_model() -> No
     own = PhaseLimits(context_tokens_by_model={"GPT_4_1": 5000})
     window = context.window_for(spec, own, {})
     assert window is not None and window.tokens == 5000
+
+
+# -- usage limits --------------------------------------------------------------------------------
+
+
+def _limited(**limits: int) -> Any:
+    made = agents.prepare_submission(
+        f"{HERE}:agent", f"{HERE}:make_deps", None, None, UsageLimits(**limits)
+    )
+    return agents.model_for(made.model, ToolRegistry())
+
+
+def test_usage_limits_ride_in_the_spec_and_what_a_task_cannot_enforce_is_refused() -> None:
+    made = agents.prepare_submission(
+        f"{HERE}:agent", None, None, None, {"request_limit": 3, "tool_calls_limit": 2}
+    )
+    assert made.model.endswith("&usage_limits=request_limit:3,tool_calls_limit:2")
+    assert agents.parse_spec(made.model).usage_limits == (
+        ("request_limit", 3),
+        ("tool_calls_limit", 2),
+    )
+    same = agents.prepare_submission(
+        f"{HERE}:agent", None, None, None, UsageLimits(request_limit=3, tool_calls_limit=2)
+    )
+    assert same.model == made.model
+    with pytest.raises(agents.AgentRefused, match="cost_limit"):
+        agents.prepare_submission(f"{HERE}:agent", None, None, None, UsageLimits(cost_limit=1.0))
+    with pytest.raises(agents.AgentRefused, match="whole number"):
+        agents.prepare_submission(f"{HERE}:agent", None, None, None, {"request_limit": -1})
+
+
+def test_request_limit_is_checked_before_each_request_from_the_transcript() -> None:
+    t = Transcript("settle acme")
+    SCRIPT.append(pm.ModelResponse(parts=[pm.ToolCallPart("lookup", {"account": "acme"}, "c1")]))
+    t.add(*_limited(request_limit=1).complete(t.request()).output)
+    t.turn = 1
+    t.add(_result(f"{HERE}:agent.lookup", "c1", lambda: "acme owes 5"))
+    SCRIPT.append(pm.ModelResponse(parts=[pm.TextPart("never sent")]))
+    # a fresh model, as another worker after a crash: the count is the transcript's
+    with pytest.raises(ModelError, match=r"UsageLimitExceeded: .*request_limit of 1"):
+        _limited(request_limit=1).complete(t.request())
+    assert len(SEEN) == 1 and len(SCRIPT) == 1  # the second request was never sent
+
+
+def test_tool_calls_limit_is_checked_before_the_calls_are_planned() -> None:
+    t = Transcript("settle acme")
+    SCRIPT.append(pm.ModelResponse(parts=[pm.ToolCallPart("lookup", {"account": "a"}, "c1")]))
+    t.add(*_limited(tool_calls_limit=2).complete(t.request()).output)
+    t.turn = 1
+    t.add(_result(f"{HERE}:agent.lookup", "c1", lambda: "a owes 5"))
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[
+                pm.ToolCallPart("lookup", {"account": "b"}, "c2"),
+                pm.ToolCallPart("lookup", {"account": "c"}, "c3"),
+            ]
+        )
+    )
+    with pytest.raises(ModelError, match=r"tool_calls_limit of 2 \(tool_calls=3\)"):
+        _limited(tool_calls_limit=2).complete(t.request())
+
+
+def test_token_limits_are_checked_after_each_answer_as_agent_run_checks_them() -> None:
+    t = Transcript("settle acme")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("lookup", {"account": "a"}, "c1")],
+            usage=pm.RequestUsage(input_tokens=10, output_tokens=4),
+        )
+    )
+    t.add(*_limited(total_tokens_limit=20).complete(t.request()).output)
+    t.turn = 1
+    t.add(_result(f"{HERE}:agent.lookup", "c1", lambda: "a owes 5"))
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("final_result", {"account": "a", "cents": 5}, "c2")],
+            usage=pm.RequestUsage(input_tokens=5, output_tokens=2),
+        )
+    )
+    with pytest.raises(ModelError, match=r"Exceeded the total_tokens_limit of 20"):
+        _limited(total_tokens_limit=20).complete(t.request())
