@@ -31,7 +31,13 @@ from typing import Any, TypeVar
 import pydantic_core
 from pydantic_ai import Agent, DeferredToolResults
 from pydantic_ai import messages as pm
-from pydantic_ai.exceptions import ModelAPIError, ModelHTTPError, UsageLimitExceeded
+from pydantic_ai.capabilities.abstract import AbstractCapability
+from pydantic_ai.exceptions import (
+    ModelAPIError,
+    ModelHTTPError,
+    UnexpectedModelBehavior,
+    UsageLimitExceeded,
+)
 from pydantic_ai.models import Model as PaiModel
 from pydantic_ai.models import ModelRequestParameters, infer_model
 from pydantic_ai.models.wrapper import WrapperModel
@@ -406,6 +412,20 @@ class _Replay(_Intercept):
         return answer
 
 
+@dataclass
+class _Retries(AbstractCapability[Any]):
+    """Pydantic AI's count of each tool's retries so far, as the transcript shows it, given to
+    the run's tool manager: a tool's ``RunContext.retry`` is what ``agent.run`` would give it,
+    and its retry past ``max_retries`` ends the run as there."""
+
+    counts: dict[str, int] | None = None
+
+    async def prepare_tools(self, ctx: Any, tool_defs: Any) -> Any:
+        for name, count in (self.counts or {}).items():
+            ctx.retries.setdefault(name, count)
+        return tool_defs
+
+
 @dataclass(frozen=True)
 class _Ended:
     output: Any
@@ -419,6 +439,7 @@ async def _drive(
     history: list[pm.ModelMessage] | None = None,
     deferred: DeferredToolResults | None = None,
     replay: pm.ModelResponse | None = None,
+    retries: dict[str, int] | None = None,
 ) -> _Captured | _Ended:
     intercept = _Intercept(loaded.model) if replay is None else _Replay(loaded.model, replay)
     try:
@@ -428,6 +449,7 @@ async def _drive(
             model=intercept,
             deps=deps,
             deferred_tool_results=deferred,
+            capabilities=[_Retries(retries)] if retries else None,
         )
     except _Captured as captured:
         return captured
@@ -496,8 +518,32 @@ def call_tool(
         pm.ModelRequest(parts=[pm.UserPromptPart("")]),
         pm.ModelResponse(parts=[call]),
     ]
+    retries: dict[str, int] = {}
+    read_items = getattr(ctx.record, "items", None)
+    if name not in loaded.output_tools and callable(read_items):
+        # RunContext.messages and .retry as agent.run gives them, from the durable transcript
+        history, retries = _so_far(
+            loaded, deps, deps_ref, ctx.execution_id, read_items(ctx.execution_id), call
+        )
     deferred = DeferredToolResults(approvals={ctx.call_id: True}) if approved else None
-    found = run(_drive(loaded, deps, history=history, deferred=deferred))
+    try:
+        found = run(
+            _drive(loaded, deps, history=history, deferred=deferred, retries=retries or None)
+        )
+    except UnexpectedModelBehavior as exc:
+        if "exceeded max retries" not in str(exc):
+            raise
+        # past its max_retries: the failure is recorded as one more retry, and the count then
+        # ends the task before the next request (_retries_exceeded), as it ends agent.run
+        count = retries.get(name, 0)
+        part = pm.ToolReturnPart(
+            name,
+            str(exc),
+            ctx.call_id,
+            outcome="retried",
+            retry=pm.RetryInfo("model_retry", attempt=count + 1, max_retries=count),
+        )
+        raise ToolError(str(exc), pydantic_ai_part=_part_json(part)) from None
     if isinstance(found, _Ended):
         if name in loaded.output_tools:
             return {"output": pydantic_core.to_jsonable_python(found.output)}
@@ -512,6 +558,46 @@ def call_tool(
     if _is_retry(part):
         raise ToolError(_text_of(part), pydantic_ai_part=_part_json(part))
     return pydantic_core.to_jsonable_python(getattr(part, "content", None))
+
+
+def _so_far(
+    loaded: Loaded,
+    deps: Any,
+    deps_ref: Any,
+    execution_id: str,
+    items: list[Any],
+    call: pm.ToolCallPart,
+) -> tuple[list[pm.ModelMessage], dict[str, int]]:
+    """The run's messages up to ``call`` (the answer that holds it ends them, with no other
+    call of that answer: only this one runs here) and each tool's retries so far."""
+    at = next(
+        (
+            n
+            for n, i in enumerate(items)
+            if i.kind is ItemKind.TOOL_CALL and i.call_id == call.tool_call_id
+        ),
+        len(items),
+    )
+    before = items[:at]
+    model = AgentModel(
+        "", AgentSpec("", loaded.ref, deps_ref if isinstance(deps_ref, str) else None), loaded
+    )
+    history = model.history(before)
+    if history and isinstance(history[-1], pm.ModelResponse):
+        kept = [p for p in history[-1].parts if not isinstance(p, pm.ToolCallPart)]
+        history[-1] = pm.ModelResponse(parts=[*kept, call])
+    else:
+        history.append(pm.ModelResponse(parts=[call]))
+    if not isinstance(history[0], pm.ModelRequest):
+        history.insert(0, pm.ModelRequest(parts=[pm.UserPromptPart("")]))
+    head = history[0]
+    if isinstance(head, pm.ModelRequest) and before:
+        prompt = next((str(p.content) for p in head.parts if isinstance(p, pm.UserPromptPart)), "")
+        system = model._system_parts(deps, execution_id, prompt)
+        history[0] = pm.ModelRequest(parts=[*system, *head.parts])
+    counts, _ = _retry_counts(before, loaded.agent._max_output_retries)
+    retries = {loaded.agent_name(n): c for n, c in counts.items() if c}
+    return history, retries
 
 
 def _check_text(loaded: Loaded, deps: Any, text: str) -> Any:
@@ -540,6 +626,12 @@ def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
     """Pydantic AI's count of a tool's retries, from the transcript: a tool failed (a retry
     part) in more consecutive steps than its ``max_retries`` ends the run, as it ends
     ``agent.run``."""
+    return _retry_counts(items, text_limit)[1]
+
+
+def _retry_counts(items: list[Any], text_limit: int) -> tuple[dict[str, int], str | None]:
+    """Each tool's consecutive failed steps (Charlie's names), and why the run ends if one
+    failed more steps in a row than its ``max_retries``."""
     counts: dict[str, int] = {}
     turns: dict[int, list[Any]] = {}
     for item in items:
@@ -565,9 +657,9 @@ def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
             counts[name] = counts.get(name, 0) + 1
             if limit is not None and counts[name] > limit:
                 if name.endswith(TEXT_OUTPUT):
-                    return f"Exceeded maximum output retries ({limit})"
-                return f"Tool {name!r} exceeded max retries count of {limit}"
-    return None
+                    return counts, f"Exceeded maximum output retries ({limit})"
+                return counts, f"Tool {name!r} exceeded max retries count of {limit}"
+    return counts, None
 
 
 def _run_usage(items: list[Any]) -> RunUsage:
