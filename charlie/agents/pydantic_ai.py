@@ -152,7 +152,8 @@ def refusals(agent: Agent[Any, Any]) -> list[str]:
                 f"toolset {type(toolset).__name__}"
                 + (f" ({label})" if label else "")
                 + ": only function tools are recorded before they run (MCP servers and other "
-                "toolsets are not supported yet; give the task Charlie's own MCP tools instead)"
+                "toolsets are not supported; call the server from a function tool marked with "
+                "its effect, or run its tools in a native task through CHARLIE_MCP_CONFIG)"
             )
     for capability in getattr(agent.root_capability, "capabilities", []) or []:
         if type(capability).__name__ not in _DEFAULT_CAPABILITIES:
