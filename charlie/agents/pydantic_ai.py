@@ -803,15 +803,14 @@ class AgentModel:
         found = run(_drive(self.loaded, deps, history=history))
         if isinstance(found, _Ended):
             return self._final(found.output, Usage(), [])
-        used = _run_usage(request.items)
-        if self.limits is not None:
-            try:  # before the request, as agent.run checks it
-                self.limits.check_before_request(used)
-            except UsageLimitExceeded as exc:
-                raise _limit_error(exc) from None
-        response = self._answer(request, found, deps)
         if self.limits is None:
-            return response
+            return self._answer(request, found, deps)
+        used = _run_usage(request.items)
+        try:  # before the request, as agent.run checks it
+            self.limits.check_before_request(used)
+        except UsageLimitExceeded as exc:
+            raise _limit_error(exc) from None
+        response = self._answer(request, found, deps)
         # After the answer, as agent.run checks them: its tokens, then its function tool calls
         # before any of them runs (none is planned past the limit).
         used.requests += 1
