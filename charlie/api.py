@@ -295,6 +295,7 @@ def submit(
     priority: int = 0,
     agent: str | None = None,
     deps: str | None = None,
+    usage_limits: Any = None,
 ) -> str:
     """Submit an agent task and return its id. Idempotent on ``task_id``: submitting the same
     id again returns it without starting a second run. ``approve``: tool names whose calls in
@@ -307,7 +308,9 @@ def submit(
     ``agent``: ``"module:attr"`` of a Pydantic AI agent to run instead of a ``model`` (its
     model, tools and output are the task's; docs/agents/pydantic-ai.md), importable here and
     on the workers; ``deps``: ``"module:function"`` that builds its deps on the worker. What
-    of the agent cannot be made durable is refused here, by name (InvalidSubmission)."""
+    of the agent cannot be made durable is refused here, by name (InvalidSubmission).
+    ``usage_limits``: Pydantic AI's ``UsageLimits`` (or a dict of its fields) for an agent
+    task, enforced as ``agent.run`` enforces them, from the task's transcript."""
     rt = get_producer()
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidSubmission(f"priority must be a whole number, got {priority!r}")
@@ -330,13 +333,15 @@ def submit(
         from charlie.agents import AgentRefused, prepare_submission
 
         try:
-            made = prepare_submission(agent, deps, approve, metadata)
+            made = prepare_submission(agent, deps, approve, metadata, usage_limits)
         except AgentRefused as exc:
             raise InvalidSubmission(str(exc)) from None
         model, tools, metadata = made.model, made.tools, made.metadata
         approve = None if made.approve is None else list(made.approve)
     elif deps is not None:
         raise InvalidSubmission("deps= is for an agent task (agent=)")
+    elif usage_limits is not None:
+        raise InvalidSubmission("usage_limits= is for an agent task (agent=); see budget=")
     elif model is None:
         raise InvalidSubmission("give model= (a model spec) or agent= (module:attr)")
     else:

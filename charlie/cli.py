@@ -272,6 +272,17 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
     return {k: v for k, v in given.items() if v is not None} or None
 
 
+def _usage_limits(given: tuple[str, ...]) -> dict[str, int] | None:
+    """``--usage-limit request_limit=20`` as the dict an agent task's usage_limits takes."""
+    limits: dict[str, int] = {}
+    for pair in given:
+        name, sep, value = pair.partition("=")
+        if not sep or not value.strip().isdigit():
+            _fail(f"--usage-limit takes NAME=N (e.g. request_limit=20), got {pair!r}")
+        limits[name.strip()] = int(value)
+    return limits or None
+
+
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", default=None, help="scripted:PATH, openai:NAME, ...")
@@ -288,6 +299,12 @@ def _budget(tokens: int | None, usd: float | None, calls: int | None) -> dict[st
     "--agent", default=None, help="A Pydantic AI agent (module:attr) to run instead of --model."
 )
 @click.option("--deps", default=None, help="module:function that builds the agent's deps.")
+@click.option(
+    "--usage-limit",
+    "usage_limits",
+    multiple=True,
+    help="An agent's Pydantic AI usage limit, NAME=N, e.g. request_limit=20 (repeatable).",
+)
 @click.option("--task-id", default=None, help="Your own id; submitting it again is a no-op.")
 @click.option("--timeout", type=float, default=None, help="Seconds before the task times out.")
 @click.option(
@@ -316,6 +333,7 @@ def submit(
     tools: tuple[str, ...],
     agent: str | None,
     deps: str | None,
+    usage_limits: tuple[str, ...],
     task_id: str | None,
     timeout: float | None,
     workspace: str | None,
@@ -354,6 +372,7 @@ def submit(
             priority=priority,
             agent=agent,
             deps=deps,
+            usage_limits=_usage_limits(usage_limits),
         )
     except (ValueError, ImportError) as exc:  # ImportError: a CHARLIE_TOOL_MODULES module
         _fail(str(exc))

@@ -177,6 +177,7 @@ def submit_task(
     priority: int = 0,
     agent: str | None = None,
     deps: str | None = None,
+    usage_limits: dict[str, int] | None = None,
 ) -> str:
     """Start a Charlie task from a producer that has only Celery: ``submit_task.delay(...)`` or
     ``app.send_task("charlie.submit", kwargs=...)``, which a plain Celery app sends to its default
@@ -203,6 +204,7 @@ def submit_task(
             priority=priority,
             agent=agent,
             deps=deps,
+            usage_limits=usage_limits,
         )
 
 

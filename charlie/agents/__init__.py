@@ -41,9 +41,60 @@ class AgentSpec:
     agent: str
     #: ``module:function`` that builds the agent's deps on the worker, or None
     deps: str | None = None
+    #: Pydantic AI's usage limits for the run (``UsageLimits`` fields that are set, as
+    #: ``(name, value)`` pairs), enforced from the transcript; part of the spec, so that every
+    #: model call of the task, a forked or resumed one included, reads them (I34)
+    usage_limits: tuple[tuple[str, int], ...] = ()
 
     def render(self) -> str:
-        return f"{self.model}{MARK}{self.agent}" + (f"&deps={self.deps}" if self.deps else "")
+        rendered = f"{self.model}{MARK}{self.agent}" + (f"&deps={self.deps}" if self.deps else "")
+        if self.usage_limits:
+            rendered += "&usage_limits=" + ",".join(f"{k}:{v}" for k, v in self.usage_limits)
+        return rendered
+
+
+#: the UsageLimits fields a task enforces (checked as ``agent.run`` checks them)
+USAGE_LIMIT_FIELDS = (
+    "request_limit",
+    "tool_calls_limit",
+    "input_tokens_limit",
+    "output_tokens_limit",
+    "total_tokens_limit",
+)
+
+
+def usage_limits_of(given: Any) -> tuple[tuple[str, int], ...]:
+    """Pydantic AI's ``UsageLimits`` (or a dict of its fields, as ``send_task`` carries them)
+    as the pairs a spec holds; AgentRefused names a field a task cannot enforce."""
+    if given is None:
+        return ()
+    if isinstance(given, dict):
+        fields = dict(given)
+    elif type(given).__name__ == "UsageLimits":
+        fields = {k: getattr(given, k, None) for k in (*USAGE_LIMIT_FIELDS, *_UNKEPT_LIMITS)}
+        if getattr(given, "count_tokens_before_request", False):
+            fields["count_tokens_before_request"] = True
+    else:
+        raise AgentRefused(
+            f"usage_limits must be a pydantic_ai UsageLimits or a dict, got {type(given).__name__}"
+        )
+    pairs = []
+    for key, value in fields.items():
+        if value is None or (key == "count_tokens_before_request" and value is False):
+            continue
+        if key not in USAGE_LIMIT_FIELDS:
+            raise AgentRefused(
+                f"usage limit {key!r} is not enforced by a Charlie task (it enforces "
+                f"{', '.join(USAGE_LIMIT_FIELDS)}; a cost limit is the task's budget usd)"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise AgentRefused(f"usage limit {key!r} must be a whole number >= 0, got {value!r}")
+        pairs.append((key, value))
+    return tuple(sorted(pairs))
+
+
+#: UsageLimits fields a task does not enforce: refused by name when set
+_UNKEPT_LIMITS = ("cost_limit", "per_request_input_tokens_limit")
 
 
 def is_agent_spec(spec: str) -> bool:
@@ -52,8 +103,14 @@ def is_agent_spec(spec: str) -> bool:
 
 def parse_spec(spec: str) -> AgentSpec:
     model, _, rest = spec.partition(MARK)
-    agent, _, deps = rest.partition("&deps=")
-    return AgentSpec(model, agent, deps or None)
+    agent, *options = rest.split("&")
+    found = dict(o.partition("=")[::2] for o in options)
+    limits = tuple(
+        (k, int(v))
+        for k, _, v in (p.partition(":") for p in found.get("usage_limits", "").split(","))
+        if k
+    )
+    return AgentSpec(model, agent, found.get("deps") or None, limits)
 
 
 def base_model(spec: str) -> str:
@@ -75,13 +132,19 @@ class Submission:
 
 
 def prepare_submission(
-    agent: str, deps: str | None, approve: list[str] | None, metadata: dict[str, Any] | None
+    agent: str,
+    deps: str | None,
+    approve: list[str] | None,
+    metadata: dict[str, Any] | None,
+    usage_limits: Any = None,
 ) -> Submission:
     """Import the agent (and check its deps factory) in this process and say what its task
     is, or raise AgentRefused naming what cannot be made durable."""
     from charlie.agents import pydantic_ai
 
-    return pydantic_ai.prepare_submission(agent, deps, approve, metadata)
+    return pydantic_ai.prepare_submission(
+        agent, deps, approve, metadata, usage_limits_of(usage_limits)
+    )
 
 
 def model_for(spec: str, tools: ToolRegistry) -> Model:
@@ -120,6 +183,7 @@ def register_module_agents(module: Any, tools: ToolRegistry) -> None:
 __all__ = [
     "MARK",
     "METADATA_KEY",
+    "USAGE_LIMIT_FIELDS",
     "AgentRefused",
     "AgentSpec",
     "Submission",
@@ -130,4 +194,5 @@ __all__ = [
     "parse_spec",
     "prepare_submission",
     "register_module_agents",
+    "usage_limits_of",
 ]

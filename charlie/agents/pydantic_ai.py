@@ -31,11 +31,18 @@ from typing import Any, TypeVar
 import pydantic_core
 from pydantic_ai import Agent, DeferredToolResults
 from pydantic_ai import messages as pm
-from pydantic_ai.exceptions import ModelAPIError, ModelHTTPError
+from pydantic_ai.capabilities.abstract import AbstractCapability
+from pydantic_ai.exceptions import (
+    ModelAPIError,
+    ModelHTTPError,
+    UnexpectedModelBehavior,
+    UsageLimitExceeded,
+)
 from pydantic_ai.models import Model as PaiModel
 from pydantic_ai.models import ModelRequestParameters, infer_model
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.toolsets import FunctionToolset
+from pydantic_ai.usage import RunUsage, UsageLimits
 
 from charlie.agents import METADATA_KEY, AgentRefused, AgentSpec, Submission
 from charlie.domain import JSON, Effect, ItemKind, NewItem, OnInterrupt
@@ -64,6 +71,10 @@ _CTX = "_charlie_ctx"
 #: the call Charlie records for a text answer the agent's output does not accept (the model
 #: never calls it): its result is the feedback Pydantic AI sends, and the model answers again
 TEXT_OUTPUT = "__text_output__"
+#: the payload key of the run's usage so far as Pydantic AI counts it (requests, tokens, tool
+#: calls), on the first item of each model answer of a task with usage limits: cumulative, so
+#: the latest one in the transcript is the run's usage, after a crash, a fork or a compaction
+USAGE_KEY = "pydantic_ai_usage"
 
 
 # -- the event loop ----------------------------------------------------------------------------
@@ -141,7 +152,8 @@ def refusals(agent: Agent[Any, Any]) -> list[str]:
                 f"toolset {type(toolset).__name__}"
                 + (f" ({label})" if label else "")
                 + ": only function tools are recorded before they run (MCP servers and other "
-                "toolsets are not supported yet; give the task Charlie's own MCP tools instead)"
+                "toolsets are not supported; call the server from a function tool marked with "
+                "its effect, or run its tools in a native task through CHARLIE_MCP_CONFIG)"
             )
     for capability in getattr(agent.root_capability, "capabilities", []) or []:
         if type(capability).__name__ not in _DEFAULT_CAPABILITIES:
@@ -324,7 +336,11 @@ def model_spec_of(loaded: Loaded) -> str:
 
 
 def prepare_submission(
-    agent: str, deps: str | None, approve: list[str] | None, metadata: dict[str, Any] | None
+    agent: str,
+    deps: str | None,
+    approve: list[str] | None,
+    metadata: dict[str, Any] | None,
+    usage_limits: tuple[tuple[str, int], ...] = (),
 ) -> Submission:
     loaded = load(agent)
     _register(loaded, REGISTRY)
@@ -342,7 +358,7 @@ def prepare_submission(
                 f"(its tools: {', '.join(sorted(names)) or 'none'})"
             )
         mapped = sorted({names.get(n, n) for n in approve})
-    spec = AgentSpec(model_spec_of(loaded), agent, deps).render()
+    spec = AgentSpec(model_spec_of(loaded), agent, deps, usage_limits).render()
     return Submission(
         model=spec,
         tools=sorted(names.values()),
@@ -397,6 +413,20 @@ class _Replay(_Intercept):
         return answer
 
 
+@dataclass
+class _Retries(AbstractCapability[Any]):
+    """Pydantic AI's count of each tool's retries so far, as the transcript shows it, given to
+    the run's tool manager: a tool's ``RunContext.retry`` is what ``agent.run`` would give it,
+    and its retry past ``max_retries`` ends the run as there."""
+
+    counts: dict[str, int] | None = None
+
+    async def prepare_tools(self, ctx: Any, tool_defs: Any) -> Any:
+        for name, count in (self.counts or {}).items():
+            ctx.retries.setdefault(name, count)
+        return tool_defs
+
+
 @dataclass(frozen=True)
 class _Ended:
     output: Any
@@ -410,6 +440,7 @@ async def _drive(
     history: list[pm.ModelMessage] | None = None,
     deferred: DeferredToolResults | None = None,
     replay: pm.ModelResponse | None = None,
+    retries: dict[str, int] | None = None,
 ) -> _Captured | _Ended:
     intercept = _Intercept(loaded.model) if replay is None else _Replay(loaded.model, replay)
     try:
@@ -419,6 +450,7 @@ async def _drive(
             model=intercept,
             deps=deps,
             deferred_tool_results=deferred,
+            capabilities=[_Retries(retries)] if retries else None,
         )
     except _Captured as captured:
         return captured
@@ -487,8 +519,32 @@ def call_tool(
         pm.ModelRequest(parts=[pm.UserPromptPart("")]),
         pm.ModelResponse(parts=[call]),
     ]
+    retries: dict[str, int] = {}
+    read_items = getattr(ctx.record, "items", None)
+    if name not in loaded.output_tools and callable(read_items):
+        # RunContext.messages and .retry as agent.run gives them, from the durable transcript
+        history, retries = _so_far(
+            loaded, deps, deps_ref, ctx.execution_id, read_items(ctx.execution_id), call
+        )
     deferred = DeferredToolResults(approvals={ctx.call_id: True}) if approved else None
-    found = run(_drive(loaded, deps, history=history, deferred=deferred))
+    try:
+        found = run(
+            _drive(loaded, deps, history=history, deferred=deferred, retries=retries or None)
+        )
+    except UnexpectedModelBehavior as exc:
+        if "exceeded max retries" not in str(exc):
+            raise
+        # past its max_retries: the failure is recorded as one more retry, and the count then
+        # ends the task before the next request (_retries_exceeded), as it ends agent.run
+        count = retries.get(name, 0)
+        part = pm.ToolReturnPart(
+            name,
+            str(exc),
+            ctx.call_id,
+            outcome="retried",
+            retry=pm.RetryInfo("model_retry", attempt=count + 1, max_retries=count),
+        )
+        raise ToolError(str(exc), pydantic_ai_part=_part_json(part)) from None
     if isinstance(found, _Ended):
         if name in loaded.output_tools:
             return {"output": pydantic_core.to_jsonable_python(found.output)}
@@ -503,6 +559,46 @@ def call_tool(
     if _is_retry(part):
         raise ToolError(_text_of(part), pydantic_ai_part=_part_json(part))
     return pydantic_core.to_jsonable_python(getattr(part, "content", None))
+
+
+def _so_far(
+    loaded: Loaded,
+    deps: Any,
+    deps_ref: Any,
+    execution_id: str,
+    items: list[Any],
+    call: pm.ToolCallPart,
+) -> tuple[list[pm.ModelMessage], dict[str, int]]:
+    """The run's messages up to ``call`` (the answer that holds it ends them, with no other
+    call of that answer: only this one runs here) and each tool's retries so far."""
+    at = next(
+        (
+            n
+            for n, i in enumerate(items)
+            if i.kind is ItemKind.TOOL_CALL and i.call_id == call.tool_call_id
+        ),
+        len(items),
+    )
+    before = items[:at]
+    model = AgentModel(
+        "", AgentSpec("", loaded.ref, deps_ref if isinstance(deps_ref, str) else None), loaded
+    )
+    history = model.history(before)
+    if history and isinstance(history[-1], pm.ModelResponse):
+        kept = [p for p in history[-1].parts if not isinstance(p, pm.ToolCallPart)]
+        history[-1] = pm.ModelResponse(parts=[*kept, call])
+    else:
+        history.append(pm.ModelResponse(parts=[call]))
+    if not isinstance(history[0], pm.ModelRequest):
+        history.insert(0, pm.ModelRequest(parts=[pm.UserPromptPart("")]))
+    head = history[0]
+    if isinstance(head, pm.ModelRequest) and before:
+        prompt = next((str(p.content) for p in head.parts if isinstance(p, pm.UserPromptPart)), "")
+        system = model._system_parts(deps, execution_id, prompt)
+        history[0] = pm.ModelRequest(parts=[*system, *head.parts])
+    counts, _ = _retry_counts(before, loaded.agent._max_output_retries)
+    retries = {loaded.agent_name(n): c for n, c in counts.items() if c}
+    return history, retries
 
 
 def _check_text(loaded: Loaded, deps: Any, text: str) -> Any:
@@ -531,6 +627,12 @@ def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
     """Pydantic AI's count of a tool's retries, from the transcript: a tool failed (a retry
     part) in more consecutive steps than its ``max_retries`` ends the run, as it ends
     ``agent.run``."""
+    return _retry_counts(items, text_limit)[1]
+
+
+def _retry_counts(items: list[Any], text_limit: int) -> tuple[dict[str, int], str | None]:
+    """Each tool's consecutive failed steps (Charlie's names), and why the run ends if one
+    failed more steps in a row than its ``max_retries``."""
     counts: dict[str, int] = {}
     turns: dict[int, list[Any]] = {}
     for item in items:
@@ -556,9 +658,27 @@ def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
             counts[name] = counts.get(name, 0) + 1
             if limit is not None and counts[name] > limit:
                 if name.endswith(TEXT_OUTPUT):
-                    return f"Exceeded maximum output retries ({limit})"
-                return f"Tool {name!r} exceeded max retries count of {limit}"
-    return None
+                    return counts, f"Exceeded maximum output retries ({limit})"
+                return counts, f"Tool {name!r} exceeded max retries count of {limit}"
+    return counts, None
+
+
+def _run_usage(items: list[Any]) -> RunUsage:
+    """The run's usage as Pydantic AI counts it, from the transcript's latest stamp."""
+    for item in reversed(items):
+        stamp = item.payload.get(USAGE_KEY) if isinstance(item.payload, dict) else None
+        if isinstance(stamp, dict):
+            return RunUsage(
+                requests=int(stamp.get("requests", 0)),
+                tool_calls=int(stamp.get("tool_calls", 0)),
+                input_tokens=int(stamp.get("input_tokens", 0)),
+                output_tokens=int(stamp.get("output_tokens", 0)),
+            )
+    return RunUsage()
+
+
+def _limit_error(exc: UsageLimitExceeded) -> ModelError:
+    return ModelError(f"UsageLimitExceeded: {exc}")
 
 
 class AgentModel:
@@ -568,6 +688,8 @@ class AgentModel:
         self.spec = spec
         self.parsed = parsed
         self.loaded = loaded
+        given: dict[str, Any] = dict(parsed.usage_limits)
+        self.limits = UsageLimits(**given) if given else None
 
     # the transcript as Pydantic AI's messages
 
@@ -681,6 +803,48 @@ class AgentModel:
         found = run(_drive(self.loaded, deps, history=history))
         if isinstance(found, _Ended):
             return self._final(found.output, Usage(), [])
+        if self.limits is None:
+            return self._answer(request, found, deps)
+        used = _run_usage(request.items)
+        try:  # before the request, as agent.run checks it
+            self.limits.check_before_request(used)
+        except UsageLimitExceeded as exc:
+            raise _limit_error(exc) from None
+        response = self._answer(request, found, deps)
+        # After the answer, as agent.run checks them: its tokens, then its function tool calls
+        # before any of them runs (none is planned past the limit).
+        used.requests += 1
+        used.input_tokens += response.usage.input_tokens
+        used.output_tokens += response.usage.output_tokens
+        functions = [
+            i
+            for i in response.output
+            if i.kind is ItemKind.TOOL_CALL
+            and self.loaded.agent_name(str(i.payload.get("name"))) not in self.loaded.output_tools
+        ]
+        try:
+            self.limits.check_tokens(used)
+            if functions:
+                used.tool_calls += len(functions)
+                self.limits.check_before_tool_call(used)
+        except UsageLimitExceeded as exc:
+            raise _limit_error(exc) from None
+        stamp = {
+            "requests": used.requests,
+            "tool_calls": used.tool_calls,
+            "input_tokens": used.input_tokens,
+            "output_tokens": used.output_tokens,
+        }
+        if not response.output:
+            return response
+        first = response.output[0]
+        stamped = NewItem(first.kind, {**first.payload, USAGE_KEY: stamp}, first.call_id)
+        return ModelResponse(
+            [stamped, *response.output[1:]], response.usage, response.finish_reason
+        )
+
+    def _answer(self, request: ModelRequest, found: _Captured, deps: Any) -> ModelResponse:
+        """The agent's model asked what ``found`` holds: its answer as Charlie's items."""
         try:
             if request.deltas is NO_DELTAS:
                 answer = run(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from charlie import pricing, scheduler
-from charlie.domain import JSON, Phase, TaskSpend, TaskStatus
+from charlie.domain import JSON, Item, Phase, TaskSpend, TaskStatus
 from charlie.executor import boundary
 from charlie.runtime import Runtime
 from charlie.store import reads, runs, spend
@@ -32,6 +32,12 @@ class DbRecord:
     def result_of(self, execution_id: str, call_id: str) -> JSON | None:
         with read(self.rt.engine) as conn:
             return runs.recorded_result(conn, execution_id, call_id)
+
+    def items(self, execution_id: str) -> list[Item]:
+        """The run's whole durable transcript (a framework agent's tool is shown the run's
+        messages so far, as its framework shows them; charlie/agents/)."""
+        with read(self.rt.engine) as conn:
+            return runs.load_items(conn, execution_id)
 
 
 class DbChildren:

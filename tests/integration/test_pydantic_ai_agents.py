@@ -180,14 +180,25 @@ def test_the_cli_and_a_celery_only_producer_submit_an_agent_task(
     # in this process (its environment is the cluster's): a subprocess would import the
     # framework again, seconds on a loaded machine
     runner = CliRunner()
-    done = runner.invoke(cli.main, ["submit", "settle", "--agent", AGENT, "--deps", DEPS, "--wait"])
+    done = runner.invoke(
+        cli.main,
+        [
+            *("submit", "settle", "--agent", AGENT, "--deps", DEPS),
+            *("--usage-limit", "request_limit=2", "--wait"),
+        ],
+    )
     assert done.exit_code == 0, done.output
     assert done.output.splitlines()[-1].startswith("succeeded: ")
     assert 'charged_cents\\":1' in done.output
     task_id = f"celery-{uuid.uuid4().hex[:8]}"
     app.send_task(
         "charlie.submit",
-        kwargs={"prompt": "settle", "agent": AGENT, "deps": DEPS},
+        kwargs={
+            "prompt": "settle",
+            "agent": AGENT,
+            "deps": DEPS,
+            "usage_limits": {"request_limit": 2, "tool_calls_limit": 1},
+        },
         task_id=task_id,
     )
     info = wait_for(lambda: _terminal(task_id), timeout=90)
@@ -195,6 +206,68 @@ def test_the_cli_and_a_celery_only_producer_submit_an_agent_task(
     assert json.loads(info.result["answer"]) == {"account": "celery", "charged_cents": 2}
     refused = runner.invoke(cli.main, ["submit", "x", "--agent", f"{AGENT}_nope"])
     assert refused.exit_code != 0 and "has no 'support_nope'" in refused.output
+
+
+def test_usage_limits_end_the_task_before_the_request_past_them(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """Pydantic AI's UsageLimits, given at submit, are checked before each request from the
+    task's transcript: the request past request_limit is never sent, the task fails naming
+    the limit as agent.run's UsageLimitExceeded does."""
+    from pydantic_ai.usage import UsageLimits
+
+    account = f"limit-{uuid.uuid4().hex[:8]}"
+    model_server.enqueue(_calls(("l", "lookup", {"account": account})))
+    task_id = charlie.submit(
+        "settle the account", agent=AGENT, deps=DEPS, usage_limits=UsageLimits(request_limit=1)
+    )
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.FAILED
+    assert "UsageLimitExceeded" in str(info.error) and "request_limit of 1" in str(info.error)
+    assert len(_runs("agent.lookup", account)) == 1
+    assert len(model_server.bodies) == 1  # the second request was never sent
+    assert info.model.endswith("&usage_limits=request_limit:1")
+
+
+def test_a_failed_agent_task_resumes_and_a_fork_at_a_turn_finishes_nothing_repeated(
+    cluster: Cluster, model_server: FakeOpenAI
+) -> None:
+    """I26, I34: an agent task failed by its model (a 400) is resumed: the request is sent
+    again and the task ends with the agent's output, its read and write not run again; a fork
+    of it at its first turn starts from the copied transcript (the read's result, never run
+    again) and ends with the agent's output too."""
+    account = f"again-{uuid.uuid4().hex[:8]}"
+    refused = Reply(status=400, body={"error": {"message": "no", "type": "invalid_request"}})
+    model_server.enqueue(
+        _calls(("l", "lookup", {"account": account})),
+        _calls(("c", "charge", {"account": account, "cents": 1200})),
+        refused,
+    )
+    task_id = charlie.submit("settle the account", agent=AGENT, deps=DEPS)
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.FAILED, info.error
+    model_server.enqueue(_final(account, 1200))
+    charlie.resume(task_id)
+    info = charlie.wait(task_id, timeout=90)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert json.loads(info.result["answer"]) == {"account": account, "charged_cents": 1200}
+    assert len(_runs("agent.lookup", account)) == 1
+    assert len(_runs("agent.charge", account)) == 1
+    resent = model_server.bodies[-1]
+    assert _tool_messages(resent)["c"] == f"charged 1200 EUR cents to {account}"
+
+    model_server.enqueue(_final(account, 7))
+    fork_id = charlie.fork(task_id, turn=0, message="charge 7 instead")
+    forked = charlie.wait(fork_id, timeout=90)
+    assert forked.status is TaskStatus.SUCCEEDED, forked.error
+    assert json.loads(forked.result["answer"]) == {"account": account, "charged_cents": 7}
+    first = model_server.bodies[-1]
+    assert _tool_messages(first) == {"l": f"{account} owes 1200"}  # copied, not run again
+    assert any(m.get("content") == "charge 7 instead" for m in first["messages"])
+    assert len(_runs("agent.lookup", account)) == 1
+    assert len(_runs("agent.charge", account)) == 1
+    assert_every_call_has_one_result(task_id)
+    assert_every_call_has_one_result(fork_id)
 
 
 def _terminal(task_id: str) -> Any:

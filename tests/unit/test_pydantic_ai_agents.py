@@ -20,6 +20,7 @@ from pydantic_ai.capabilities import ProcessEventStream, ProcessHistory
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.models.test import TestModel
 from pydantic_ai.toolsets import AbstractToolset
+from pydantic_ai.usage import UsageLimits
 
 from charlie import agents
 from charlie.agents import pydantic_ai as adapter
@@ -508,3 +509,173 @@ def test_an_agent_tasks_spec_is_priced_limited_and_windowed_as_its_model() -> No
     own = PhaseLimits(context_tokens_by_model={"GPT_4_1": 5000})
     window = context.window_for(spec, own, {})
     assert window is not None and window.tokens == 5000
+
+
+# -- usage limits --------------------------------------------------------------------------------
+
+
+def _limited(**limits: int) -> Any:
+    made = agents.prepare_submission(
+        f"{HERE}:agent", f"{HERE}:make_deps", None, None, UsageLimits(**limits)
+    )
+    return agents.model_for(made.model, ToolRegistry())
+
+
+def test_usage_limits_ride_in_the_spec_and_what_a_task_cannot_enforce_is_refused() -> None:
+    made = agents.prepare_submission(
+        f"{HERE}:agent", None, None, None, {"request_limit": 3, "tool_calls_limit": 2}
+    )
+    assert made.model.endswith("&usage_limits=request_limit:3,tool_calls_limit:2")
+    assert agents.parse_spec(made.model).usage_limits == (
+        ("request_limit", 3),
+        ("tool_calls_limit", 2),
+    )
+    same = agents.prepare_submission(
+        f"{HERE}:agent", None, None, None, UsageLimits(request_limit=3, tool_calls_limit=2)
+    )
+    assert same.model == made.model
+    with pytest.raises(agents.AgentRefused, match="cost_limit"):
+        agents.prepare_submission(f"{HERE}:agent", None, None, None, UsageLimits(cost_limit=1.0))
+    with pytest.raises(agents.AgentRefused, match="whole number"):
+        agents.prepare_submission(f"{HERE}:agent", None, None, None, {"request_limit": -1})
+
+
+def test_request_limit_is_checked_before_each_request_from_the_transcript() -> None:
+    t = Transcript("settle acme")
+    SCRIPT.append(pm.ModelResponse(parts=[pm.ToolCallPart("lookup", {"account": "acme"}, "c1")]))
+    t.add(*_limited(request_limit=1).complete(t.request()).output)
+    t.turn = 1
+    t.add(_result(f"{HERE}:agent.lookup", "c1", lambda: "acme owes 5"))
+    SCRIPT.append(pm.ModelResponse(parts=[pm.TextPart("never sent")]))
+    # a fresh model, as another worker after a crash: the count is the transcript's
+    with pytest.raises(ModelError, match=r"UsageLimitExceeded: .*request_limit of 1"):
+        _limited(request_limit=1).complete(t.request())
+    assert len(SEEN) == 1 and len(SCRIPT) == 1  # the second request was never sent
+
+
+def test_tool_calls_limit_is_checked_before_the_calls_are_planned() -> None:
+    t = Transcript("settle acme")
+    SCRIPT.append(pm.ModelResponse(parts=[pm.ToolCallPart("lookup", {"account": "a"}, "c1")]))
+    t.add(*_limited(tool_calls_limit=2).complete(t.request()).output)
+    t.turn = 1
+    t.add(_result(f"{HERE}:agent.lookup", "c1", lambda: "a owes 5"))
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[
+                pm.ToolCallPart("lookup", {"account": "b"}, "c2"),
+                pm.ToolCallPart("lookup", {"account": "c"}, "c3"),
+            ]
+        )
+    )
+    with pytest.raises(ModelError, match=r"tool_calls_limit of 2 \(tool_calls=3\)"):
+        _limited(tool_calls_limit=2).complete(t.request())
+
+
+def test_token_limits_are_checked_after_each_answer_as_agent_run_checks_them() -> None:
+    t = Transcript("settle acme")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("lookup", {"account": "a"}, "c1")],
+            usage=pm.RequestUsage(input_tokens=10, output_tokens=4),
+        )
+    )
+    t.add(*_limited(total_tokens_limit=20).complete(t.request()).output)
+    t.turn = 1
+    t.add(_result(f"{HERE}:agent.lookup", "c1", lambda: "a owes 5"))
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[pm.ToolCallPart("final_result", {"account": "a", "cents": 5}, "c2")],
+            usage=pm.RequestUsage(input_tokens=5, output_tokens=2),
+        )
+    )
+    with pytest.raises(ModelError, match=r"Exceeded the total_tokens_limit of 20"):
+        _limited(total_tokens_limit=20).complete(t.request())
+
+
+# -- RunContext inside a tool --------------------------------------------------------------------
+
+watched = Agent(FunctionModel(scripted, model_name="fn"), output_type=Out)
+#: what ``probe`` saw of its RunContext, one (retry, messages) per run
+PROBED: list[tuple[int, list[pm.ModelMessage]]] = []
+
+
+@watched.tool(retries=2, metadata={"effect": "read"})
+def probe(ctx: RunContext[None], n: int) -> str:
+    PROBED.append((ctx.retry, list(ctx.messages)))
+    if n < 0:
+        raise ModelRetry(f"n={n} is negative")
+    return f"n={n}"
+
+
+@dataclass
+class Recorded:
+    """The Record port over a hand-built transcript, as the worker's reads the run's."""
+
+    transcript: Transcript
+
+    def result_of(self, execution_id: str, call_id: str) -> Any:
+        return None
+
+    def items(self, execution_id: str) -> list[Item]:
+        return list(self.transcript.items)
+
+
+def _probe_turn(model: Any, t: Transcript, registry: ToolRegistry, call_id: str, n: int) -> Any:
+    """The model calls probe(n); Charlie runs the call from the transcript; its result is added."""
+    SCRIPT.append(pm.ModelResponse(parts=[pm.ToolCallPart("probe", {"n": n}, call_id)]))
+    t.add(*model.complete(t.request()).output)
+    t.turn += 1
+    definition = registry.get_registered(f"{HERE}:watched.probe")
+    assert definition is not None
+    ctx = replace(_ctx(call_id, deps=None), record=Recorded(t))
+    result = _result(
+        f"{HERE}:watched.probe", call_id, lambda: definition.handler(n=n, _charlie_ctx=ctx)
+    )
+    t.add(result)
+    return result
+
+
+def test_a_tools_run_context_has_its_retry_count_and_the_messages_so_far() -> None:
+    PROBED.clear()
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:watched.probe")
+    model = _model(f"{HERE}:watched", deps=None)
+    t = Transcript("probe it")
+    _probe_turn(model, t, registry, "c1", -1)
+    _probe_turn(model, t, registry, "c2", -2)
+    assert _probe_turn(model, t, registry, "c3", 3).payload["result"] == "n=3"
+    # Pydantic AI's count: the tool failed in the two steps before, as agent.run counts it
+    assert [retry for retry, _ in PROBED] == [0, 1, 2]
+    _, messages = PROBED[-1]
+    first = messages[0]
+    assert isinstance(first, pm.ModelRequest)
+    assert [p.content for p in first.parts if isinstance(p, pm.UserPromptPart)] == ["probe it"]
+    last = messages[-1]
+    assert isinstance(last, pm.ModelResponse)
+    assert [
+        (p.tool_name, p.tool_call_id) for p in last.parts if isinstance(p, pm.ToolCallPart)
+    ] == [("probe", "c3")]
+    shown = [
+        p
+        for m in messages
+        if isinstance(m, pm.ModelRequest)
+        for p in m.parts
+        if getattr(p, "tool_call_id", None) in ("c1", "c2")
+    ]
+    assert [getattr(p, "outcome", None) for p in shown] == ["retried", "retried"]
+    assert len(messages) == 6  # prompt, call, retry, call, retry, this call
+
+
+def test_a_tool_past_its_retries_ends_the_task_as_agent_run_ends() -> None:
+    PROBED.clear()
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:watched.probe")
+    model = _model(f"{HERE}:watched", deps=None)
+    t = Transcript("probe it")
+    for n, call_id in enumerate(("c1", "c2", "c3")):
+        assert _probe_turn(model, t, registry, call_id, -1 - n).payload["outcome"] == "error"
+    assert [retry for retry, _ in PROBED] == [0, 1, 2]
+    SCRIPT.append(pm.ModelResponse(parts=[pm.TextPart("never sent")]))
+    with pytest.raises(ModelError, match=r"probe.*exceeded max retries count of 2"):
+        model.complete(t.request())
+    assert len(SCRIPT) == 1
