@@ -106,6 +106,10 @@ class _Doctor:
         self.telemetry()
         self.beat(engine)
         self.workers()
+        if self.heartbeats is not None:
+            from charlie.domain import utcnow
+
+            self.checks.extend(worker_pools(self.heartbeats, utcnow()))
         self.connections(engine)
         return self.checks
 
@@ -710,6 +714,24 @@ class _Doctor:
 
 #: in use server-wide and on this database, the limit, the superusers' reserve, and the port
 #: the server listens on (another than the URL's: a pooler is in between)
+def worker_pools(heartbeats: dict[str, Any], now: datetime) -> list[Check]:
+    """Each live worker's pool and what it had in flight at its last heartbeat (the presence
+    heartbeat's pool report): "threads 64: 12 model calls in flight (at most 40 since the beat
+    before)". Informational: a worker of an earlier release reports none and is left out."""
+    from charlie.presence import live_pools
+
+    return [
+        Check(
+            "worker pool",
+            "ok",
+            f"{node}: {fields.get('pool')} {fields.get('concurrency')}: "
+            f"{fields.get('in_flight')} {fields.get('counts')} in flight (at most "
+            f"{fields.get('peak')} since the beat before)",
+        )
+        for node, fields in live_pools(heartbeats, now)
+    ]
+
+
 def paused_limits(statuses: Iterable[Any], now: datetime) -> list[Check]:
     """A WARN for each provider limit a provider has paused (``statuses``: the store's
     LimitStatus rows): every caller of it waits until then, and an operator can lift it."""
