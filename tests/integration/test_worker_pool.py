@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import charlie
+from charlie import api
 from charlie.cli import WORKER_CONCURRENCY
 from charlie.config import settings
 from charlie.doctor import Check, worker_pools
@@ -65,6 +66,8 @@ def test_a_worker_started_as_by_default_holds_many_model_calls_in_flight(
             assert info.status is TaskStatus.SUCCEEDED, (task_id, info.error)
         with read(get_engine(settings().database_url)) as conn:
             shown = worker_pools(load_heartbeats(conn), utcnow())
+        # the console's panel reads the same through the API
+        listed = api.worker_pools()
     # One process, one worker: the provider saw most of the tasks' calls at once (prefork's
     # two processes would hold 2).
     assert limit.peak >= TASKS // 2, limit.peak
@@ -76,3 +79,4 @@ def test_a_worker_started_as_by_default_holds_many_model_calls_in_flight(
     assert any(
         isinstance(c, Check) and f"threads {WORKER_CONCURRENCY}" in c.detail for c in shown
     ), shown
+    assert [fields["pool"] for _node, fields in listed] == ["threads"], listed
