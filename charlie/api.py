@@ -430,6 +430,20 @@ def submit(
 
 
 @retried_if_disconnected
+def worker_pools() -> list[tuple[str, dict[str, Any]]]:
+    """(node, its pool report) of each live worker: its pool, concurrency, and the model calls
+    (a prefork worker: the tasks) in flight at its last heartbeat and at most since the one
+    before (charlie.presence; `charlie doctor` and the console show them)."""
+    from charlie.domain import utcnow
+    from charlie.presence import live_pools
+    from charlie.store.heartbeats import load_heartbeats
+
+    rt = get_producer()
+    with read(rt.engine) as conn:
+        beats = load_heartbeats(conn)
+    return live_pools(beats, utcnow())
+
+
 def get_task(task_id: str) -> TaskInfo:
     with read(get_producer().engine) as conn:
         row = reads.task_with_run(conn, task_id)

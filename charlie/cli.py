@@ -138,15 +138,45 @@ def main(debug: bool) -> None:
     logging.lastResort = _Short()
 
 
+#: `charlie worker`'s pool when its command line names none: a model call is seconds of waiting
+#: on the provider, and a thread waits for a few dozen KiB where a prefork process costs tens of
+#: MiB (docs/production/workers.md)
+WORKER_POOL = "threads"
+#: its concurrency then: the calls one process keeps in flight; the GIL is free while they wait,
+#: and the ticks between them are milliseconds of CPU, so one core serves this many
+WORKER_CONCURRENCY = 64
+
+
+def worker_pool_argv(args: list[str]) -> list[str]:
+    """What `charlie worker` adds to Celery's command line for the pool: threads and
+    WORKER_CONCURRENCY unless ``args`` name a pool or a concurrency of their own (a named
+    prefork or solo pool keeps the concurrency of 2 it always had, unless given)."""
+    added: list[str] = []
+    pool = None
+    for i, a in enumerate(args):
+        if a in ("-P", "--pool") and i + 1 < len(args):
+            pool = args[i + 1]
+        elif a.startswith("--pool="):
+            pool = a.split("=", 1)[1]
+        elif a.startswith("-P") and len(a) > 2:
+            pool = a[2:]
+    if pool is None:
+        added += ["--pool", WORKER_POOL]
+    if not any(
+        a in ("-c", "--concurrency") or a.startswith(("--concurrency=", "-c")) for a in args
+    ):
+        many = pool in (None, "threads", "gevent", "eventlet")
+        added += ["--concurrency", str(WORKER_CONCURRENCY if many else 2)]
+    return added
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.pass_context
 def worker(ctx: click.Context) -> None:
     """Run a Celery worker with Charlie's configuration (extra arguments go to Celery)."""
     app = _celery_app()
     args = list(ctx.args)
-    argv = ["worker", "--loglevel", "INFO"]
-    if not any(a in ("-c", "--concurrency") or a.startswith("--concurrency=") for a in args):
-        argv += ["--concurrency", "2"]
+    argv = ["worker", "--loglevel", "INFO", *worker_pool_argv(args)]
     if not any(a in ("-Q", "--queues") or a.startswith("--queues=") for a in args):
         argv += ["--queues", ",".join(settings().worker_queues)]
     if settings().is_embedded_broker:

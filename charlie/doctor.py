@@ -778,6 +778,34 @@ def check_connections(ctx: Context) -> Check:
     return Check("connections", "ok", detail)
 
 
+def check_worker_pools(ctx: Context) -> list[Check] | None:
+    """Each live worker's pool and the model calls it had in flight at its last heartbeat
+    (read by ``check_workers``); informational."""
+    if ctx.heartbeats is None:
+        return None
+    from charlie.domain import utcnow
+
+    return worker_pools(ctx.heartbeats, utcnow())
+
+
+def worker_pools(heartbeats: dict[str, Any], now: datetime) -> list[Check]:
+    """Each live worker's pool and what it had in flight at its last heartbeat (the presence
+    heartbeat's pool report): "threads 64: 12 model calls in flight (at most 40 since the beat
+    before)". Informational: a worker of an earlier release reports none and is left out."""
+    from charlie.presence import live_pools
+
+    return [
+        Check(
+            "worker pool",
+            "ok",
+            f"{node}: {fields.get('pool')} {fields.get('concurrency')}: "
+            f"{fields.get('in_flight')} {fields.get('counts')} in flight (at most "
+            f"{fields.get('peak')} since the beat before)",
+        )
+        for node, fields in live_pools(heartbeats, now)
+    ]
+
+
 #: every check, in the order `charlie doctor` prints them: a check reads what the ones before
 #: it found (``Context``). A new check is a function of a Context that returns a Check (or a
 #: list of them, or None when it does not apply), added here where it belongs.
@@ -891,6 +919,7 @@ CHECKS: list[Callable[[Context], Found]] = [
     check_metrics,
     check_beat,
     check_workers,
+    check_worker_pools,
     check_connections,
 ]
 

@@ -4,16 +4,20 @@ without Celery's remote control."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import Any
 
 from charlie.domain import utcnow
 from charlie.store.engine import read, write_one
 from charlie.store.heartbeats import (
     SETTLE_WAKES_PREFIX,
     WORKER_PREFIX,
+    Heartbeat,
     forget_heartbeat,
     record_heartbeat,
 )
@@ -30,6 +34,9 @@ SCHEMA_POLL = 2.0
 
 #: a worker's connection budget is a heartbeat of this name, then its node (detail: how many)
 BUDGET_PREFIX = "connections:"
+
+#: a worker's pool is a heartbeat of this name, then its node (detail: pool_detail's JSON)
+POOL_PREFIX = "pool:"
 
 #: a waiting worker's heartbeat detail starts with this, then why (doctor shows it)
 WAITING = "waiting: "
@@ -72,6 +79,54 @@ def wait_until_schema_fits(engine: Engine, node: str, stop: threading.Event) -> 
     return None
 
 
+def pool_detail(pool: str, concurrency: int, in_flight: int, peak: int, counts: str) -> str:
+    """A worker's pool heartbeat: its pool and concurrency, and what it had in flight at the
+    beat and at most since the last one (``counts``: "model calls", or "tasks" where the main
+    process cannot see its children's calls)."""
+    return json.dumps(
+        {
+            "pool": pool,
+            "concurrency": concurrency,
+            "in_flight": in_flight,
+            "peak": peak,
+            "counts": counts,
+        },
+        sort_keys=True,
+    )
+
+
+def read_pool_detail(detail: str | None) -> dict[str, Any] | None:
+    """pool_detail's fields, or None from a detail that is not one (an earlier release's)."""
+    try:
+        fields = json.loads(detail or "")
+    except ValueError:
+        return None
+    return fields if isinstance(fields, dict) and "pool" in fields else None
+
+
+def live_pools(beats: Mapping[str, Heartbeat], now: datetime) -> list[tuple[str, dict[str, Any]]]:
+    """(node, pool_detail's fields) of each worker alive at ``now`` (a heartbeat within 6
+    EVERY, not waiting for the schema) whose pool heartbeat says one, by node."""
+    alive = {
+        name.removeprefix(WORKER_PREFIX)
+        for name, beat in beats.items()
+        if name.startswith(WORKER_PREFIX)
+        and (now - beat.at).total_seconds() <= 6 * EVERY
+        and not (beat.detail or "").startswith(WAITING)
+    }
+    found = []
+    for name, beat in sorted(beats.items()):
+        node = name.removeprefix(POOL_PREFIX)
+        fields = read_pool_detail(beat.detail) if name.startswith(POOL_PREFIX) else None
+        if fields is not None and node in alive:
+            found.append((node, fields))
+    return found
+
+
+#: a worker's pool as a heartbeat reports it: (pool, concurrency, in flight, peak, counts)
+PoolReport = Callable[[], tuple[str, int, int, int, str]]
+
+
 class Presence:
     """A worker's heartbeat, every EVERY seconds; each also checks that the schema still fits
     the worker's code (a `charlie db upgrade` may have raised its floor past this code) and
@@ -84,6 +139,7 @@ class Presence:
         queues: Iterable[str],
         on_unfit: Callable[[SchemaCheck], object] | None = None,
         connections: int | None = None,
+        pool: PoolReport | None = None,
     ) -> None:
         self.engine = engine
         self.name = WORKER_PREFIX + node
@@ -92,6 +148,8 @@ class Presence:
         self.on_unfit = on_unfit
         #: the most database connections this worker's processes may hold (doctor adds them up)
         self.connections = connections
+        #: what the worker's pool is and has in flight, at each beat (doctor, the console)
+        self.pool = pool
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="charlie-presence", daemon=True)
 
@@ -105,6 +163,7 @@ class Presence:
             with write_one(self.engine) as conn:
                 forget_heartbeat(conn, self.name)
                 forget_heartbeat(conn, BUDGET_PREFIX + self.node)
+                forget_heartbeat(conn, POOL_PREFIX + self.node)
                 forget_heartbeat(conn, SETTLE_WAKES_PREFIX + self.node)
         except Exception:
             log.warning("could not clear the worker's heartbeat", exc_info=True)
@@ -122,6 +181,9 @@ class Presence:
                         record_heartbeat(
                             conn, BUDGET_PREFIX + self.node, self.node, now, str(self.connections)
                         )
+                    if self.pool is not None:
+                        detail = pool_detail(*self.pool())
+                        record_heartbeat(conn, POOL_PREFIX + self.node, self.node, now, detail)
             except Exception:  # the database away for a while: say so, keep beating
                 log.warning("could not record the worker's heartbeat", exc_info=True)
             if self.on_unfit is not None:

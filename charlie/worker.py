@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
@@ -45,6 +46,7 @@ from charlie.config import settings
 from charlie.domain import Channel, Origin, Phase
 from charlie.executor import tick
 from charlie.limits import LimitsError
+from charlie.models import inflight
 from charlie.presence import Presence, wait_until_schema_fits
 from charlie.runtime import get_runtime
 from charlie.store.engine import SchemaMissing
@@ -428,8 +430,36 @@ def _ready(sender: Any = None, **_: Any) -> None:
     node = getattr(sender, "hostname", None) or rt.worker
     on_unfit = None if rt.settings.is_sqlite else _stop_claiming
     rt.presence = Presence(
-        rt.engine, node, queues, on_unfit=on_unfit, connections=_connection_budget(sender, rt)
+        rt.engine,
+        node,
+        queues,
+        on_unfit=on_unfit,
+        connections=_connection_budget(sender, rt),
+        pool=_pool_report(sender),
     ).start()
+
+
+def _pool_report(consumer: Any) -> Callable[[], tuple[str, int, int, int, str]]:
+    """What the worker's heartbeat says of its pool: its kind and concurrency, and the model
+    calls in flight now and at most since the last beat. A threads (or solo, gevent) pool runs
+    them in this process, which counts them (charlie.models.inflight); a prefork pool's
+    children count their own, out of sight here: its heartbeat counts the tasks running."""
+    from celery.worker import state as worker_state
+
+    controller = getattr(consumer, "controller", None)
+    pool_cls = getattr(controller, "pool_cls", None)
+    module = str(getattr(pool_cls, "__module__", ""))
+    kind = module.rsplit(".", 1)[-1] if module else "unknown"
+    kind = {"thread": "threads", "solo": "solo", "prefork": "prefork"}.get(kind, kind)
+    concurrency = int(getattr(controller, "concurrency", 0) or 0)
+
+    def report() -> tuple[str, int, int, int, str]:
+        if kind == "prefork":
+            running = len(worker_state.active_requests)
+            return kind, concurrency, running, running, "tasks"
+        return kind, concurrency, inflight.in_flight(), inflight.peak(reset=True), "model calls"
+
+    return report
 
 
 def _connection_budget(consumer: Any, rt: runtime.Runtime) -> int:

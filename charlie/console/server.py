@@ -120,6 +120,7 @@ def load_list(
         "now": now,
         "next_before": page[-1].id if len(page) == limit else None,
         "limits": _limits(),
+        "pools": _pools(),
     }
 
 
@@ -127,6 +128,12 @@ def _limits() -> list[Any]:
     """The provider limits used so far, for the list's panel (I36): in flight, waiting, paused
     until (none used: none shown)."""
     return list(api.limits())
+
+
+def _pools() -> list[tuple[str, dict[str, Any]]]:
+    """Each live worker's pool and the calls it had in flight at its last heartbeat, for the
+    list's panel (none reported: none shown)."""
+    return api.worker_pools()
 
 
 #: the transcript rows a task page shows at first: the latest ones (``?all=1``: every row)

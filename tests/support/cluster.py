@@ -31,6 +31,17 @@ from urllib.parse import urlparse
 REPO = Path(__file__).resolve().parents[2]
 
 
+#: CHARLIE_TEST_POOL as this module found it when imported (scripts/chaos.py clears the
+#: CHARLIE_* environment before it makes its cluster)
+_TEST_POOL = os.environ.get("CHARLIE_TEST_POOL")
+
+
+def default_pool() -> str:
+    """The test workers' pool: prefork (one task per process, as the suites were written
+    for), or CHARLIE_TEST_POOL's."""
+    return _TEST_POOL or "prefork"
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -133,8 +144,9 @@ class Cluster:
     #: serve Prometheus metrics: every worker and beat started gets a port of its
     #: own (CHARLIE_METRICS_PORT, CHARLIE_BEAT_METRICS_PORT), recorded here by process id.
     metrics: bool = False
-    #: the workers' pool (metered clusters may run threads or solo)
-    pool: str = "prefork"
+    #: the workers' pool (metered clusters may run threads or solo); CHARLIE_TEST_POOL runs a
+    #: whole round on another (CI's threads round: a SIGKILL takes every call of the process)
+    pool: str = field(default_factory=lambda: default_pool())
     metrics_ports: dict[int, int] = field(default_factory=dict)
     #: more environment for the workers and beat started from now on (reconfigured())
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -189,14 +201,17 @@ class Cluster:
         concurrency: int = 2,
         prefix: list[str] | None = None,
         env: dict[str, str] | None = None,
+        as_started: bool = False,
     ) -> subprocess.Popen[bytes]:
         """A worker; ``prefix`` runs it through another command (``ip netns exec NS``: on
-        another host), with ``env`` besides the cluster's settings."""
+        another host), with ``env`` besides the cluster's settings. ``as_started``: with no
+        pool or concurrency of the test's, as `charlie worker` starts by default."""
         self._serial += 1
         name = f"w{self._serial}"
         port = free_port() if self.metrics else None
+        pool_args = [] if as_started else ["-c", str(concurrency), "--pool", self.pool]
         proc = self._spawn(
-            ["worker", "-c", str(concurrency), "-n", f"{name}@%h", "--pool", self.pool],
+            ["worker", *pool_args, "-n", f"{name}@%h"],
             f"worker-{name}.log",
             {**(env or {}), **({"CHARLIE_METRICS_PORT": str(port)} if port else {})},
             address_space=self.address_space,
@@ -259,7 +274,7 @@ class Cluster:
         finally:
             with self._lock:
                 self._terminate(self.workers + self.beats)
-                self.workers, self.beats, self.metrics, self.pool = [], [], False, "prefork"
+                self.workers, self.beats, self.metrics, self.pool = [], [], False, default_pool()
                 self.metrics_ports.clear()
                 self.ensure(workers=self.want_workers, beat=True)
 

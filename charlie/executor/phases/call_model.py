@@ -29,7 +29,7 @@ from charlie.domain import (
     Transition,
 )
 from charlie.executor import context
-from charlie.models import retrying
+from charlie.models import inflight, retrying
 from charlie.models.base import ModelError, ModelRequest, ModelResponse, TransientModelError
 from charlie.ports import CapacitySlot, CapacityWait, PhaseDeps
 from charlie.tools.registry import ToolDef, ToolRegistry
@@ -171,7 +171,8 @@ def _run(view: RunView, deps: PhaseDeps, enabled: list[ToolDef]) -> Transition:
         stream.start(model=task.model, attempt=attempt, retry=retries)
         request = replace(request, deltas=stream)
     try:
-        response = model.complete(request)
+        with inflight.counted():
+            response = model.complete(request)
     except BaseException as exc:
         deps.capacity.release(slot, None)
         stream.end("abandoned", f"{type(exc).__name__}: {exc}")
@@ -198,7 +199,8 @@ def _compact(view: RunView, deps: PhaseDeps, plan: context.Plan, retries: int) -
         return taken
     request, slot = taken
     try:
-        response = deps.model_for(task.model).complete(request)
+        with inflight.counted():
+            response = deps.model_for(task.model).complete(request)
     except TransientModelError as exc:
         deps.capacity.release(slot, None)
         return _retry_later(view, deps, task.model, retries, exc)
