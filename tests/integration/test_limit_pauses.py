@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -47,7 +46,8 @@ def test_a_providers_pause_is_bounded_shown_and_lifted_by_an_operator(
         from charlie.console.server import load_list
 
         listed = load_list([], None, None)["limits"]
-        assert [x.key for x in listed if x.paused_until] == ["openai:"]
+        # (another module's test may have left a limit of its own paused on this cluster)
+        assert "openai:" in [x.key for x in listed if x.paused_until]
 
         def cli(*args: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
@@ -63,13 +63,11 @@ def test_a_providers_pause_is_bounded_shown_and_lifted_by_an_operator(
         assert shown.returncode == 0, shown.stderr
         assert "openai:: " in shown.stdout and "paused by the provider until" in shown.stdout
         assert "charlie limits resume openai:" in shown.stdout
-        started = time.monotonic()
         lifted = cli("resume", "openai:", "--note", "the gateway misbehaved")
         assert lifted.returncode == 0, lifted.stderr
         assert "lifted the pause of openai:" in lifted.stdout
         info = charlie.wait(task_id, timeout=60)
-        assert info.status is TaskStatus.SUCCEEDED, info.error
-        assert time.monotonic() - started < 60
+        assert info.status is TaskStatus.SUCCEEDED, info.error  # not the 600 s pause
         with pytest.raises(LimitNotPaused, match="is not paused"):
             resume_limit("openai:")
     action = limit_actions("openai:")[0]
