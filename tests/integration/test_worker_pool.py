@@ -79,4 +79,8 @@ def test_a_worker_started_as_by_default_holds_many_model_calls_in_flight(
     assert any(
         isinstance(c, Check) and f"threads {WORKER_CONCURRENCY}" in c.detail for c in shown
     ), shown
-    assert [fields["pool"] for _node, fields in listed] == ["threads"], listed
+    # (a worker an earlier module stopped may still count as live by its last heartbeat)
+    assert any(
+        fields["pool"] == "threads" and fields["concurrency"] == WORKER_CONCURRENCY
+        for _node, fields in listed
+    ), listed
