@@ -44,7 +44,7 @@ from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.toolsets import FunctionToolset
 from pydantic_ai.usage import RunUsage, UsageLimits
 
-from charlie.agents import METADATA_KEY, AgentRefused, AgentSpec, Submission
+from charlie.agents.spec import METADATA_KEY, AgentRefused, AgentSpec, Submission
 from charlie.domain import JSON, Effect, ItemKind, NewItem, OnInterrupt
 from charlie.models.base import (
     NO_DELTAS,
