@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from charlie.agents.spec import (
     MARK,
     METADATA_KEY,
+    USAGE_LIMIT_FIELDS,
     AgentRefused,
     AgentSpec,
     Submission,
@@ -31,22 +32,6 @@ from charlie.agents.spec import (
 if TYPE_CHECKING:
     from charlie.models.base import Model
     from charlie.tools.registry import ToolRegistry
-
-__all__ = [
-    "MARK",
-    "METADATA_KEY",
-    "AgentRefused",
-    "AgentSpec",
-    "Submission",
-    "base_model",
-    "find_tool",
-    "is_agent_spec",
-    "model_for",
-    "parse_spec",
-    "prepare_submission",
-    "register_module_agents",
-    "usage_limits_of",
-]
 
 
 def prepare_submission(
