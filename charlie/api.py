@@ -444,6 +444,7 @@ def worker_pools() -> list[tuple[str, dict[str, Any]]]:
     return live_pools(beats, utcnow())
 
 
+@retried_if_disconnected
 def get_task(task_id: str) -> TaskInfo:
     with read(get_producer().engine) as conn:
         row = reads.task_with_run(conn, task_id)

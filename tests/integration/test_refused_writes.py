@@ -199,8 +199,8 @@ def test_connections_dropped_by_the_database_cost_nothing(cluster: Cluster, scri
 
 def test_a_producer_survives_a_connection_the_database_dropped(cluster: Cluster, script) -> None:
     """A producer's pooled connection, killed by the database while it sat in the pool for less
-    than the ping interval, fails its next statement: submit and cancel run again on a fresh
-    one, and the submit saves one task, not two (its id is fixed before the first try)."""
+    than the ping interval, fails its next statement: submit, a task's read and cancel run
+    again on a fresh one, and the submit saves one task, not two (its id is fixed before the first try)."""
     rt = get_runtime()
     if rt.settings.is_sqlite:
         pytest.skip("SQLite has no server connections to drop")
@@ -222,6 +222,8 @@ def test_a_producer_survives_a_connection_the_database_dropped(cluster: Cluster,
     with read(rt.engine) as conn:
         saved = conn.execute(select(tasks.c.id).where(tasks.c.prompt == prompt)).all()
     assert [r.id for r in saved] == [task_id]
+    kill_the_pooled_connection()  # a read runs again too (what charlie.wait polls)
+    assert charlie.get_task(task_id).status is TaskStatus.RUNNING
     kill_the_pooled_connection()
     assert charlie.cancel(task_id) is True
     assert charlie.wait(task_id, timeout=30).status is TaskStatus.CANCELED
