@@ -73,22 +73,17 @@ def test_one_trace_per_task_across_a_sigkill(
         lambda: [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "write"]
     )
     doomed = f":{writes[0]['pid']}"
-    # What the doomed worker did before the write reaches the receiver (batches of 200 ms).
-    # (both model calls before the write: one worker now runs a whole chain of turns, and a
-    # kill before its second call's span is exported would lose that span with the worker)
-    wait_for(
-        lambda: (
-            len(
-                [
-                    s
-                    for s in otlp_receiver.of_task(task_id)
-                    if s.name.startswith("chat ")  # only the doomed worker has called the model
-                ]
-            )
-            >= 2
-        ),
-        timeout=20,
-    )
+    # What the doomed worker did before the write reaches the receiver (batches of 200 ms):
+    # both model calls before the write, and the call_model ticks that hold them. One worker
+    # runs a whole chain of turns, and a span still in its exporter's queue dies with it: a
+    # chat span may leave in one batch and its tick's span only in the next.
+    def doomed_calls_exported() -> bool:
+        spans = otlp_receiver.of_task(task_id)
+        chats = [s for s in spans if s.name.startswith("chat ")]  # only the doomed worker's yet
+        received = {s.span_id for s in spans}
+        return len(chats) >= 2 and all(c.parent_span_id in received for c in chats)
+
+    wait_for(doomed_calls_exported, timeout=20)
     cluster.kill_pid_group(int(writes[0]["pid"]))
 
     info = charlie.wait(task_id, timeout=90)
