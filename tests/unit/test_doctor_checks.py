@@ -113,9 +113,12 @@ def test_model_retries(tmp_path: Path) -> None:
 
 
 def test_mcp(tmp_path: Path) -> None:
-    [none] = doctor.check_mcp(Context(settings(tmp_path), 2.0))
+    # Not the suite's own MCP test servers, which a whole run puts in the environment.
+    unset = {"mcp_config": None, "mcp_servers": None}
+    [none] = doctor.check_mcp(Context(settings(tmp_path, **unset), 2.0))
     assert none.status == "skip"
-    [bad] = doctor.check_mcp(Context(settings(tmp_path, mcp_servers="{not json"), 2.0))
+    bad_json = {**unset, "mcp_servers": "{not json"}
+    [bad] = doctor.check_mcp(Context(settings(tmp_path, **bad_json), 2.0))
     assert bad.status == "FAIL"
 
 
