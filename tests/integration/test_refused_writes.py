@@ -200,7 +200,8 @@ def test_connections_dropped_by_the_database_cost_nothing(cluster: Cluster, scri
 def test_a_producer_survives_a_connection_the_database_dropped(cluster: Cluster, script) -> None:
     """A producer's pooled connection, killed by the database while it sat in the pool for less
     than the ping interval, fails its next statement: submit, a task's read and cancel run
-    again on a fresh one, and the submit saves one task, not two (its id is fixed before the first try)."""
+    again on a fresh one, and the submit saves one task, not two (its id is fixed before the
+    first try)."""
     rt = get_runtime()
     if rt.settings.is_sqlite:
         pytest.skip("SQLite has no server connections to drop")
