@@ -12,6 +12,24 @@ Charlie's in its workers: SQLAlchemy commits and autocommit writes), ``server_co
 ``wal_bytes_per_turn`` (the server's WAL insert position before and after).
 
     python scripts/_bench_dbos.py --database-url postgresql://postgres@127.0.0.1/charlie_bench_dbos
+
+Two more shapes, each for a figure of ``scripts/bench.py`` (``--figure``):
+
+``inflight``
+    ``--tasks`` agents enqueued at once on a DBOS queue of ``--concurrency``, each a workflow
+    of a model step (an HTTP request to ``--model-url``, an OpenAI-style chat completion), an
+    instant tool step and a second model step, as Charlie's in-flight figure runs its tasks.
+    Prints ``{"version", "wall_s", "rss_mib"}`` (the wall from the first enqueue to the last
+    result; the process's peak RSS).
+``fleet``
+    ``--runs`` workflows enqueued at once on a DBOS queue (no concurrency limit), each
+    ``--runs-turns`` turns of a model step and a tool step that return at once. Prints
+    ``{"version", "wall_s", "turns", "turns_per_s", "wal_bytes_per_turn"}`` (WAL: the
+    server's ``pg_current_wal_lsn`` before and after, the whole server's).
+
+A queue polls for work every ``--queue-poll`` seconds (DBOS's default, 1 s, unless
+``BENCH_DBOS_QUEUE_POLL`` says otherwise): up to one interval of each wall is the wait for the
+first poll.
 """
 
 from __future__ import annotations
@@ -78,15 +96,133 @@ def server(url: str, settle: float) -> tuple[int, int]:
     return int(xact[0] or 0), int(lsn[0])
 
 
+def wal_position(url: str) -> int:
+    """The server's WAL write position, in bytes (``pg_current_wal_lsn``)."""
+    parsed = make_url(url)
+    admin = parsed.set(drivername="postgresql", database="postgres").render_as_string(False)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def inflight(args: argparse.Namespace) -> dict[str, object]:
+    """Agents of two model calls (an HTTP request each) and a tool step, from a queue."""
+    import httpx
+    from dbos import DBOS
+
+    DBOS(config={"name": "charlie-bench-inflight", "system_database_url": args.database_url})
+    client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=args.concurrency))
+
+    @DBOS.step()
+    def model_step(prompt: str, tool_result: str | None) -> dict[str, Any]:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        if tool_result is not None:
+            messages.append({"role": "tool", "tool_call_id": "c1", "content": tool_result})
+        body = {"model": "bench-model", "messages": messages}
+        reply = client.post(args.model_url.rstrip("/") + "/chat/completions", json=body)
+        reply.raise_for_status()
+        return dict(reply.json()["choices"][0]["message"])
+
+    @DBOS.step()
+    def tool_step(value: str) -> str:
+        return value
+
+    @DBOS.workflow()
+    def agent(prompt: str) -> str:
+        message = model_step(prompt, None)
+        result = tool_step(str(message.get("tool_calls")))
+        return str(model_step(prompt, result).get("content"))
+
+    DBOS.launch()
+    try:
+        # a queue's slots on one executor, as a Charlie worker's are in its process
+        queue = DBOS.register_queue(
+            "agents", worker_concurrency=args.concurrency, polling_interval_sec=args.queue_poll
+        )
+        started = time.perf_counter()
+        handles = [queue.enqueue(agent, f"agent {i}") for i in range(args.tasks)]
+        for handle in handles:
+            handle.get_result()
+        wall = time.perf_counter() - started
+    finally:
+        DBOS.destroy()
+        client.close()
+    return {"version": version("dbos"), "wall_s": wall, "rss_mib": peak_rss_mib()}
+
+
+def fleet(args: argparse.Namespace) -> dict[str, object]:
+    """``--runs`` workflows of ``--runs-turns`` turns (a model and a tool step), from a queue."""
+    from dbos import DBOS
+
+    DBOS(config={"name": "charlie-bench-fleet", "system_database_url": args.database_url})
+
+    @DBOS.step()
+    def model_step(turn: int) -> int:
+        return turn
+
+    @DBOS.step()
+    def tool_step(turn: int) -> int:
+        return turn
+
+    @DBOS.workflow()
+    def agent(turns: int) -> int:
+        for turn in range(turns):
+            model_step(turn)
+            tool_step(turn)
+        return turns
+
+    DBOS.launch()
+    try:
+        queue = DBOS.register_queue("fleet", polling_interval_sec=args.queue_poll)
+        queue.enqueue(agent, 2).get_result()  # warm up
+        turns = args.runs * args.runs_turns
+        lsn0 = wal_position(args.database_url)
+        started = time.perf_counter()
+        handles = [queue.enqueue(agent, args.runs_turns) for _ in range(args.runs)]
+        for handle in handles:
+            handle.get_result()
+        wall = time.perf_counter() - started
+        lsn1 = wal_position(args.database_url)
+    finally:
+        DBOS.destroy()
+    return {
+        "version": version("dbos"),
+        "wall_s": wall,
+        "turns": turns,
+        "turns_per_s": turns / wall,
+        "wal_bytes_per_turn": (lsn1 - lsn0) / turns,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--database-url", required=True)
+    p.add_argument("--figure", choices=["turns", "inflight", "fleet"], default="turns")
     p.add_argument("--turns", type=int, default=20, help="turns of the single workflow")
     p.add_argument("--runs", type=int, default=50, help="concurrent workflows")
     p.add_argument("--runs-turns", type=int, default=5, help="turns of each of them")
     p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--model-url", default=None, help="inflight: the provider's base URL")
+    p.add_argument("--tasks", type=int, default=1000, help="inflight: agents")
+    p.add_argument("--concurrency", type=int, default=64, help="inflight: the queue's")
+    p.add_argument(
+        "--queue-poll",
+        type=float,
+        default=float(os.environ.get("BENCH_DBOS_QUEUE_POLL", "1.0")),
+        help="seconds between a queue's polls (DBOS's default 1; BENCH_DBOS_QUEUE_POLL)",
+    )
     args = p.parse_args()
     recreate(args.database_url)
+    if args.figure != "turns":
+        print(json.dumps(inflight(args) if args.figure == "inflight" else fleet(args)))
+        return
     commits = Commits()
     commits.install()
     settle = float(os.environ.get("BENCH_PG_STATS_SETTLE", "11"))

@@ -4,6 +4,7 @@
     python scripts/bench.py                  # every reachable backend, 3 trials
     python scripts/bench.py --quick          # a smoke run: 1 trial, small sizes
     python scripts/bench.py --backend postgres --only transitions,floor --trials 5
+    python scripts/bench.py --backend postgres --only inflight,fleet --trials 3
 
 For each backend (SQLite + the embedded broker in a fresh CHARLIE_HOME; PostgreSQL + Redis on
 127.0.0.1, database ``charlie_bench`` and Redis db 14, both wiped first), it starts one Charlie
@@ -72,6 +73,22 @@ limits
     own cost per model call, uncontended, in this process: the statements and milliseconds of
     taking and releasing a slot.
 
+inflight
+    many agents per worker: N tasks (``--inflight-tasks``, 1,000; 20 with --quick) of two
+    model calls each (an instant tool call between them) against a real HTTP server on
+    127.0.0.1 that answers every request after 2 s (``--inflight-latency``), on ONE worker
+    started as ``charlie worker`` starts by default (threads, 64): the wall time against the
+    ideal (ceil(N / slots) x 2 calls x the latency), the most calls in flight as the server
+    counted them, the worker's RSS; then the old default (``--pool prefork -c 2``) on
+    ``--inflight-prefork`` tasks (60; 2 with --quick); with DBOS, the same N agents on a DBOS
+    queue of the same concurrency in one process (``scripts/_bench_dbos.py --figure inflight``).
+fleet
+    ``--fleet-runs`` runs at once (50; 20 with --quick), each ``--fleet-turns`` turns (20; 2
+    with --quick) of one instant tool call, on ONE worker as ``charlie worker`` starts by
+    default: turns per second and WAL bytes per turn (``pg_current_wal_lsn`` over the run,
+    the whole server's); with DBOS, trial by trial, the same workflows (a model step and a
+    tool step per turn) enqueued at once on a DBOS queue (``--figure fleet``).
+
 sandbox start (``--sandbox-start N``, alone: no backend, no worker)
     what the local ``run_command`` costs before the command does anything: a sandboxed ``true``
     run N times through the tool itself (bubblewrap, the allow-list's binds, the environment
@@ -88,10 +105,11 @@ starts runs in its own process group and is killed on exit, Ctrl-C included.
 
 The code is the package ``scripts/benchmarks/``: one module per figure above (``transitions``,
 ``floor``, ``dbos``, ``fanout``, ``recovery``, ``scale``, ``waiting``, ``streaming``,
-``console``, ``longrun``, ``limits``, ``growth``, ``sandbox_start``), each a mixin of the methods
-that measure it and the table's rows it fills; ``harness`` (backends, processes, storage,
-statistics, a backend run's base), ``table`` (the rows in order, derived ratios, the rendering)
-and ``runner`` (the parent, the children, the options). docs/benchmarks.md says how to add one.
+``console``, ``longrun``, ``limits``, ``inflight``, ``fleet``, ``growth``, ``sandbox_start``),
+each a mixin of the methods that measure it and the table's rows it fills; ``harness``
+(backends, processes, storage, statistics, a backend run's base), ``table`` (the rows in order,
+derived ratios, the rendering) and ``runner`` (the parent, the children, the options).
+docs/benchmarks.md says how to add one.
 """
 
 from __future__ import annotations

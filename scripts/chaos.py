@@ -4,8 +4,11 @@
     python scripts/chaos.py --tasks 200 --kill-every 2
     python scripts/chaos.py --tasks 30 --broker-url redis://127.0.0.1:6379/13 \
         --database-url postgresql://postgres@127.0.0.1/charlie_chaos
+    python scripts/chaos.py --tasks 30 --kill-every 3 --pool threads   # as `charlie worker`
 
-Starts N worker processes and one beat (default sweep settings), submits tasks whose scripted
+Starts N worker processes (``--workers``; each a prefork pool of 2, or ``--pool threads``: a
+threads pool of 8, the pool `charlie worker` starts with, where a kill takes every call the
+process held at once) and one beat (default sweep settings), submits tasks whose scripted
 models call a mix of tools (quick reads, slow reads, writes recorded in a ledger outside
 Charlie's tables, writes with a read-back reconcile hook, delegations with waits), and kills a
 random worker's whole process group every few seconds; a supervisor restarts it. Meanwhile a

@@ -42,6 +42,8 @@ SCENARIOS = (
     "console",
     "longrun",
     "limits",
+    "inflight",
+    "fleet",
     "growth",
 )
 #: what runs without --only: growth inserts 100,000 tasks, so it is asked for by name
@@ -119,6 +121,17 @@ class Sizes:
     #: read PostgreSQL's own commit counts around each measured batch (each read waits out the
     #: backends' stats flush, BENCH_PG_STATS_SETTLE seconds, twice a batch): not in the smoke run
     server_counters: bool = True
+    #: the in-flight figure: tasks on the worker as started, tasks on the old default
+    #: (prefork, 2 processes: 2 calls in flight), seconds each model call takes, and the
+    #: arguments of the first worker (none: `charlie worker` as it starts by default)
+    inflight_tasks: int = 1000
+    inflight_prefork: int = 60
+    inflight_latency: float = 2.0
+    inflight_worker_args: str = ""
+    #: the fleet figure: runs at once, turns of each, the worker's arguments
+    fleet_runs: int = 50
+    fleet_turns: int = 20
+    fleet_worker_args: str = ""
 
     @property
     def recovery_samples(self) -> int:
@@ -152,6 +165,10 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
             longrun_turns=60,
             limits_tasks=40,
             server_counters=False,
+            inflight_tasks=20,
+            inflight_prefork=2,
+            fleet_runs=20,
+            fleet_turns=2,
         )
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
@@ -165,7 +182,20 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
         sizes = dataclasses.replace(sizes, scale_tasks=args.scale_tasks)
     if args.waiting_tasks:
         sizes = dataclasses.replace(sizes, waiting_tasks=args.waiting_tasks)
-    return sizes
+    given = {
+        name: getattr(args, name)
+        for name in (
+            "inflight_tasks",
+            "inflight_prefork",
+            "inflight_latency",
+            "inflight_worker_args",
+            "fleet_runs",
+            "fleet_turns",
+            "fleet_worker_args",
+        )
+        if getattr(args, name, None) is not None
+    }
+    return dataclasses.replace(sizes, **given)
 
 
 class Processes:
@@ -178,6 +208,8 @@ class Processes:
         self.home = home
         self.env = env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: the log of each process by name, the latest started
+        self.logs: dict[str, Path] = {}
         self.serial = 0
         (home / "logs").mkdir(parents=True, exist_ok=True)
         atexit.register(self.close)
@@ -185,7 +217,8 @@ class Processes:
     def spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> None:
         assert name not in self.procs or self.procs[name].poll() is not None, name
         self.serial += 1
-        log = open(self.home / "logs" / f"{name}-{self.serial}.log", "ab")  # noqa: SIM115
+        self.logs[name] = self.home / "logs" / f"{name}-{self.serial}.log"
+        log = open(self.logs[name], "ab")  # noqa: SIM115
         proc = subprocess.Popen(
             argv,
             env={**self.env, **(extra_env or {})},
@@ -407,6 +440,15 @@ class CellBase:
         # first task too (CHARLIE_TOOL_MODULES would import them only inside that task).
         argv += ["-n", f"bench{self.serial}@%h", "--include", "_bench_support"]
         self.procs.spawn("worker", argv, extra_env)
+
+    def wait_ready(self, name: str, timeout: float = 120) -> None:
+        """Until the worker's log says it is ready (its slots waiting for messages)."""
+        log = self.procs.logs[name]
+        deadline = time.monotonic() + timeout
+        while " ready." not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline or self.procs.procs[name].poll() is not None:
+                raise RuntimeError(f"the {name} worker did not start: see {log}")
+            time.sleep(0.2)
 
     def start_beat(self) -> None:
         schedule = self.home / "beat.schedule"

@@ -27,6 +27,7 @@ from typing import Any
 from benchmarks.console import ConsoleFigure
 from benchmarks.dbos import DbosFigure
 from benchmarks.fanout import FanoutFigure
+from benchmarks.fleet import FleetFigure
 from benchmarks.floor import FloorFigure
 from benchmarks.growth import GrowthFigure
 from benchmarks.harness import (
@@ -49,6 +50,7 @@ from benchmarks.harness import (
     recreate_pg_database,
     sizes_for,
 )
+from benchmarks.inflight import InflightFigure
 from benchmarks.limits import LimitsFigure
 from benchmarks.longrun import LongrunFigure
 from benchmarks.recovery import RecoveryFigure
@@ -72,6 +74,8 @@ class Cell(
     ConsoleFigure,
     LongrunFigure,
     LimitsFigure,
+    InflightFigure,
+    FleetFigure,
     GrowthFigure,
     CellBase,
 ):
@@ -206,6 +210,17 @@ def start_child(backend: Backend, args: argparse.Namespace, home: Path) -> subpr
         argv += ["--scale-tasks", str(args.scale_tasks)]
     if args.waiting_tasks:
         argv += ["--waiting-tasks", str(args.waiting_tasks)]
+    for flag, value in (
+        ("--inflight-tasks", args.inflight_tasks),
+        ("--inflight-prefork", args.inflight_prefork),
+        ("--inflight-latency", args.inflight_latency),
+        ("--inflight-worker-args", args.inflight_worker_args),
+        ("--fleet-runs", args.fleet_runs),
+        ("--fleet-turns", args.fleet_turns),
+        ("--fleet-worker-args", args.fleet_worker_args),
+    ):
+        if value is not None:
+            argv.append(f"{flag}={value}")  # (= keeps a value that starts with a dash)
     if args.keep:
         argv.append("--keep")
     for kv in args.worker_env:
@@ -299,6 +314,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="tasks left waiting for an approval in the waiting run (default 1000)",
     )
+    p.add_argument(
+        "--inflight-tasks",
+        type=int,
+        default=None,
+        help="inflight: tasks of two slow model calls on the worker as started (default 1000)",
+    )
+    p.add_argument(
+        "--inflight-prefork",
+        type=int,
+        default=None,
+        help="inflight: tasks on the old default, prefork with 2 processes (default 60)",
+    )
+    p.add_argument(
+        "--inflight-latency",
+        type=float,
+        default=None,
+        help="inflight: seconds the provider takes to answer each model call (default 2)",
+    )
+    p.add_argument(
+        "--inflight-worker-args",
+        default=None,
+        metavar="ARGS",
+        help='inflight: arguments for the first worker (default none; e.g. "-c 300")',
+    )
+    p.add_argument("--fleet-runs", type=int, default=None, help="fleet: runs at once (default 50)")
+    p.add_argument(
+        "--fleet-turns", type=int, default=None, help="fleet: turns of each run (default 20)"
+    )
+    p.add_argument(
+        "--fleet-worker-args",
+        default=None,
+        metavar="ARGS",
+        help="fleet: arguments for the worker (default none: as `charlie worker` starts)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     p.add_argument("--keep", action="store_true", help="keep homes, logs and the PG database")
     p.add_argument(
@@ -335,6 +384,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--scale-tasks must be at least 1")
     if args.waiting_tasks is not None and args.waiting_tasks < 1:
         p.error("--waiting-tasks must be at least 1")
+    for name in ("inflight_tasks", "inflight_prefork", "fleet_runs", "fleet_turns"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.inflight_latency is not None and args.inflight_latency <= 0:
+        p.error("--inflight-latency must be positive")
     if any("=" not in kv for kv in args.worker_env):
         p.error("--worker-env takes KEY=VALUE")
     return args

@@ -14,7 +14,9 @@ from benchmarks import (
     console,
     dbos,
     fanout,
+    fleet,
     growth,
+    inflight,
     limits,
     longrun,
     recovery,
@@ -39,6 +41,8 @@ ROWS: list[Row | str] = [
     *waiting.ROWS,
     *streaming.ROWS,
     *limits.ROWS,
+    *inflight.ROWS,
+    *fleet.ROWS,
     *console.ROWS,
     *growth.ROWS,
 ]
@@ -103,7 +107,10 @@ def render(
         f"{sizes.recovery_samples} recovery samples; scale {sizes.scale_tasks:,} tasks; "
         f"N = {sizes.waiting_tasks:,} waiting tasks, batch of {sizes.waiting_runs} runs of "
         f"{sizes.waiting_turns} turns; console: a run of about {sizes.console_items:,} "
-        f"transcript items, a list over {sizes.console_tasks:,} tasks."
+        f"transcript items, a list over {sizes.console_tasks:,} tasks; in flight: "
+        f"{sizes.inflight_tasks:,} tasks (prefork: {sizes.inflight_prefork}) of 2 model calls "
+        f"of {sizes.inflight_latency:g} s; fleet: {sizes.fleet_runs} runs of "
+        f"{sizes.fleet_turns} turns."
     )
     out.append("")
     if names:
@@ -134,8 +141,10 @@ def render(
     if measured:
         out.append(
             f"- DBOS {measured[0]}: one workflow per run, its steps returning at once; DBOS runs "
-            "in the benchmark's process (no broker, no worker pool), checkpointing each step "
-            "in PostgreSQL. Per turn: the workflow's time / its turns."
+            "in a process of its own (no broker, no worker pool), checkpointing each step "
+            "in PostgreSQL. Per turn: the workflow's time / its turns. In the in-flight and "
+            "fleet rows the workflows are enqueued at once on a DBOS queue (polled every "
+            "second, DBOS's default)."
         )
     else:
         out.append(
@@ -190,6 +199,13 @@ FOOTNOTES = [
     "(what autovacuum does to a fresh database). Then every held call is approved "
     "(`charlie.approve`, one at a time) and the N run to their final answer; an approved "
     "call's deadline (the tool's, 60 s) runs from its approve, its wait in the queue included.",
+    "- Many agents per worker: each task's model calls go to a real HTTP server on 127.0.0.1 "
+    "that answers after the latency and counts its requests in flight (the peak is its count); "
+    "the ideal is ceil(N / the worker's slots) x 2 calls x the latency; the wall runs from the "
+    "first submit to the last transition. The worker's RSS is summed over its process group, the "
+    "most of samples every 0.5 s; DBOS's is its process's peak (ru_maxrss).",
+    "- Fleet: WAL bytes are the whole server's (`pg_current_wal_lsn` before the submits and "
+    "after the last run ends): on a shared server, other databases' writes count too.",
     "- Console: times are the client's, over loopback, 50 tasks a list page; the task page is "
     "its header, open calls, actions, the timeline SVG of the whole run and the latest 300 "
     "transcript rows (a call's whole record loads when its row is opened); `?all=1` has every "

@@ -24,9 +24,13 @@ from tests.support.cluster import (
     Cluster,
     McpServers,
     cluster_env,
+    default_pool,
     flush_redis,
     recreate_postgres_database,
 )
+
+#: a threads worker's slots in the chaos round, unless --concurrency says otherwise
+THREADS_CONCURRENCY = 8
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,7 +38,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=200)
     p.add_argument("--kill-every", type=float, default=2.0, help="seconds between kills")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument(
+        "--pool",
+        choices=["prefork", "threads"],
+        default=None,
+        help="the workers' pool (default prefork, or CHARLIE_TEST_POOL's): on threads a kill "
+        "takes every call its process held at once",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="each worker's slots (default 2 on prefork; 8 on threads: a kill takes many calls "
+        "at once, and the first questions still outnumber the slots with tasks to spare)",
+    )
     p.add_argument("--database-url", default=None, help="default: SQLite in a temp home")
     p.add_argument("--broker-url", default=None, help="default: the embedded broker")
     p.add_argument("--seed", type=int, default=7)
@@ -49,7 +66,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--mcp-share", type=float, default=0.25, help="share of tasks calling MCP tools (0: none)"
     )
-    return p.parse_args()
+    args = p.parse_args()
+    args.pool = args.pool or default_pool()
+    if args.concurrency is None:
+        args.concurrency = THREADS_CONCURRENCY if args.pool == "threads" else 2
+    return args
 
 
 def main() -> int:
@@ -86,6 +107,7 @@ def main() -> int:
 
     upgrade(settings().database_url)
     cluster = Cluster(home=home, backend=backend, settings_env=env)
+    cluster.pool, cluster.concurrency = args.pool, args.concurrency
     cluster.set_faults({})
     cluster.ensure(workers=args.workers, beat=True)
     cluster.supervise()
@@ -110,7 +132,7 @@ def main() -> int:
         plans[plan.task_id] = plan
     print(
         f"chaos: {args.tasks} tasks, kill every {args.kill_every}s, {args.workers} workers "
-        f"x {args.concurrency}, db {settings().database_url.split(':')[0]}, "
+        f"x {args.concurrency} ({args.pool}), db {settings().database_url.split(':')[0]}, "
         f"broker {settings().broker_url.split(':')[0]}, home {home}",
         flush=True,
     )

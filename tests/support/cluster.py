@@ -147,6 +147,9 @@ class Cluster:
     #: the workers' pool (metered clusters may run threads or solo); CHARLIE_TEST_POOL runs a
     #: whole round on another (CI's threads round: a SIGKILL takes every call of the process)
     pool: str = field(default_factory=lambda: default_pool())
+    #: each worker's slots, unless start_worker is given its own (scripts/chaos.py's
+    #: --concurrency)
+    concurrency: int = 2
     metrics_ports: dict[int, int] = field(default_factory=dict)
     #: more environment for the workers and beat started from now on (reconfigured())
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -198,7 +201,7 @@ class Cluster:
 
     def start_worker(
         self,
-        concurrency: int = 2,
+        concurrency: int | None = None,
         prefix: list[str] | None = None,
         env: dict[str, str] | None = None,
         as_started: bool = False,
@@ -209,7 +212,8 @@ class Cluster:
         self._serial += 1
         name = f"w{self._serial}"
         port = free_port() if self.metrics else None
-        pool_args = [] if as_started else ["-c", str(concurrency), "--pool", self.pool]
+        slots = self.concurrency if concurrency is None else concurrency
+        pool_args = [] if as_started else ["-c", str(slots), "--pool", self.pool]
         proc = self._spawn(
             ["worker", *pool_args, "-n", f"{name}@%h"],
             f"worker-{name}.log",
