@@ -1,8 +1,7 @@
 """The documentation as most people read it: in the repository's web view, where no MkDocs runs.
 What a page shows is there in the file (no snippet markers: the code itself, kept equal to
 docs/examples/), every link goes to a file the repository holds (the generated references are
-committed, and kept current), and the code blocks of the pages a newcomer reads first fit the
-column."""
+committed, and kept current), and every page's code blocks fit the column."""
 
 from __future__ import annotations
 
@@ -24,22 +23,6 @@ EXAMPLES = DOCS / "examples"
 PAGES = [*sorted(DOCS.rglob("*.md")), REPO / "README.md", REPO / "CONTRIBUTING.md"]
 #: the width a code block is wrapped at, so it fits the column of the web view and the site
 CODE_WIDTH = 88
-#: pages whose code blocks are not wrapped yet: diagrams and tables drawn in text, and pages
-#: being rewritten elsewhere; every other page's are
-NOT_WRAPPED_YET = {
-    "architecture.md",
-    "benchmarks.md",
-    "concepts/phases.md",
-    "models/limits.md",
-    "production/index.md",
-    "production/multi-host.md",
-    "production/pgbouncer.md",
-}
-WRAPPED = [
-    p
-    for p in PAGES
-    if str(p.relative_to(DOCS) if DOCS in p.parents else p.name) not in NOT_WRAPPED_YET
-]
 
 
 def _reference() -> ModuleType:
@@ -96,7 +79,7 @@ def test_the_committed_references_are_current() -> None:
 
 
 def test_code_blocks_fit_the_column() -> None:
-    for page in WRAPPED:
+    for page in PAGES:
         inside = False
         for n, line in enumerate(page.read_text().splitlines(), 1):
             if line.lstrip().startswith("```"):
