@@ -96,7 +96,7 @@ def test_watch_says_a_model_call_is_retried(capsys: pytest.CaptureFixture[str]) 
         "1-0",
         {
             "type": "retrying",
-            "error": "openai:x: HTTP 503: overloaded (5 attempts failed)",
+            "error": "openai:x: HTTP 503: overloaded",
             "attempts": 5,
             "next_at": "2026-01-01T00:00:04+00:00",
             "until": "2026-01-01T00:10:00+00:00",
