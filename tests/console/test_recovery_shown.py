@@ -79,6 +79,17 @@ def test_a_reconciled_call_shows_its_recovery(
     shown = next(line for _, line in transcript_rows(task_id) if "idempotent_write" in line)
     assert f"[ok, {took}, reconciled]" in shown, shown
     assert took != f"{call.duration_ms:.0f} ms"  # not the reconcile hook's milliseconds
+    # small words: the header's counts agree with their nouns, and the transcript's numbers
+    # run without a gap to the count it gives (a call and its result share a row: "3·4")
+    record = css(browser, "dl.facts").find_element(
+        "xpath", ".//dt[text()='record']/following-sibling::dd"
+    )
+    said = record.get_attribute("textContent").strip()
+    items = int(said.split()[0])
+    assert said == f"{items} transcript items, 1 tool call", said
+    shown = [s.get_attribute("textContent") for s in css_all(browser, "article.row .seq")]
+    numbers = sorted(int(n) for s in shown for n in re.findall(r"\d+", s))
+    assert numbers == list(range(items)), shown
     screenshot(browser, screenshots, "task-recovered-call")
 
 

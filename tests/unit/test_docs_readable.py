@@ -102,3 +102,27 @@ def test_the_reference_tables_keep_a_variable_name_whole() -> None:
     css = (DOCS / "stylesheets" / "extra.css").read_text()
     assert "td:first-child code" in css and "white-space: nowrap" in css
     assert "stylesheets/extra.css" in (REPO / "mkdocs.yml").read_text()
+
+
+def test_the_readme_installs_the_test_extra_before_running_the_example_test() -> None:
+    readme = (REPO / "README.md").read_text()
+    extra, run = readme.find("pip install -e '.[test]'"), readme.find("pytest test_labels.py")
+    assert 0 <= extra < run, "the README runs pytest test_labels.py before installing pytest"
+
+
+def test_the_tool_option_says_what_leaving_it_out_gives_naming_every_built_in() -> None:
+    import charlie.tools  # noqa: F401  (registers the built-ins)
+    from charlie.cli import submit
+    from charlie.tools.registry import REGISTRY
+
+    (option,) = [p for p in submit.params if p.name == "tools"]
+    text = str(getattr(option, "help", ""))
+    assert "Left out, the model may use every tool the workers offer" in text, text
+    missing = [name for name in REGISTRY.names() if name not in text]
+    assert not missing and "recall" in REGISTRY.names(), missing
+
+
+def test_the_docs_build_as_contributing_says_silences_the_themes_end_of_life_notice() -> None:
+    contributing = (REPO / "CONTRIBUTING.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "NO_MKDOCS_2_WARNING=1" in contributing and "NO_MKDOCS_2_WARNING=1 mkdocs" in ci
