@@ -864,9 +864,10 @@ def history(task_id: str) -> list[dict[str, Any]]:
 @retried_if_disconnected
 def revision(task_id: str) -> str:
     """A short marker that changes whenever anything a view of the task shows changes: its
-    status and usage, its run's version, phase, mailbox and transcript, any of its calls'
-    dispatch, lease, hold or outcome (late reports too), an operator action on it, a child.
-    One small read (indexed aggregates), for a page that polls to follow a run live."""
+    status and usage, its run's version, phase, mailbox, transcript and wake-up (a retried
+    model call's next attempt), any of its calls' dispatch, lease, hold or outcome (late
+    reports too), an operator action on it, a child. One small read (indexed aggregates),
+    for a page that polls to follow a run live."""
     with read(get_producer().engine) as conn:
         marker = reads.run_revision(conn, task_id, execution_id_for(task_id))
     if marker is None:

@@ -622,9 +622,15 @@ def _retrying_line(data: dict[str, Any]) -> str:
         except ValueError:
             return _short(value, 40)
 
-    attempts = _short(data.get("attempts"), 10)
+    from charlie.models.retrying import attempts_failed
+
+    # the run's count, as status, list, the console and doctor say it (I36)
+    count = data.get("attempts")
+    failed = (
+        attempts_failed(count) if isinstance(count, int) else f"{_short(count, 10)} attempts failed"
+    )
     return (
-        f"  retrying the model call: {attempts} attempts failed; next attempt at "
+        f"  retrying the model call: {failed}; next attempt at "
         f"{clock(data.get('next_at'))}, gives up at {clock(data.get('until'))}; last error: "
         f"{_short(data.get('error'), 300)}"
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from charlie.domain import RunView, TaskStatus
+from charlie.domain import RunView, TaskStatus, utcnow
 from charlie.models.base import Model, ModelRequest, Usage
 from charlie.streams.sink import NO_EVENTS, EventSink
 from charlie.tools.registry import ToolRegistry
@@ -130,3 +130,7 @@ class PhaseDeps:
     #: the provider limits the fleet keeps: asked before each model call
     capacity: CapacityPort = NO_LIMITS
     sleep: Callable[[float], None] = time.sleep
+    #: the worker these phases run in (a retry's waits are drawn on its lane, I36)
+    worker: str = ""
+    #: the time now: when a model call's failure came back, after the claim's ``view.now``
+    clock: Callable[[], datetime] = utcnow

@@ -233,6 +233,7 @@ class Runtime(Producer):
             ),
             events=self.events,
             capacity=self.capacity(),
+            worker=self.worker,
         )
 
     def capacity(self) -> CapacityPort:

@@ -48,6 +48,7 @@ from tornado.escape import url_escape
 from charlie import api, views
 from charlie.console import auth, guard, rows, scrub, timeline
 from charlie.domain import Channel, TaskStatus, describe_actor
+from charlie.models.retrying import attempts_failed
 
 TaskNotFound = api.TaskNotFound
 TaskConflict = api.TaskConflict
@@ -555,6 +556,7 @@ class Base(Redacted):
             usd=views.usd,
             budget_text=views.budget_text,
             tokens_text=views.tokens_text,
+            attempts_failed=attempts_failed,
         )
         return ns
 

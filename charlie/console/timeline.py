@@ -5,8 +5,10 @@ committed, which worker, how long its tick took, I21) and the call records (``ap
 started, settled, by whom, with what outcome). The top lane is the run itself: the phase it
 was in between two transitions, so a stall is a long bar no worker lane explains; each worker
 lane shows the ticks it ran and the calls it held, so a killed worker's call is a red bar that
-ends when a sweep settled it, and the recovery is the next tick in another lane. Operators'
-actions are diamonds in a lane of their own.
+ends when a sweep settled it, and the recovery is the next tick in another lane. A model call
+being retried (I36) shows its latest failed tries and the waits after them, hatched, on the
+lanes of the workers that tried, up to the next attempt's time. Operators' actions are
+diamonds in a lane of their own.
 
 This module computes geometry only; the template draws it, escaping every text.
 """
@@ -25,6 +27,7 @@ from charlie.console.rows import (
     decided_by,
     verdicts_of,
 )
+from charlie.models.retrying import Wait, attempts_failed
 from charlie.views import PERSON_PREFIX, call_took, recovery, span
 
 WIDTH = 1000
@@ -109,7 +112,11 @@ def build(
     start = min(moments)
     end = info.finished_at if info.terminal and info.finished_at else now
     end = max([end, *moments])
-    total = max((end - start).total_seconds(), 0.001)
+    # a retried model call's waits (I36), drawn to the next attempt's time, which may be
+    # ahead of now: the picture reaches it
+    waits = info.retrying.waits if info.retrying is not None and not info.terminal else ()
+    horizon = max([end, *(w.next_at for w in waits)])
+    total = max((horizon - start).total_seconds(), 0.001)
     scale = (WIDTH - LABEL - 10) / total
 
     def x(at: datetime) -> float:
@@ -137,6 +144,9 @@ def build(
         for name in (r.lost, by_worker):
             if name and not name.startswith(PERSON_PREFIX) and name not in workers:
                 workers.append(name)
+    for wait in waits:
+        if wait.worker and wait.worker not in workers:
+            workers.append(wait.worker)
     people_needed = by_person or bool(actions) or any(c.hold or c.hold_info for c in calls)
     names = ["run", *workers] + (["people"] if people_needed else [])
     lane_y = {name: TOP + n * LANE for n, name in enumerate(names)}
@@ -274,10 +284,16 @@ def build(
         if by_lane is not None and by_lane != r.lost:
             tl.points.append(Point(x(settled), lane_y[by_lane] + LANE / 2, "recovered", title))
 
+    for n, wait in enumerate(waits):
+        if wait.worker in lane_y:
+            _retry_marks(tl, x, lane_y[wait.worker], wait, waits[n - 1] if n else None)
+
     # a tick narrower than a few pixels is part of a texture, not something to point at: no
     # tooltip of its own (a long run's picture stays light)
     tl.marks = [
-        m if m.w >= 3 or m.css.startswith(("call", "held")) else dataclasses.replace(m, title="")
+        m
+        if m.w >= 3 or m.css.startswith(("call", "held", "retry"))
+        else dataclasses.replace(m, title="")
         for m in _merged(tl.marks)
     ]
     step = _step(total)
@@ -285,7 +301,8 @@ def build(
     while n * step <= total + 1e-9 and n < 40:
         tl.ticks.append(Tick(LABEL + n * step * scale, _tick_label(n * step)))
         n += 1
-    tl.total = f"{total:.1f} s" if total < 120 else f"{total / 60:.1f} min"
+    lasted = max((end - start).total_seconds(), 0.001)  # so far: not to a wait's end
+    tl.total = f"{lasted:.1f} s" if lasted < 120 else f"{lasted / 60:.1f} min"
     tl.legend = [
         ("phase phase-call_model", "model call"),
         ("phase phase-await_tools", "waiting for tools"),
@@ -297,7 +314,48 @@ def build(
         ("call outcome-open", "running"),
         ("held", "waiting for a person"),
     ]
+    if recovered:
+        # the outline says the bar is not an ordinary one of its outcome
+        tl.legend.append(("call outcome-ok recovered", "recovered call (outlined)"))
+    if waits:
+        tl.legend += [
+            ("retry-tried", "model call attempts that failed, with the backoff between"),
+            ("retry-wait", "waiting to retry the model call"),
+        ]
     return tl
+
+
+def _retry_marks(tl: Timeline, x: Any, y: float, wait: Wait, before: Wait | None) -> None:
+    """A failed try of a retried model call (the attempts its tick made) and the wait after
+    it to the next attempt, on the lane of the worker that tried; each titled with the
+    attempts (the run's count, as the page's header says it) and the error, which the
+    template escapes: it is the provider's text."""
+    first = (before.attempts if before is not None else 0) + 1
+    tried = f"attempt {first}" if first == wait.attempts else f"attempts {first}-{wait.attempts}"
+    what = f"the model call (turn {wait.turn}) by {wait.worker}"
+    tl.marks.append(
+        Mark(
+            x(wait.began),
+            y + 9,
+            max(x(wait.failed_at) - x(wait.began), MIN_WIDTH),
+            LANE - 14,
+            "retry-tried",
+            f"{what}: {tried} failed, from {clock(wait.began)} to {clock(wait.failed_at)}: "
+            f"{wait.error}",
+        )
+    )
+    tl.marks.append(
+        Mark(
+            x(wait.failed_at),
+            y + 7,
+            max(x(wait.next_at) - x(wait.failed_at), MIN_WIDTH),
+            LANE - 10,
+            "retry-wait",
+            f"{what}: waiting to retry after {attempts_failed(wait.attempts)}, from "
+            f"{clock(wait.failed_at)} to attempt {wait.attempts + 1} at {clock(wait.next_at)}; "
+            f"last error: {wait.error}",
+        )
+    )
 
 
 def _merged(marks: list[Mark]) -> list[Mark]:
@@ -306,6 +364,9 @@ def _merged(marks: list[Mark]) -> list[Mark]:
     out: list[Mark] = []
     groups: dict[tuple[float, str], list[Mark]] = {}
     for m in marks:
+        if m.css.startswith("retry"):
+            out.append(m)  # a few at most (retrying.KEPT_WAITS), each its own attempts
+            continue
         groups.setdefault((m.y, m.css), []).append(m)
     for group in groups.values():
         group.sort(key=lambda m: m.x)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from charlie.domain import JSON
 from charlie.models.base import Deltas, ModelError, TransientModelError
+from charlie.models.retrying import attempts_failed
 
 DEFAULT_READ_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 10.0
@@ -332,13 +333,15 @@ class RetryPolicy:
                 throttled(failure.retry_after if failure.retry_after is not None else 1.0)
             if attempt >= attempts:
                 log.warning(
-                    "model call failed %d times; the run retries it later: %s",
-                    attempt,
+                    "model call: %s in this try; the run retries it later: %s",
+                    attempts_failed(attempt),
                     failure.message,
                     extra=more,
                 )
+                # the count is the evidence's (and the run's state counts every attempt
+                # of the call, I36): the message is the provider's, shown beside that count
                 raise TransientModelError(
-                    f"{spec}: {failure.message} ({attempt} attempts failed)",
+                    f"{spec}: {failure.message}",
                     retry_after=failure.retry_after,
                     evidence=evidence,
                 )

@@ -5,7 +5,9 @@ waiting may fix (a connection refused, a timeout, a 429 or 5xx) waits for its ne
 next answer, or the failure at the bound, takes it away. Status, list, watch, the console and
 ``charlie doctor`` read it from there: the last error, how many attempts failed, when the next
 one is due and when the retrying stops (``CHARLIE_MODEL_RETRY_SECONDS`` after the first
-failure). Pure: no database, no clock but the one handed in.
+failure), and the console's timeline its latest waits. One count of attempts everywhere: the
+state's, which every view says in the same words (:func:`attempts_failed`); the error is the
+provider's, with no count of its own. Pure: no database, no clock but the one handed in.
 """
 
 from __future__ import annotations
@@ -20,18 +22,57 @@ STATE_KEY = "model_retry"
 #: the setting that bounds the retrying, named in the failure it ends in
 SETTING = "CHARLIE_MODEL_RETRY_SECONDS"
 
+#: how many of a retry's waits its state keeps for the timeline: the latest, so the state
+#: stays small however long the retrying goes on
+KEPT_WAITS = 8
+#: how much of each kept wait's error the state holds (the latest error is kept whole)
+WAIT_ERROR_CHARS = 300
+
+
+def attempts_failed(attempts: int) -> str:
+    """The count as every view says it: "1 attempt failed", "10 attempts failed"."""
+    return f"{attempts} attempt failed" if attempts == 1 else f"{attempts} attempts failed"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """One failed try of the model call and the wait after it, as the timeline draws them on
+    the lane of the worker that tried: when its tick began asking, when its last attempt
+    failed, when the next attempt is due, the attempts failed by then (the run's count) and
+    the error."""
+
+    worker: str
+    turn: int
+    began: datetime
+    failed_at: datetime
+    next_at: datetime
+    attempts: int
+    error: str
+
+    def as_state(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "turn": self.turn,
+            "began": self.began.isoformat(),
+            "failed_at": self.failed_at.isoformat(),
+            "next_at": self.next_at.isoformat(),
+            "attempts": self.attempts,
+            "error": self.error[:WAIT_ERROR_CHARS],
+        }
+
 
 @dataclass(frozen=True)
 class Retrying:
     """A model call being retried: the last error, the failed attempts so far (each client
     attempt counts, not only the executor's), the first failure's time, the next attempt's
-    time, and the bound in seconds from the first failure."""
+    time, the bound in seconds from the first failure, and the latest waits (oldest first)."""
 
     error: str
     attempts: int
     since: datetime
     next_at: datetime
     bound: float
+    waits: tuple[Wait, ...] = ()
 
     @property
     def until(self) -> datetime:
@@ -45,6 +86,7 @@ class Retrying:
             "since": self.since.isoformat(),
             "next_at": self.next_at.isoformat(),
             "bound": self.bound,
+            "waits": [w.as_state() for w in self.waits[-KEPT_WAITS:]],
         }
 
     def describe(self, now: datetime | None = None) -> str:
@@ -54,10 +96,9 @@ class Retrying:
         if now is not None:
             left = (self.next_at - now).total_seconds()
             nxt += f" (in {left:.0f} s)" if left >= 0.5 else " (due now)"
-        plural = "attempt" if self.attempts == 1 else "attempts"
         return (
-            f"retrying the model call: {self.attempts} {plural} failed; next attempt at {nxt}, "
-            f"gives up at {_clock(self.until)}; last error: {self.error}"
+            f"retrying the model call: {attempts_failed(self.attempts)}; next attempt at "
+            f"{nxt}, gives up at {_clock(self.until)}; last error: {self.error}"
         )
 
 
@@ -73,6 +114,24 @@ def from_state(state: Any) -> Retrying | None:
             since=_parse(raw["since"]),
             next_at=_parse(raw["next_at"]),
             bound=float(raw["bound"]),
+            waits=tuple(w for w in map(_wait, raw.get("waits") or ()) if w is not None),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _wait(raw: Any) -> Wait | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return Wait(
+            worker=str(raw.get("worker") or ""),
+            turn=int(raw.get("turn") or 0),
+            began=_parse(raw["began"]),
+            failed_at=_parse(raw["failed_at"]),
+            next_at=_parse(raw["next_at"]),
+            attempts=int(raw["attempts"]),
+            error=str(raw.get("error", "")),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -133,9 +133,11 @@ def transition_rows(conn: Connection, execution_id: str) -> list[dict[str, Any]]
 
 def run_revision(conn: Connection, task_id: str, execution_id: str) -> tuple[Any, ...] | None:
     """What changes when anything shown of a run changes (None: no such task): the task's
-    status and usage, the run's version, phase, mailbox and next transcript seq, aggregates of
-    its calls (dispatch, leases, holds, outcomes, late reports), its latest operator action and
-    its children. Each part is an indexed lookup or an aggregate over one run's rows."""
+    status and usage, the run's version, phase, mailbox and next transcript seq, its stored
+    wake-up (a wait commits no new version: a retried model call's next attempt, I36, moves
+    it), aggregates of its calls (dispatch, leases, holds, outcomes, late reports), its latest
+    operator action and its children. Each part is an indexed lookup or an aggregate over one
+    run's rows."""
     calls = (
         select(
             func.count(),
@@ -168,6 +170,7 @@ def run_revision(conn: Connection, task_id: str, execution_id: str) -> tuple[Any
             _e.inbox,
             _e.next_seq,
             _e.lease_owner,
+            _e.wake_at,
             last_action,
             children,
             calls,

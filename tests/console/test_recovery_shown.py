@@ -2,10 +2,12 @@
 call whose worker was SIGKILLed and whose reconcile hook settled it carries a `recovered`
 badge and a marker on the lanes of the worker that died and of the one that settled it, with
 one duration for it everywhere (`charlie show` too); a task whose model call keeps failing says
-it is retrying, its last error and its next attempt, on its page and in the list (I36)."""
+it is retrying, its last error and its next attempt, on its page (header, live panel and
+timeline, one count of attempts) and in the list (I36)."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ import pytest
 
 import charlie
 from charlie.domain import TaskStatus
+from charlie.models.retrying import attempts_failed
 from charlie.views import call_took, transcript_rows
 from tests.conftest import wait_for
 from tests.console.conftest import Console, screenshot
@@ -76,29 +79,78 @@ def test_a_reconciled_call_shows_its_recovery(
     shown = next(line for _, line in transcript_rows(task_id) if "idempotent_write" in line)
     assert f"[ok, {took}, reconciled]" in shown, shown
     assert took != f"{call.duration_ms:.0f} ms"  # not the reconcile hook's milliseconds
+    # small words: the header's counts agree with their nouns, and the transcript's numbers
+    # run without a gap to the count it gives (a call and its result share a row: "3·4")
+    record = css(browser, "dl.facts").find_element(
+        "xpath", ".//dt[text()='record']/following-sibling::dd"
+    )
+    said = record.get_attribute("textContent").strip()
+    items = int(said.split()[0])
+    assert said == f"{items} transcript items, 1 tool call", said
+    shown = [s.get_attribute("textContent") for s in css_all(browser, "article.row .seq")]
+    numbers = sorted(int(n) for s in shown for n in re.findall(r"\d+", s))
+    assert numbers == list(range(items)), shown
     screenshot(browser, screenshots, "task-recovered-call")
 
 
 def test_a_model_that_keeps_failing_shows_retrying(
     console: Console, browser: Any, cluster: Cluster, model_server: FakeOpenAI, screenshots: Path
 ) -> None:
-    overloaded = {"error": {"message": "The server is overloaded", "type": "server_error"}}
-    model_server.enqueue(*[Reply(503, overloaded) for _ in range(200)])
+    """I36: the page's header and its live panel give one count, the run's, and keep giving
+    the same one as retries land; the error repeats no count; the timeline draws the failed
+    tries and the waits after them on the worker's lane, titled with the attempts and the
+    provider's error, shown as text (it is attacker-controlled)."""
+    hostile = 'The server is overloaded <img src=x id=pwned onerror="document.title=1">'
+    overloaded = {"error": {"message": hostile, "type": "server_error"}}
+    model_server.enqueue(*[Reply(503, overloaded) for _ in range(400)])
     task_id = charlie.submit("hi", model="openai:fake-model", task_id=tid("retrying"))
     try:
-        wait_for(lambda: charlie.get_task(task_id).retrying, timeout=60)
+        first = wait_for(lambda: charlie.get_task(task_id).retrying, timeout=60)
         open_task(browser, console, task_id)
         box = retry(lambda: text_of(browser, "#retrying"))
         assert "retrying the model call:" in box and "next attempt at" in box, box
-        assert "HTTP 503" in box and "The server is overloaded" in box, box
+        assert "HTTP 503" in box and hostile in box, box
         assert "gives up at" in box
-        # the live panel says the same, not only that the call stopped
-        retry(lambda: "next attempt at" in text_of(browser, "#live-call"), timeout=30)
-        assert "the model call failed" in text_of(browser, "#live-call")
+        assert box.count("attempt") == 2, box  # "N attempts failed", "next attempt at"
+        # a retry or more later, the header (re-rendered as the page follows the run) and the
+        # live panel (from the run's events) say the run's count, in the same words
+        wait_for(lambda: charlie.get_task(task_id).retrying.attempts > first.attempts, 60)
+
+        def agreed() -> str | None:
+            state = charlie.get_task(task_id).retrying
+            said = attempts_failed(state.attempts) if state else "-"
+            header, live = text_of(browser, "#retrying"), text_of(browser, "#live-call")
+            if f"retrying the model call: {said};" in header and said in live:
+                return live
+            return None
+
+        live = retry(agreed, timeout=30)
+        assert "next attempt at" in live and hostile in live and live.count("attempt") == 2, live
+        # the timeline: the tries and the waits on the lane of the worker that tried
+        waits = retry(lambda: css_all(browser, "svg#timeline rect.retry-wait"))
+        tried = css_all(browser, "svg#timeline rect.retry-tried")
+        assert len(tried) == len(waits) >= 1
+        lanes = {
+            t.text: float(t.get_attribute("y"))
+            for t in css_all(browser, "svg#timeline text.lane-label")
+        }
+        workers = [label_y - 15 for label, label_y in lanes.items() if label != "run"]
+        for mark in [*tried, *waits]:
+            top = float(mark.get_attribute("y"))
+            assert any(lane < top < lane + 22 for lane in workers), (top, lanes)
+        title = waits[-1].find_element("css selector", "title").get_attribute("textContent")
+        assert "waiting to retry after" in title and "attempts failed" in title, title
+        assert "to attempt" in title and hostile in title, title
+        # shown, never obeyed: no element came of the provider's text
+        assert not css_all(browser, "#pwned") and browser.title != "1"
         screenshot(browser, screenshots, "task-retrying")
         browser.get(console.url(f"/?q={task_id}"))
         listed = retry(lambda: text_of(browser, f'tr[data-key="{task_id}"] .waiting.retrying'))
         assert listed.startswith("retrying its model call:"), listed
+        assert not css_all(browser, "#pwned")
+        # the workers' table counts in words that agree with the number ("1 task")
+        pools = [r.text for r in css_all(browser, "table.pools tr.pool")]
+        assert not [r for r in pools if re.search(r"\b1 (tasks|model calls)\b", r)], pools
         screenshot(browser, screenshots, "task-list-retrying")
     finally:
         charlie.cancel(task_id)

@@ -5,20 +5,40 @@ last error. A failure waiting cannot fix (a 401) fails at once with the provider
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import pytest
 from click.testing import CliRunner
 
 import charlie
 from charlie import api, cli
 from charlie.domain import TaskStatus
+from charlie.models.retrying import attempts_failed
 from tests.conftest import wait_for
 from tests.support.cluster import Cluster, free_port
 from tests.support.fake_openai import FakeOpenAI, Reply
 
 pytestmark = pytest.mark.timeout(180)
 
+T = TypeVar("T")
+
 #: short enough for a test, long enough for status and list to be read while it retries
-BOUND = "12"
+#: (with one attempt a try, the waits are 1, 2, 4, 8 s: it gives up at about 15 s)
+BOUND = "20"
+
+
+def steady(task_id: str, show: Callable[[], T]) -> tuple[int, T]:
+    """What ``show`` gave and the run's count of failed attempts, read while the count did not
+    change (a retry lands every few seconds: a view read across one would be compared with
+    the wrong count)."""
+    for _ in range(30):
+        before = charlie.get_task(task_id).retrying
+        shown = show()
+        after = charlie.get_task(task_id).retrying
+        if before is not None and after is not None and before.attempts == after.attempts:
+            return before.attempts, shown
+    raise AssertionError("the count changed under every read")
 
 
 def test_an_unreachable_model_shows_retrying_then_fails_at_the_bound(cluster: Cluster) -> None:
@@ -33,25 +53,50 @@ def test_an_unreachable_model_shows_retrying_then_fails_at_the_bound(cluster: Cl
         info = wait_for(lambda: (i := charlie.get_task(task_id)).retrying and i, timeout=60)
         assert info.retrying is not None and not info.terminal
         assert "ConnectError" in info.retrying.error and info.retrying.attempts >= 1
+        # one count: the run's; the error is the provider's, with no count of its own
+        assert "attempt" not in info.retrying.error, info.retrying.error
+
+        # first, while a retry is still to come within the bound: the revision the console's
+        # page polls moves with each retry, though a wait commits no new version (its header
+        # kept an old count while the live panel said the new one)
+        n, first = steady(task_id, lambda: api.revision(task_id))
+        wait_for(lambda: (r := charlie.get_task(task_id).retrying) and r.attempts > n, 30)
+        assert steady(task_id, lambda: api.revision(task_id))[1] != first
 
         # in this process, as a person's shell would run them (a process of their own takes
         # seconds to start on a loaded machine: the retrying could end first)
-        status = CliRunner().invoke(cli.main, ["status", task_id])
-        listed = CliRunner().invoke(cli.main, ["list", "--search", task_id])
+        n, status = steady(task_id, lambda: CliRunner().invoke(cli.main, ["status", task_id]))
         assert status.exit_code == 0, status.output
         row = next(line for line in status.output.splitlines() if "retrying" in line)
-        assert "attempt" in row and "failed; next attempt at" in row, row
+        assert f"retrying the model call: {attempts_failed(n)}; next attempt at" in row, row
         assert "gives up at" in row and "ConnectError" in row, row
+        assert row.count("attempt") == 2, row  # "N attempts failed", "next attempt at"
+        n, listed = steady(
+            task_id, lambda: CliRunner().invoke(cli.main, ["list", "--search", task_id])
+        )
         assert listed.exit_code == 0, listed.output
         mine = next(line for line in listed.output.splitlines() if task_id in line)
-        assert "[retrying:" in mine, listed.output
+        assert f"[retrying: {n} failed]" in mine, listed.output
+        # watch's events count as the state does: the latest says the state's count
+        n, said = steady(
+            task_id,
+            lambda: [e.data for e in api.events(task_id, follow=False) if e.type == "retrying"],
+        )
+        assert said and said[-1]["attempts"] == n, (n, said)
 
         from charlie.doctor import Context, check_model_retries
         from charlie.runtime import get_producer
 
         rt = get_producer()
-        check = check_model_retries(Context(rt.settings, 3.0, engine=rt.engine, schema_ok=True))
+        n, check = steady(
+            task_id,
+            lambda: check_model_retries(
+                Context(rt.settings, 3.0, engine=rt.engine, schema_ok=True)
+            ),
+        )
         assert check.status == "WARN" and "retrying a failed model call" in check.detail
+        if f"task {task_id}:" in check.detail:  # (another module's run may be the one named)
+            assert f"retrying the model call: {attempts_failed(n)};" in check.detail
 
         done = charlie.wait(task_id, timeout=90)
         assert done.status is TaskStatus.FAILED and done.retrying is None

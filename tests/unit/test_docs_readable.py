@@ -1,8 +1,7 @@
 """The documentation as most people read it: in the repository's web view, where no MkDocs runs.
 What a page shows is there in the file (no snippet markers: the code itself, kept equal to
 docs/examples/), every link goes to a file the repository holds (the generated references are
-committed, and kept current), and the code blocks of the pages a newcomer reads first fit the
-column."""
+committed, and kept current), and every page's code blocks fit the column."""
 
 from __future__ import annotations
 
@@ -24,22 +23,6 @@ EXAMPLES = DOCS / "examples"
 PAGES = [*sorted(DOCS.rglob("*.md")), REPO / "README.md", REPO / "CONTRIBUTING.md"]
 #: the width a code block is wrapped at, so it fits the column of the web view and the site
 CODE_WIDTH = 88
-#: pages whose code blocks are not wrapped yet: diagrams and tables drawn in text, and pages
-#: being rewritten elsewhere; every other page's are
-NOT_WRAPPED_YET = {
-    "architecture.md",
-    "benchmarks.md",
-    "concepts/phases.md",
-    "models/limits.md",
-    "production/index.md",
-    "production/multi-host.md",
-    "production/pgbouncer.md",
-}
-WRAPPED = [
-    p
-    for p in PAGES
-    if str(p.relative_to(DOCS) if DOCS in p.parents else p.name) not in NOT_WRAPPED_YET
-]
 
 
 def _reference() -> ModuleType:
@@ -96,7 +79,7 @@ def test_the_committed_references_are_current() -> None:
 
 
 def test_code_blocks_fit_the_column() -> None:
-    for page in WRAPPED:
+    for page in PAGES:
         inside = False
         for n, line in enumerate(page.read_text().splitlines(), 1):
             if line.lstrip().startswith("```"):
@@ -119,3 +102,34 @@ def test_the_reference_tables_keep_a_variable_name_whole() -> None:
     css = (DOCS / "stylesheets" / "extra.css").read_text()
     assert "td:first-child code" in css and "white-space: nowrap" in css
     assert "stylesheets/extra.css" in (REPO / "mkdocs.yml").read_text()
+
+
+def test_the_readme_installs_the_test_extra_before_running_the_example_test() -> None:
+    readme = (REPO / "README.md").read_text()
+    extra, run = readme.find("pip install -e '.[test]'"), readme.find("pytest test_labels.py")
+    assert 0 <= extra < run, "the README runs pytest test_labels.py before installing pytest"
+
+
+def test_the_tool_option_says_what_leaving_it_out_gives_naming_every_built_in() -> None:
+    import charlie.tools  # noqa: F401  (registers the built-ins)
+    from charlie.cli import submit
+    from charlie.tools.registry import REGISTRY
+
+    (option,) = [p for p in submit.params if p.name == "tools"]
+    text = str(getattr(option, "help", ""))
+    assert "Left out, the model may use every tool the workers offer" in text, text
+    # the built-ins: Charlie's own (a test session's sample tools are registered too)
+    built_in = [
+        name
+        for name in REGISTRY.names()
+        if (tool := REGISTRY.get(name)) is not None
+        and tool.handler.__module__.startswith("charlie.tools")
+    ]
+    assert "recall" in built_in and len(built_in) >= 8, built_in
+    assert not [name for name in built_in if name not in text], built_in
+
+
+def test_the_docs_build_as_contributing_says_silences_the_themes_end_of_life_notice() -> None:
+    contributing = (REPO / "CONTRIBUTING.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "NO_MKDOCS_2_WARNING=1" in contributing and "NO_MKDOCS_2_WARNING=1 mkdocs" in ci

@@ -208,3 +208,15 @@ def test_run_checks_runs_each_in_turn(tmp_path: Path) -> None:
     names = [c.name for c in checks]
     assert names[:2] == ["database", "schema"] and "model calls" in names
     assert names[-1] == "connections"
+
+
+def test_event_stream(tmp_path: Path) -> None:
+    # events in files (the embedded broker) or Redis: the RabbitMQ stream's check does not apply
+    assert doctor.check_event_stream(Context(settings(tmp_path), 2.0)) is None
+    redis = settings(tmp_path, stream_url="redis://127.0.0.1:6379/0")
+    assert doctor.check_event_stream(Context(redis, 2.0)) is None
+    # a RabbitMQ that cannot be reached: said, as a WARN naming the queue, not raised
+    amqp = settings(tmp_path, stream_url=f"amqp://guest:guest@127.0.0.1:{closed_port()}//")
+    found = doctor.check_event_stream(Context(amqp, 2.0))
+    assert found is not None and found.status == "WARN", found
+    assert found.name == "event stream" and "could not be checked" in found.detail, found

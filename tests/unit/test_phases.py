@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -205,18 +206,27 @@ def test_call_model_retry_records_the_error_attempts_and_next_attempt() -> None:
     """I36: what status, list, watch, the console and doctor show of a retried model call."""
     from charlie.models import retrying
 
-    failure = TransientModelError("conn refused (2 attempts failed)", evidence={"attempts": 2})
-    t = call_model.run(view(Phase.CALL_MODEL), deps(FakeModel(failure)))
+    failure = TransientModelError("conn refused", evidence={"attempts": 2})
+    failed_at = NOW + timedelta(seconds=1)
+    on_w1 = replace(deps(FakeModel(failure)), worker="w1", clock=lambda: failed_at)
+    t = call_model.run(view(Phase.CALL_MODEL), on_w1)
     retry = retrying.from_state(t.state)
-    assert retry is not None and retry.error == "conn refused (2 attempts failed)"
+    assert retry is not None and retry.error == "conn refused"
     assert retry.attempts == 2 and retry.since == NOW and retry.next_at == t.wake_at
     assert retry.until == NOW + timedelta(seconds=600)
+    # the try and the wait after it, for the timeline: who tried, when, to when
+    (wait,) = retry.waits
+    assert (wait.worker, wait.turn, wait.attempts) == ("w1", 1, 2)
+    assert (wait.began, wait.failed_at, wait.next_at) == (NOW, failed_at, t.wake_at)
     t = call_model.run(view(Phase.CALL_MODEL, state=t.state), deps(FakeModel(failure)))
     again = retrying.from_state(t.state)
     assert again is not None and again.attempts == 4 and again.since == NOW
+    assert [w.attempts for w in again.waits] == [2, 4]
     line = again.describe(NOW)
     assert "4 attempts failed" in line and "last error: conn refused" in line
     assert "next attempt at 00:00:02 UTC (in 2 s)" in line and "gives up at 00:10:00" in line
+    # the transition's note counts as the state does
+    assert t.note is not None and "4 attempts failed" in t.note
 
 
 def test_call_model_retry_ends_at_its_time_bound_naming_it() -> None:
@@ -397,8 +407,6 @@ def test_a_stop_takes_the_waiting_mail_in_once_after_the_closed_turn() -> None:
     """I22, I18: a stop at a tool phase's or call_model's boundary takes the waiting messages
     in after the results of the turn it closed, once, and stays a stop (the final answer's
     reopen does not apply to it); a closed call tells the model what closed it (I15)."""
-    from dataclasses import replace
-
     from charlie.domain import Message
     from charlie.executor.phases.mailbox import reopen_final
 

@@ -96,7 +96,7 @@ def test_watch_says_a_model_call_is_retried(capsys: pytest.CaptureFixture[str]) 
         "1-0",
         {
             "type": "retrying",
-            "error": "openai:x: HTTP 503: overloaded (5 attempts failed)",
+            "error": "openai:x: HTTP 503: overloaded",
             "attempts": 5,
             "next_at": "2026-01-01T00:00:04+00:00",
             "until": "2026-01-01T00:10:00+00:00",
@@ -107,3 +107,15 @@ def test_watch_says_a_model_call_is_retried(capsys: pytest.CaptureFixture[str]) 
     assert "retrying the model call: 5 attempts failed" in line
     assert "next attempt at 00:00:04 UTC, gives up at 00:10:00 UTC" in line
     assert "last error: openai:x: HTTP 503: overloaded" in line
+
+
+def test_the_demo_says_who_saw_a_devbox_command_end() -> None:
+    """The demo's line for a command: the worker that saw it end, in plain words (it said
+    "parked, then observed to its end by vm:11369")."""
+    from charlie.demo.run import _details
+
+    result = {"execution_id": "e1", "observed_by": "w2", "status": "exited", "exit_code": 0}
+    line = " ".join(_details(record(name="run_command", result=result)))
+    assert "worker w2 saw it end" in line and "parked" not in line, line
+    resumed = " ".join(_details(record(name="run_command", result={**result, "resumed": True})))
+    assert "while no worker waited for it; worker w2 saw it end" in resumed, resumed

@@ -120,11 +120,14 @@
         panel.setAttribute("data-state", "writing");
         callLine.textContent = writer(e) + " is writing";
       } else if (e.type === "retrying") {
-        // the model call failed and is asked again later (I36): say when, and why
+        // the model call failed and is asked again later (I36): say when, and why, in the
+        // words and with the count of the page's header (the run's count of attempts)
         panel.hidden = false;
         panel.setAttribute("data-state", "retrying");
-        callLine.textContent = "the model call failed (" + e.attempts + " attempts so far); next "
-          + "attempt at " + String(e.next_at || "").slice(11, 19) + " UTC: " + (e.error || "");
+        var n = Number(e.attempts);
+        callLine.textContent = "retrying the model call: " + n
+          + (n === 1 ? " attempt failed" : " attempts failed") + "; next attempt at "
+          + String(e.next_at || "").slice(11, 19) + " UTC; last error: " + String(e.error || "");
         return;
       } else if (e.call !== call) {
         return;

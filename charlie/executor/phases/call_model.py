@@ -295,12 +295,27 @@ def _retry_later(
             evidence=exc.evidence,
         ) from exc
     next_at = view.now + timedelta(seconds=delay)
+    wait = retrying.Wait(
+        worker=deps.worker,
+        turn=view.turn,
+        began=view.now,
+        failed_at=max(deps.clock(), view.now),
+        next_at=next_at,
+        attempts=attempts,
+        error=str(exc),
+    )
+    earlier = retry.waits if retry is not None else ()
     state = {
         **{k: v for k, v in view.state.items() if k != "capacity"},
         "model_retries": retries + 1,
         "last_model_error": str(exc),
         retrying.STATE_KEY: retrying.Retrying(
-            error=str(exc), attempts=attempts, since=since, next_at=next_at, bound=bound
+            error=str(exc),
+            attempts=attempts,
+            since=since,
+            next_at=next_at,
+            bound=bound,
+            waits=(*earlier, wait)[-retrying.KEPT_WAITS :],
         ).as_state(),
         _ATTEMPTS: _carried(view),
     }
@@ -320,7 +335,8 @@ def _retry_later(
         state=state,
         wake_at=next_at,
         publish_next=False,
-        note=f"model call failed ({attempts} attempts so far), retry in {delay:.1f}s",
+        note=f"retrying the model call: {retrying.attempts_failed(attempts)}; next attempt "
+        f"in {delay:.1f} s",
     )
 
 
