@@ -198,67 +198,73 @@ def main() -> int:
         info = charlie.wait(task_id, timeout=600)
         assert info.status.value == "succeeded", (task_id, info.error)
 
-    with cluster.without_workers():
-        worker_env = {
-            "PROFILE_CTL": str(ctl),
-            "PROFILE_OUT": str(out),
-            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
-        }
-        if args.round_trips:
-            worker_env["PROFILE_TRACE"] = "1"
-        argv = ["worker", "--pool", "solo", "-n", "profile@%h", "--include", "_profile_hook"]
-        proc = cluster._spawn(argv, "worker.log", worker_env)
-        cluster.workers.append(proc)
-        log = home / "worker.log"
-        deadline = time.monotonic() + 120
-        while " ready." not in (log.read_text(errors="replace") if log.exists() else ""):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit(f"the worker did not start: see {log}")
-            time.sleep(0.2)
-        run(3)  # warm: imports, first connections, the tool registry
-        cpu_ms, wall_ms = [], []
-        for _ in range(args.trials):
-            cpu0, wall0 = process_cpu(proc.pid), time.monotonic()
-            run(args.turns)
-            cpu_ms.append((process_cpu(proc.pid) - cpu0) * 1000 / args.turns)
-            wall_ms.append((time.monotonic() - wall0) * 1000 / args.turns)
-        trips: dict[str, float] = {}
-        if args.round_trips:
-            ctl.write_text("trace")
-            run(args.turns)
-            ctl.write_text("stop")
-            run(3)  # each traced connection stops (and flushes) at its next checkout
-            trips = round_trips(sorted(home.glob("profile.out.trace.*")), args.turns)
-        rows: list[tuple[float, int, str, str]] = []
-        if args.sampler == "py-spy":
-            spy_out = home / "py-spy.txt"
-            spy_argv = [args.py_spy, "record", "--pid", str(proc.pid), "--format", "raw"]
-            # --gil: only the thread holding the GIL (running Python), not a waiting one
-            spy_argv += ["--rate", "1000", "--gil", "--nonblocking", "--output", str(spy_out)]
-            spy = subprocess.Popen(
-                spy_argv,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(2)  # attached
-            cpu0 = process_cpu(proc.pid)
-            run(args.turns)
-            sampled_cpu = process_cpu(proc.pid) - cpu0
-            spy.send_signal(signal.SIGINT)
-            spy.wait(timeout=60)
-            rows = py_spy_own(spy_out)
-        else:
-            ctl.write_text("on")
-            run(args.turns)
-            ctl.write_text("off")
-            run(1)  # its prerun stops the profile and writes it
-            deadline = time.monotonic() + 60
-            while not out.exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            raw = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
-            for (filename, line, name), (_cc, calls, own, _cum, _callers) in raw.items():
-                label = category(filename, name)
-                rows.append((own, calls, f"{Path(filename).name}:{line}({name})", label))
+    # the cluster's own workers and beat come back when without_workers ends: stopped here,
+    # or they outlive this script and take the next run's tasks from its worker
+    try:
+        with cluster.without_workers():
+            worker_env = {
+                "PROFILE_CTL": str(ctl),
+                "PROFILE_OUT": str(out),
+                "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
+            }
+            if args.round_trips:
+                worker_env["PROFILE_TRACE"] = "1"
+            argv = ["worker", "--pool", "solo", "-n", "profile@%h", "--include", "_profile_hook"]
+            proc = cluster._spawn(argv, "worker.log", worker_env)
+            cluster.workers.append(proc)
+            log = home / "worker.log"
+            deadline = time.monotonic() + 120
+            while " ready." not in (log.read_text(errors="replace") if log.exists() else ""):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit(f"the worker did not start: see {log}")
+                time.sleep(0.2)
+            run(3)  # warm: imports, first connections, the tool registry
+            cpu_ms, wall_ms = [], []
+            for _ in range(args.trials):
+                cpu0, wall0 = process_cpu(proc.pid), time.monotonic()
+                run(args.turns)
+                cpu_ms.append((process_cpu(proc.pid) - cpu0) * 1000 / args.turns)
+                wall_ms.append((time.monotonic() - wall0) * 1000 / args.turns)
+            trips: dict[str, float] = {}
+            if args.round_trips:
+                ctl.write_text("trace")
+                run(args.turns)
+                ctl.write_text("stop")
+                run(3)  # each traced connection stops (and flushes) at its next checkout
+                trips = round_trips(sorted(home.glob("profile.out.trace.*")), args.turns)
+            rows: list[tuple[float, int, str, str]] = []
+            if args.sampler == "py-spy":
+                spy_out = home / "py-spy.txt"
+                spy_argv = [args.py_spy, "record", "--pid", str(proc.pid), "--format", "raw"]
+                # --gil: only the thread holding the GIL (running Python), not a waiting one
+                spy_argv += ["--rate", "1000", "--gil", "--nonblocking", "--output", str(spy_out)]
+                spy = subprocess.Popen(
+                    spy_argv,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                time.sleep(2)  # attached
+                cpu0 = process_cpu(proc.pid)
+                run(args.turns)
+                sampled_cpu = process_cpu(proc.pid) - cpu0
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+                rows = py_spy_own(spy_out)
+            else:
+                ctl.write_text("on")
+                run(args.turns)
+                ctl.write_text("off")
+                run(1)  # its prerun stops the profile and writes it
+                deadline = time.monotonic() + 60
+                while not out.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                raw = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
+                for (filename, line, name), (_cc, calls, own, _cum, _callers) in raw.items():
+                    label = category(filename, name)
+                    rows.append((own, calls, f"{Path(filename).name}:{line}({name})", label))
+    finally:
+        cluster.stop()
+
     shares: dict[str, float] = {}
     for own, _calls, _f, label in rows:
         shares[label] = shares.get(label, 0.0) + own
