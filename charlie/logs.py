@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -39,10 +40,12 @@ def context_of(record: logging.LogRecord) -> dict[str, Any]:
     trace_id = current_trace_id()
     if not record.name.startswith("charlie"):
         return {"trace_id": trace_id} if trace_id else {}
+    attrs = vars(record)
+    # (a set difference in C first: a record has some 25 standard attributes, few extras)
     fields = {
-        k: v
-        for k, v in vars(record).items()
-        if k not in _STANDARD and not k.startswith("_") and v is not None
+        k: attrs[k]
+        for k in attrs.keys() - _STANDARD
+        if not k.startswith("_") and attrs[k] is not None
     }
     leading = {k: fields.pop(k) for k in LEADING_KEYS if k in fields}
     if trace_id:
@@ -73,11 +76,16 @@ def _json(value: Any) -> str:
         return json.dumps(f"<unprintable {type(value).__name__}>")
 
 
+#: a character that makes a text value quoted: whitespace (``\s`` is ``str.isspace``), a quote
+#: or an equals sign
+_QUOTED = re.compile(r'[\s"=]')
+
+
 def _text(value: Any) -> str:
     text = value if isinstance(value, str) else _json(value)
     if len(text) > MAX_VALUE_CHARS:
         text = text[:MAX_VALUE_CHARS] + "..."
-    if not text or any(ch.isspace() or ch in '"=' for ch in text):
+    if not text or _QUOTED.search(text):
         text = json.dumps(text)  # (ASCII: every control and non-ASCII character escaped)
     return printable(text)
 

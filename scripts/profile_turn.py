@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import pstats
+import re
 import signal
 import statistics
 import subprocess
@@ -101,6 +102,12 @@ def parse_args() -> argparse.Namespace:
         "cprofile: exact calls, but its own cost inflates functions called often",
     )
     p.add_argument("--py-spy", default=str(Path(sys.executable).with_name("py-spy")))
+    p.add_argument(
+        "--round-trips",
+        action="store_true",
+        help="PostgreSQL: also trace (libpq) every message the worker's connections send through "
+        "one more run of the task, and print its round trips per turn by what they are",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p.parse_args()
 
@@ -120,6 +127,31 @@ def py_spy_own(path: Path) -> list[tuple[float, int, str, str]]:
         key = (f"{Path(filename).name}({name})", category(filename, name))
         own[key] = own.get(key, 0.0) + int(count)
     return [(n, 0, f, c) for (f, c), n in own.items()]
+
+
+def round_trips(paths: list[Path], turns: int) -> dict[str, float]:
+    """What the traced connections sent, per turn: each extended-protocol statement (Parse to
+    Sync) and each simple query (``BEGIN``, ``COMMIT``, ...) is one round trip, a wait for the
+    server's ReadyForQuery; statements are named by their first words."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines():
+            fields = line.split("\t")
+            if len(fields) < 3 or fields[0] != "F":
+                continue
+            kind, rest = fields[2].split(" ", 1)[0], line.split("\t", 3)[-1]
+            if kind == "Query":
+                what = f"simple query {rest.strip().strip(chr(34))[:30]}"
+            elif kind == "Parse":
+                parsed = re.match(r' *"[^"]*" "(.*)" \d+', rest)
+                text = parsed.group(1) if parsed else rest
+                what = "statement " + " ".join(text.split()[:3])[:40]
+            else:
+                continue
+            counts[what] = counts.get(what, 0) + 1
+    doc = {k: v / turns for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    doc["round trips, all"] = sum(counts.values()) / turns
+    return doc
 
 
 def process_cpu(pid: int) -> float:
@@ -166,58 +198,73 @@ def main() -> int:
         info = charlie.wait(task_id, timeout=600)
         assert info.status.value == "succeeded", (task_id, info.error)
 
-    with cluster.without_workers():
-        worker_env = {
-            "PROFILE_CTL": str(ctl),
-            "PROFILE_OUT": str(out),
-            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
-        }
-        argv = ["worker", "--pool", "solo", "-n", "profile@%h", "--include", "_profile_hook"]
-        proc = cluster._spawn(argv, "worker.log", worker_env)
-        cluster.workers.append(proc)
-        log = home / "worker.log"
-        deadline = time.monotonic() + 120
-        while " ready." not in (log.read_text(errors="replace") if log.exists() else ""):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit(f"the worker did not start: see {log}")
-            time.sleep(0.2)
-        run(3)  # warm: imports, first connections, the tool registry
-        cpu_ms, wall_ms = [], []
-        for _ in range(args.trials):
-            cpu0, wall0 = process_cpu(proc.pid), time.monotonic()
-            run(args.turns)
-            cpu_ms.append((process_cpu(proc.pid) - cpu0) * 1000 / args.turns)
-            wall_ms.append((time.monotonic() - wall0) * 1000 / args.turns)
-        rows: list[tuple[float, int, str, str]] = []
-        if args.sampler == "py-spy":
-            spy_out = home / "py-spy.txt"
-            spy_argv = [args.py_spy, "record", "--pid", str(proc.pid), "--format", "raw"]
-            # --gil: only the thread holding the GIL (running Python), not a waiting one
-            spy_argv += ["--rate", "1000", "--gil", "--nonblocking", "--output", str(spy_out)]
-            spy = subprocess.Popen(
-                spy_argv,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(2)  # attached
-            cpu0 = process_cpu(proc.pid)
-            run(args.turns)
-            sampled_cpu = process_cpu(proc.pid) - cpu0
-            spy.send_signal(signal.SIGINT)
-            spy.wait(timeout=60)
-            rows = py_spy_own(spy_out)
-        else:
-            ctl.write_text("on")
-            run(args.turns)
-            ctl.write_text("off")
-            run(1)  # its prerun stops the profile and writes it
-            deadline = time.monotonic() + 60
-            while not out.exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            raw = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
-            for (filename, line, name), (_cc, calls, own, _cum, _callers) in raw.items():
-                label = category(filename, name)
-                rows.append((own, calls, f"{Path(filename).name}:{line}({name})", label))
+    # the cluster's own workers and beat come back when without_workers ends: stopped here,
+    # or they outlive this script and take the next run's tasks from its worker
+    try:
+        with cluster.without_workers():
+            worker_env = {
+                "PROFILE_CTL": str(ctl),
+                "PROFILE_OUT": str(out),
+                "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(REPO)]),
+            }
+            if args.round_trips:
+                worker_env["PROFILE_TRACE"] = "1"
+            argv = ["worker", "--pool", "solo", "-n", "profile@%h", "--include", "_profile_hook"]
+            proc = cluster._spawn(argv, "worker.log", worker_env)
+            cluster.workers.append(proc)
+            log = home / "worker.log"
+            deadline = time.monotonic() + 120
+            while " ready." not in (log.read_text(errors="replace") if log.exists() else ""):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit(f"the worker did not start: see {log}")
+                time.sleep(0.2)
+            run(3)  # warm: imports, first connections, the tool registry
+            cpu_ms, wall_ms = [], []
+            for _ in range(args.trials):
+                cpu0, wall0 = process_cpu(proc.pid), time.monotonic()
+                run(args.turns)
+                cpu_ms.append((process_cpu(proc.pid) - cpu0) * 1000 / args.turns)
+                wall_ms.append((time.monotonic() - wall0) * 1000 / args.turns)
+            trips: dict[str, float] = {}
+            if args.round_trips:
+                ctl.write_text("trace")
+                run(args.turns)
+                ctl.write_text("stop")
+                run(3)  # each traced connection stops (and flushes) at its next checkout
+                trips = round_trips(sorted(home.glob("profile.out.trace.*")), args.turns)
+            rows: list[tuple[float, int, str, str]] = []
+            if args.sampler == "py-spy":
+                spy_out = home / "py-spy.txt"
+                spy_argv = [args.py_spy, "record", "--pid", str(proc.pid), "--format", "raw"]
+                # --gil: only the thread holding the GIL (running Python), not a waiting one
+                spy_argv += ["--rate", "1000", "--gil", "--nonblocking", "--output", str(spy_out)]
+                spy = subprocess.Popen(
+                    spy_argv,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                time.sleep(2)  # attached
+                cpu0 = process_cpu(proc.pid)
+                run(args.turns)
+                sampled_cpu = process_cpu(proc.pid) - cpu0
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+                rows = py_spy_own(spy_out)
+            else:
+                ctl.write_text("on")
+                run(args.turns)
+                ctl.write_text("off")
+                run(1)  # its prerun stops the profile and writes it
+                deadline = time.monotonic() + 60
+                while not out.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                raw = pstats.Stats(str(out)).stats  # type: ignore[attr-defined]
+                for (filename, line, name), (_cc, calls, own, _cum, _callers) in raw.items():
+                    label = category(filename, name)
+                    rows.append((own, calls, f"{Path(filename).name}:{line}({name})", label))
+    finally:
+        cluster.stop()
+
     shares: dict[str, float] = {}
     for own, _calls, _f, label in rows:
         shares[label] = shares.get(label, 0.0) + own
@@ -240,6 +287,7 @@ def main() -> int:
             for own, calls, f, c in rows[: args.top]
         ],
         "load_average": os.getloadavg()[0],
+        "round_trips_per_turn": trips,
     }
     if args.json:
         print(json.dumps(doc))
@@ -256,6 +304,10 @@ def main() -> int:
     print(f"{'share':>6}  {'ms/turn':>7}  what")
     for label, share in doc["shares"].items():
         print(f"{share * 100:5.1f}%  {share * total * 1000 / args.turns:7.3f}  {label}")
+    if trips:
+        print("\nround trips to the database per turn (libpq trace, the worker's connections):")
+        for what, n in trips.items():
+            print(f"{n:7.2f}  {what}")
     print(f"\ntop {args.top} functions by own CPU time:")
     for row in doc["top"]:
         print(

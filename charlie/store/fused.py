@@ -190,7 +190,16 @@ def _statement(
     ctes.append(_checked_cte(task_ok, settles, orders, turn_calls))
     # (_RECORDED reads checked: the check runs whatever plan the statement gets)
     ctes.append(_RECORDED)
-    return "WITH " + ",\n    ".join(ctes) + _RESULT
+    return _compact("WITH " + ",\n    ".join(ctes) + _RESULT)
+
+
+def _compact(sql: str) -> str:
+    """``sql`` with each run of whitespace one space (no literal in these statements holds
+    whitespace). Shorter to send, and short enough that psycopg caches its parse of the
+    placeholders: it parses a statement longer than 4,096 bytes again at every execution
+    (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH), and a steady turn's two shapes are longer
+    than that as written."""
+    return " ".join(sql.split())
 
 
 def _run_cte(carried: bool, state: bool) -> str:

@@ -63,10 +63,18 @@ class TranscriptCache:
         names if they are longer than what is remembered of it; anything else is a caller's
         mistake, and forgets the run."""
         with self._lock:
-            if identity is None or any(item.seq != n for n, item in enumerate(items)):
+            known = self._runs.get(execution_id)
+            # Items numbered 0, 1, ...: checked only past the remembered prefix when they
+            # extend it with its very objects (checked when it was put; a tuple comparison
+            # tries identity first, in C), so a long run's put does not walk it all in Python.
+            checked = 0
+            if known is not None and known[0] == identity and 0 < len(known[1]) <= len(items):
+                prefix = known[1]
+                if items[len(prefix) - 1] is prefix[-1] and tuple(items[: len(prefix)]) == prefix:
+                    checked = len(prefix)
+            if identity is None or any(items[n].seq != n for n in range(checked, len(items))):
                 self._runs.pop(execution_id, None)
                 return
-            known = self._runs.get(execution_id)
             if known is None or known[0] != identity or len(items) >= len(known[1]):
                 self._runs[execution_id] = (identity, tuple(items))
                 self._runs.move_to_end(execution_id)

@@ -110,6 +110,24 @@ def test_a_long_value_is_cut_in_text_lines() -> None:
     assert len(logs._text("x" * 1000)) == logs.MAX_VALUE_CHARS + 3
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("plain", "plain"),
+        ("a=b", '"a=b"'),
+        ('say "hi"', '"say \\"hi\\""'),
+        ("no\u00a0break", '"no\\u00a0break"'),  # whitespace beyond ASCII is quoted too
+        ("tab\there", '"tab\\there"'),
+        ("", '""'),
+        (3, "3"),
+    ],
+)
+def test_a_value_is_quoted_when_it_holds_whitespace_a_quote_or_an_equals_sign(
+    value: object, shown: str
+) -> None:
+    assert logs._text(value) == shown
+
+
 def test_odd_values_never_cost_the_line(captured) -> None:
     """Mixed or tuple keys, a cycle, NaN, nesting too deep for json or repr: written as their
     repr (or named), and the line is printed in both formats."""
