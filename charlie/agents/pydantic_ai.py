@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pydantic_core
 from pydantic_ai import Agent, DeferredToolResults
@@ -58,6 +58,9 @@ from charlie.models.base import (
 )
 from charlie.tools.context import ToolContext, ToolError
 from charlie.tools.registry import REGISTRY, ToolDef, ToolDefinitionError, ToolRegistry
+
+if TYPE_CHECKING:
+    from charlie.agents.mcp import AgentMcp
 
 T = TypeVar("T")
 log = logging.getLogger("charlie.agents")
@@ -127,6 +130,10 @@ class Loaded:
     names: dict[str, str]
     output_tools: frozenset[str]
     defs: list[ToolDef] = field(default_factory=list)
+    #: the agent's MCP servers as Charlie's client listed them, and its toolsets with them
+    mcp: AgentMcp | None = None
+    #: the model's names of the MCP servers' tools
+    mcp_tools: frozenset[str] = frozenset()
     #: the first request's system prompt parts per run (execution id), as first computed here
     system_parts: dict[str, list[pm.ModelRequestPart]] = field(default_factory=dict)
 
@@ -145,16 +152,12 @@ _loaded_lock = threading.Lock()
 def refusals(agent: Agent[Any, Any]) -> list[str]:
     """What of ``agent`` Charlie cannot run with its guarantees, one sentence each."""
     found: list[str] = []
-    for toolset in agent.toolsets:
-        if not isinstance(toolset, FunctionToolset):
-            label = getattr(toolset, "id", None) or getattr(toolset, "label", None)
-            found.append(
-                f"toolset {type(toolset).__name__}"
-                + (f" ({label})" if label else "")
-                + ": only function tools are recorded before they run (MCP servers and other "
-                "toolsets are not supported; call the server from a function tool marked with "
-                "its effect, or run its tools in a native task through CHARLIE_MCP_CONFIG)"
-            )
+    others = [t for t in agent.toolsets if not isinstance(t, FunctionToolset)]
+    if others:
+        # (imported only for an agent that holds a toolset beside its function tools)
+        from charlie.agents import mcp
+
+        found += mcp.refusals(others)
     for capability in getattr(agent.root_capability, "capabilities", []) or []:
         if type(capability).__name__ not in _DEFAULT_CAPABILITIES:
             found.append(
@@ -253,6 +256,14 @@ def _output_def(loaded: Loaded, name: str) -> ToolDef:
     )
 
 
+def _mcp_handler(loaded: Loaded, name: str) -> Any:
+    def handler(**arguments: Any) -> Any:
+        ctx = arguments.pop(_CTX)
+        return call_tool(loaded, name, arguments, ctx, approved=False)
+
+    return handler
+
+
 def load(ref: str) -> Loaded:
     """The agent ``ref`` names, imported once per process, or AgentRefused."""
     with _loaded_lock:
@@ -283,16 +294,42 @@ def load(ref: str) -> Loaded:
         outputs = (
             frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
         )
+        agent_mcp = None
+        if any(not isinstance(t, FunctionToolset) for t in agent.toolsets):
+            from charlie.agents import mcp
+
+            # the agent's own toolsets (the first is its function toolset, kept as it is)
+            agent_mcp = mcp.load(list(agent.toolsets)[1:], ref)
+        mcp_names = (
+            [leaf.model_name(t.name) for leaf in agent_mcp.leaves for t in leaf.tools]
+            if agent_mcp is not None
+            else []
+        )
+        taken = [*tools, *outputs, *mcp_names]
+        clash = sorted({n for n in mcp_names if taken.count(n) > 1})
+        if clash:
+            raise AgentRefused(
+                f"agent {ref!r}: MCP tool name(s) {', '.join(clash)} taken by another tool "
+                "(prefix the server: MCPToolset(...).prefixed('name'))"
+            )
         loaded = Loaded(
             ref=ref,
             agent=agent,
             model=model,
-            names={n: f"{ref}.{n}" for n in [*tools, *outputs, TEXT_OUTPUT]},
+            names={n: f"{ref}.{n}" for n in [*tools, *mcp_names, *outputs, TEXT_OUTPUT]},
             output_tools=outputs | {TEXT_OUTPUT},
+            mcp=agent_mcp,
+            mcp_tools=frozenset(mcp_names),
         )
         loaded.defs = [_tool_def(loaded, t) for t in tools.values()] + [
             _output_def(loaded, n) for n in sorted(outputs | {TEXT_OUTPUT})
         ]
+        if agent_mcp is not None:
+            from charlie.agents import mcp
+
+            loaded.defs += mcp.tool_defs(
+                agent_mcp, ref, loaded.charlie_name, lambda name: _mcp_handler(loaded, name)
+            )
         _loaded[ref] = loaded
         return loaded
 
@@ -441,19 +478,28 @@ async def _drive(
     deferred: DeferredToolResults | None = None,
     replay: pm.ModelResponse | None = None,
     retries: dict[str, int] | None = None,
+    call: ToolContext | None = None,
 ) -> _Captured | _Ended:
     intercept = _Intercept(loaded.model) if replay is None else _Replay(loaded.model, replay)
-    try:
-        result = await loaded.agent.run(
-            prompt,
-            message_history=history,
-            model=intercept,
-            deps=deps,
-            deferred_tool_results=deferred,
-            capabilities=[_Retries(retries)] if retries else None,
-        )
-    except _Captured as captured:
-        return captured
+    with contextlib.ExitStack() as stack:
+        if loaded.mcp is not None:
+            # its MCP servers as Charlie lists and calls them (charlie.agents.mcp); this
+            # coroutine's context only: another step's run on this loop is not touched
+            from charlie.agents.mcp import CALL
+
+            stack.enter_context(loaded.agent.override(toolsets=loaded.mcp.toolsets))
+            CALL.set(call)
+        try:
+            result = await loaded.agent.run(
+                prompt,
+                message_history=history,
+                model=intercept,
+                deps=deps,
+                deferred_tool_results=deferred,
+                capabilities=[_Retries(retries)] if retries else None,
+            )
+        except _Captured as captured:
+            return captured
     return _Ended(result.output)
 
 
@@ -529,7 +575,9 @@ def call_tool(
     deferred = DeferredToolResults(approvals={ctx.call_id: True}) if approved else None
     try:
         found = run(
-            _drive(loaded, deps, history=history, deferred=deferred, retries=retries or None)
+            _drive(
+                loaded, deps, history=history, deferred=deferred, retries=retries or None, call=ctx
+            )
         )
     except UnexpectedModelBehavior as exc:
         if "exceeded max retries" not in str(exc):
@@ -545,6 +593,19 @@ def call_tool(
             retry=pm.RetryInfo("model_retry", attempt=count + 1, max_retries=count),
         )
         raise ToolError(str(exc), pydantic_ai_part=_part_json(part)) from None
+    except Exception as exc:
+        if name not in loaded.mcp_tools:
+            raise
+        from charlie.agents.mcp import escaped
+
+        # Charlie's MCP call settles it: a park (an MCP task, a person's answer to give), an
+        # interruption (I10), a lost lease, a call not sent: as for the fleet's MCP tools
+        carried = escaped(exc)
+        if carried is None:
+            raise
+        if carried.error is not None:
+            raise carried.error from None
+        return carried.value
     if isinstance(found, _Ended):
         if name in loaded.output_tools:
             return {"output": pydantic_core.to_jsonable_python(found.output)}
@@ -992,6 +1053,9 @@ def model_for(parsed: AgentSpec, tools: ToolRegistry) -> AgentModel:
     try:
         loaded = load(parsed.agent)
     except AgentRefused as exc:
+        if type(exc).__name__ == "Unreachable":
+            # its MCP server did not answer: the step is tried again, by Charlie's policy
+            raise TransientModelError(str(exc)) from exc
         raise ModelError(str(exc)) from exc
     _register(loaded, tools)
     return AgentModel(parsed.render(), parsed, loaded)

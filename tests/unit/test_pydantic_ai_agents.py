@@ -234,7 +234,7 @@ not_an_agent = object()
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("with_toolset", "toolset Opaque (opaque-server)"),
+        ("with_toolset", "toolset Opaque 'opaque-server'"),
         ("with_handler", "capability ProcessEventStream"),
         ("with_history", "capability ProcessHistory"),
         ("with_output_function", "output function"),
