@@ -73,6 +73,7 @@ def test_one_trace_per_task_across_a_sigkill(
         lambda: [e for e in read_ledger() if e.get("task") == task_id and e["event"] == "write"]
     )
     doomed = f":{writes[0]['pid']}"
+
     # What the doomed worker did before the write reaches the receiver (batches of 200 ms):
     # both model calls before the write, and the call_model ticks that hold them. One worker
     # runs a whole chain of turns, and a span still in its exporter's queue dies with it: a
