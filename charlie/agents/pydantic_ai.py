@@ -467,6 +467,8 @@ class _Retries(AbstractCapability[Any]):
 @dataclass(frozen=True)
 class _Ended:
     output: Any
+    #: the run's messages at its end (the parts of the calls an ``early`` end did not run)
+    messages: list[pm.ModelMessage] = field(default_factory=list)
 
 
 async def _drive(
@@ -500,7 +502,7 @@ async def _drive(
             )
         except _Captured as captured:
             return captured
-    return _Ended(result.output)
+    return _Ended(result.output, result.all_messages())
 
 
 def _deps(ref: str | None) -> Any:
@@ -609,6 +611,17 @@ def call_tool(
     if isinstance(found, _Ended):
         if name in loaded.output_tools:
             return {"output": pydantic_core.to_jsonable_python(found.output)}
+        # end_strategy="early": an output call of the same answer is valid, so Pydantic AI ran
+        # no function tool of it; this call's result is the part it gave the call instead
+        skipped = [
+            p
+            for m in found.messages
+            if isinstance(m, pm.ModelRequest)
+            for p in m.parts
+            if getattr(p, "tool_call_id", None) == ctx.call_id
+        ]
+        if skipped:
+            return pydantic_core.to_jsonable_python(getattr(skipped[-1], "content", None))
         raise ToolError(f"agent {loaded.ref!r} ended instead of running tool {name!r}")
     last = found.messages[-1]
     parts = [
@@ -631,7 +644,9 @@ def _so_far(
     call: pm.ToolCallPart,
 ) -> tuple[list[pm.ModelMessage], dict[str, int]]:
     """The run's messages up to ``call`` (the answer that holds it ends them, with no other
-    call of that answer: only this one runs here) and each tool's retries so far."""
+    call of that answer, only this one runs here; but under ``end_strategy="early"`` with the
+    answer's output calls, whose validity decides whether it runs) and each tool's retries so
+    far."""
     at = next(
         (
             n
@@ -641,15 +656,37 @@ def _so_far(
         len(items),
     )
     before = items[:at]
+    calls = [call]
+    if loaded.agent.end_strategy == "early" and at < len(items):
+        # the answer's output calls too, in the order the model emitted them: under "early" a
+        # valid one ends the run and Pydantic AI runs none of the answer's function tools
+        turn = items[at].turn
+        calls = [
+            pm.ToolCallPart(
+                loaded.agent_name(str(i.payload.get("name"))),
+                str(i.payload.get("raw_arguments") or "{}"),
+                i.call_id,
+            )
+            if i.call_id != call.tool_call_id
+            else call
+            for i in items
+            if i.kind is ItemKind.TOOL_CALL
+            and i.turn == turn
+            and (
+                i.call_id == call.tool_call_id
+                or loaded.agent_name(str(i.payload.get("name")))
+                in loaded.output_tools - {TEXT_OUTPUT}
+            )
+        ]
     model = AgentModel(
         "", AgentSpec("", loaded.ref, deps_ref if isinstance(deps_ref, str) else None), loaded
     )
     history = model.history(before)
     if history and isinstance(history[-1], pm.ModelResponse):
         kept = [p for p in history[-1].parts if not isinstance(p, pm.ToolCallPart)]
-        history[-1] = pm.ModelResponse(parts=[*kept, call])
+        history[-1] = pm.ModelResponse(parts=[*kept, *calls])
     else:
-        history.append(pm.ModelResponse(parts=[call]))
+        history.append(pm.ModelResponse(parts=calls))
     if not isinstance(history[0], pm.ModelRequest):
         history.insert(0, pm.ModelRequest(parts=[pm.UserPromptPart("")]))
     head = history[0]
