@@ -118,24 +118,22 @@ def server_config(toolset: MCPToolset[Any], name: str) -> tuple[ServerConfig | N
             cwd=str(transport.cwd) if transport.cwd else None,
             timeout=_timeout(toolset),
         )
-    elif isinstance(transport, StreamableHttpTransport):
+    elif isinstance(transport, StreamableHttpTransport | SSETransport):
         if transport.auth is not None:
             problems.append("auth: give the credential as headers={'Authorization': 'Bearer ...'}")
         if transport.httpx_client_factory is not None or transport.verify is not None:
             problems.append("an HTTP client of its own (httpx_client_factory, verify)")
         config = ServerConfig(
             name=name,
-            transport="http",
+            transport="sse" if isinstance(transport, SSETransport) else "http",
             url=transport.url,
             headers=dict(transport.headers or {}),
             timeout=_timeout(toolset),
         )
-    elif isinstance(transport, SSETransport):
-        problems.append("the SSE transport: Charlie's MCP client speaks stdio and streamable HTTP")
     else:
         problems.append(
-            f"the transport {type(transport).__name__}: Charlie's MCP client speaks stdio "
-            "and streamable HTTP (an in-process server is not an MCP server a worker reaches)"
+            f"the transport {type(transport).__name__}: Charlie's MCP client speaks stdio, "
+            "streamable HTTP and SSE (an in-process server is not an MCP server a worker reaches)"
         )
     return (config if not problems else None), problems
 

@@ -6,9 +6,15 @@ transcript is built by hand, as call_model would hand it over."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +29,7 @@ from charlie import agents
 from charlie.domain import Effect
 from charlie.tools.context import Interrupted, ToolContext
 from charlie.tools.registry import ToolRegistry
-from tests.support.cluster import MCP_SERVER_SCRIPT
+from tests.support.cluster import MCP_SERVER_SCRIPT, free_port
 from tests.unit.test_pydantic_ai_agents import Transcript, _result
 
 pytestmark = pytest.mark.backend_free
@@ -55,7 +61,9 @@ async def _hook(ctx: Any, call: Any, name: str, args: Any) -> Any:
     return await call(name, args)
 
 
-with_sse = Agent(FunctionModel(scripted), toolsets=[MCPToolset("http://127.0.0.1:9/sse")])
+with_auth = Agent(
+    FunctionModel(scripted), toolsets=[MCPToolset("http://127.0.0.1:9/mcp", auth="t")]
+)
 with_hook = Agent(FunctionModel(scripted), toolsets=[_stdio(process_tool_call=_hook)])
 with_filter = Agent(FunctionModel(scripted), toolsets=[_stdio().filtered(lambda c, d: True)])
 with_instructions = Agent(FunctionModel(scripted), toolsets=[_stdio(include_instructions=True)])
@@ -165,7 +173,7 @@ def test_a_write_found_started_after_a_crash_is_interrupted_and_never_sent_again
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("with_sse", "the SSE transport"),
+        ("with_auth", "auth: give the credential as headers"),
         ("with_hook", "process_tool_call"),
         ("with_filter", "toolset FilteredToolset"),
         ("with_instructions", "include_instructions"),
@@ -177,3 +185,45 @@ def test_what_of_an_mcp_toolset_cannot_be_made_durable_is_refused_by_name(
 ) -> None:
     with pytest.raises(agents.AgentRefused, match=re.escape(says)):
         agents.prepare_submission(f"{HERE}:{name}", None, None, None)
+
+
+@pytest.fixture(scope="module")
+def sse_server() -> Iterator[str]:
+    """The test MCP server over the SSE transport, on a port of this run's range: its URL."""
+    port = free_port()
+    env = {**os.environ, "MCP_TEST_LEDGER": str(LEDGER), "MCP_TEST_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, str(MCP_SERVER_SCRIPT), "--http", str(port), "--sse"],
+        env={**env, "MCP_TEST_NAME": "sse"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < end, "no SSE server"
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}/sse"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_server_over_sse_is_listed_and_called_through_charlies_client(sse_server: str) -> None:
+    """MCPToolset over the SSE transport: the same tools, effects and calls as over
+    streamable HTTP (its token given as a header, never shown)."""
+    toolset = MCPToolset(sse_server, id="old", headers={"Authorization": f"Bearer {TOKEN}"})
+    globals()["sse_agent"] = Agent(FunctionModel(scripted, model_name="fn"), toolsets=[toolset])
+    registry = ToolRegistry()
+    assert agents.find_tool(registry, f"{HERE}:sse_agent.lookup")
+    lookup = registry.get_registered(f"{HERE}:sse_agent.lookup")
+    delete = registry.get_registered(f"{HERE}:sse_agent.delete_record")
+    assert lookup is not None and delete is not None
+    assert lookup.effect is Effect.READ and delete.effect is Effect.WRITE
+    ctx = replace(_ctx("s1"), metadata={})
+    assert lookup.handler(key="s1", _charlie_ctx=ctx) == "s1=v-s1"
+    assert _ran("lookup", "s1") == 1
