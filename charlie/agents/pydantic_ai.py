@@ -491,6 +491,8 @@ async def _drive(
 
             stack.enter_context(loaded.agent.override(toolsets=loaded.mcp.toolsets))
             CALL.set(call)
+        if call is not None:
+            return await _tool_step(loaded, deps, history, deferred, retries, intercept)
         try:
             result = await loaded.agent.run(
                 prompt,
@@ -502,6 +504,35 @@ async def _drive(
             )
         except _Captured as captured:
             return captured
+    return _Ended(result.output, result.all_messages())
+
+
+async def _tool_step(
+    loaded: Loaded,
+    deps: Any,
+    history: list[pm.ModelMessage] | None,
+    deferred: DeferredToolResults | None,
+    retries: dict[str, int] | None,
+    intercept: _Intercept,
+) -> _Captured | _Ended:
+    """The graph's step that runs the tool calls ending ``history``, stopped at the request
+    that carries their parts, before it is assembled (the call's part is all a Charlie call
+    needs: the next request is a call_model step's to assemble, from the transcript)."""
+    async with loaded.agent.iter(
+        None,
+        message_history=history,
+        model=intercept,
+        deps=deps,
+        deferred_tool_results=deferred,
+        capabilities=[_Retries(retries)] if retries else None,
+    ) as running:
+        async for node in running:
+            request = getattr(node, "request", None)
+            if isinstance(request, pm.ModelRequest) and type(node).__name__ == "ModelRequestNode":
+                return _Captured([request], None, ModelRequestParameters())
+        result = running.result
+    if result is None:
+        raise ModelError(f"agent {loaded.ref!r} ended without an output")
     return _Ended(result.output, result.all_messages())
 
 
