@@ -7,9 +7,9 @@ its tools becomes a Charlie tool of the agent (``module:agent.TOOL``, ``TOOL`` w
 toolset's prefix as the model sees it). A tool's effect is decided as for the fleet's MCP
 servers (charlie.mcp.tools.effect_of): a ``read`` when its ``readOnlyHint`` says so, else a
 ``write``. A call is recorded, claimed and settled as any of the agent's calls (I9-I11), and
-sent through Charlie's MCP call (charlie.mcp.tools.McpCall): after a crash a read is sent
-again, a write found started without a result settles ``interrupted`` and the model is told
-(I10); an MCP task is followed by its id, a server's question goes to a person.
+sent through Charlie's MCP call (charlie.mcp.tools.McpCall): a call found started without a
+result after a crash settles ``interrupted`` and the model is told, never sent again (I10); an
+MCP task is followed by its id, a server's question goes to a person.
 
 What Pydantic AI decides stays its own: the tool definitions the model is shown come from the
 agent's own ``MCPToolset.get_tools`` (visibility, metadata, return schema, retries), given the

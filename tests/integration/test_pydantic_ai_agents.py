@@ -325,3 +325,29 @@ def test_an_agents_mcp_write_killed_mid_call_runs_once_settles_interrupted_and_i
     assert _tool_messages(bodies[1])["l"] == f"{key}=v-{key}"
     assert "INTERRUPTED" in _tool_messages(bodies[2])["d"]  # the model is told
     assert_every_call_has_one_result(task_id)
+
+
+def test_an_agents_mcp_read_killed_mid_call_is_not_sent_again_either(
+    cluster: Cluster, model_server: FakeOpenAI, agent_mcp_server: McpServers
+) -> None:
+    """I10: a read of the agent's MCP server (its readOnlyHint) whose worker is SIGKILLed while
+    the server runs it is, like any started call without a result (and like the fleet's MCP
+    reads), not sent again: it settles interrupted and the model is told."""
+    key = uuid.uuid4().hex[:8]
+    model_server.enqueue(
+        _calls(("l", "rec_lookup", {"key": key, "hold": 20})),
+        chat_stream(text="will look again"),
+    )
+    task_id = charlie.submit("look the record up", agent=MCP_AGENT)
+    wait_for(lambda: _mcp_ran(agent_mcp_server, "lookup", key), timeout=90)
+    call = next(c for c in api.calls(task_id) if c.call_id == "l")
+    assert call.state == "started" and call.started_by
+    cluster.kill_pid_group(int(call.started_by.rsplit(":", 1)[1]))
+
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    (read,) = api.calls(task_id)
+    assert read.effect == "read" and read.outcome == "interrupted"
+    assert _mcp_ran(agent_mcp_server, "lookup", key) == 1
+    assert "INTERRUPTED" in _tool_messages(model_server.bodies[1])["l"]
+    assert_every_call_has_one_result(task_id)
