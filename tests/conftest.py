@@ -45,6 +45,10 @@ _ENV = cluster_env(_HOME, BACKEND, model_port=_MODEL_PORT, anthropic_port=_ANTHR
 #: run without it configures none, so the rest of the suite starts no MCP server.
 _MCP = McpServers(_HOME, web_port=free_port(), flaky_port=free_port(), dead_port=free_port())
 _MCP_ON = False
+#: the HTTP MCP server an agent task's MCPToolset talks to (tests/support/mcp_agents.py),
+#: started by the ``agent_mcp_server`` fixture of the tests that use it
+_AGENT_MCP_PORT = free_port()
+_ENV["CHARLIE_TEST_AGENT_MCP_PORT"] = str(_AGENT_MCP_PORT)
 #: The OTLP receiver the cluster's workers export their spans to, when tests/telemetry is part
 #: of the run: the whole session's workers trace then, into this test process.
 _OTLP_PORT = free_port()
@@ -183,6 +187,17 @@ def mcp_servers(cluster_session: Cluster) -> McpServers:
     if not _MCP_ON:
         pytest.skip("the MCP test servers are configured only when tests/mcp is in the run")
     return _MCP
+
+
+@pytest.fixture(scope="session")
+def agent_mcp_server(cluster_session: Cluster) -> Iterator[McpServers]:
+    """The test MCP server (streamable HTTP) of tests/support/mcp_agents.py's agent: its
+    executions are in the returned servers' ledger."""
+    proc = _MCP.start_http(_AGENT_MCP_PORT, "agentrec")
+    yield _MCP
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import os
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pydantic_core
 from pydantic_ai import Agent, DeferredToolResults
@@ -58,6 +58,9 @@ from charlie.models.base import (
 )
 from charlie.tools.context import ToolContext, ToolError
 from charlie.tools.registry import REGISTRY, ToolDef, ToolDefinitionError, ToolRegistry
+
+if TYPE_CHECKING:
+    from charlie.agents.mcp import AgentMcp
 
 T = TypeVar("T")
 log = logging.getLogger("charlie.agents")
@@ -127,6 +130,10 @@ class Loaded:
     names: dict[str, str]
     output_tools: frozenset[str]
     defs: list[ToolDef] = field(default_factory=list)
+    #: the agent's MCP servers as Charlie's client listed them, and its toolsets with them
+    mcp: AgentMcp | None = None
+    #: the model's names of the MCP servers' tools
+    mcp_tools: frozenset[str] = frozenset()
     #: the first request's system prompt parts per run (execution id), as first computed here
     system_parts: dict[str, list[pm.ModelRequestPart]] = field(default_factory=dict)
 
@@ -145,16 +152,12 @@ _loaded_lock = threading.Lock()
 def refusals(agent: Agent[Any, Any]) -> list[str]:
     """What of ``agent`` Charlie cannot run with its guarantees, one sentence each."""
     found: list[str] = []
-    for toolset in agent.toolsets:
-        if not isinstance(toolset, FunctionToolset):
-            label = getattr(toolset, "id", None) or getattr(toolset, "label", None)
-            found.append(
-                f"toolset {type(toolset).__name__}"
-                + (f" ({label})" if label else "")
-                + ": only function tools are recorded before they run (MCP servers and other "
-                "toolsets are not supported; call the server from a function tool marked with "
-                "its effect, or run its tools in a native task through CHARLIE_MCP_CONFIG)"
-            )
+    others = [t for t in agent.toolsets if not isinstance(t, FunctionToolset)]
+    if others:
+        # (imported only for an agent that holds a toolset beside its function tools)
+        from charlie.agents import mcp
+
+        found += mcp.refusals(others)
     for capability in getattr(agent.root_capability, "capabilities", []) or []:
         if type(capability).__name__ not in _DEFAULT_CAPABILITIES:
             found.append(
@@ -253,6 +256,14 @@ def _output_def(loaded: Loaded, name: str) -> ToolDef:
     )
 
 
+def _mcp_handler(loaded: Loaded, name: str) -> Any:
+    def handler(**arguments: Any) -> Any:
+        ctx = arguments.pop(_CTX)
+        return call_tool(loaded, name, arguments, ctx, approved=False)
+
+    return handler
+
+
 def load(ref: str) -> Loaded:
     """The agent ``ref`` names, imported once per process, or AgentRefused."""
     with _loaded_lock:
@@ -283,16 +294,42 @@ def load(ref: str) -> Loaded:
         outputs = (
             frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
         )
+        agent_mcp = None
+        if any(not isinstance(t, FunctionToolset) for t in agent.toolsets):
+            from charlie.agents import mcp
+
+            # the agent's own toolsets (the first is its function toolset, kept as it is)
+            agent_mcp = mcp.load(list(agent.toolsets)[1:], ref)
+        mcp_names = (
+            [leaf.model_name(t.name) for leaf in agent_mcp.leaves for t in leaf.tools]
+            if agent_mcp is not None
+            else []
+        )
+        taken = [*tools, *outputs, *mcp_names]
+        clash = sorted({n for n in mcp_names if taken.count(n) > 1})
+        if clash:
+            raise AgentRefused(
+                f"agent {ref!r}: MCP tool name(s) {', '.join(clash)} taken by another tool "
+                "(prefix the server: MCPToolset(...).prefixed('name'))"
+            )
         loaded = Loaded(
             ref=ref,
             agent=agent,
             model=model,
-            names={n: f"{ref}.{n}" for n in [*tools, *outputs, TEXT_OUTPUT]},
+            names={n: f"{ref}.{n}" for n in [*tools, *mcp_names, *outputs, TEXT_OUTPUT]},
             output_tools=outputs | {TEXT_OUTPUT},
+            mcp=agent_mcp,
+            mcp_tools=frozenset(mcp_names),
         )
         loaded.defs = [_tool_def(loaded, t) for t in tools.values()] + [
             _output_def(loaded, n) for n in sorted(outputs | {TEXT_OUTPUT})
         ]
+        if agent_mcp is not None:
+            from charlie.agents import mcp
+
+            loaded.defs += mcp.tool_defs(
+                agent_mcp, ref, loaded.charlie_name, lambda name: _mcp_handler(loaded, name)
+            )
         _loaded[ref] = loaded
         return loaded
 
@@ -430,6 +467,8 @@ class _Retries(AbstractCapability[Any]):
 @dataclass(frozen=True)
 class _Ended:
     output: Any
+    #: the run's messages at its end (the parts of the calls an ``early`` end did not run)
+    messages: list[pm.ModelMessage] = field(default_factory=list)
 
 
 async def _drive(
@@ -441,20 +480,60 @@ async def _drive(
     deferred: DeferredToolResults | None = None,
     replay: pm.ModelResponse | None = None,
     retries: dict[str, int] | None = None,
+    call: ToolContext | None = None,
 ) -> _Captured | _Ended:
     intercept = _Intercept(loaded.model) if replay is None else _Replay(loaded.model, replay)
-    try:
-        result = await loaded.agent.run(
-            prompt,
-            message_history=history,
-            model=intercept,
-            deps=deps,
-            deferred_tool_results=deferred,
-            capabilities=[_Retries(retries)] if retries else None,
-        )
-    except _Captured as captured:
-        return captured
-    return _Ended(result.output)
+    with contextlib.ExitStack() as stack:
+        if loaded.mcp is not None:
+            # its MCP servers as Charlie lists and calls them (charlie.agents.mcp); this
+            # coroutine's context only: another step's run on this loop is not touched
+            from charlie.agents.mcp import CALL
+
+            stack.enter_context(loaded.agent.override(toolsets=loaded.mcp.toolsets))
+            CALL.set(call)
+        if call is not None:
+            return await _tool_step(loaded, deps, history, deferred, retries, intercept)
+        try:
+            result = await loaded.agent.run(
+                prompt,
+                message_history=history,
+                model=intercept,
+                deps=deps,
+                deferred_tool_results=deferred,
+                capabilities=[_Retries(retries)] if retries else None,
+            )
+        except _Captured as captured:
+            return captured
+    return _Ended(result.output, result.all_messages())
+
+
+async def _tool_step(
+    loaded: Loaded,
+    deps: Any,
+    history: list[pm.ModelMessage] | None,
+    deferred: DeferredToolResults | None,
+    retries: dict[str, int] | None,
+    intercept: _Intercept,
+) -> _Captured | _Ended:
+    """The graph's step that runs the tool calls ending ``history``, stopped at the request
+    that carries their parts, before it is assembled (the call's part is all a Charlie call
+    needs: the next request is a call_model step's to assemble, from the transcript)."""
+    async with loaded.agent.iter(
+        None,
+        message_history=history,
+        model=intercept,
+        deps=deps,
+        deferred_tool_results=deferred,
+        capabilities=[_Retries(retries)] if retries else None,
+    ) as running:
+        async for node in running:
+            request = getattr(node, "request", None)
+            if isinstance(request, pm.ModelRequest) and type(node).__name__ == "ModelRequestNode":
+                return _Captured([request], None, ModelRequestParameters())
+        result = running.result
+    if result is None:
+        raise ModelError(f"agent {loaded.ref!r} ended without an output")
+    return _Ended(result.output, result.all_messages())
 
 
 def _deps(ref: str | None) -> Any:
@@ -529,7 +608,9 @@ def call_tool(
     deferred = DeferredToolResults(approvals={ctx.call_id: True}) if approved else None
     try:
         found = run(
-            _drive(loaded, deps, history=history, deferred=deferred, retries=retries or None)
+            _drive(
+                loaded, deps, history=history, deferred=deferred, retries=retries or None, call=ctx
+            )
         )
     except UnexpectedModelBehavior as exc:
         if "exceeded max retries" not in str(exc):
@@ -545,9 +626,33 @@ def call_tool(
             retry=pm.RetryInfo("model_retry", attempt=count + 1, max_retries=count),
         )
         raise ToolError(str(exc), pydantic_ai_part=_part_json(part)) from None
+    except Exception as exc:
+        if name not in loaded.mcp_tools:
+            raise
+        from charlie.agents.mcp import escaped
+
+        # Charlie's MCP call settles it: a park (an MCP task, a person's answer to give), an
+        # interruption (I10), a lost lease, a call not sent: as for the fleet's MCP tools
+        carried = escaped(exc)
+        if carried is None:
+            raise
+        if carried.error is not None:
+            raise carried.error from None
+        return carried.value
     if isinstance(found, _Ended):
         if name in loaded.output_tools:
             return {"output": pydantic_core.to_jsonable_python(found.output)}
+        # end_strategy="early": an output call of the same answer is valid, so Pydantic AI ran
+        # no function tool of it; this call's result is the part it gave the call instead
+        skipped = [
+            p
+            for m in found.messages
+            if isinstance(m, pm.ModelRequest)
+            for p in m.parts
+            if getattr(p, "tool_call_id", None) == ctx.call_id
+        ]
+        if skipped:
+            return pydantic_core.to_jsonable_python(getattr(skipped[-1], "content", None))
         raise ToolError(f"agent {loaded.ref!r} ended instead of running tool {name!r}")
     last = found.messages[-1]
     parts = [
@@ -570,7 +675,9 @@ def _so_far(
     call: pm.ToolCallPart,
 ) -> tuple[list[pm.ModelMessage], dict[str, int]]:
     """The run's messages up to ``call`` (the answer that holds it ends them, with no other
-    call of that answer: only this one runs here) and each tool's retries so far."""
+    call of that answer, only this one runs here; but under ``end_strategy="early"`` with the
+    answer's output calls, whose validity decides whether it runs) and each tool's retries so
+    far."""
     at = next(
         (
             n
@@ -580,15 +687,37 @@ def _so_far(
         len(items),
     )
     before = items[:at]
+    calls = [call]
+    if loaded.agent.end_strategy == "early" and at < len(items):
+        # the answer's output calls too, in the order the model emitted them: under "early" a
+        # valid one ends the run and Pydantic AI runs none of the answer's function tools
+        turn = items[at].turn
+        calls = [
+            pm.ToolCallPart(
+                loaded.agent_name(str(i.payload.get("name"))),
+                str(i.payload.get("raw_arguments") or "{}"),
+                i.call_id,
+            )
+            if i.call_id != call.tool_call_id
+            else call
+            for i in items
+            if i.kind is ItemKind.TOOL_CALL
+            and i.turn == turn
+            and (
+                i.call_id == call.tool_call_id
+                or loaded.agent_name(str(i.payload.get("name")))
+                in loaded.output_tools - {TEXT_OUTPUT}
+            )
+        ]
     model = AgentModel(
         "", AgentSpec("", loaded.ref, deps_ref if isinstance(deps_ref, str) else None), loaded
     )
     history = model.history(before)
     if history and isinstance(history[-1], pm.ModelResponse):
         kept = [p for p in history[-1].parts if not isinstance(p, pm.ToolCallPart)]
-        history[-1] = pm.ModelResponse(parts=[*kept, call])
+        history[-1] = pm.ModelResponse(parts=[*kept, *calls])
     else:
-        history.append(pm.ModelResponse(parts=[call]))
+        history.append(pm.ModelResponse(parts=calls))
     if not isinstance(history[0], pm.ModelRequest):
         history.insert(0, pm.ModelRequest(parts=[pm.UserPromptPart("")]))
     head = history[0]
@@ -992,6 +1121,9 @@ def model_for(parsed: AgentSpec, tools: ToolRegistry) -> AgentModel:
     try:
         loaded = load(parsed.agent)
     except AgentRefused as exc:
+        if type(exc).__name__ == "Unreachable":
+            # its MCP server did not answer: the step is tried again, by Charlie's policy
+            raise TransientModelError(str(exc)) from exc
         raise ModelError(str(exc)) from exc
     _register(loaded, tools)
     return AgentModel(parsed.render(), parsed, loaded)

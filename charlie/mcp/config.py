@@ -90,7 +90,7 @@ class Override:
 @dataclass(frozen=True)
 class ServerConfig:
     name: str
-    transport: str  # "stdio" | "http"
+    transport: str  # "stdio" | "http" | "sse" (an agent's server only, charlie.agents.mcp)
     command: str | None = None
     args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict, repr=False)

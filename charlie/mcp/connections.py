@@ -300,6 +300,9 @@ class _Link:
             return Client(transport, extensions=[TasksExtension()])
         import httpx2
 
+        if s.transport == "sse":
+            # (an agent's server, charlie.agents.mcp: the configuration file names none)
+            return self._sse_client()
         http = httpx2.AsyncClient(
             headers=dict(s.headers) or None,
             timeout=httpx2.Timeout(30.0, connect=self.timeout, read=None),
@@ -312,6 +315,40 @@ class _Link:
         return Client(
             streamable_http_client(
                 s.url, http_client=http, max_sse_event_size=self.max_message_bytes
+            ),
+            extensions=[TasksExtension()],
+        )
+
+    def _sse_client(self) -> Client:
+        """A server over the SSE transport: its GET stream carries the answers, each POST a
+        request; a JSON answer is read up to the limit as over streamable HTTP (an SSE event
+        is not cut by size: the SDK's SSE client takes no limit)."""
+        import httpx2
+        from mcp.client.sse import sse_client
+
+        s, limit = self.server, self.max_message_bytes
+
+        def factory(
+            headers: dict[str, str] | None = None,
+            timeout: httpx2.Timeout | None = None,
+            auth: httpx2.Auth | None = None,
+        ) -> httpx2.AsyncClient:
+            return httpx2.AsyncClient(
+                headers=headers,
+                timeout=timeout or httpx2.Timeout(30.0, connect=self.timeout, read=None),
+                auth=auth,
+                follow_redirects=True,
+                transport=bounded.BoundedTransport(httpx2.AsyncHTTPTransport(), limit),
+            )
+
+        assert s.url is not None
+        return Client(
+            sse_client(
+                s.url,
+                headers=dict(s.headers) or None,
+                timeout=self.timeout,
+                sse_read_timeout=24 * 3600.0,
+                httpx_client_factory=factory,
             ),
             extensions=[TasksExtension()],
         )

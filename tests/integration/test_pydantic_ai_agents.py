@@ -1,8 +1,10 @@
 """A Pydantic AI agent as a Charlie task, through real workers (I34): its own OpenAIChatModel
 against the session's fake Chat Completions server, a read tool, a write tool, a structured
 output; SIGKILL in the write (I9, I10) and in a model request (I3); approvals by
-``requires_approval`` and by the task's ``approve`` list (I23). The agents are
-tests/support/agents.py; every real run of one of their tools is in the test ledger."""
+``requires_approval`` and by the task's ``approve`` list (I23). An agent's MCP
+server (tests/support/mcp_agents.py) through Charlie's MCP client, SIGKILLed during its write.
+The agents are tests/support/agents.py; every real run of one of their tools is in the test
+ledger."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from charlie import api, cli
 from charlie.domain import TaskStatus
 from tests.conftest import wait_for
 from tests.integration.test_loop import assert_every_call_has_one_result
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, McpServers
 from tests.support.fake_openai import FakeOpenAI, Reply, chat_stream
 from tests.support.tools import read_ledger
 
@@ -276,3 +278,76 @@ def _terminal(task_id: str) -> Any:
     except api.TaskNotFound:
         return None
     return info if info.terminal else None
+
+
+MCP_AGENT = "tests.support.mcp_agents:with_mcp"
+
+
+def _mcp_ran(servers: McpServers, event: str, key: str) -> int:
+    if not servers.ledger.exists():
+        return 0
+    rows = [json.loads(line) for line in servers.ledger.read_text().splitlines() if line.strip()]
+    return len([r for r in rows if r["event"] == event and r.get("key") == key])
+
+
+def test_an_agents_mcp_write_killed_mid_call_runs_once_settles_interrupted_and_is_told(
+    cluster: Cluster, model_server: FakeOpenAI, agent_mcp_server: McpServers
+) -> None:
+    """I9, I10, I34: the agent's MCP server (an MCPToolset, prefixed ``rec``) is called through
+    Charlie's MCP client: its read-only ``lookup`` is a read, ``delete_record`` a write; the
+    worker is SIGKILLed while the server runs the write: it was recorded before it was sent,
+    is never sent again (the server's own ledger), settles interrupted, and the model is told."""
+    key = uuid.uuid4().hex[:8]
+    model_server.enqueue(
+        _calls(("l", "rec_lookup", {"key": key})),
+        _calls(("d", "rec_delete_record", {"key": key, "hold": 20})),
+        chat_stream(text="could not tell whether it was deleted"),
+    )
+    task_id = charlie.submit("delete the record", agent=MCP_AGENT)
+    wait_for(lambda: _mcp_ran(agent_mcp_server, "delete.start", key), timeout=90)
+    call = next(c for c in api.calls(task_id) if c.call_id == "d")
+    assert call.state == "started" and call.started_by  # I9: recorded before it was sent
+    cluster.kill_pid_group(int(call.started_by.rsplit(":", 1)[1]))
+
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == "could not tell whether it was deleted"
+    calls = {c.call_id: c for c in api.calls(task_id)}
+    assert calls["l"].effect == "read" and calls["l"].outcome == "ok"
+    assert calls["d"].effect == "write" and calls["d"].outcome == "interrupted"
+    assert _mcp_ran(agent_mcp_server, "lookup", key) == 1
+    assert _mcp_ran(agent_mcp_server, "delete.start", key) == 1  # never sent again
+    bodies = model_server.bodies
+    assert {t["function"]["name"] for t in bodies[0]["tools"]} >= {
+        "rec_lookup",
+        "rec_delete_record",
+    }
+    assert _tool_messages(bodies[1])["l"] == f"{key}=v-{key}"
+    assert "INTERRUPTED" in _tool_messages(bodies[2])["d"]  # the model is told
+    assert_every_call_has_one_result(task_id)
+
+
+def test_an_agents_mcp_read_killed_mid_call_is_not_sent_again_either(
+    cluster: Cluster, model_server: FakeOpenAI, agent_mcp_server: McpServers
+) -> None:
+    """I10: a read of the agent's MCP server (its readOnlyHint) whose worker is SIGKILLed while
+    the server runs it is, like any started call without a result (and like the fleet's MCP
+    reads), not sent again: it settles interrupted and the model is told."""
+    key = uuid.uuid4().hex[:8]
+    model_server.enqueue(
+        _calls(("l", "rec_lookup", {"key": key, "hold": 20})),
+        chat_stream(text="will look again"),
+    )
+    task_id = charlie.submit("look the record up", agent=MCP_AGENT)
+    wait_for(lambda: _mcp_ran(agent_mcp_server, "lookup", key), timeout=90)
+    call = next(c for c in api.calls(task_id) if c.call_id == "l")
+    assert call.state == "started" and call.started_by
+    cluster.kill_pid_group(int(call.started_by.rsplit(":", 1)[1]))
+
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    (read,) = api.calls(task_id)
+    assert read.effect == "read" and read.outcome == "interrupted"
+    assert _mcp_ran(agent_mcp_server, "lookup", key) == 1
+    assert "INTERRUPTED" in _tool_messages(model_server.bodies[1])["l"]
+    assert_every_call_has_one_result(task_id)

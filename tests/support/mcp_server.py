@@ -1,5 +1,5 @@
-"""An MCP server for the tests, built with the official SDK (MCPServer), over stdio or streamable
-HTTP: ``python tests/support/mcp_server.py [--http PORT] [--name NAME]``.
+"""An MCP server for the tests, built with the official SDK (MCPServer), over stdio, streamable
+HTTP or SSE: ``python tests/support/mcp_server.py [--http PORT [--sse]] [--name NAME]``.
 
 Every execution of a tool is written to a ledger outside Charlie (``MCP_TEST_LEDGER``), so a
 test counts what really ran, whatever Charlie's records say. A stdio server reads its token
@@ -396,8 +396,8 @@ def _wire() -> int:
     return claim.private_fd if claim is not None and claim.private_fd is not None else 1
 
 
-def http_app(port: int) -> Any:
-    app = server.streamable_http_app(host="127.0.0.1")
+def http_app(port: int, sse: bool = False) -> Any:
+    app = server.sse_app(host="127.0.0.1") if sse else server.streamable_http_app(host="127.0.0.1")
     expected = f"Bearer {TOKEN}".encode()
 
     async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -465,6 +465,7 @@ async def _flooding(receive: Any, send: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--http", type=int, default=None, help="serve streamable HTTP here")
+    parser.add_argument("--sse", action="store_true", help="serve the SSE transport instead")
     args = parser.parse_args()
     down = os.environ.get("MCP_TEST_DOWN_FLAG")
     if down and os.path.exists(down):
@@ -476,7 +477,8 @@ def main() -> None:
         return
     import uvicorn
 
-    uvicorn.run(http_app(args.http), host="127.0.0.1", port=args.http, log_level="warning")
+    app = http_app(args.http, sse=args.sse)
+    uvicorn.run(app, host="127.0.0.1", port=args.http, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ not_an_agent = object()
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("with_toolset", "toolset Opaque (opaque-server)"),
+        ("with_toolset", "toolset Opaque 'opaque-server'"),
         ("with_handler", "capability ProcessEventStream"),
         ("with_history", "capability ProcessHistory"),
         ("with_output_function", "output function"),
@@ -679,3 +679,85 @@ def test_a_tool_past_its_retries_ends_the_task_as_agent_run_ends() -> None:
     with pytest.raises(ModelError, match=r"probe.*exceeded max retries count of 2"):
         model.complete(t.request())
     assert len(SCRIPT) == 1
+
+
+RAN: list[str] = []
+
+
+def _ending(strategy: Any) -> Agent[None, Out]:
+    made = Agent(FunctionModel(scripted, model_name="fn"), output_type=Out, end_strategy=strategy)
+
+    @made.tool_plain(metadata={"effect": "read"})
+    def note(account: str) -> str:
+        RAN.append(account)
+        return f"noted {account}"
+
+    @made.output_validator
+    def known(output: Out) -> Out:
+        if output.account != "acme":
+            raise ModelRetry("unknown account")
+        return output
+
+    return made
+
+
+early = _ending("early")
+exhaustive = _ending("exhaustive")
+
+
+def _note_and_output(ref: str, account: str) -> tuple[Any, Transcript, Any]:
+    """The model answers note() and the output in one response; Charlie runs both calls from
+    the transcript, as the executor does; the note's recorded result is returned."""
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:{ref}.note")
+    model = _model(f"{HERE}:{ref}", deps=None)
+    t = Transcript("settle")
+    SCRIPT.append(
+        pm.ModelResponse(
+            parts=[
+                pm.ToolCallPart("note", {"account": account}, "n"),
+                pm.ToolCallPart("final_result", {"account": account, "cents": 1}, "f"),
+            ]
+        )
+    )
+    t.add(*model.complete(t.request()).output)
+    t.turn = 1
+    results = []
+    for name, call_id, args in (
+        ("note", "n", {"account": account}),
+        ("final_result", "f", {"account": account, "cents": 1}),
+    ):
+        definition = registry.get_registered(f"{HERE}:{ref}.{name}")
+        assert definition is not None
+        ctx = replace(_ctx(call_id, deps=None), record=Recorded(t))
+        results.append(
+            _result(
+                f"{HERE}:{ref}.{name}",
+                call_id,
+                lambda d=definition, c=ctx, a=args: d.handler(**a, _charlie_ctx=c),
+            )
+        )
+    t.add(*results)
+    return model, t, results[0]
+
+
+def test_end_strategy_early_runs_no_function_tool_beside_a_valid_output() -> None:
+    """As agent.run with end_strategy="early": the answer's valid output ends the run; its
+    function call never runs and gets Pydantic AI's own "not executed" part; with an output
+    its validator refuses, the function call runs so the model can correct."""
+    RAN.clear()
+    model, t, note = _note_and_output("early", "acme")
+    assert RAN == []
+    assert note.payload["outcome"] == "ok" and "not executed" in note.payload["result"]
+    done = model.complete(t.request())
+    assert json.loads(done.output[-1].payload["content"]) == {"account": "acme", "cents": 1}
+    _, _, note = _note_and_output("early", "other")
+    assert RAN == ["other"] and note.payload["result"] == "noted other"
+
+
+def test_end_strategy_exhaustive_runs_every_function_tool_beside_a_valid_output() -> None:
+    RAN.clear()
+    model, t, note = _note_and_output("exhaustive", "acme")
+    assert RAN == ["acme"] and note.payload["result"] == "noted acme"
+    done = model.complete(t.request())
+    assert json.loads(done.output[-1].payload["content"]) == {"account": "acme", "cents": 1}
