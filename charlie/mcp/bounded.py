@@ -13,7 +13,10 @@ all. Here every read is bounded while it happens (result cap, I15):
   (:data:`OVERSIZED`) in its place (:func:`stdio_client`);
 - over HTTP, a JSON body is read up to the limit; a longer one (or one that says it is) is not
   read on, and the request gets the same error (:class:`BoundedTransport`). An SSE event is
-  bounded by the SDK itself (``max_sse_event_size``, given the same limit).
+  bounded by the SDK itself over streamable HTTP (``max_sse_event_size``, given the same
+  limit); over the SSE transport, whose SDK client takes no limit, the event stream is cut
+  here (:class:`_EventBounded`): an event over the limit ends the stream, the SDK's own words
+  for it (:func:`sse_over_limit`), so its request fails as too large.
 
 What is not bounded here: what the SDK makes of a message within the limit (a parsed message is
 a few times its size), and a server's request or notification over the limit, which is dropped
@@ -348,19 +351,58 @@ async def stdio_client(
 # -- HTTP ---------------------------------------------------------------------------------------
 
 
+#: a blank line, which ends an SSE event: two line ends (CRLF, CR or LF) in a row
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+
+
+class _EventBounded(httpx2.AsyncByteStream):
+    """An SSE stream passed on chunk by chunk while no event in it is over ``limit`` bytes;
+    the chunk that takes one over is not handed on: the stream ends there with the SDK's own
+    error for an oversized event (httpx2.SSEError), which closes the connection."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
+        self.inner = inner
+        self.limit = limit
+
+    async def __aiter__(self) -> AsyncGenerator[bytes]:
+        size, carry = 0, b""
+        async for chunk in self.inner:
+            # (the last bytes of the chunk before: a blank line may straddle two chunks)
+            window = carry + chunk
+            end = None
+            for found in _BLANK_LINE.finditer(window):
+                end = found.end()
+            size = size + len(chunk) if end is None else len(window) - end
+            if size > self.limit:
+                raise httpx2.SSEError(f"Server-sent event exceeded the {self.limit} byte limit.")
+            carry = window[-3:]
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class BoundedTransport(httpx2.AsyncBaseTransport):
     """An HTTP transport that reads a JSON answer to a request up to ``limit`` bytes: a longer
     one (or one whose Content-Length says so) is not read on, its connection is closed, and the
-    request gets an :data:`OVERSIZED` JSON-RPC error as its answer. Other answers (an SSE
-    stream, whose events the SDK bounds, an empty 202) pass as they come."""
+    request gets an :data:`OVERSIZED` JSON-RPC error as its answer. An SSE stream is cut at its
+    first event over the limit when ``events`` (the SSE transport, whose SDK client takes no
+    limit; over streamable HTTP the SDK bounds the events itself). Other answers (an empty
+    202) pass as they come."""
 
-    def __init__(self, inner: httpx2.AsyncBaseTransport, limit: int) -> None:
+    def __init__(self, inner: httpx2.AsyncBaseTransport, limit: int, events: bool = False) -> None:
         self.inner = inner
         self.limit = limit
+        self.events = events
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self.inner.handle_async_request(request)
         kind = response.headers.get("content-type", "").lower()
+        if self.events and kind.startswith("text/event-stream"):
+            stream = response.stream
+            assert isinstance(stream, httpx2.AsyncByteStream)
+            response.stream = _EventBounded(stream, self.limit)
+            return response
         if not kind.startswith("application/json"):
             return response
         declared = _int(response.headers.get("content-length"))

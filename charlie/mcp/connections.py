@@ -321,8 +321,10 @@ class _Link:
 
     def _sse_client(self) -> Client:
         """A server over the SSE transport: its GET stream carries the answers, each POST a
-        request; a JSON answer is read up to the limit as over streamable HTTP (an SSE event
-        is not cut by size: the SDK's SSE client takes no limit)."""
+        request; a JSON answer is read up to the limit as over streamable HTTP, and the event
+        stream is cut at its first event over the limit (the SDK's SSE client takes no limit
+        of its own: it holds an event up to its fixed 1 MiB), which ends the session: the
+        request it answered is TooLarge (I15)."""
         import httpx2
         from mcp.client.sse import sse_client
 
@@ -338,7 +340,7 @@ class _Link:
                 timeout=timeout or httpx2.Timeout(30.0, connect=self.timeout, read=None),
                 auth=auth,
                 follow_redirects=True,
-                transport=bounded.BoundedTransport(httpx2.AsyncHTTPTransport(), limit),
+                transport=bounded.BoundedTransport(httpx2.AsyncHTTPTransport(), limit, events=True),
             )
 
         assert s.url is not None
@@ -390,6 +392,13 @@ class _Link:
             if exc.code == mcp_types.CONNECTION_CLOSED:
                 await self._ended()
                 ended = self.ended_by
+                over = bounded.sse_over_limit(describe(ended)) if ended is not None else None
+                if over is not None:
+                    # the SSE transport's event stream ended at an event over the limit: the
+                    # answer came, and was not read on (its session ended with it)
+                    raise TooLarge(
+                        self.server.name, bounded.oversized_reason(over + 1, over, complete=False)
+                    ) from None
                 if ended is not None and _never_connected(ended):
                     raise Unavailable(
                         self.server.name, f"it refused the connection ({describe(ended)})"

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import mcp_types
 import pytest
 from fastmcp.client.transports import StdioTransport
 from pydantic_ai import Agent
@@ -27,6 +28,8 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from charlie import agents
 from charlie.domain import Effect
+from charlie.mcp.config import McpConfig, ServerConfig
+from charlie.mcp.connections import Connections, TooLarge
 from charlie.tools.context import Interrupted, ToolContext
 from charlie.tools.registry import ToolRegistry
 from tests.support.cluster import MCP_SERVER_SCRIPT, free_port
@@ -227,3 +230,25 @@ def test_a_server_over_sse_is_listed_and_called_through_charlies_client(sse_serv
     ctx = replace(_ctx("s1"), metadata={})
     assert lookup.handler(key="s1", _charlie_ctx=ctx) == "s1=v-s1"
     assert _ran("lookup", "s1") == 1
+
+
+def test_an_sse_event_over_the_limit_is_cut_and_the_call_is_too_large(sse_server: str) -> None:
+    """The SSE transport carries every answer on its GET event stream: an event over
+    CHARLIE_MCP_MAX_MESSAGE_BYTES is not read on (its connection closed) and its request
+    fails as too large, naming the server and the limit (I15); the next call connects
+    again."""
+    limit = 64 * 1024
+    server = ServerConfig(
+        name="sse-old", transport="sse", url=sse_server,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )  # fmt: skip
+    links = Connections(McpConfig(servers=(server,)), 10.0, limit)
+    try:
+        with pytest.raises(TooLarge) as caught:
+            links.call_tool("sse-old", "flood", {"answer_bytes": limit * 4}, timeout=20)
+        assert caught.value.server == "sse-old"
+        assert f"over the limit of {limit} bytes" in caught.value.reason
+        fits = links.call_tool("sse-old", "flood", {"answer_bytes": limit // 2}, timeout=20)
+        assert isinstance(fits, mcp_types.CallToolResult) and not fits.is_error
+    finally:
+        links.close()
