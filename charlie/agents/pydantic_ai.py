@@ -146,6 +146,8 @@ class Loaded:
 
 
 _loaded: dict[str, Loaded] = {}
+#: one lock per agent (its load in this process); _loaded_lock guards only this dict
+_loading: dict[str, threading.Lock] = {}
 _loaded_lock = threading.Lock()
 
 
@@ -266,72 +268,80 @@ def _mcp_handler(loaded: Loaded, name: str) -> Any:
 
 def load(ref: str) -> Loaded:
     """The agent ``ref`` names, imported once per process, or AgentRefused."""
+    found = _loaded.get(ref)  # (one dict read: a loaded agent is found taking no lock)
+    if found is not None:
+        return found
     with _loaded_lock:
+        lock = _loading.setdefault(ref, threading.Lock())
+    # One agent's load (its MCP servers listed, each up to its timeout, again at each step
+    # while one does not answer) holds up only that agent's steps, never another's.
+    with lock:
         found = _loaded.get(ref)
         if found is not None:
             return found
-        agent = _import_ref(ref, "agent")
-        if not isinstance(agent, Agent):
-            raise AgentRefused(
-                f"agent {ref!r} is a {type(agent).__name__}, not a pydantic_ai.Agent"
-            )
-        problems = refusals(agent)
-        if problems:
-            raise AgentRefused(
-                f"agent {ref!r} cannot run as a Charlie task: " + "; ".join(problems)
-            )
-        if agent.model is None:
-            raise AgentRefused(f"agent {ref!r} has no model: give Agent(...) one")
-        try:
-            model = infer_model(agent.model)
-        except Exception as exc:  # a provider without its key, an unknown model name, ...
-            raise AgentRefused(f"agent {ref!r}: its model cannot be made here: {exc}") from exc
-        tools: dict[str, Any] = {}
-        for toolset in agent.toolsets:
-            if isinstance(toolset, FunctionToolset):
-                tools.update(toolset.tools)
-        output_toolset = agent._output_toolset
-        outputs = (
-            frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
-        )
-        agent_mcp = None
-        if any(not isinstance(t, FunctionToolset) for t in agent.toolsets):
-            from charlie.agents import mcp
-
-            # the agent's own toolsets (the first is its function toolset, kept as it is)
-            agent_mcp = mcp.load(list(agent.toolsets)[1:], ref)
-        mcp_names = (
-            [leaf.model_name(t.name) for leaf in agent_mcp.leaves for t in leaf.tools]
-            if agent_mcp is not None
-            else []
-        )
-        taken = [*tools, *outputs, *mcp_names]
-        clash = sorted({n for n in mcp_names if taken.count(n) > 1})
-        if clash:
-            raise AgentRefused(
-                f"agent {ref!r}: MCP tool name(s) {', '.join(clash)} taken by another tool "
-                "(prefix the server: MCPToolset(...).prefixed('name'))"
-            )
-        loaded = Loaded(
-            ref=ref,
-            agent=agent,
-            model=model,
-            names={n: f"{ref}.{n}" for n in [*tools, *mcp_names, *outputs, TEXT_OUTPUT]},
-            output_tools=outputs | {TEXT_OUTPUT},
-            mcp=agent_mcp,
-            mcp_tools=frozenset(mcp_names),
-        )
-        loaded.defs = [_tool_def(loaded, t) for t in tools.values()] + [
-            _output_def(loaded, n) for n in sorted(outputs | {TEXT_OUTPUT})
-        ]
-        if agent_mcp is not None:
-            from charlie.agents import mcp
-
-            loaded.defs += mcp.tool_defs(
-                agent_mcp, ref, loaded.charlie_name, lambda name: _mcp_handler(loaded, name)
-            )
+        loaded = _load(ref)
         _loaded[ref] = loaded
         return loaded
+
+
+def _load(ref: str) -> Loaded:
+    """The agent ``ref`` names, imported and checked, its tools made (its MCP servers
+    listed), or AgentRefused."""
+    agent = _import_ref(ref, "agent")
+    if not isinstance(agent, Agent):
+        raise AgentRefused(f"agent {ref!r} is a {type(agent).__name__}, not a pydantic_ai.Agent")
+    problems = refusals(agent)
+    if problems:
+        raise AgentRefused(f"agent {ref!r} cannot run as a Charlie task: " + "; ".join(problems))
+    if agent.model is None:
+        raise AgentRefused(f"agent {ref!r} has no model: give Agent(...) one")
+    try:
+        model = infer_model(agent.model)
+    except Exception as exc:  # a provider without its key, an unknown model name, ...
+        raise AgentRefused(f"agent {ref!r}: its model cannot be made here: {exc}") from exc
+    tools: dict[str, Any] = {}
+    for toolset in agent.toolsets:
+        if isinstance(toolset, FunctionToolset):
+            tools.update(toolset.tools)
+    output_toolset = agent._output_toolset
+    outputs = frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
+    agent_mcp = None
+    if any(not isinstance(t, FunctionToolset) for t in agent.toolsets):
+        from charlie.agents import mcp
+
+        # the agent's own toolsets (the first is its function toolset, kept as it is)
+        agent_mcp = mcp.load(list(agent.toolsets)[1:], ref)
+    mcp_names = (
+        [leaf.model_name(t.name) for leaf in agent_mcp.leaves for t in leaf.tools]
+        if agent_mcp is not None
+        else []
+    )
+    taken = [*tools, *outputs, *mcp_names]
+    clash = sorted({n for n in mcp_names if taken.count(n) > 1})
+    if clash:
+        raise AgentRefused(
+            f"agent {ref!r}: MCP tool name(s) {', '.join(clash)} taken by another tool "
+            "(prefix the server: MCPToolset(...).prefixed('name'))"
+        )
+    loaded = Loaded(
+        ref=ref,
+        agent=agent,
+        model=model,
+        names={n: f"{ref}.{n}" for n in [*tools, *mcp_names, *outputs, TEXT_OUTPUT]},
+        output_tools=outputs | {TEXT_OUTPUT},
+        mcp=agent_mcp,
+        mcp_tools=frozenset(mcp_names),
+    )
+    loaded.defs = [_tool_def(loaded, t) for t in tools.values()] + [
+        _output_def(loaded, n) for n in sorted(outputs | {TEXT_OUTPUT})
+    ]
+    if agent_mcp is not None:
+        from charlie.agents import mcp
+
+        loaded.defs += mcp.tool_defs(
+            agent_mcp, ref, loaded.charlie_name, lambda name: _mcp_handler(loaded, name)
+        )
+    return loaded
 
 
 def register_agent_tools(ref: str, tools: ToolRegistry) -> bool:

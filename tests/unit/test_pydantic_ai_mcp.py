@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -252,3 +253,40 @@ def test_an_sse_event_over_the_limit_is_cut_and_the_call_is_too_large(sse_server
         assert isinstance(fits, mcp_types.CallToolResult) and not fits.is_error
     finally:
         links.close()
+
+
+def test_an_agents_server_that_does_not_answer_holds_up_no_other_agents_load() -> None:
+    """An agent whose MCP server accepts and never answers is loaded (its servers listed,
+    up to their timeout) under its own lock: meanwhile another agent loads, and one loaded
+    before is found, without waiting for it (I36: the other agents' steps go on)."""
+    from charlie.agents import pydantic_ai
+
+    mute = socket.create_server(("127.0.0.1", free_port()))
+    held: list[socket.socket] = []
+    port = mute.getsockname()[1]
+    globals()["mute_agent"] = Agent(
+        FunctionModel(scripted), toolsets=[MCPToolset(f"http://127.0.0.1:{port}/mcp")]
+    )
+    globals()["other_agent"] = Agent(FunctionModel(scripted, model_name="fn"))
+    before = pydantic_ai.load(f"{HERE}:mcp_agent")
+    failed: list[BaseException] = []
+
+    def load_mute() -> None:
+        try:
+            pydantic_ai.load(f"{HERE}:mute_agent")
+        except agents.AgentRefused as exc:
+            failed.append(exc)
+
+    loading = threading.Thread(target=load_mute)
+    loading.start()
+    try:
+        held.append(mute.accept()[0])  # its listing is in flight now, and stays so
+        assert pydantic_ai.load(f"{HERE}:mcp_agent") is before
+        assert pydantic_ai.load(f"{HERE}:other_agent").ref == f"{HERE}:other_agent"
+        assert loading.is_alive()  # the mute server's listing still waits
+    finally:
+        for conn in held:
+            conn.close()
+        mute.close()
+        loading.join()
+    assert failed and "did not list its tools" in str(failed[0])
