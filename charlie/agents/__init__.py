@@ -67,7 +67,8 @@ def find_tool(tools: ToolRegistry, name: str) -> bool:
         from charlie.agents import pydantic_ai
     except ImportError:
         return False  # no framework here: no agent's tool either
-    return pydantic_ai.register_agent_tools(ref, tools)
+    # (ToolUnavailable: the agent's, not made here now; its function tools are)
+    return pydantic_ai.register_agent_tools(ref, tools, name)
 
 
 def register_module_agents(module: Any, tools: ToolRegistry) -> None:

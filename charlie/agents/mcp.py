@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mcp_types
@@ -208,11 +208,15 @@ class AgentMcp:
     leaves: list[Leaf]
     #: the agent's user toolsets with each MCPToolset replaced by its Charlie stand-in
     toolsets: list[AbstractToolset[Any]]
+    #: why each server that did not answer its listing is held with no tools (the agent
+    #: cannot take a step while one is: its model would not be shown them)
+    unreachable: list[str] = field(default_factory=list)
 
 
 def load(toolsets: list[AbstractToolset[Any]], ref: str) -> AgentMcp | None:
     """List the agent's MCP servers' tools with Charlie's client (each within its timeout), or
-    AgentRefused naming a server that did not answer. None: the agent holds none."""
+    AgentRefused naming a server that cannot be made durable. A server that did not answer
+    is held with no tools, and said so (``unreachable``). None: the agent holds none."""
     found: list[tuple[MCPToolset[Any], ServerConfig, tuple[str, ...]]] = []
     for toolset in toolsets:
         held, _ = _leaves(toolset)
@@ -233,17 +237,19 @@ def load(toolsets: list[AbstractToolset[Any]], ref: str) -> AgentMcp | None:
         # main process lists before its pool forks; no session of it crosses the fork).
         servers.connections.close()
     leaves: list[Leaf] = []
+    unreachable: list[str] = []
     for toolset, server, prefixes in found:
         tools = listed[server.name]
         if isinstance(tools, McpFailure):
-            raise Unreachable(
+            unreachable.append(
                 f"agent {ref!r}: its MCP server {toolset.label} ({server.describe()}) did not "
                 f"list its tools: {mcp_config.scrub(tools.reason)}"
             )
+            tools = []
         leaves.append(Leaf(toolset, server, prefixes, tools))
     stand_ins = {id(leaf.toolset): _stand_in(leaf, servers) for leaf in leaves}
     replaced = [t.visit_and_replace(lambda leaf: stand_ins.get(id(leaf), leaf)) for t in toolsets]
-    return AgentMcp(servers, leaves, replaced)
+    return AgentMcp(servers, leaves, replaced, unreachable)
 
 
 class Unreachable(AgentRefused):

@@ -57,7 +57,13 @@ from charlie.models.base import (
     tool_call_item,
 )
 from charlie.tools.context import ToolContext, ToolError
-from charlie.tools.registry import REGISTRY, ToolDef, ToolDefinitionError, ToolRegistry
+from charlie.tools.registry import (
+    REGISTRY,
+    ToolDef,
+    ToolDefinitionError,
+    ToolRegistry,
+    ToolUnavailable,
+)
 
 if TYPE_CHECKING:
     from charlie.agents.mcp import AgentMcp
@@ -215,7 +221,7 @@ def _tool_def(loaded: Loaded, tool: Any) -> ToolDef:
 
     def handler(**arguments: Any) -> Any:
         ctx = arguments.pop(_CTX)
-        return call_tool(loaded, tool.name, arguments, ctx, approved=approval)
+        return call_tool(_current(loaded), tool.name, arguments, ctx, approved=approval)
 
     return ToolDef(
         name=name,
@@ -241,7 +247,7 @@ def _output_def(loaded: Loaded, name: str) -> ToolDef:
 
     def handler(**arguments: Any) -> Any:
         ctx = arguments.pop(_CTX)
-        return call_tool(loaded, name, arguments, ctx, approved=False)
+        return call_tool(_current(loaded), name, arguments, ctx, approved=False)
 
     return ToolDef(
         name=loaded.charlie_name(name),
@@ -266,8 +272,11 @@ def _mcp_handler(loaded: Loaded, name: str) -> Any:
     return handler
 
 
-def load(ref: str) -> Loaded:
-    """The agent ``ref`` names, imported once per process, or AgentRefused."""
+def load(ref: str, *, partial: bool = False) -> Loaded:
+    """The agent ``ref`` names, imported once per process, or AgentRefused; Unreachable when
+    one of its MCP servers did not list its tools (not kept: listed again next time), unless
+    ``partial``: then the agent as it is without that server's tools (its function tools
+    run without it)."""
     found = _loaded.get(ref)  # (one dict read: a loaded agent is found taking no lock)
     if found is not None:
         return found
@@ -280,8 +289,20 @@ def load(ref: str) -> Loaded:
         if found is not None:
             return found
         loaded = _load(ref)
+        if loaded.mcp is not None and loaded.mcp.unreachable:
+            if partial:
+                return loaded
+            from charlie.agents.mcp import Unreachable
+
+            raise Unreachable(loaded.mcp.unreachable[0])
         _loaded[ref] = loaded
         return loaded
+
+
+def _current(loaded: Loaded) -> Loaded:
+    """The agent as loaded whole in this process, once it is (a tool registered while one of
+    its MCP servers did not answer runs with every server once they all have)."""
+    return _loaded.get(loaded.ref, loaded)
 
 
 def _load(ref: str) -> Loaded:
@@ -344,12 +365,21 @@ def _load(ref: str) -> Loaded:
     return loaded
 
 
-def register_agent_tools(ref: str, tools: ToolRegistry) -> bool:
+def register_agent_tools(ref: str, tools: ToolRegistry, name: str | None = None) -> bool:
+    """Register the agent's tools; its function tools even while one of its MCP servers does
+    not list its tools (they do not depend on it). ToolUnavailable when ``name`` is none of
+    them then: an MCP tool's call is not sent, and its result says which server did not
+    answer (as a fleet's MCP server that is down, I36), never "not registered"."""
     try:
-        loaded = load(ref)
+        loaded = load(ref, partial=True)
     except AgentRefused:
         return False
     _register(loaded, tools)
+    unreachable = loaded.mcp.unreachable if loaded.mcp is not None else []
+    if name is not None and unreachable and tools.get_registered(name) is None:
+        raise ToolUnavailable(
+            f"tool {name!r} was not found: {'; '.join(unreachable)}; the call was not sent"
+        )
     return True
 
 
@@ -366,12 +396,12 @@ def register_module_agents(module: Any, tools: ToolRegistry) -> None:
         if isinstance(value, Agent):
             ref = f"{module.__name__}:{attr}"
             try:
-                load(ref)
+                loaded = load(ref, partial=True)
             except AgentRefused as exc:
                 # not a task's agent (or not one Charlie can run): a submit naming it says why
                 log.info("agent %s not registered: %s", ref, exc)
                 continue
-            register_agent_tools(ref, tools)
+            _register(loaded, tools)
 
 
 def model_spec_of(loaded: Loaded) -> str:

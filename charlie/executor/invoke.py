@@ -35,6 +35,7 @@ from charlie.store.engine import again_if_disconnected, read, write, write_one
 from charlie.store.types import Connection
 from charlie.tools.calling import LookFailed, cap_result, run_handler, run_reconcile
 from charlie.tools.context import AskPerson, LeaseLost, Pending, ToolContext
+from charlie.tools.registry import ToolUnavailable
 
 log = logging.getLogger("charlie.tool")
 
@@ -279,14 +280,23 @@ def execute_call(rt: Runtime, call: ClaimedCall, mode: Mode) -> CallResult | str
     faults.hit("tool.after_started", tool=call.name, mode=mode, call_id=call.call_id)
     started = time.perf_counter()
     definition = rt.tools.get_registered(call.name)
-    if definition is None and mode != "observe":
-        # A tool found by name when first named in this process (a framework agent's, its
-        # module imported now) may take longer to load than a lease lasts: held meanwhile (I5).
-        with _call_heartbeat(rt, call):
+    unavailable: str | None = None
+    try:
+        if definition is None and mode != "observe":
+            # A tool found by name when first named in this process (a framework agent's, its
+            # module imported now) may take longer to load than a lease lasts: held meanwhile
+            # (I5).
+            with _call_heartbeat(rt, call):
+                definition = rt.tools.find(call.name)
+        elif definition is None:
             definition = rt.tools.find(call.name)
+    except ToolUnavailable as exc:
+        # known, not here now, and nothing of the call sent: said so, as the fleet's MCP
+        # tools say a server that is down (I36), not hidden behind "not registered"
+        unavailable = str(exc)
+    if unavailable is not None:
+        outcome, result = Outcome.ERROR, {"error": unavailable, "sent": False}
     elif definition is None:
-        definition = rt.tools.find(call.name)
-    if definition is None:
         outcome, result = Outcome.ERROR, {"error": f"tool {call.name!r} is not registered here"}
     else:
         lease: Held | None = None

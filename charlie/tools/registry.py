@@ -192,6 +192,12 @@ def build_tool(
     )
 
 
+class ToolUnavailable(Exception):
+    """A finder knows the tool named but cannot make it here now (a framework agent's MCP
+    server that did not list its tools): why, in words for the call's result; nothing of the
+    call was sent."""
+
+
 class ToolRegistry:
     """Tools by name. Like Celery's task registry, it is filled at import time, and by MCP
     discovery later, from another thread: a change replaces the whole mapping, so a reader
@@ -242,11 +248,19 @@ class ToolRegistry:
         for names Charlie recorded or a producer gave (a planned call's, a task's tools), never
         one a model chose: a finder may import the module a name names."""
         found = self._tools.get(name)
+        # (a finder may raise ToolUnavailable: the tool is known, and why it is not here says
+        # more than its absence)
         if found is None and self._finders:
             for finder in self._finders:
                 if finder(self, name):
                     return self._tools.get(name)
         return found
+
+    def _found(self, name: str) -> ToolDef | None:
+        try:
+            return self.find(name)
+        except ToolUnavailable:
+            return None
 
     def get_registered(self, name: str) -> ToolDef | None:
         """The tool registered under ``name`` now, asking no finder."""
@@ -260,7 +274,7 @@ class ToolRegistry:
         if allowed is None:
             return [tools[n] for n in sorted(tools)]
         if self._finders and any(n not in tools for n in allowed):
-            found = [self.find(n) for n in allowed]
+            found = [self._found(n) for n in allowed]
             return [d for d in found if d is not None]
         return [tools[n] for n in allowed if n in tools]
 

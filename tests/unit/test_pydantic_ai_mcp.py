@@ -32,7 +32,7 @@ from charlie.domain import Effect
 from charlie.mcp.config import McpConfig, ServerConfig
 from charlie.mcp.connections import Connections, TooLarge
 from charlie.tools.context import Interrupted, ToolContext
-from charlie.tools.registry import ToolRegistry
+from charlie.tools.registry import ToolRegistry, ToolUnavailable
 from tests.support.cluster import MCP_SERVER_SCRIPT, free_port
 from tests.unit.test_pydantic_ai_agents import Transcript, _result
 
@@ -290,3 +290,36 @@ def test_an_agents_server_that_does_not_answer_holds_up_no_other_agents_load() -
         mute.close()
         loading.join()
     assert failed and "did not list its tools" in str(failed[0])
+
+
+def double(n: int) -> int:
+    """Twice n."""
+    return 2 * n
+
+
+half_down = Agent(
+    FunctionModel(scripted, model_name="fn"),
+    tools=[double],
+    toolsets=[MCPToolset("http://127.0.0.1:9/mcp", id="gone")],
+)
+
+
+def test_a_call_of_an_agent_whose_mcp_server_is_down_runs_its_function_tools() -> None:
+    """A worker that first meets the agent while its MCP server does not list its tools
+    registers the agent's function tools all the same, and they run; a call of the server's
+    tool is not sent, and says which server did not answer and why, not "not registered"
+    (I36, I11: a call never sent is said to be so)."""
+    registry = ToolRegistry()
+    registry.add_finder(agents.find_tool)
+    found = registry.find(f"{HERE}:half_down.double")
+    assert found is not None
+    ctx = replace(_ctx("h1"), metadata={})
+    assert found.handler(n=21, _charlie_ctx=ctx) == 42
+    with pytest.raises(ToolUnavailable) as caught:
+        registry.find(f"{HERE}:half_down.lookup")
+    said = str(caught.value)
+    assert "its MCP server MCPToolset 'gone'" in said and "127.0.0.1:9" in said
+    assert "did not list its tools" in said and "the call was not sent" in said
+    # the model's step is not taken meanwhile: tried again later (its tools not all known)
+    with pytest.raises(agents.AgentRefused, match="did not list its tools"):
+        agents.prepare_submission(f"{HERE}:half_down", None, None, None)
