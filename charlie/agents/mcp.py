@@ -315,8 +315,10 @@ class _RawCall(McpCall):
     Pydantic AI to map."""
 
     def _result(self, result: mcp_types.CallToolResult) -> Any:
-        scrubbed = self.servers.scrub(result.model_dump_json(by_alias=True))
-        return mcp_types.CallToolResult.model_validate_json(scrubbed)
+        # each string scrubbed as it is, not the JSON text: there a secret holding a quote, a
+        # backslash or a control or non-ASCII character is escaped, and would not be found
+        raw = result.model_dump(by_alias=True, mode="json")
+        return mcp_types.CallToolResult.model_validate(self.servers.config.scrub_value(raw))
 
 
 def _stand_in(leaf: Leaf, servers: Servers) -> _StandIn:

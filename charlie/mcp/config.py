@@ -175,6 +175,18 @@ class McpConfig:
                 text = text.replace(secret, MASK)
         return text
 
+    def scrub_value(self, value: Any) -> Any:
+        """A JSON value with every string in it (keys too) scrubbed: a secret is found as it
+        is, before serialising escapes a quote, a backslash or a control or non-ASCII
+        character of it into a form ``scrub`` on the JSON text would not match."""
+        if isinstance(value, str):
+            return self.scrub(value)
+        if isinstance(value, dict):
+            return {self.scrub(str(k)): self.scrub_value(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.scrub_value(v) for v in value]
+        return value
+
     def _secrets(self) -> tuple[str, ...]:
         return tuple(s for server in self.servers for s in server.secrets())
 

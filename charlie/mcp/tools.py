@@ -408,7 +408,8 @@ class McpCall:
             raise ToolError(text or f"MCP tool {self.tool!r} failed", server=self.server)
         if result.structured_content is None:
             return text
-        structured = json.loads(self.servers.scrub(json.dumps(result.structured_content)))
+        # (each string scrubbed as it is, not the JSON text: there a secret may be escaped)
+        structured = self.servers.config.scrub_value(result.structured_content)
         if structured == {"result": text}:
             # (the SDK's servers wrap a plain return value so: nothing more than the text)
             return text

@@ -323,3 +323,30 @@ def test_a_call_of_an_agent_whose_mcp_server_is_down_runs_its_function_tools() -
     # the model's step is not taken meanwhile: tried again later (its tools not all known)
     with pytest.raises(agents.AgentRefused, match="did not list its tools"):
         agents.prepare_submission(f"{HERE}:half_down", None, None, None)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["fleet", "agent"])
+def test_a_secret_that_json_escapes_is_scrubbed_from_a_result(raw: bool) -> None:
+    """A configured secret holding a quote, a backslash, a control and a non-ASCII character
+    is found in a server's result as it is, not only as JSON text shows it: it is in no
+    string of the result, escaped or not (the fleet's MCP results and an agent's)."""
+    from charlie.agents.mcp import _RawCall
+    from charlie.mcp.tools import McpCall, Servers
+
+    secret = 'pa"ss\\w\tord-ü-51c0'
+    server = ServerConfig(
+        name="s", transport="http", url="http://127.0.0.1:9/mcp",
+        headers={"Authorization": f"Bearer {secret}"},
+    )  # fmt: skip
+    servers = Servers(McpConfig(servers=(server,)), 1.0, 10.0)
+    kind = _RawCall if raw else McpCall
+    call = kind(servers, "s", "t", Effect.READ, 10.0, {}, _ctx("x1"))
+    result = mcp_types.CallToolResult(
+        content=[mcp_types.TextContent(type="text", text=f"token {secret} here")],
+        structured_content={"token": secret, "nested": [{"again": f"<{secret}>"}]},
+    )
+    shown = call._result(result)
+    text = json.dumps(shown.model_dump(mode="json") if raw else shown)
+    for form in (secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1]):
+        assert form not in text
+    assert "***" in text
