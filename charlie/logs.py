@@ -76,9 +76,11 @@ def _json(value: Any) -> str:
         return json.dumps(f"<unprintable {type(value).__name__}>")
 
 
-#: a character that makes a text value quoted: whitespace (``\s`` is ``str.isspace``), a quote
-#: or an equals sign
-_QUOTED = re.compile(r'[\s"=]')
+#: a character that makes a text value quoted: any but printable, non-space ASCII, and a quote
+#: or an equals sign (a look-alike of one, a fullwidth equals sign U+FF1D or a Hangul filler
+#: U+3164 that shows as a space, would make an unquoted value read as two pairs); one
+#: character class, as cheap to scan as the whitespace class it replaces
+_QUOTED = re.compile(r"[^\x21\x23-\x3c\x3e-\x7e]")
 
 
 def _text(value: Any) -> str:

@@ -118,11 +118,16 @@ def test_a_long_value_is_cut_in_text_lines() -> None:
         ('say "hi"', '"say \\"hi\\""'),
         ("no\u00a0break", '"no\\u00a0break"'),  # whitespace beyond ASCII is quoted too
         ("tab\there", '"tab\\there"'),
+        # a look-alike of a space and of "=": one value, not two pairs
+        ("t\u3164note\uff1dok", '"t\\u3164note\\uff1dok"'),
+        ("caf\u00e9", '"caf\\u00e9"'),  # any non-ASCII character: quoted, escaped
+        ("bell\x07", '"bell\\u0007"'),
+        ("a-b_c.d/e:f@g~{}[]'!", "a-b_c.d/e:f@g~{}[]'!"),  # printable ASCII stays as it is
         ("", '""'),
         (3, "3"),
     ],
 )
-def test_a_value_is_quoted_when_it_holds_whitespace_a_quote_or_an_equals_sign(
+def test_a_value_is_quoted_unless_it_is_printable_non_space_ascii_without_quote_or_equals(
     value: object, shown: str
 ) -> None:
     assert logs._text(value) == shown
