@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -193,12 +194,26 @@ def _statement(
     return _compact("WITH " + ",\n    ".join(ctes) + _RESULT)
 
 
+#: a SQL string literal ('' inside one is a quote)
+_LITERAL = re.compile(r"'(?:[^']|'')*'")
+
+
 def _compact(sql: str) -> str:
-    """``sql`` with each run of whitespace one space (no literal in these statements holds
-    whitespace). Shorter to send, and short enough that psycopg caches its parse of the
-    placeholders: it parses a statement longer than 4,096 bytes again at every execution
-    (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH), and a steady turn's two shapes are longer
-    than that as written."""
+    """``sql`` with each run of whitespace one space. Shorter to send, and short enough that
+    psycopg caches its parse of the placeholders: it parses a statement longer than 4,096 bytes
+    again at every execution (psycopg._queries.MAX_CACHED_STATEMENT_LENGTH), and a steady
+    turn's two shapes are longer than that as written. That changes nothing the statement
+    says only while it holds no comment (a ``--`` one would swallow the rest of the joined
+    line) and no literal holding whitespace (it would be changed): checked here, once per
+    shape (_statement is cached), so a statement written otherwise fails at once."""
+    if "--" in sql or "/*" in sql:
+        raise ValueError("a fused statement holds a comment: its whitespace cannot be collapsed")
+    spaced = [text for text in _LITERAL.findall(sql) if any(c.isspace() for c in text)]
+    if spaced:
+        raise ValueError(
+            f"a fused statement holds a literal with whitespace ({spaced[0]}): its whitespace "
+            "cannot be collapsed"
+        )
     return " ".join(sql.split())
 
 

@@ -35,3 +35,27 @@ def test_a_steady_turns_statements_fit_psycopgs_parse_cache() -> None:
     b = fused._statement(False, True, True, False, True, False, False)
     for sql in (a, b):
         assert len(sql.encode()) <= CACHED_LENGTH
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT 1 -- why\nFROM t",
+        "SELECT /* why */ 1",
+        "SELECT 'two  words' FROM t",
+        "SELECT 'it''s\tthis' FROM t",
+    ],
+)
+def test_a_statement_whose_whitespace_cannot_be_collapsed_is_refused(sql: str) -> None:
+    """Collapsing whitespace changes nothing only without comments and without a literal
+    that holds whitespace: a statement with either is refused when first built, not sent
+    changed."""
+    with pytest.raises(ValueError, match="cannot be collapsed"):
+        fused._compact(sql)
+
+
+def test_every_shape_is_built() -> None:
+    """No shape of the fused statement holds a comment or a literal with whitespace."""
+    for shape in SHAPES:
+        assert fused._statement(*shape)
+    assert fused._compact("SELECT 'null'::jsonb,\n  'it''s'") == "SELECT 'null'::jsonb, 'it''s'"
