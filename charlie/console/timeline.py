@@ -27,7 +27,7 @@ from charlie.console.rows import (
     decided_by,
     verdicts_of,
 )
-from charlie.models.retrying import Wait, attempts_failed
+from charlie.models.retrying import KEPT_WAITS, Retrying, Wait, attempts_failed
 from charlie.views import PERSON_PREFIX, call_took, recovery, span
 
 WIDTH = 1000
@@ -286,7 +286,9 @@ def build(
 
     for n, wait in enumerate(waits):
         if wait.worker in lane_y:
-            _retry_marks(tl, x, lane_y[wait.worker], wait, waits[n - 1] if n else None)
+            _retry_marks(
+                tl, x, lane_y[wait.worker], wait, waits[n - 1] if n else None, info.retrying
+            )
 
     # a tick narrower than a few pixels is part of a texture, not something to point at: no
     # tooltip of its own (a long run's picture stays light)
@@ -325,13 +327,29 @@ def build(
     return tl
 
 
-def _retry_marks(tl: Timeline, x: Any, y: float, wait: Wait, before: Wait | None) -> None:
+def _retry_marks(
+    tl: Timeline, x: Any, y: float, wait: Wait, before: Wait | None, retry: Retrying | None
+) -> None:
     """A failed try of a retried model call (the attempts its tick made) and the wait after
     it to the next attempt, on the lane of the worker that tried; each titled with the
     attempts (the run's count, as the page's header says it) and the error, which the
-    template escapes: it is the provider's text."""
-    first = (before.attempts if before is not None else 0) + 1
-    tried = f"attempt {first}" if first == wait.attempts else f"attempts {first}-{wait.attempts}"
+    template escapes: it is the provider's text. The oldest wait kept, when older ones were
+    dropped (KEPT_WAITS), starts at the first attempt it recorded, or, recorded before that
+    was kept, says only where its attempts end."""
+    if wait.first:
+        first: int | None = wait.first
+    elif before is not None:
+        first = before.attempts + 1
+    elif retry is not None and len(retry.waits) >= KEPT_WAITS:
+        first = None  # older waits may have been dropped: where this one starts is unknown
+    else:
+        first = 1
+    if first is None:
+        tried = f"attempts up to {wait.attempts}"
+    elif first == wait.attempts:
+        tried = f"attempt {first}"
+    else:
+        tried = f"attempts {first}-{wait.attempts}"
     what = f"the model call (turn {wait.turn}) by {wait.worker}"
     tl.marks.append(
         Mark(

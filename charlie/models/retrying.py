@@ -38,8 +38,10 @@ def attempts_failed(attempts: int) -> str:
 class Wait:
     """One failed try of the model call and the wait after it, as the timeline draws them on
     the lane of the worker that tried: when its tick began asking, when its last attempt
-    failed, when the next attempt is due, the attempts failed by then (the run's count) and
-    the error."""
+    failed, when the next attempt is due, the attempts failed by then (the run's count), the
+    error, and the run's count of its own first attempt (0: not known, a state written before
+    it was kept), so that the oldest wait kept says its own attempts once older ones are
+    dropped (KEPT_WAITS)."""
 
     worker: str
     turn: int
@@ -48,6 +50,7 @@ class Wait:
     next_at: datetime
     attempts: int
     error: str
+    first: int = 0
 
     def as_state(self) -> dict[str, Any]:
         return {
@@ -58,6 +61,7 @@ class Wait:
             "next_at": self.next_at.isoformat(),
             "attempts": self.attempts,
             "error": self.error[:WAIT_ERROR_CHARS],
+            "first": self.first,
         }
 
 
@@ -132,6 +136,7 @@ def _wait(raw: Any) -> Wait | None:
             next_at=_parse(raw["next_at"]),
             attempts=int(raw["attempts"]),
             error=str(raw.get("error", "")),
+            first=int(raw.get("first") or 0),
         )
     except (KeyError, TypeError, ValueError):
         return None

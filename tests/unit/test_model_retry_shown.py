@@ -127,3 +127,31 @@ def test_a_finished_task_draws_no_wait() -> None:
     info = replace(running, status=TaskStatus.FAILED, finished_at=at(2.0))
     tl = timeline.build(info, [], [], [], at(9.0))
     assert not [m for m in tl.marks if m.css.startswith("retry")]
+
+
+def test_the_oldest_wait_kept_is_titled_with_its_own_attempts() -> None:
+    """Past KEPT_WAITS waits the oldest are dropped: the oldest kept says the attempts it
+    recorded as its own (its first kept with it), not "attempts 1-N" (I36: what a person is
+    shown is true); a state written before the first was kept says where its attempts end."""
+    n = retrying.KEPT_WAITS + 3
+    waits = tuple(
+        replace(wait("w1", k, k + 0.5, k + 1, 2 * (k + 1)), first=2 * k + 1) for k in range(n)
+    )
+    retry = Retrying(waits[-1].error, 2 * n, T0, at(n), 600.0, waits)
+    kept = retrying.from_state({retrying.STATE_KEY: retry.as_state()})
+    assert kept is not None and len(kept.waits) == retrying.KEPT_WAITS
+    history = [
+        {"from_phase": "load_context", "to_phase": "call_model", "at": at(0.1),
+         "worker": "w1", "duration_ms": 2.0, "version": 1},
+    ]  # fmt: skip
+    tl = timeline.build(task(kept), history, [], [], at(n - 0.5))
+    tried = [m.title for m in tl.marks if m.css == "retry-tried"]
+    assert len(tried) == retrying.KEPT_WAITS
+    oldest = waits[n - retrying.KEPT_WAITS]
+    assert f"attempts {oldest.first}-{oldest.attempts} failed" in tried[0]
+    assert "attempts 1-" not in " ".join(tried)
+    # kept before the first attempt was: the oldest says only where it ends
+    old = replace(kept, waits=tuple(replace(w, first=0) for w in kept.waits))
+    titles = [m.title for m in timeline.build(task(old), history, [], [], at(n - 0.5)).marks]
+    assert any(f"attempts up to {oldest.attempts} failed" in t for t in titles)
+    assert not any("attempts 1-" in t for t in titles)

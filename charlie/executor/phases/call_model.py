@@ -303,6 +303,7 @@ def _retry_later(
         next_at=next_at,
         attempts=attempts,
         error=str(exc),
+        first=(retry.attempts if retry is not None else 0) + 1,
     )
     earlier = retry.waits if retry is not None else ()
     state = {
