@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mcp_types
 from fastmcp.client.client import CallToolResult
-from pydantic_ai.mcp import (
-    MCPToolset,
-    _raise_mcp_tool_error,
-    _tool_error_result_message,
-)
+from pydantic_ai.mcp import MCPToolset
 from pydantic_ai.toolsets import AbstractToolset, FunctionToolset
 from pydantic_ai.toolsets.prefixed import PrefixedToolset
 
@@ -45,6 +42,40 @@ from charlie.mcp.connections import McpFailure
 from charlie.mcp.tools import McpCall, Servers, definition, effect_of
 from charlie.tools.context import AskPerson, Pending, ToolContext
 from charlie.tools.registry import ToolDef
+
+try:  # Pydantic AI's own mapping of an ``isError`` result (private: a release may rename it)
+    from pydantic_ai.mcp import _raise_mcp_tool_error, _tool_error_result_message
+except ImportError as exc:  # pragma: no cover - only with a Pydantic AI this was not made for
+    raise ImportError(
+        f"charlie.agents.mcp: this Pydantic AI lacks a private function Charlie uses ({exc}); "
+        "install a release Charlie supports"
+    ) from exc
+
+#: what of MCPToolset, beyond its public API, this adapter reads or overrides: its
+#: settings (instance attributes, checked by tests/unit), and on the class these
+PRIVATE_CLASS_NAMES = ("_call_tool_checked", "_enter_lock", "_explicit_id", "call_tool")
+PRIVATE_INSTANCE_NAMES = ("_client_options", "_client_source", "_auth_func", "_headers_func")
+#: the parameters of the method the stand-in overrides, as the stand-in takes them
+_CHECKED_PARAMETERS = ["self", "name", "args", "metadata", "use_task"]
+
+
+def private_names_missing() -> list[str]:
+    """The names of Pydantic AI's MCPToolset this adapter depends on that this release lacks
+    (or whose shape changed): empty when it is one this adapter was made for."""
+    missing = [n for n in PRIVATE_CLASS_NAMES if not hasattr(MCPToolset, n)]
+    checked = getattr(MCPToolset, "_call_tool_checked", None)
+    if checked is not None and list(inspect.signature(checked).parameters) != _CHECKED_PARAMETERS:
+        missing.append("_call_tool_checked(self, name, args, *, metadata, use_task)")
+    return missing
+
+
+# Checked once, at import: a release that renames one fails here, by name, not at a call
+# (where the stand-in's override would be silently skipped, and its guard with it).
+if private_names_missing():  # pragma: no cover - only with a Pydantic AI this was not made for
+    raise ImportError(
+        "charlie.agents.mcp: this Pydantic AI's MCPToolset lacks what Charlie's adapter uses: "
+        + ", ".join(private_names_missing())
+    )
 
 #: the Charlie call an MCP tool of the agent runs for, set around the graph that runs it
 CALL: contextvars.ContextVar[ToolContext | None] = contextvars.ContextVar(
@@ -273,6 +304,18 @@ class _StandIn(MCPToolset[Any]):
 
     async def list_tools(self) -> list[mcp_types.Tool]:
         return list(self._charlie_tools)
+
+    async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: Any, tool: Any) -> Any:
+        # guarded here too, so that a path around _call_tool_checked (a release that calls the
+        # server another way) cannot skip the guard: nothing is sent outside a Charlie call
+        if CALL.get() is None:
+            raise RuntimeError(f"MCP tool {name!r} called outside a Charlie call")
+        return await super().call_tool(name, tool_args, ctx, tool)
+
+    async def call_tool_for_app(
+        self, name: str, arguments: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        raise RuntimeError(f"MCP tool {name!r}: an app's call is not a Charlie call")
 
     async def _call_tool_checked(
         self, name: str, args: dict[str, Any], *, metadata: dict[str, Any] | None, use_task: bool

@@ -138,7 +138,8 @@ class ServerConfig:
             if self.headers
             else ""
         )
-        return f"http: {safe_url(self.url or '')}{heads}"
+        # (an agent's server may speak the older SSE transport: said so, not "http")
+        return f"{self.transport}: {safe_url(self.url or '')}{heads}"
 
 
 def safe_url(url: str) -> str:

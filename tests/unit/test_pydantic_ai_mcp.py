@@ -350,3 +350,42 @@ def test_a_secret_that_json_escapes_is_scrubbed_from_a_result(raw: bool) -> None
     for form in (secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1]):
         assert form not in text
     assert "***" in text
+
+
+def test_the_private_names_of_pydantic_ai_the_adapter_uses_are_there(monkeypatch) -> None:
+    """The adapter reads and overrides names Pydantic AI keeps private: a release that renames
+    one is caught, by name (at import for the class's; here for a toolset's settings), not
+    found at a call where the stand-in's override and its guard would be skipped (I34)."""
+    from charlie.agents import mcp as agent_mcp
+
+    assert agent_mcp.private_names_missing() == []
+    toolset = MCPToolset("http://127.0.0.1:9/mcp", id="x")
+    assert [n for n in agent_mcp.PRIVATE_INSTANCE_NAMES if n not in vars(toolset)] == []
+    assert hasattr(Agent(FunctionModel(scripted)), "_output_toolset")
+    monkeypatch.delattr(MCPToolset, "_call_tool_checked")
+    assert agent_mcp.private_names_missing() == ["_call_tool_checked"]
+
+
+def test_the_stand_in_sends_nothing_outside_a_charlie_call() -> None:
+    """The stand-in of an agent's MCP server is guarded at its public call too: a call made
+    outside a Charlie call (none recorded, I9) is refused, never sent."""
+    import asyncio
+
+    from charlie.agents import pydantic_ai
+    from charlie.agents.mcp import _StandIn
+
+    loaded = pydantic_ai.load(f"{HERE}:mcp_agent")
+    assert loaded.mcp is not None
+    stand_in = getattr(loaded.mcp.toolsets[0], "wrapped", None)
+    assert isinstance(stand_in, _StandIn)
+    with pytest.raises(RuntimeError, match="outside a Charlie call"):
+        asyncio.run(stand_in.call_tool("lookup", {"key": "g1"}, None, None))
+    with pytest.raises(RuntimeError, match="not a Charlie call"):
+        asyncio.run(stand_in.call_tool_for_app("lookup", {"key": "g1"}))
+    assert _ran("lookup", "g1") == 0
+
+
+def test_a_server_over_sse_is_described_as_sse() -> None:
+    server = ServerConfig(name="s", transport="sse", url="http://u:p@127.0.0.1:9/sse?k=v")
+    assert server.describe().startswith("sse: http://127.0.0.1:9/sse")
+    assert replace(server, transport="http").describe().startswith("http: ")
