@@ -81,7 +81,8 @@ def test_text_log_lines_show_the_controls_of_a_message_and_its_context() -> None
     logger.handle(record)
     line = stream.getvalue()
     assert "tool failed: boom\\x1b]52;c;aGk=\\x07\\r<U+202E>" in line, line
-    assert "call_id=c\\x1b[2J" in line and "result=x\\x9by" in line, line
+    # (a context value with a control in it is quoted, JSON-escaped: one value, shown)
+    assert 'call_id="c\\u001b[2J"' in line and 'result="x\\u009by"' in line, line
     assert "RuntimeError: boom\\x1b]52" in line and line.count("\n") > 2  # the traceback's lines
     assert not [ch for ch in line if ch not in "\n\t" and unicodedata.category(ch)[0] == "C"]
 
