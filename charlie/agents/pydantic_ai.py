@@ -267,7 +267,7 @@ def _output_def(loaded: Loaded, name: str) -> ToolDef:
 def _mcp_handler(loaded: Loaded, name: str) -> Any:
     def handler(**arguments: Any) -> Any:
         ctx = arguments.pop(_CTX)
-        return call_tool(loaded, name, arguments, ctx, approved=False)
+        return call_tool(_current(loaded), name, arguments, ctx, approved=False)
 
     return handler
 
