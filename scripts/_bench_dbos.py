@@ -39,6 +39,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from typing import Any
 
@@ -157,11 +158,10 @@ def inflight(args: argparse.Namespace) -> dict[str, object]:
     return {"version": version("dbos"), "wall_s": wall, "rss_mib": peak_rss_mib()}
 
 
-def fleet(args: argparse.Namespace) -> dict[str, object]:
-    """``--runs`` workflows of ``--runs-turns`` turns (a model and a tool step), from a queue."""
+def _turns_workflow() -> Callable[[int], int]:
+    """The agent both turn figures run: a workflow whose every turn is a model step and a tool
+    step, each returning at once (registered with the DBOS instance made just before)."""
     from dbos import DBOS
-
-    DBOS(config={"name": "charlie-bench-fleet", "system_database_url": args.database_url})
 
     @DBOS.step()
     def model_step(turn: int) -> int:
@@ -177,6 +177,16 @@ def fleet(args: argparse.Namespace) -> dict[str, object]:
             model_step(turn)
             tool_step(turn)
         return turns
+
+    return agent
+
+
+def fleet(args: argparse.Namespace) -> dict[str, object]:
+    """``--runs`` workflows of ``--runs-turns`` turns (a model and a tool step), from a queue."""
+    from dbos import DBOS
+
+    DBOS(config={"name": "charlie-bench-fleet", "system_database_url": args.database_url})
+    agent = _turns_workflow()
 
     DBOS.launch()
     try:
@@ -230,21 +240,7 @@ def main() -> None:
     from dbos import DBOS
 
     DBOS(config={"name": "charlie-bench", "system_database_url": args.database_url})
-
-    @DBOS.step()
-    def model_step(turn: int) -> int:
-        return turn
-
-    @DBOS.step()
-    def tool_step(turn: int) -> int:
-        return turn
-
-    @DBOS.workflow()
-    def agent(turns: int) -> int:
-        for turn in range(turns):
-            model_step(turn)
-            tool_step(turn)
-        return turns
+    agent = _turns_workflow()
 
     DBOS.launch()
     out: dict[str, object] = {"version": version("dbos")}
