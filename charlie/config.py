@@ -376,6 +376,11 @@ class Settings:
     #: CHARLIE_DB_POOL_SIZE (closed when returned). A process holds at most the sum; the fleet's
     #: budget against PostgreSQL's max_connections is in docs/production/pgbouncer.md.
     db_max_overflow: int = 10
+    #: CHARLIE_DB_PREPARE: whether a turn's fused commits are prepared on PostgreSQL (parsed
+    #: and planned once per connection, not at each turn): ``auto`` (on a connection that
+    #: reaches PostgreSQL itself, not through PgBouncer or another proxy), ``on`` (also
+    #: through a PgBouncer of 1.21 or later with ``max_prepared_statements`` set), ``off``.
+    db_prepare: str = "auto"
     #: CHARLIE_RABBITMQ_MAX_PRIORITY: on RabbitMQ, the ``x-max-priority`` of the tick queue
     #: (``charlie``), 1 to 255 (RabbitMQ advises at most 10), so that a task's ``priority``
     #: orders its ticks and tool invocations among those waiting there; unset or 0: none (the
@@ -605,6 +610,7 @@ def load_settings() -> Settings:
         stream_max_events=max(100, _env_int("CHARLIE_STREAM_MAX_EVENTS", 20000)),
         db_pool_size=_env_at_least_one("CHARLIE_DB_POOL_SIZE", 5),
         db_max_overflow=_env_bound("CHARLIE_DB_MAX_OVERFLOW", 10),
+        db_prepare=_env_choice("CHARLIE_DB_PREPARE", ("auto", "on", "off"), "auto"),
         rabbitmq_max_priority=_max_priority(),
         redis_priorities=_env_int("CHARLIE_REDIS_PRIORITIES", 0) > 0,
     )

@@ -38,6 +38,7 @@ from charlie.scheduler import DbScheduler
 from charlie.store import scans
 from charlie.store.engine import (
     PoolLimits,
+    Prepare,
     SchemaMissing,
     dispose_after_fork,
     ensure_schema,
@@ -324,7 +325,9 @@ def tick_queue_problem(app: Celery, s: Settings) -> str | None:
 def database_engine(s: Settings) -> Engine:
     """This process's engine, its pool bounded by CHARLIE_DB_POOL_SIZE and
     CHARLIE_DB_MAX_OVERFLOW (the connection budget)."""
-    return get_engine(s.database_url, PoolLimits(s.db_pool_size, s.db_max_overflow))
+    return get_engine(
+        s.database_url, PoolLimits(s.db_pool_size, s.db_max_overflow), Prepare(s.db_prepare)
+    )
 
 
 def _database_ready(s: Settings) -> Engine:

@@ -11,12 +11,14 @@ import fcntl
 import functools
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -96,6 +98,27 @@ class PoolLimits:
         return self.size + self.overflow
 
 
+class Prepare(StrEnum):
+    """Whether the hot statements (a turn's fused commits) are prepared on the server
+    (CHARLIE_DB_PREPARE). ``auto``: on a connection that reaches PostgreSQL itself, not through
+    a pooler (see :func:`_reaches_server_directly`); ``on``: always (a PgBouncer of 1.21 or
+    later with ``max_prepared_statements`` set keeps them per client); ``off``: never."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+#: a pooled connection's info key: True when its statements marked ``PREPARED_OPTION`` are
+#: prepared on the server
+PREPARED = "charlie_prepared"
+#: the execution option a statement is prepared with, on a connection that allows it
+PREPARED_OPTION = "charlie_prepare"
+#: psycopg prepares a statement after this many executions: never, but for those asked to
+#: (``None`` would turn the explicit ones off too)
+ONLY_WHEN_ASKED = 2**31
+
+
 def server_connect_args(url: str) -> dict[str, Any]:
     """Driver arguments that keep every connection safe behind a transaction-pooling PgBouncer,
     where consecutive transactions of one client may run on different server connections.
@@ -103,7 +126,9 @@ def server_connect_args(url: str) -> dict[str, Any]:
     psycopg 3 prepares a statement on the server after its fifth execution and then refers to
     it by name (``_pg3_0``); on another server connection that name does not exist, or names
     another client's statement ("bind message supplies 28 parameters, but prepared statement
-    "_pg3_1" requires 7"). ``prepare_threshold=None`` turns server-side prepares off. psycopg2
+    "_pg3_1" requires 7"). ``prepare_threshold=None`` turns server-side prepares off (a
+    connection known to reach PostgreSQL itself turns them on for the fused commits alone:
+    _allow_prepared). psycopg2
     never prepares on the server. Nothing else Charlie does outlives a transaction: no SET
     (isolation levels ride on BEGIN), no advisory lock, LISTEN or temporary table, and the pool
     rolls a connection back when it is returned."""
@@ -112,7 +137,7 @@ def server_connect_args(url: str) -> dict[str, Any]:
     return {}
 
 
-def _server_engine(url: str, pool: PoolLimits) -> Engine:
+def _server_engine(url: str, pool: PoolLimits, prepare: Prepare = Prepare.AUTO) -> Engine:
     # LIFO: a busy worker keeps reusing its warm connection, and the others age out.
     engine = create_engine(
         url,
@@ -145,6 +170,11 @@ def _server_engine(url: str, pool: PoolLimits) -> Engine:
 
     event.listen(engine, "connect", _mark_used)
     event.listen(engine, "connect", _server_identity)
+    if make_url(url).get_dialect().driver == "psycopg" and prepare is not Prepare.OFF:
+        event.listen(
+            engine, "connect", lambda c, r: _allow_prepared(c, r, always=prepare is Prepare.ON)
+        )
+        event.listen(engine, "do_execute", _execute_prepared)
     event.listen(engine, "checkout", ping_if_idle)
     event.listen(engine, "checkin", _mark_used)
     return engine
@@ -161,10 +191,15 @@ IDENTITY = "charlie_database"
 #: database's oid (a database dropped and created again under its name gets another) and when
 #: the server started (a restored backup or a recreated cluster is served by a server started
 #: since). A change of either only costs each run one read of its transcript.
+#: The same statement reads the two ends of this connection as the server sees them, for
+#: _reaches_server_directly.
 _SERVER_IDENTITY = (
-    "SELECT d.oid, pg_postmaster_start_time() FROM pg_database d "
+    "SELECT d.oid, pg_postmaster_start_time(), host(inet_server_addr()), inet_server_port(), "
+    "host(inet_client_addr()), inet_client_port() FROM pg_database d "
     "WHERE d.datname = current_database()"
 )
+#: a pooled connection's info key: the connection's ends as the server saw them
+_SERVER_ENDS = "charlie_server_ends"
 
 
 def _server_identity(dbapi_conn: Any, record: Any) -> None:
@@ -175,7 +210,64 @@ def _server_identity(dbapi_conn: Any, record: Any) -> None:
     finally:
         cursor.close()
         dbapi_conn.rollback()
-    record.info[IDENTITY] = ("postgresql", *row) if row is not None else None
+    record.info[IDENTITY] = ("postgresql", *row[:2]) if row is not None else None
+    record.info[_SERVER_ENDS] = tuple(row[2:]) if row is not None else None
+
+
+def _reaches_server_directly(dbapi_conn: Any, server_ends: tuple[Any, ...] | None) -> bool:
+    """Whether this TCP connection ends at PostgreSQL itself: the server's view of the
+    connection (its own address and port, the client's) is this socket's, both ends. Through
+    PgBouncer or any other proxy the server sees the proxy's connection, whose ends are not
+    this socket's; through NAT the addresses differ too. A Unix socket has no addresses to
+    compare: it counts as not direct (``CHARLIE_DB_PREPARE=on`` turns prepares on there)."""
+    if not server_ends or None in server_ends:
+        return False
+    server_addr, server_port, client_addr, client_port = server_ends
+    try:
+        with socket.socket(fileno=os.dup(dbapi_conn.pgconn.socket)) as sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return False
+            mine, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+    except OSError:
+        return False
+    return (_host(mine[0]), mine[1], _host(peer[0]), peer[1]) == (
+        _host(client_addr),
+        client_port,
+        _host(server_addr),
+        server_port,
+    )
+
+
+def _host(address: str) -> str:
+    """An address as one spelling: an IPv4 address mapped into IPv6 as its IPv4 form."""
+    return address.removeprefix("::ffff:").lower()
+
+
+def _allow_prepared(dbapi_conn: Any, record: Any, *, always: bool) -> None:
+    """Prepare the hot statements on a connection that reaches PostgreSQL itself (or always,
+    ``CHARLIE_DB_PREPARE=on``). A prepared statement's name lives on one server connection:
+    behind a transaction-pooling PgBouncer older than 1.21, or without its
+    ``max_prepared_statements``, the next transaction may run on another server connection
+    where the name is missing or names another client's statement (server_connect_args)."""
+    direct = always or _reaches_server_directly(dbapi_conn, record.info.get(_SERVER_ENDS))
+    record.info[PREPARED] = direct
+    if direct:
+        # only the statements asked to (_execute_prepared); the rest as before: parsed each time
+        dbapi_conn.prepare_threshold = ONLY_WHEN_ASKED
+
+
+def _execute_prepared(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
+    """A statement executed with the ``PREPARED_OPTION`` on a connection that allows it is
+    prepared on the server at its first execution and bound by name from then on: PostgreSQL
+    neither parses nor plans it again (a fused commit is 2 to 4 KB of SQL: parsing and
+    planning it took longer than running it). Returns False to let the dialect execute any
+    other statement as usual."""
+    if not context.execution_options.get(PREPARED_OPTION):
+        return False
+    if not context.root_connection.info.get(PREPARED):
+        return False
+    cursor.execute(statement, parameters, prepare=True)
+    return True
 
 
 def _file_identity(path: str | None) -> object:
@@ -194,7 +286,7 @@ def database_identity(conn: Connection) -> object:
     return conn.info.get(IDENTITY)
 
 
-def get_engine(url: str, pool: PoolLimits | None = None) -> Engine:
+def get_engine(url: str, pool: PoolLimits | None = None, prepare: Prepare = Prepare.AUTO) -> Engine:
     """One engine per URL per process (the engine is the pool; it is this process's state).
     ``pool``: its limits on a server database, taken by the call that makes the engine (a
     process's runtime makes it first, with its settings)."""
@@ -204,7 +296,7 @@ def get_engine(url: str, pool: PoolLimits | None = None) -> Engine:
             if url.startswith("sqlite"):
                 engine = _sqlite_engine(url)
             else:
-                engine = _server_engine(url, pool or PoolLimits())
+                engine = _server_engine(url, pool or PoolLimits(), prepare)
             _engines[url] = engine
         return engine
 

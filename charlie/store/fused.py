@@ -44,10 +44,14 @@ from sqlalchemy.exc import DBAPIError
 
 from charlie import faults
 from charlie.domain import JSON, Phase
-from charlie.store.engine import sqlstate
+from charlie.store.engine import PREPARED_OPTION, sqlstate
 from charlie.store.runs import ACTIVE, TOKEN_COLUMNS, Fresh
 
 log = logging.getLogger(__name__)
+
+#: a fused statement's execution options: prepared on the server where the connection allows
+#: it (engine._execute_prepared)
+PREPARED_EXECUTION = {PREPARED_OPTION: True}
 
 #: charlie_expect's SQLSTATE: a fused commit's assumption failed (nothing was written)
 ASSUMPTION_FAILED = "CH001"
@@ -544,7 +548,8 @@ def commit_fused(conn: Connection, fused: FusedCommit) -> Fresh | None:
         "version": fused.run.version,
     }
     try:
-        row = conn.exec_driver_sql(sql, params).first()
+        # prepared on the server where the connection allows it: the same few shapes each turn
+        row = conn.exec_driver_sql(sql, params, execution_options=PREPARED_EXECUTION).first()
         _fault_after_commit(conn, fused)
     except DBAPIError as exc:
         if sqlstate(exc) == ASSUMPTION_FAILED:

@@ -17,7 +17,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from charlie.store.engine import get_engine
+from charlie.store.engine import PREPARED, get_engine
+from charlie.store.fused import PREPARED_EXECUTION
 from tests.conftest import BACKEND
 from tests.support.cluster import free_port
 from tests.support.pgbouncer import PgBouncer, pgbouncer_problem
@@ -65,5 +66,29 @@ def test_a_statement_run_often_survives_a_change_of_server_connection(
             for n in range(8):
                 assert second.execute(statement, {"n": n}).scalar() == n + 1
                 second.commit()
+    finally:
+        engine.dispose()
+
+
+def test_a_fused_commit_through_pgbouncer_is_never_prepared(bouncer: PgBouncer) -> None:
+    """CHARLIE_DB_PREPARE=auto: the server sees PgBouncer's connection, not the client's, so
+    the statements a turn prepares on a direct connection run unprepared here, and keep
+    working when the next transaction lands on another server connection."""
+    url = make_url(bouncer.url(BACKEND.database_url or "")).set(
+        database="postgres", query={"application_name": "charlie-prepare-auto"}
+    )
+    engine = get_engine(url.render_as_string(hide_password=False))
+    statement = "SELECT CAST(%(n)s AS integer) + 1"
+    try:
+        with engine.connect() as first, engine.connect() as second:
+            assert first.info[PREPARED] is False
+            auto = first.execution_options(isolation_level="AUTOCOMMIT")
+            for n in range(8):
+                assert auto.exec_driver_sql(statement, {"n": n}, PREPARED_EXECUTION).scalar() == (
+                    n + 1
+                )
+            assert second.execute(text("SELECT 1")).scalar() == 1  # holds a server connection
+            assert auto.exec_driver_sql(statement, {"n": 41}, PREPARED_EXECUTION).scalar() == 42
+            second.commit()
     finally:
         engine.dispose()

@@ -1,0 +1,91 @@
+"""A turn's fused commits are prepared on PostgreSQL when the connection reaches it directly
+(CHARLIE_DB_PREPARE): parsed and planned once per connection instead of at every turn.
+
+A prepared statement's name lives on one server connection, so a connection that may be
+handed another server connection between transactions (PgBouncer in transaction pooling:
+tests/integration/test_pgbouncer.py) must never use one; the engine tells the two apart by
+comparing both ends of its socket with the server's view of them. What a turn commits is the
+same either way: the whole suite runs on PostgreSQL with prepares on (a direct connection),
+and through PgBouncer with them off, the recovery tests killing workers in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Connection, Engine
+from sqlalchemy.engine import make_url
+
+from charlie.store.engine import PREPARED, Prepare, get_engine
+from charlie.store.fused import PREPARED_EXECUTION
+from tests.conftest import BACKEND
+
+pytestmark = pytest.mark.skipif(
+    not (BACKEND.database_url or "").startswith("postgresql"),
+    reason="prepared statements are PostgreSQL's (CHARLIE_TEST_DATABASE_URL)",
+)
+
+STATEMENT = "SELECT CAST(%(n)s AS integer) * 2 AS doubled"
+
+
+@contextmanager
+def engine_for(tag: str, prepare: Prepare, unix_sockets: Path | None = None) -> Iterator[Engine]:
+    """An engine of its own (engines are cached per URL: the tag makes the URL unique), over
+    TCP as the suite's URL says or through the Unix socket in ``unix_sockets``."""
+    url = make_url(BACKEND.database_url or "")
+    query = {**url.query, "application_name": f"charlie-test-{tag}"}
+    if unix_sockets is not None:
+        url, query = url.set(host=None), {**query, "host": str(unix_sockets)}
+    engine = get_engine(url.set(query=query).render_as_string(hide_password=False), prepare=prepare)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def prepared_here(conn: Connection) -> list[str]:
+    """The statements prepared in this connection's server session."""
+    rows = conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements").all()
+    return [str(row[0]) for row in rows]
+
+
+def run_many(conn: Connection, times: int = 8, prepared: bool = True) -> None:
+    options = PREPARED_EXECUTION if prepared else {}
+    for n in range(times):
+        assert conn.exec_driver_sql(STATEMENT, {"n": n}, options).scalar() == 2 * n
+
+
+def test_a_direct_connection_prepares_the_statements_asked_to_and_no_others() -> None:
+    with engine_for("direct", Prepare.AUTO) as engine, engine.connect() as conn:
+        assert conn.info[PREPARED] is True
+        auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+        # past psycopg's own threshold (5): a statement not asked to stays unprepared
+        run_many(auto, prepared=False)
+        assert prepared_here(auto) == []
+        run_many(auto)
+        assert prepared_here(auto) == ["SELECT CAST($1 AS integer) * 2 AS doubled"]
+
+
+def test_off_prepares_nothing() -> None:
+    with engine_for("off", Prepare.OFF) as engine, engine.connect() as conn:
+        assert PREPARED not in conn.info
+        run_many(conn)
+        assert prepared_here(conn) == []
+
+
+def test_a_unix_socket_counts_as_not_direct_unless_told() -> None:
+    sockets = Path("/var/run/postgresql")
+    port = make_url(BACKEND.database_url or "").port or 5432
+    if not (sockets / f".s.PGSQL.{port}").exists():
+        pytest.skip(f"no PostgreSQL Unix socket in {sockets} for port {port}")
+    with engine_for("unix-auto", Prepare.AUTO, sockets) as engine, engine.connect() as conn:
+        assert conn.info[PREPARED] is False
+        run_many(conn)
+        assert prepared_here(conn) == []
+    with engine_for("unix-on", Prepare.ON, sockets) as engine, engine.connect() as conn:
+        assert conn.info[PREPARED] is True
+        run_many(conn)
+        assert len(prepared_here(conn)) == 1
