@@ -21,6 +21,8 @@ from charlie.config import TICK_QUEUE, Settings
 if TYPE_CHECKING:
     from celery import Celery
 
+    from charlie.store.types import Engine
+
 
 @dataclass(frozen=True)
 class Check:
@@ -180,7 +182,25 @@ def check_database(ctx: Context) -> Check:
         )
     ctx.engine = engine
     kind = "SQLite" if s.is_sqlite else "PostgreSQL"
-    return Check("database", "ok", f"{shown} answers ({kind} {version})")
+    return Check("database", "ok", f"{shown} answers ({kind} {version}){_prepared(s, engine)}")
+
+
+def _prepared(s: Settings, engine: Engine) -> str:
+    """What a worker would do with its fused commits on this database (CHARLIE_DB_PREPARE)."""
+    from charlie.store.engine import Prepare, prepares_fused_commits
+
+    try:
+        with engine.connect() as conn:
+            prepared = prepares_fused_commits(conn, Prepare(s.db_prepare))
+    except Exception as exc:
+        return f"; whether it prepares statements is not known: {_first_line(exc)}"
+    if prepared is None:
+        return ""
+    if prepared:
+        return f"; a turn's commits are prepared on the server (CHARLIE_DB_PREPARE={s.db_prepare})"
+    return f"; a turn's commits are not prepared (CHARLIE_DB_PREPARE={s.db_prepare}: " + (
+        "off)" if s.db_prepare == "off" else "not a direct TCP connection to PostgreSQL)"
+    )
 
 
 def check_schema(ctx: Context) -> Check:

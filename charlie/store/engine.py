@@ -238,6 +238,24 @@ def _reaches_server_directly(dbapi_conn: Any, server_ends: tuple[Any, ...] | Non
     )
 
 
+_ENDS = (
+    "SELECT host(inet_server_addr()), inet_server_port(), host(inet_client_addr()), "
+    "inet_client_port()"
+)
+
+
+def prepares_fused_commits(conn: Connection, prepare: Prepare) -> bool | None:
+    """Whether a worker's connection like ``conn`` prepares the fused commits under
+    ``prepare`` (what ``charlie doctor`` reports); None when its driver never prepares on the
+    server (psycopg2, SQLite)."""
+    if conn.dialect.name != "postgresql" or conn.dialect.driver != "psycopg":
+        return None
+    if prepare is not Prepare.AUTO:
+        return prepare is Prepare.ON
+    ends = conn.exec_driver_sql(_ENDS).one()
+    return _reaches_server_directly(conn.connection.dbapi_connection, tuple(ends))
+
+
 def _host(address: str) -> str:
     """An address as one spelling: an IPv4 address mapped into IPv6 as its IPv4 form."""
     return address.removeprefix("::ffff:").lower()

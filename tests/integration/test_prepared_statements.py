@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import make_url
 
+from charlie import doctor
+from charlie.config import load_settings
+from charlie.doctor import Context
 from charlie.store.engine import PREPARED, Prepare, get_engine
 from charlie.store.fused import PREPARED_EXECUTION
 from tests.conftest import BACKEND
@@ -89,3 +93,16 @@ def test_a_unix_socket_counts_as_not_direct_unless_told() -> None:
         assert conn.info[PREPARED] is True
         run_many(conn)
         assert len(prepared_here(conn)) == 1
+
+
+@pytest.mark.parametrize(
+    ("prepare", "said"),
+    [
+        ("auto", "a turn's commits are prepared on the server (CHARLIE_DB_PREPARE=auto)"),
+        ("off", "a turn's commits are not prepared (CHARLIE_DB_PREPARE=off: off)"),
+    ],
+)
+def test_doctor_says_whether_a_turn_is_prepared(tmp_path: Path, prepare: str, said: str) -> None:
+    s = replace(load_settings(), home=tmp_path, database_url=BACKEND.database_url or "")
+    check = doctor.check_database(Context(replace(s, db_prepare=prepare), 2.0))
+    assert check.status == "ok" and check.detail.endswith(said), check.detail
