@@ -183,9 +183,10 @@ class Settings:
     #: run up to this many following steps (the run's next phase, or a turn's only tool call)
     #: straight away in the same worker instead of publishing them: each is still claimed,
     #: committed and recorded on its own, and reported to Flower as a task of its own (I21).
-    #: 0 publishes every step. A chain also stops after 30 seconds. 30 steps are 15 one-call
-    #: turns: each stop costs a publish and a claim of its own, and with a real
-    #: model a chain meets the 30 s first.
+    #: 0 publishes every step. A chain also stops after 30 seconds, and goes on past its
+    #: steps until it has run half a second: each stop costs a publish and a claim of its own
+    #: (and in a prefork pool often a cold transcript cache), and with a real model a chain
+    #: meets the 30 s first.
     inline_phases: int = 30
     #: with inline steps on, carry the effect-free phase transitions that follow a commit in
     #: that same transaction (each its own claim, transition row and version), up to the next

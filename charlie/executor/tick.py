@@ -84,6 +84,13 @@ TickResult = Literal["stale", "moved", "waiting", "lost_lease", "done", "refused
 #: An inline chain stops after this long, whatever its step budget, and publishes its next step:
 #: a Celery task stays well inside its time limit and other runs get their turn.
 INLINE_SECONDS = 30.0
+#: ... and not before it has run this long, once its step budget is spent: a stop costs a
+#: publish, a claim and, in a prefork pool, often another process whose transcript cache does
+#: not hold the run (its first model call then reads the transcript: 10 to 45 ms measured,
+#: against 5 ms for a whole one-call turn). Steps that quick would otherwise stop their chain
+#: every 15 turns, a tenth of a second; this bounds the stops of a short chain to twice a
+#: second, and the time another run waits for the slot to half a second.
+INLINE_MIN_SECONDS = 0.5
 
 
 def _heartbeat(rt: Runtime, claim: runs.Claim) -> AbstractContextManager[object]:
@@ -294,13 +301,16 @@ def run_tick(
     (I4). ``inline_first``: this tick itself runs inside another task (the tool invocation that
     settled a turn)."""
     budget = rt.settings.inline_phases
-    deadline = time.monotonic() + INLINE_SECONDS
+    started = time.monotonic()
+    deadline, floor = started + INLINE_SECONDS, started + INLINE_MIN_SECONDS
     step: Follow = NextTick(phase, version)
     inline = inline_first
     reports = InlineReports(rt)
     try:
         while True:
-            chain = budget > 0 and time.monotonic() < deadline
+            chain = chain_goes_on(
+                rt.settings.inline_phases, budget, floor, deadline, time.monotonic()
+            )
             result: str
             follow: Follow | None
             if isinstance(step, NextTick):
@@ -331,7 +341,7 @@ def run_tick(
                     execution_id,
                     step,
                     reports,
-                    _chain_check(budget, deadline),
+                    _chain_check(rt, budget, floor, deadline),
                 )
             if follow is None:
                 return result
@@ -359,9 +369,21 @@ def _lease_still_ours(rt: Runtime, claim: runs.Claim, claimed: float) -> bool:
     return renewed
 
 
-def _chain_check(budget: int, deadline: float) -> Callable[[], bool]:
+def chain_goes_on(
+    inline_phases: int, budget: int, floor: float, deadline: float, now: float
+) -> bool:
+    """Whether a chain runs its next step itself: never with inline steps off
+    (CHARLIE_INLINE_PHASES=0), never past its deadline (INLINE_SECONDS), and otherwise while
+    its step budget lasts or until its floor (INLINE_MIN_SECONDS after it started)."""
+    if inline_phases <= 0:
+        return False
+    return now < deadline and (budget > 0 or now < floor)
+
+
+def _chain_check(rt: Runtime, budget: int, floor: float, deadline: float) -> Callable[[], bool]:
     """Whether, once the local calls are done, the chain may go on to the next model call."""
-    return lambda: budget > 1 and time.monotonic() < deadline
+    inline = rt.settings.inline_phases
+    return lambda: chain_goes_on(inline, budget - 1, floor, deadline, time.monotonic())
 
 
 def _start_calls(rt: Runtime, execution_id: str, step: StartCalls) -> tuple[ClaimedCall, ...]:
