@@ -74,7 +74,15 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 log = logging.getLogger("charlie.agents")
 
-try:  # the type Pydantic AI's ``Choices`` returns for a set whose values are actions to call
+try:
+    # the status texts Pydantic AI shows for an output call whose valid output was not used
+    from pydantic_ai._tool_status import (
+        OUTPUT_NOT_FINAL_RESULT,
+        OUTPUT_SKIPPED_FINAL_ALREADY_PROCESSED,
+        RETRY_WINS,
+    )
+
+    # the type Pydantic AI's ``Choices`` returns for a set whose values are actions to call
     from pydantic_ai.output import _ChoicesActions
 except ImportError as exc:  # pragma: no cover - only with a Pydantic AI this was not made for
     raise ImportError(
@@ -84,8 +92,16 @@ except ImportError as exc:  # pragma: no cover - only with a Pydantic AI this wa
 
 #: what of Pydantic AI, beyond its public API, this adapter reads (docs/agents/pydantic-ai.md,
 #: "What is kept"): the names of an agent's output tools, which no public API gives without a
-#: run (and its deps); and, for the refusal of a ``Choices`` set with actions, _ChoicesActions
-PRIVATE_NAMES = ("Agent._output_toolset", "OutputToolset.processors", "output._ChoicesActions")
+#: run (and its deps); for the refusal of a ``Choices`` set with actions, _ChoicesActions; the
+#: status texts of an output set aside by a function tool's retry (imported above)
+PRIVATE_NAMES = (
+    "Agent._output_toolset",
+    "OutputToolset.processors",
+    "output._ChoicesActions",
+    "_tool_status.RETRY_WINS",
+    "_tool_status.OUTPUT_SKIPPED_FINAL_ALREADY_PROCESSED",
+    "_tool_status.OUTPUT_NOT_FINAL_RESULT",
+)
 
 
 def private_names_missing() -> list[str]:
@@ -954,8 +970,61 @@ class AgentModel:
 
     # the transcript as Pydantic AI's messages
 
-    def _tool_parts(self, payload: JSON, call_id: str) -> list[pm.ModelRequestPart]:
+    def _outputs_by_turn(self, items: list[Any]) -> dict[int, tuple[list[Any], bool]]:
+        """Per turn of tool results: its valid outputs (the output calls Charlie ran that
+        validated) in the order the model emitted their calls, and whether a function tool's
+        call of that turn asked for a retry (a ModelRetry, arguments that did not validate)."""
+        emitted: dict[str, int] = {}
+        turns: dict[int, tuple[list[tuple[int, Any]], list[bool]]] = {}
+        for n, item in enumerate(items):
+            if item.kind is ItemKind.TOOL_CALL and item.call_id:
+                emitted[item.call_id] = n
+            if item.kind is not ItemKind.TOOL_RESULT:
+                continue
+            outputs, retried = turns.setdefault(item.turn, ([], []))
+            name = self.loaded.agent_name(str(item.payload.get("name")))
+            result = item.payload.get("result")
+            if name in self.loaded.output_tools:
+                if (
+                    item.payload.get("outcome") == "ok"
+                    and isinstance(result, dict)
+                    and "output" in result
+                ):
+                    outputs.append((emitted.get(item.call_id or "", n), item))
+            elif isinstance(result, dict) and isinstance(result.get("pydantic_ai_part"), dict):
+                retried.append(_is_retry(_part_from(result["pydantic_ai_part"])))
+        return {
+            turn: ([i for _, i in sorted(outputs, key=lambda o: o[0])], any(retried))
+            for turn, (outputs, retried) in turns.items()
+        }
+
+    def _set_aside(self, items: list[Any]) -> dict[tuple[int, str], str]:
+        """Pydantic AI's retry-wins, as ``agent.run`` applies it under ``end_strategy``
+        "graceful" and "exhaustive": a valid output whose answer also held a function tool
+        call that asked for a retry does not end the run; the model is shown, for each such
+        output call, the status Pydantic AI shows instead of its output ((turn, call id) ->
+        that status)."""
+        strategy = self.loaded.agent.end_strategy
+        if strategy == "early":
+            return {}  # no function tool runs beside a valid output there
+        later = (
+            OUTPUT_SKIPPED_FINAL_ALREADY_PROCESSED
+            if strategy == "graceful"
+            else (OUTPUT_NOT_FINAL_RESULT)
+        )
+        found: dict[tuple[int, str], str] = {}
+        for turn, (outputs, retried) in self._outputs_by_turn(items).items():
+            if retried:
+                for k, item in enumerate(outputs):
+                    found[(turn, item.call_id or "")] = RETRY_WINS if k == 0 else later
+        return found
+
+    def _tool_parts(
+        self, payload: JSON, call_id: str, set_aside: str | None = None
+    ) -> list[pm.ModelRequestPart]:
         name = self.loaded.agent_name(str(payload.get("name")))
+        if set_aside is not None:
+            return [pm.ToolReturnPart(name, set_aside, call_id, tool_kind="output")]
         result = payload.get("result")
         if isinstance(result, dict) and isinstance(result.get("pydantic_ai_parts"), list):
             return [_part_from(p) for p in result["pydantic_ai_parts"]]
@@ -979,6 +1048,7 @@ class AgentModel:
         return pm.ToolReturnPart(name, str(payload.get("content", "")), call_id)
 
     def history(self, items: list[Any]) -> list[pm.ModelMessage]:
+        set_aside = self._set_aside(items)
         messages: list[pm.ModelMessage] = []
         request: list[pm.ModelRequestPart] = []
         response: list[pm.ModelResponsePart] = []
@@ -1024,7 +1094,10 @@ class AgentModel:
                 )
             elif item.kind is ItemKind.TOOL_RESULT:
                 flush_response()
-                request.extend(self._tool_parts(payload, item.call_id or ""))
+                call_id = item.call_id or ""
+                request.extend(
+                    self._tool_parts(payload, call_id, set_aside.get((item.turn, call_id)))
+                )
         flush_request()
         flush_response()
         return messages
@@ -1179,24 +1252,17 @@ class AgentModel:
             return stream.get()
 
     def _ended_by_output(self, items: list[Any]) -> ModelResponse | None:
-        """An output tool that Charlie ran and that validated ends the run with its output,
-        without another model request."""
+        """An output tool that Charlie ran and that validated ends the run with its output
+        (the first the model emitted), without another model request; unless a function
+        tool's call of the same answer asked for a retry, under "graceful" and "exhaustive"
+        (retry-wins, as ``agent.run``: the model is asked again, shown the retry)."""
         results = [i for i in items if i.kind is ItemKind.TOOL_RESULT]
         if not results:
             return None
-        last_turn = results[-1].turn
-        for item in results:
-            name = self.loaded.agent_name(str(item.payload.get("name")))
-            result = item.payload.get("result")
-            if (
-                item.turn == last_turn
-                and name in self.loaded.output_tools
-                and item.payload.get("outcome") == "ok"
-                and isinstance(result, dict)
-                and "output" in result
-            ):
-                return self._final(result["output"], Usage(), [])
-        return None
+        outputs, retried = self._outputs_by_turn(items).get(results[-1].turn, ([], False))
+        if not outputs or (retried and self.loaded.agent.end_strategy != "early"):
+            return None
+        return self._final(outputs[0].payload["result"]["output"], Usage(), [])
 
     def _items(self, answer: pm.ModelResponse) -> tuple[list[pm.ToolCallPart], list[NewItem]]:
         items: list[NewItem] = []

@@ -793,6 +793,22 @@ early = _ending("early")
 exhaustive = _ending("exhaustive")
 
 
+def _charging(strategy: str) -> Agent[None, Out]:
+    made = Agent(FunctionModel(scripted, model_name="fn"), output_type=Out, end_strategy=strategy)
+
+    @made.tool_plain(metadata={"effect": "write"})
+    def charge(account: str, cents: int) -> str:
+        if cents > 100:
+            raise ModelRetry("at most 100 cents")
+        return f"charged {cents}"
+
+    return made
+
+
+graceful_charge = _charging("graceful")
+exhaustive_charge = _charging("exhaustive")
+
+
 def _note_and_output(ref: str, account: str) -> tuple[Any, Transcript, Any]:
     """The model answers note() and the output in one response; Charlie runs both calls from
     the transcript, as the executor does; the note's recorded result is returned."""
@@ -849,3 +865,80 @@ def test_end_strategy_exhaustive_runs_every_function_tool_beside_a_valid_output(
     assert RAN == ["acme"] and note.payload["result"] == "noted acme"
     done = model.complete(t.request())
     assert json.loads(done.output[-1].payload["content"]) == {"account": "acme", "cents": 1}
+
+
+def _parts_shown(messages: list[pm.ModelMessage]) -> list[tuple[str, str, str]]:
+    """The tool parts of the last request a model was sent: (kind, call id, what it reads)."""
+    last = messages[-1]
+    assert isinstance(last, pm.ModelRequest)
+    shown = []
+    for part in last.parts:
+        call_id = getattr(part, "tool_call_id", None)
+        if call_id is None:
+            continue
+        text = part.model_response() if hasattr(part, "model_response") else str(part.content)
+        shown.append((type(part).__name__, call_id, text))
+    return shown
+
+
+@pytest.mark.parametrize("strategy", ["graceful", "exhaustive"])
+def test_a_function_tools_retry_beside_a_valid_output_goes_on_as_agent_run_goes_on(
+    strategy: str,
+) -> None:
+    """Under "graceful" (the default) and "exhaustive", Pydantic AI's retry-wins: a function
+    tool's ModelRetry in the answer that holds a valid output call keeps that output from
+    ending the run; the model is shown the retry and, for the output call, that it was not
+    used. The same script through agent.run and through the Charlie task: the same requests,
+    the same parts shown, the same output."""
+    ref = f"{HERE}:{strategy}_charge"
+    ending: Agent[Any, Out] = getattr(sys.modules[HERE], f"{strategy}_charge")
+    both = pm.ModelResponse(
+        parts=[
+            pm.ToolCallPart("charge", {"account": "a", "cents": 500}, "c"),
+            pm.ToolCallPart("final_result", {"account": "a", "cents": 1}, "f"),
+        ]
+    )
+    again = pm.ModelResponse(
+        parts=[pm.ToolCallPart("final_result", {"account": "a", "cents": 2}, "g")]
+    )
+    SCRIPT[:] = [both, again]
+    assert ending.run_sync("settle").output == Out(account="a", cents=2)
+    assert len(SEEN) == 2
+    by_run = _parts_shown(SEEN[1][0])
+    assert [(kind, call_id) for kind, call_id, _ in by_run] == [
+        ("ToolReturnPart", "c"),
+        ("ToolReturnPart", "f"),
+    ]
+    assert "at most 100 cents" in by_run[0][2]
+    assert by_run[1][2].startswith("Output not used as the final result")
+
+    SCRIPT[:] = [both, again]
+    SEEN.clear()
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{ref}.charge")
+    model = _model(ref, deps=None)
+    t = Transcript("settle")
+    t.add(*model.complete(t.request()).output)
+    t.turn = 1
+    results = []
+    for name, call_id, args in (
+        ("charge", "c", {"account": "a", "cents": 500}),
+        ("final_result", "f", {"account": "a", "cents": 1}),
+    ):
+        definition = registry.get_registered(f"{ref}.{name}")
+        assert definition is not None
+        ctx = replace(_ctx(call_id, deps=None), record=Recorded(t))
+        ctx.metadata[agents.METADATA_KEY]["agent"] = ref
+        results.append(
+            _result(
+                f"{ref}.{name}",
+                call_id,
+                lambda d=definition, c=ctx, a=args: d.handler(**a, _charlie_ctx=c),
+            )
+        )
+    t.add(*results)
+    t.turn = 2
+    second = model.complete(t.request())
+    assert len(SEEN) == 2, "the task ended with the output agent.run set aside"
+    assert _parts_shown(SEEN[1][0]) == by_run
+    assert json.loads(second.output[-1].payload["content"]) == {"account": "a", "cents": 2}
