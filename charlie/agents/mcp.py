@@ -53,7 +53,7 @@ except ImportError as exc:  # pragma: no cover - only with a Pydantic AI this wa
 
 #: what of MCPToolset, beyond its public API, this adapter reads or overrides: its
 #: settings (instance attributes, checked by tests/unit), and on the class these
-PRIVATE_CLASS_NAMES = ("_call_tool_checked", "_enter_lock", "_explicit_id", "call_tool")
+PRIVATE_CLASS_NAMES = ("_call_tool_checked", "_enter_lock", "call_tool")
 PRIVATE_INSTANCE_NAMES = ("_client_options", "_client_source", "_auth_func", "_headers_func")
 #: the parameters of the method the stand-in overrides, as the stand-in takes them
 _CHECKED_PARAMETERS = ["self", "name", "args", "metadata", "use_task"]
@@ -179,7 +179,8 @@ _SAFE = re.compile(r"[^A-Za-z0-9-]+")
 
 
 def _server_name(toolset: MCPToolset[Any], n: int) -> str:
-    label = _SAFE.sub("-", toolset._explicit_id or "").strip("-")[:16]
+    # its id as given, else its URL's hostname (a stdio server's may be none)
+    label = _SAFE.sub("-", toolset.id or "").strip("-")[:16]
     return f"{label}-{n}" if label else f"agent-mcp-{n}"
 
 

@@ -24,6 +24,8 @@ import json
 import logging
 import os
 import threading
+import types
+import typing
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -41,6 +43,7 @@ from pydantic_ai.exceptions import (
 from pydantic_ai.models import Model as PaiModel
 from pydantic_ai.models import ModelRequestParameters, infer_model
 from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.output import NativeOutput, PromptedOutput, TextOutput, ToolOutput
 from pydantic_ai.toolsets import FunctionToolset
 from pydantic_ai.usage import RunUsage, UsageLimits
 
@@ -70,6 +73,62 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger("charlie.agents")
+
+try:
+    # the status texts Pydantic AI shows for an output call whose valid output was not used
+    from pydantic_ai._tool_status import (
+        OUTPUT_NOT_FINAL_RESULT,
+        OUTPUT_SKIPPED_FINAL_ALREADY_PROCESSED,
+        RETRY_WINS,
+    )
+
+    # the type Pydantic AI's ``Choices`` returns for a set whose values are actions to call
+    from pydantic_ai.output import _ChoicesActions
+except ImportError as exc:  # pragma: no cover - only with a Pydantic AI this was not made for
+    raise ImportError(
+        f"charlie.agents.pydantic_ai: this Pydantic AI lacks a private name Charlie uses ({exc}); "
+        "install a release Charlie supports"
+    ) from exc
+
+#: what of Pydantic AI, beyond its public API, this adapter reads (docs/agents/pydantic-ai.md,
+#: "What is kept"): the names of an agent's output tools, which no public API gives without a
+#: run (and its deps); for the refusal of a ``Choices`` set with actions, _ChoicesActions; the
+#: status texts of an output set aside by a function tool's retry (imported above)
+PRIVATE_NAMES = (
+    "Agent._output_toolset",
+    "OutputToolset.processors",
+    "output._ChoicesActions",
+    "_tool_status.RETRY_WINS",
+    "_tool_status.OUTPUT_SKIPPED_FINAL_ALREADY_PROCESSED",
+    "_tool_status.OUTPUT_NOT_FINAL_RESULT",
+)
+
+
+def private_names_missing() -> list[str]:
+    """The private names of Pydantic AI this adapter reads that this release lacks (or whose
+    shape changed): empty when it is one this adapter was made for. Checked on an agent with a
+    structured output, built for the check (a millisecond)."""
+    from pydantic import BaseModel
+
+    class _Probe(BaseModel):
+        value: int
+
+    probe = Agent(None, output_type=_Probe)
+    toolset = getattr(probe, "_output_toolset", None)
+    if toolset is None:
+        return ["Agent._output_toolset"]
+    processors = getattr(toolset, "processors", None)
+    if not isinstance(processors, dict) or list(processors) != ["final_result"]:
+        return ["OutputToolset.processors"]
+    return []
+
+
+# Checked once, at import: a release that renames one fails here, by name, not at a submit.
+if private_names_missing():  # pragma: no cover - only with a Pydantic AI this was not made for
+    raise ImportError(
+        "charlie.agents.pydantic_ai: this Pydantic AI lacks what Charlie's adapter uses: "
+        + ", ".join(private_names_missing())
+    )
 
 #: the capabilities every Agent holds by default; any other is refused at submit (a history
 #: processor, a hook: code that runs around Pydantic AI's own steps, which Charlie does not
@@ -177,15 +236,38 @@ def refusals(agent: Agent[Any, Any]) -> list[str]:
             "event_stream_handler: a Charlie task streams to `charlie watch` instead; a handler "
             "would run again on every repeated step"
         )
-    output_toolset = agent._output_toolset
-    if output_toolset is not None:
-        for name, processor in output_toolset.processors.items():
-            if getattr(processor, "_function_schema", None) is not None:
-                found.append(
-                    f"output function {name!r}: it would run while the output is validated, "
-                    "unrecorded; make it a tool (effect write) and the output a plain type"
-                )
+    for name in _output_functions(agent.output_type):
+        found.append(
+            f"output function {name!r}: it would run while the output is validated, "
+            "unrecorded; make it a tool (effect write) and the output a plain type"
+        )
     return found
+
+
+def _output_functions(spec: Any) -> list[str]:
+    """The functions an output spec (``agent.output_type``) has Pydantic AI call while it
+    validates an output: an output function (as a tool's, native, prompted or in a union), a
+    ``TextOutput``'s, a ``Choices`` set's actions. A function is what Pydantic AI itself takes
+    for one (``inspect.isfunction``/``ismethod``); anything else is a type it validates."""
+    if isinstance(spec, TextOutput):
+        return [_callable_name(spec.output_function)]
+    if isinstance(spec, ToolOutput):
+        return _output_functions(spec.output)
+    if isinstance(spec, NativeOutput | PromptedOutput):
+        return _output_functions(spec.outputs)
+    if isinstance(spec, list | tuple):
+        return [name for item in spec for name in _output_functions(item)]
+    if typing.get_origin(spec) in (typing.Union, types.UnionType):
+        return [name for item in typing.get_args(spec) for name in _output_functions(item)]
+    if inspect.isfunction(spec) or inspect.ismethod(spec):
+        return [_callable_name(spec)]
+    if isinstance(spec, type) and issubclass(spec, _ChoicesActions):
+        return [f"{spec.__name__} (a Choices set whose values are actions)"]
+    return []
+
+
+def _callable_name(function: Any) -> str:
+    return str(getattr(function, "__name__", None) or repr(function))
 
 
 def _tool_def(loaded: Loaded, tool: Any) -> ToolDef:
@@ -324,6 +406,7 @@ def _load(ref: str) -> Loaded:
     for toolset in agent.toolsets:
         if isinstance(toolset, FunctionToolset):
             tools.update(toolset.tools)
+    # (private, checked at import: no public API names the output tools without a run)
     output_toolset = agent._output_toolset
     outputs = frozenset(output_toolset.processors) if output_toolset is not None else frozenset()
     agent_mcp = None
@@ -521,7 +604,13 @@ async def _drive(
     replay: pm.ModelResponse | None = None,
     retries: dict[str, int] | None = None,
     call: ToolContext | None = None,
+    step: bool = False,
 ) -> _Captured | _Ended:
+    """The agent's graph run from ``history`` up to its next model request (what it would
+    send, captured), or to its end. ``call``: the step that runs the tool call ending
+    ``history``; ``step``: the step after ``replay`` answered ``history``'s last request;
+    either stopped at the request that follows, before it is assembled (its new parts as
+    Pydantic AI keeps them in a run's messages, not as a model is sent them)."""
     intercept = _Intercept(loaded.model) if replay is None else _Replay(loaded.model, replay)
     with contextlib.ExitStack() as stack:
         if loaded.mcp is not None:
@@ -531,7 +620,7 @@ async def _drive(
 
             stack.enter_context(loaded.agent.override(toolsets=loaded.mcp.toolsets))
             CALL.set(call)
-        if call is not None:
+        if call is not None or step:
             return await _tool_step(loaded, deps, history, deferred, retries, intercept)
         try:
             result = await loaded.agent.run(
@@ -555,9 +644,12 @@ async def _tool_step(
     retries: dict[str, int] | None,
     intercept: _Intercept,
 ) -> _Captured | _Ended:
-    """The graph's step that runs the tool calls ending ``history``, stopped at the request
-    that carries their parts, before it is assembled (the call's part is all a Charlie call
-    needs: the next request is a call_model step's to assemble, from the transcript)."""
+    """The graph's step that runs the tool calls ending ``history`` (or that answers its last
+    request, by ``intercept``'s replay), stopped at the request that carries their parts,
+    before it is assembled (the call's part is all a Charlie call needs: the next request is
+    a call_model step's to assemble, from the transcript)."""
+    # a history that ends with a request: the graph's first request node is that one
+    skip = 1 if history and isinstance(history[-1], pm.ModelRequest) else 0
     async with loaded.agent.iter(
         None,
         message_history=history,
@@ -567,9 +659,11 @@ async def _tool_step(
         capabilities=[_Retries(retries)] if retries else None,
     ) as running:
         async for node in running:
-            request = getattr(node, "request", None)
-            if isinstance(request, pm.ModelRequest) and type(node).__name__ == "ModelRequestNode":
-                return _Captured([request], None, ModelRequestParameters())
+            if Agent.is_model_request_node(node):
+                if skip:
+                    skip -= 1
+                    continue
+                return _Captured([node.request], None, ModelRequestParameters())
         result = running.result
     if result is None:
         raise ModelError(f"agent {loaded.ref!r} ended without an output")
@@ -611,7 +705,7 @@ def _is_retry(part: pm.ModelRequestPart) -> bool:
 
 
 def _text_of(part: Any) -> str:
-    if isinstance(part, pm.RetryPromptPart):
+    if isinstance(part, pm.RetryPromptPart | pm.RetryFeedbackPart):
         return part.model_response()
     content = getattr(part, "content", "")
     return (
@@ -765,20 +859,22 @@ def _so_far(
         prompt = next((str(p.content) for p in head.parts if isinstance(p, pm.UserPromptPart)), "")
         system = model._system_parts(deps, execution_id, prompt)
         history[0] = pm.ModelRequest(parts=[*system, *head.parts])
-    counts, _ = _retry_counts(before, loaded.agent._max_output_retries)
+    counts, _ = _retry_counts(before)
     retries = {loaded.agent_name(n): c for n, c in counts.items() if c}
     return history, retries
 
 
 def _check_text(loaded: Loaded, deps: Any, text: str) -> Any:
     """A text answer, validated as ``agent.run`` validates it: ``{"output": ...}``, or a
-    ToolError carrying the feedback parts Pydantic AI sends the model instead."""
+    ToolError carrying the feedback parts Pydantic AI sends the model instead, as a run keeps
+    them (a RetryFeedbackPart, its ``retry`` saying the output's retry budget)."""
     found = run(
         _drive(
             loaded,
             deps,
             history=[pm.ModelRequest(parts=[pm.UserPromptPart("")])],
             replay=pm.ModelResponse(parts=[pm.TextPart(text)]),
+            step=True,
         )
     )
     if isinstance(found, _Ended):
@@ -792,16 +888,27 @@ def _check_text(loaded: Loaded, deps: Any, text: str) -> Any:
 # -- the model ---------------------------------------------------------------------------------
 
 
-def _retries_exceeded(items: list[Any], text_limit: int) -> str | None:
+def _retries_exceeded(items: list[Any]) -> str | None:
     """Pydantic AI's count of a tool's retries, from the transcript: a tool failed (a retry
     part) in more consecutive steps than its ``max_retries`` ends the run, as it ends
     ``agent.run``."""
-    return _retry_counts(items, text_limit)[1]
+    return _retry_counts(items)[1]
 
 
-def _retry_counts(items: list[Any], text_limit: int) -> tuple[dict[str, int], str | None]:
+def _feedback_limit(parts: Any) -> int | None:
+    """The output-retry budget Pydantic AI checked a refused text's feedback against: its
+    parts' ``retry.max_retries`` (RetryInfo; None for a retry not charged to a budget)."""
+    for part in parts if isinstance(parts, list) else []:
+        retry = part.get("retry") if isinstance(part, dict) else None
+        if isinstance(retry, dict) and isinstance(retry.get("max_retries"), int):
+            return int(retry["max_retries"])
+    return None
+
+
+def _retry_counts(items: list[Any]) -> tuple[dict[str, int], str | None]:
     """Each tool's consecutive failed steps (Charlie's names), and why the run ends if one
-    failed more steps in a row than its ``max_retries``."""
+    failed more steps in a row than its ``max_retries`` (each limit as Pydantic AI gave it
+    with the retry part it recorded: ``RetryInfo.max_retries``)."""
     counts: dict[str, int] = {}
     turns: dict[int, list[Any]] = {}
     for item in items:
@@ -818,7 +925,8 @@ def _retry_counts(items: list[Any], text_limit: int) -> tuple[dict[str, int], st
                 retry = data.get("retry") or {}
                 failed[name] = retry.get("max_retries") if isinstance(retry, dict) else None
             elif isinstance(result, dict) and "pydantic_ai_parts" in result:
-                failed[name] = text_limit  # a text answer refused: the output's retries
+                # a text answer refused: the output's retries
+                failed[name] = _feedback_limit(result["pydantic_ai_parts"])
             else:
                 succeeded.add(name)
         for name in succeeded - set(failed):
@@ -862,8 +970,61 @@ class AgentModel:
 
     # the transcript as Pydantic AI's messages
 
-    def _tool_parts(self, payload: JSON, call_id: str) -> list[pm.ModelRequestPart]:
+    def _outputs_by_turn(self, items: list[Any]) -> dict[int, tuple[list[Any], bool]]:
+        """Per turn of tool results: its valid outputs (the output calls Charlie ran that
+        validated) in the order the model emitted their calls, and whether a function tool's
+        call of that turn asked for a retry (a ModelRetry, arguments that did not validate)."""
+        emitted: dict[str, int] = {}
+        turns: dict[int, tuple[list[tuple[int, Any]], list[bool]]] = {}
+        for n, item in enumerate(items):
+            if item.kind is ItemKind.TOOL_CALL and item.call_id:
+                emitted[item.call_id] = n
+            if item.kind is not ItemKind.TOOL_RESULT:
+                continue
+            outputs, retried = turns.setdefault(item.turn, ([], []))
+            name = self.loaded.agent_name(str(item.payload.get("name")))
+            result = item.payload.get("result")
+            if name in self.loaded.output_tools:
+                if (
+                    item.payload.get("outcome") == "ok"
+                    and isinstance(result, dict)
+                    and "output" in result
+                ):
+                    outputs.append((emitted.get(item.call_id or "", n), item))
+            elif isinstance(result, dict) and isinstance(result.get("pydantic_ai_part"), dict):
+                retried.append(_is_retry(_part_from(result["pydantic_ai_part"])))
+        return {
+            turn: ([i for _, i in sorted(outputs, key=lambda o: o[0])], any(retried))
+            for turn, (outputs, retried) in turns.items()
+        }
+
+    def _set_aside(self, items: list[Any]) -> dict[tuple[int, str], str]:
+        """Pydantic AI's retry-wins, as ``agent.run`` applies it under ``end_strategy``
+        "graceful" and "exhaustive": a valid output whose answer also held a function tool
+        call that asked for a retry does not end the run; the model is shown, for each such
+        output call, the status Pydantic AI shows instead of its output ((turn, call id) ->
+        that status)."""
+        strategy = self.loaded.agent.end_strategy
+        if strategy == "early":
+            return {}  # no function tool runs beside a valid output there
+        later = (
+            OUTPUT_SKIPPED_FINAL_ALREADY_PROCESSED
+            if strategy == "graceful"
+            else (OUTPUT_NOT_FINAL_RESULT)
+        )
+        found: dict[tuple[int, str], str] = {}
+        for turn, (outputs, retried) in self._outputs_by_turn(items).items():
+            if retried:
+                for k, item in enumerate(outputs):
+                    found[(turn, item.call_id or "")] = RETRY_WINS if k == 0 else later
+        return found
+
+    def _tool_parts(
+        self, payload: JSON, call_id: str, set_aside: str | None = None
+    ) -> list[pm.ModelRequestPart]:
         name = self.loaded.agent_name(str(payload.get("name")))
+        if set_aside is not None:
+            return [pm.ToolReturnPart(name, set_aside, call_id, tool_kind="output")]
         result = payload.get("result")
         if isinstance(result, dict) and isinstance(result.get("pydantic_ai_parts"), list):
             return [_part_from(p) for p in result["pydantic_ai_parts"]]
@@ -887,6 +1048,7 @@ class AgentModel:
         return pm.ToolReturnPart(name, str(payload.get("content", "")), call_id)
 
     def history(self, items: list[Any]) -> list[pm.ModelMessage]:
+        set_aside = self._set_aside(items)
         messages: list[pm.ModelMessage] = []
         request: list[pm.ModelRequestPart] = []
         response: list[pm.ModelResponsePart] = []
@@ -932,7 +1094,10 @@ class AgentModel:
                 )
             elif item.kind is ItemKind.TOOL_RESULT:
                 flush_response()
-                request.extend(self._tool_parts(payload, item.call_id or ""))
+                call_id = item.call_id or ""
+                request.extend(
+                    self._tool_parts(payload, call_id, set_aside.get((item.turn, call_id)))
+                )
         flush_request()
         flush_response()
         return messages
@@ -954,7 +1119,7 @@ class AgentModel:
         return parts
 
     def complete(self, request: ModelRequest) -> ModelResponse:
-        stop = _retries_exceeded(request.items, self.loaded.agent._max_output_retries)
+        stop = _retries_exceeded(request.items)
         if stop is not None:
             raise ModelError(stop)
         deps = _deps(self.parsed.deps)
@@ -1087,24 +1252,17 @@ class AgentModel:
             return stream.get()
 
     def _ended_by_output(self, items: list[Any]) -> ModelResponse | None:
-        """An output tool that Charlie ran and that validated ends the run with its output,
-        without another model request."""
+        """An output tool that Charlie ran and that validated ends the run with its output
+        (the first the model emitted), without another model request; unless a function
+        tool's call of the same answer asked for a retry, under "graceful" and "exhaustive"
+        (retry-wins, as ``agent.run``: the model is asked again, shown the retry)."""
         results = [i for i in items if i.kind is ItemKind.TOOL_RESULT]
         if not results:
             return None
-        last_turn = results[-1].turn
-        for item in results:
-            name = self.loaded.agent_name(str(item.payload.get("name")))
-            result = item.payload.get("result")
-            if (
-                item.turn == last_turn
-                and name in self.loaded.output_tools
-                and item.payload.get("outcome") == "ok"
-                and isinstance(result, dict)
-                and "output" in result
-            ):
-                return self._final(result["output"], Usage(), [])
-        return None
+        outputs, retried = self._outputs_by_turn(items).get(results[-1].turn, ([], False))
+        if not outputs or (retried and self.loaded.agent.end_strategy != "early"):
+            return None
+        return self._final(outputs[0].payload["result"]["output"], Usage(), [])
 
     def _items(self, answer: pm.ModelResponse) -> tuple[list[pm.ToolCallPart], list[NewItem]]:
         items: list[NewItem] = []

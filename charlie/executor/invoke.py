@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -116,13 +117,25 @@ def run_call(
     if call is not None and mode == "start":
         # its start is recorded: now, not at its dispatch, watchers hear it started (I9)
         safely(streamed.calls_started, rt.events, task_id_of(execution_id), turn, [call_id])
-    if call is None:
-        if mode in ("resume", "reconcile"):
+    if call is None and mode in ("resume", "reconcile"):
+        try:
             refused = again_if_disconnected(
                 lambda: _refuse(rt, execution_id, turn, call_id), "refuse a take-over"
             )
-            if refused is not None:
-                return refused
+        except _LookUpFirst as unknown:
+            # Its tool is one this process has not met yet (a framework agent's, registered
+            # when first named): asked for by the name Charlie recorded, then claimed again.
+            # Only a worker that still lacks its implementation refuses, and counts it.
+            call = _claimed_once_found(rt, unknown.name, claim)
+            refused = None
+            if call is None:
+                refused = again_if_disconnected(
+                    lambda: _refuse(rt, execution_id, turn, call_id, looked=True),
+                    "refuse a take-over",
+                )
+        if refused is not None:
+            return refused
+    if call is None:
         log.debug("call %s/%s not claimable for %s", execution_id, call_id, mode)
         return "not_claimable", None
     done = execute_call(rt, call, mode)
@@ -131,15 +144,43 @@ def run_call(
     return settle_result(rt, done)
 
 
+class _LookUpFirst(Exception):
+    """A take-over refused for a tool this process has no tool of that name for, before its
+    registry's finders were asked for it: the refusal is rolled back (not counted)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _claimed_once_found(
+    rt: Runtime, name: str, claim: Callable[[], ClaimedCall | None]
+) -> ClaimedCall | None:
+    """The call, claimed again once its tool was asked for by the name Charlie recorded for it
+    (a finder may import the module that defines it: seconds, holding no lease, since nothing
+    is claimed); None when no finder registered it here, or another worker claimed it since."""
+    try:
+        rt.tools.find(name)
+    except ToolUnavailable:
+        pass  # known, not here now: the claim below fails, and the refusal says why
+    except Exception:
+        # a finder's import that raised: this worker has no such tool, as before it asked
+        log.warning("looking a tool up by its name failed", exc_info=True, extra={"tool": name})
+    if rt.tools.get_registered(name) is None:
+        return None
+    return again_if_disconnected(claim, "claim a tool call")
+
+
 def _refuse(
-    rt: Runtime, execution_id: str, turn: int, call_id: str
+    rt: Runtime, execution_id: str, turn: int, call_id: str, *, looked: bool = False
 ) -> tuple[str, int | None] | None:
     """A take-over this worker cannot do: the call was started with an implementation it
     lacks. It is left for a worker that has it (the sweep publishes the
     take-over again next stall period), and the refusal counts an attempt; the refusal that
     reaches CHARLIE_MAX_ATTEMPTS settles the call ``interrupted``, naming the implementation,
     since no worker that could run it has come for it. None: not a refusal (someone live holds
-    the call, it settled, ...)."""
+    the call, it settled, ...). _LookUpFirst, nothing written, when this worker has no tool of
+    the call's name and has not ``looked`` for it by that name yet."""
     now = utcnow()
     refused: list[calls.Refusal] = []
 
@@ -149,6 +190,8 @@ def _refuse(
         )
         if refusal is None:
             return False
+        if not looked and rt.tools.get_registered(refusal.name) is None:
+            raise _LookUpFirst(refusal.name)  # (rolls the counted attempt back)
         refused.append(refusal)
         if refusal.attempts < rt.settings.max_attempts:
             return False

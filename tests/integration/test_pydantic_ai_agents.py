@@ -351,3 +351,157 @@ def test_an_agents_mcp_read_killed_mid_call_is_not_sent_again_either(
     assert _mcp_ran(agent_mcp_server, "lookup", key) == 1
     assert "INTERRUPTED" in _tool_messages(model_server.bodies[1])["l"]
     assert_every_call_has_one_result(task_id)
+
+
+def _replace_every_worker(cluster: Cluster) -> None:
+    """SIGKILL every worker (their pool processes too) and start fresh ones: none of them has
+    met the agent (its module is not in CHARLIE_TOOL_MODULES), so whichever takes the waiting
+    call up registers the agent's tools by the call's recorded name first."""
+    with cluster._lock:  # no worker restarted before all are dead
+        for worker in list(cluster.alive_workers()):
+            cluster.kill(worker)
+    cluster.ensure(workers=2, beat=True)
+
+
+def _parked_on_task(task_id: str, call_id: str) -> bool:
+    from tests.mcp.test_cluster import call_row
+
+    row = call_row(task_id, call_id)
+    return bool(
+        row is not None
+        and row.state == "started"
+        and (row.handle or "").startswith("task:")
+        and row.lease_owner is None
+    )
+
+
+def _server_ran(servers: McpServers, event: str, key: str | None) -> list[dict[str, Any]]:
+    """The agent's MCP server's ledger entries of ``event`` (for ``key``; None: all)."""
+    from tests.mcp.test_cluster import entries
+
+    return entries(servers, event, key)
+
+
+def test_an_agents_mcp_tool_answered_with_a_task_is_followed_by_its_id_holding_no_worker(
+    cluster: Cluster, model_server: FakeOpenAI, agent_mcp_server: McpServers
+) -> None:
+    """I20, I25, I34: the agent's MCP server answers ``rec_slow_job`` with an MCP task: its id
+    is the call's handle, the call parks holding no worker and no lease (every worker is
+    replaced meanwhile), fresh workers poll ``tasks/get`` by that id, and the task's result
+    reaches the agent's model, which ends the run with it: the task's result is the agent's
+    output. The job ran once, and no take-over was refused."""
+    from tests.mcp.test_cluster import call_row
+
+    key = uuid.uuid4().hex[:8]
+    model_server.enqueue(
+        _calls(("j", "rec_slow_job", {"key": key, "seconds": 4})),
+        chat_stream(text=f"the job said: job {key} done"),
+    )
+    task_id = charlie.submit("run the job", agent=MCP_AGENT)
+    wait_for(lambda: _parked_on_task(task_id, "j"), timeout=90)  # no worker holds it (I25)
+    (created,) = _server_ran(agent_mcp_server, "slow_job.created", key)
+    assert call_row(task_id, "j").handle == f"task:{created['task_id']}"
+    assert charlie.get_task(task_id).status is not TaskStatus.SUCCEEDED
+    _replace_every_worker(cluster)
+
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == f"the job said: job {key} done"
+    polls = [
+        e
+        for e in _server_ran(agent_mcp_server, "tasks/get", None)
+        if e["task_id"] == created["task_id"]
+    ]
+    assert polls and polls[-1]["status"] == "completed"
+    assert len(_server_ran(agent_mcp_server, "slow_job.start", key)) == 1  # ran once
+    (call,) = api.calls(task_id)
+    assert call.effect == "write" and call.outcome == "ok", call.result
+    assert call.handle == f"task:{created['task_id']}"
+    bodies = model_server.bodies
+    assert len(bodies) == 2  # no model request while the job ran
+    assert _tool_messages(bodies[1])["j"] == f"job {key} done"  # the model saw its result
+    assert_every_call_has_one_result(task_id)
+
+
+@pytest.mark.parametrize("tool", ["confirm_delete", "approve_job"])
+def test_an_agents_mcp_server_asking_a_question_waits_for_a_person_holding_no_worker(
+    cluster: Cluster, model_server: FakeOpenAI, agent_mcp_server: McpServers, tool: str
+) -> None:
+    """I23-I25, I34: the agent's MCP server asks a question (``confirm_delete``: a form
+    elicitation, ``input_required`` on the call; ``approve_job``: an MCP task's
+    ``input_required``): the task waits for a person, the call holds no worker and no lease
+    (every worker is replaced meanwhile); a reply through the public API is sent to the
+    server by a fresh worker that never met the agent, the tool completes once, and the
+    agent's model sees its result."""
+    from tests.mcp.test_cluster import call_row
+
+    key = uuid.uuid4().hex[:8]
+    done = f"deleted {key}" if tool == "confirm_delete" else f"job {key} approved"
+    question = f"Really delete {key}?" if tool == "confirm_delete" else f"Approve job {key}?"
+    model_server.enqueue(
+        _calls(("q", f"rec_{tool}", {"key": key})),
+        chat_stream(text=f"the server said: {done}"),
+    )
+    task_id = charlie.submit("ask first", agent=MCP_AGENT)
+    info = wait_for(lambda: (i := charlie.get_task(task_id)).waiting_for and i, timeout=90)
+    assert info.status is TaskStatus.WAITING
+    (waiting,) = info.waiting_for
+    assert waiting.kind == "reply" and waiting.call_id == "q"
+    assert question in waiting.detail["question"]
+    row = call_row(task_id, "q")
+    assert (row.state, row.hold, row.lease_owner) == ("started", "reply", None)  # I25
+    assert len(model_server.bodies) == 1
+    _replace_every_worker(cluster)
+
+    record = charlie.reply(task_id, "q", "yes", operator="ana")
+    assert record.detail and record.detail.get("resumes") is True
+    info = charlie.wait(task_id, timeout=120)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert info.result["answer"] == f"the server said: {done}"
+    if tool == "confirm_delete":
+        assert len(_server_ran(agent_mcp_server, "confirm_delete.asked", key)) == 1
+        assert len(_server_ran(agent_mcp_server, "confirm_delete.deleted", key)) == 1
+    else:
+        (answered,) = _server_ran(agent_mcp_server, "approve_job.answered", key)
+        assert answered["approved"] is True
+    (call,) = api.calls(task_id)
+    # answered on a tools/call retry (its sending recorded first), or with tasks/update
+    assert call.outcome == "ok", call.result
+    assert (call.handle or "").startswith("input:" if tool == "confirm_delete" else "task")
+    bodies = model_server.bodies
+    assert len(bodies) == 2
+    assert _tool_messages(bodies[1])["q"] == done  # the model saw the completed tool
+    assert_every_call_has_one_result(task_id)
+
+
+@pytest.mark.recovery
+def test_an_agents_mcp_task_is_polled_by_its_id_across_a_worker_kill(
+    cluster: Cluster, model_server: FakeOpenAI, agent_mcp_server: McpServers
+) -> None:
+    """I10, I19, I20: the worker that polled the agent's MCP task is SIGKILLed right after a
+    poll: another attempt polls the same task id through the agent's graph; the tool is never
+    called again, and the model sees the job's result."""
+    key = uuid.uuid4().hex[:8]
+    cluster.set_faults(
+        {
+            "mcp.after_poll": {
+                "action": "kill",
+                "times": 1,
+                "match": {"tool": "slow_job", "status": "working"},
+            }
+        }
+    )
+    model_server.enqueue(
+        _calls(("j", "rec_slow_job", {"key": key, "seconds": 6})),
+        chat_stream(text="done"),
+    )
+    task_id = charlie.submit("run the job, a kill", agent=MCP_AGENT)
+    info = charlie.wait(task_id, timeout=150)
+    assert info.status is TaskStatus.SUCCEEDED, info.error
+    assert cluster.fault_count("mcp.after_poll") == 1
+    assert len(_server_ran(agent_mcp_server, "slow_job.created", key)) == 1  # never sent again
+    assert len(_server_ran(agent_mcp_server, "slow_job.end", key)) == 1
+    (call,) = api.calls(task_id)
+    assert call.outcome == "ok" and (call.handle or "").startswith("task:")
+    assert _tool_messages(model_server.bodies[-1])["j"] == f"job {key} done"
+    assert_every_call_has_one_result(task_id)

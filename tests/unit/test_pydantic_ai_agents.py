@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,11 +15,13 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
-from pydantic_ai import Agent, ModelRetry, RunContext
+from pydantic_ai import Agent, Choice, Choices, ModelRetry, RunContext
 from pydantic_ai import messages as pm
 from pydantic_ai.capabilities import ProcessEventStream, ProcessHistory
+from pydantic_ai.exceptions import UnexpectedModelBehavior
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.models.test import TestModel
+from pydantic_ai.output import NativeOutput, PromptedOutput, TextOutput, ToolOutput
 from pydantic_ai.toolsets import AbstractToolset
 from pydantic_ai.usage import UsageLimits
 
@@ -218,6 +221,10 @@ def divide(a: int, b: int) -> float:
     return a / b
 
 
+def shout(text: str) -> str:
+    return text.upper()
+
+
 with_toolset = Agent(TestModel(), toolsets=[Opaque()])
 
 
@@ -228,6 +235,19 @@ def _keep(messages: list[pm.ModelMessage]) -> list[pm.ModelMessage]:
 with_handler = Agent(TestModel(), capabilities=[ProcessEventStream(_handler)])
 with_history = Agent(TestModel(), capabilities=[ProcessHistory(_keep)])
 with_output_function = Agent(TestModel(), output_type=divide)
+# output functions wherever an output spec can hold one: Pydantic AI calls each while it
+# validates an output, unrecorded
+with_tool_output_function = Agent(TestModel(), output_type=ToolOutput(divide, name="div"))
+with_listed_output_function = Agent(TestModel(), output_type=[Out, divide])
+with_text_output_function = Agent(TestModel(), output_type=TextOutput(shout))
+with_native_output_function = Agent(TestModel(), output_type=NativeOutput(divide))
+with_prompted_output_function = Agent(TestModel(), output_type=PromptedOutput([Out, divide]))
+with_choice_actions = Agent(
+    TestModel(), output_type=Choices({"go": Choice("go on", value=lambda: "went")}, name="Step")
+)
+# what an output spec holds that is no function: types it validates (each may run)
+with_native_output = Agent(TestModel(), output_type=NativeOutput(Out))
+with_choices = Agent(TestModel(), output_type=Choices({"a": Choice("one", value=1), "b": "two"}))
 not_an_agent = object()
 
 
@@ -237,7 +257,13 @@ not_an_agent = object()
         ("with_toolset", "toolset Opaque 'opaque-server'"),
         ("with_handler", "capability ProcessEventStream"),
         ("with_history", "capability ProcessHistory"),
-        ("with_output_function", "output function"),
+        ("with_output_function", "output function 'divide'"),
+        ("with_tool_output_function", "output function 'divide'"),
+        ("with_listed_output_function", "output function 'divide'"),
+        ("with_text_output_function", "output function 'shout'"),
+        ("with_native_output_function", "output function 'divide'"),
+        ("with_prompted_output_function", "output function 'divide'"),
+        ("with_choice_actions", "output function 'Step (a Choices set whose values are actions)'"),
         ("not_an_agent", "not a pydantic_ai.Agent"),
         ("missing", "has no 'missing'"),
     ],
@@ -245,6 +271,26 @@ not_an_agent = object()
 def test_what_cannot_be_made_durable_is_refused_by_name(name: str, says: str) -> None:
     with pytest.raises(agents.AgentRefused, match=re.escape(says)):
         agents.prepare_submission(f"{HERE}:{name}", None, None, None)
+
+
+@pytest.mark.parametrize("name", ["with_native_output", "with_choices", "agent", "plain"])
+def test_an_output_spec_of_types_only_is_not_refused(name: str) -> None:
+    assert adapter.refusals(getattr(sys.modules[HERE], name)) == []
+
+
+def test_the_private_names_of_pydantic_ai_the_adapter_reads_are_checked(monkeypatch) -> None:
+    """The adapter reads the names of an agent's output tools from names Pydantic AI keeps
+    private (no public API gives them without a run): a release that renames one fails the
+    import-time check by name."""
+    assert adapter.private_names_missing() == []
+
+    class Renamed(Agent[Any, Any]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            del self._output_toolset
+
+    monkeypatch.setattr(adapter, "Agent", Renamed)
+    assert adapter.private_names_missing() == ["Agent._output_toolset"]
 
 
 def test_a_turn_sends_what_agent_run_would_and_maps_calls_to_charlie_names() -> None:
@@ -481,6 +527,48 @@ def test_a_text_the_output_refuses_is_recorded_and_the_model_is_told_as_agent_ru
         model.complete(t.request())
 
 
+patient = Agent(FunctionModel(scripted, model_name="fn"), output_type=Out, retries={"output": 2})
+
+
+def test_a_text_refused_past_the_outputs_own_retry_budget_ends_the_task_as_agent_run_ends() -> None:
+    """The output's retry budget (here 2, not the default 1) is Pydantic AI's own, read from
+    the feedback part it gave each refused text (``RetryInfo.max_retries``): the task ends at
+    the request where agent.run ends, with its message."""
+    texts = [pm.ModelResponse(parts=[pm.TextPart(f"settled {n}")]) for n in range(4)]
+    SCRIPT[:] = list(texts)
+    with pytest.raises(UnexpectedModelBehavior, match=r"Exceeded maximum output retries \(2\)"):
+        patient.run_sync("settle acme")
+    sent_by_run = len(SEEN)
+    assert sent_by_run == 3
+
+    SCRIPT[:] = list(texts)
+    SEEN.clear()
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{HERE}:patient.{adapter.TEXT_OUTPUT}")
+    model = _model(f"{HERE}:patient", deps=None)
+    definition = registry.get_registered(f"{HERE}:patient.{adapter.TEXT_OUTPUT}")
+    assert definition is not None
+    t = Transcript("settle acme")
+    with pytest.raises(ModelError, match=r"Exceeded maximum output retries \(2\)"):
+        for turn in range(4):
+            t.turn = turn
+            response = model.complete(t.request())
+            [call] = response.tool_calls
+            t.add(*response.output)
+            text = call.payload["arguments"]["text"]
+            refused = _result(
+                definition.name,
+                call.call_id or "",
+                lambda text=text: definition.handler(text=text, _charlie_ctx=_ctx("x", deps=None)),
+            )
+            assert refused.payload["outcome"] == "error"
+            # Pydantic AI's feedback part, as a run keeps it, with the budget it checked
+            [part] = refused.payload["result"]["pydantic_ai_parts"]
+            assert part["part_kind"] == "retry-feedback" and part["retry"]["max_retries"] == 2
+            t.add(refused)
+    assert len(SEEN) == sent_by_run  # the request past the budget is never sent
+
+
 no_model_here = Agent("nonexistent-provider:model", defer_model_check=True)
 
 
@@ -705,6 +793,22 @@ early = _ending("early")
 exhaustive = _ending("exhaustive")
 
 
+def _charging(strategy: str) -> Agent[None, Out]:
+    made = Agent(FunctionModel(scripted, model_name="fn"), output_type=Out, end_strategy=strategy)
+
+    @made.tool_plain(metadata={"effect": "write"})
+    def charge(account: str, cents: int) -> str:
+        if cents > 100:
+            raise ModelRetry("at most 100 cents")
+        return f"charged {cents}"
+
+    return made
+
+
+graceful_charge = _charging("graceful")
+exhaustive_charge = _charging("exhaustive")
+
+
 def _note_and_output(ref: str, account: str) -> tuple[Any, Transcript, Any]:
     """The model answers note() and the output in one response; Charlie runs both calls from
     the transcript, as the executor does; the note's recorded result is returned."""
@@ -761,3 +865,80 @@ def test_end_strategy_exhaustive_runs_every_function_tool_beside_a_valid_output(
     assert RAN == ["acme"] and note.payload["result"] == "noted acme"
     done = model.complete(t.request())
     assert json.loads(done.output[-1].payload["content"]) == {"account": "acme", "cents": 1}
+
+
+def _parts_shown(messages: list[pm.ModelMessage]) -> list[tuple[str, str, str]]:
+    """The tool parts of the last request a model was sent: (kind, call id, what it reads)."""
+    last = messages[-1]
+    assert isinstance(last, pm.ModelRequest)
+    shown = []
+    for part in last.parts:
+        call_id = getattr(part, "tool_call_id", None)
+        if call_id is None:
+            continue
+        text = part.model_response() if hasattr(part, "model_response") else str(part.content)
+        shown.append((type(part).__name__, call_id, text))
+    return shown
+
+
+@pytest.mark.parametrize("strategy", ["graceful", "exhaustive"])
+def test_a_function_tools_retry_beside_a_valid_output_goes_on_as_agent_run_goes_on(
+    strategy: str,
+) -> None:
+    """Under "graceful" (the default) and "exhaustive", Pydantic AI's retry-wins: a function
+    tool's ModelRetry in the answer that holds a valid output call keeps that output from
+    ending the run; the model is shown the retry and, for the output call, that it was not
+    used. The same script through agent.run and through the Charlie task: the same requests,
+    the same parts shown, the same output."""
+    ref = f"{HERE}:{strategy}_charge"
+    ending: Agent[Any, Out] = getattr(sys.modules[HERE], f"{strategy}_charge")
+    both = pm.ModelResponse(
+        parts=[
+            pm.ToolCallPart("charge", {"account": "a", "cents": 500}, "c"),
+            pm.ToolCallPart("final_result", {"account": "a", "cents": 1}, "f"),
+        ]
+    )
+    again = pm.ModelResponse(
+        parts=[pm.ToolCallPart("final_result", {"account": "a", "cents": 2}, "g")]
+    )
+    SCRIPT[:] = [both, again]
+    assert ending.run_sync("settle").output == Out(account="a", cents=2)
+    assert len(SEEN) == 2
+    by_run = _parts_shown(SEEN[1][0])
+    assert [(kind, call_id) for kind, call_id, _ in by_run] == [
+        ("ToolReturnPart", "c"),
+        ("ToolReturnPart", "f"),
+    ]
+    assert "at most 100 cents" in by_run[0][2]
+    assert by_run[1][2].startswith("Output not used as the final result")
+
+    SCRIPT[:] = [both, again]
+    SEEN.clear()
+    registry = ToolRegistry()
+    agents.find_tool(registry, f"{ref}.charge")
+    model = _model(ref, deps=None)
+    t = Transcript("settle")
+    t.add(*model.complete(t.request()).output)
+    t.turn = 1
+    results = []
+    for name, call_id, args in (
+        ("charge", "c", {"account": "a", "cents": 500}),
+        ("final_result", "f", {"account": "a", "cents": 1}),
+    ):
+        definition = registry.get_registered(f"{ref}.{name}")
+        assert definition is not None
+        ctx = replace(_ctx(call_id, deps=None), record=Recorded(t))
+        ctx.metadata[agents.METADATA_KEY]["agent"] = ref
+        results.append(
+            _result(
+                f"{ref}.{name}",
+                call_id,
+                lambda d=definition, c=ctx, a=args: d.handler(**a, _charlie_ctx=c),
+            )
+        )
+    t.add(*results)
+    t.turn = 2
+    second = model.complete(t.request())
+    assert len(SEEN) == 2, "the task ended with the output agent.run set aside"
+    assert _parts_shown(SEEN[1][0]) == by_run
+    assert json.loads(second.output[-1].payload["content"]) == {"account": "a", "cents": 2}
