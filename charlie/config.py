@@ -380,7 +380,7 @@ class Settings:
     #: CHARLIE_DB_PREPARE: whether a turn's fused commits are prepared on PostgreSQL (parsed
     #: and planned once per connection, not at each turn): ``auto`` (on a connection that
     #: reaches PostgreSQL itself, not through PgBouncer or another proxy), ``on`` (also
-    #: through a PgBouncer of 1.21 or later with ``max_prepared_statements`` set), ``off``.
+    #: through a PgBouncer of 1.22 or later with ``max_prepared_statements`` set), ``off``.
     db_prepare: str = "auto"
     #: CHARLIE_RABBITMQ_MAX_PRIORITY: on RabbitMQ, the ``x-max-priority`` of the tick queue
     #: (``charlie``), 1 to 255 (RabbitMQ advises at most 10), so that a task's ``priority``

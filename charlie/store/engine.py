@@ -101,7 +101,7 @@ class PoolLimits:
 class Prepare(StrEnum):
     """Whether the hot statements (a turn's fused commits) are prepared on the server
     (CHARLIE_DB_PREPARE). ``auto``: on a connection that reaches PostgreSQL itself, not through
-    a pooler (see :func:`_reaches_server_directly`); ``on``: always (a PgBouncer of 1.21 or
+    a pooler (see :func:`_reaches_server_directly`); ``on``: always (a PgBouncer of 1.22 or
     later with ``max_prepared_statements`` set keeps them per client); ``off``: never."""
 
     AUTO = "auto"
@@ -114,8 +114,9 @@ class Prepare(StrEnum):
 PREPARED = "charlie_prepared"
 #: the execution option a statement is prepared with, on a connection that allows it
 PREPARED_OPTION = "charlie_prepare"
-#: psycopg prepares a statement after this many executions: never, but for those asked to
-#: (``None`` would turn the explicit ones off too)
+#: psycopg's threshold while a statement asked to be prepared runs: its own count never
+#: reaches it (``None``, the connection's threshold otherwise, turns even an explicit prepare
+#: off, and an ``executemany``, which psycopg always asks to prepare, with it)
 ONLY_WHEN_ASKED = 2**31
 
 
@@ -195,7 +196,7 @@ IDENTITY = "charlie_database"
 #: _reaches_server_directly.
 _SERVER_IDENTITY = (
     "SELECT d.oid, pg_postmaster_start_time(), host(inet_server_addr()), inet_server_port(), "
-    "host(inet_client_addr()), inet_client_port() FROM pg_database d "
+    "host(inet_client_addr()), inet_client_port(), pg_backend_pid() FROM pg_database d "
     "WHERE d.datname = current_database()"
 )
 #: a pooled connection's info key: the connection's ends as the server saw them
@@ -216,13 +217,17 @@ def _server_identity(dbapi_conn: Any, record: Any) -> None:
 
 def _reaches_server_directly(dbapi_conn: Any, server_ends: tuple[Any, ...] | None) -> bool:
     """Whether this TCP connection ends at PostgreSQL itself: the server's view of the
-    connection (its own address and port, the client's) is this socket's, both ends. Through
-    PgBouncer or any other proxy the server sees the proxy's connection, whose ends are not
-    this socket's; through NAT the addresses differ too. A Unix socket has no addresses to
-    compare: it counts as not direct (``CHARLIE_DB_PREPARE=on`` turns prepares on there)."""
+    connection (its own address and port, the client's) is this socket's, both ends, and the
+    server process it reports is the one its startup named to the client (a pooler hands its
+    clients a process id and cancel key of its own). Through PgBouncer or any other proxy the
+    server sees the proxy's connection, whose ends are not this socket's; through NAT the
+    addresses differ too. A Unix socket has no addresses to compare: it counts as not direct
+    (``CHARLIE_DB_PREPARE=on`` turns prepares on there)."""
     if not server_ends or None in server_ends:
         return False
-    server_addr, server_port, client_addr, client_port = server_ends
+    server_addr, server_port, client_addr, client_port, backend_pid = server_ends
+    if backend_pid != dbapi_conn.info.backend_pid:
+        return False
     try:
         with socket.socket(fileno=os.dup(dbapi_conn.pgconn.socket)) as sock:
             if sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -240,7 +245,7 @@ def _reaches_server_directly(dbapi_conn: Any, server_ends: tuple[Any, ...] | Non
 
 _ENDS = (
     "SELECT host(inet_server_addr()), inet_server_port(), host(inet_client_addr()), "
-    "inet_client_port()"
+    "inet_client_port(), pg_backend_pid()"
 )
 
 
@@ -264,14 +269,13 @@ def _host(address: str) -> str:
 def _allow_prepared(dbapi_conn: Any, record: Any, *, always: bool) -> None:
     """Prepare the hot statements on a connection that reaches PostgreSQL itself (or always,
     ``CHARLIE_DB_PREPARE=on``). A prepared statement's name lives on one server connection:
-    behind a transaction-pooling PgBouncer older than 1.21, or without its
+    behind a transaction-pooling PgBouncer older than 1.22, or without its
     ``max_prepared_statements``, the next transaction may run on another server connection
     where the name is missing or names another client's statement (server_connect_args)."""
-    direct = always or _reaches_server_directly(dbapi_conn, record.info.get(_SERVER_ENDS))
-    record.info[PREPARED] = direct
-    if direct:
-        # only the statements asked to (_execute_prepared); the rest as before: parsed each time
-        dbapi_conn.prepare_threshold = ONLY_WHEN_ASKED
+    # only the statements asked to (_execute_prepared); the rest as before: parsed each time
+    record.info[PREPARED] = always or _reaches_server_directly(
+        dbapi_conn, record.info.get(_SERVER_ENDS)
+    )
 
 
 def _execute_prepared(cursor: Any, statement: str, parameters: Any, context: Any) -> bool:
@@ -284,7 +288,12 @@ def _execute_prepared(cursor: Any, statement: str, parameters: Any, context: Any
         return False
     if not context.root_connection.info.get(PREPARED):
         return False
-    cursor.execute(statement, parameters, prepare=True)
+    connection = cursor.connection
+    connection.prepare_threshold = ONLY_WHEN_ASKED
+    try:
+        cursor.execute(statement, parameters, prepare=True)
+    finally:
+        connection.prepare_threshold = None
     return True
 
 

@@ -73,6 +73,17 @@ def test_a_direct_connection_prepares_the_statements_asked_to_and_no_others() ->
         assert prepared_here(auto) == ["SELECT CAST($1 AS integer) * 2 AS doubled"]
 
 
+def test_an_executemany_is_not_prepared_beside_a_statement_that_is() -> None:
+    # psycopg asks to prepare every executemany: only the statements Charlie asks for are
+    with engine_for("many", Prepare.AUTO) as engine, engine.connect() as conn:
+        many = [{"n": n} for n in range(8)]
+        conn.exec_driver_sql(STATEMENT, many)
+        assert prepared_here(conn) == []
+        run_many(conn)
+        conn.exec_driver_sql(STATEMENT.replace("2", "3"), many)
+        assert prepared_here(conn) == ["SELECT CAST($1 AS integer) * 2 AS doubled"]
+
+
 def test_off_prepares_nothing() -> None:
     with engine_for("off", Prepare.OFF) as engine, engine.connect() as conn:
         assert PREPARED not in conn.info
