@@ -626,6 +626,10 @@ def wait(task_id: str, timeout: float = 300.0, poll: float = 0.1) -> TaskInfo:
 
 #: how long a follower waits on the stream before it looks at the task itself
 EVENTS_BLOCK = 1.0
+#: once the record says the task ended, how long a reader still waits for its last events: a
+#: worker's writer sends what it gathered every LINGER_SECONDS (50 ms), after the commit that
+#: ended the task, so its final answer and end may reach the stream a moment after the record
+ENDED_GRACE = 0.25
 
 
 def events(
@@ -679,7 +683,7 @@ def events(
         if info.terminal:
             # Ended with its end event gone (expired, dropped) or never written (a task
             # canceled before a worker took it): what is left, then the end, from the record.
-            for event in transport.read(task_id, offset, 0.0):
+            for event in transport.read(task_id, offset, ENDED_GRACE):
                 offset = event.offset
                 if seen.again(event):
                     continue

@@ -52,6 +52,7 @@ from charlie.runtime import get_runtime
 from charlie.store.engine import SchemaMissing
 from charlie.store.revisions import SchemaCheck
 from charlie.store.types import DatabaseUnavailable
+from charlie.streams.sink import EXIT_WAIT
 
 INVOKE_MODES = ("start", "resume", "reconcile", "observe", "cancel")
 
@@ -507,9 +508,12 @@ def _leave_trace(task_id: str = "", **_: Any) -> None:
 
 @worker_process_shutdown.connect
 def _flush_telemetry(**_: Any) -> None:
-    # A pool child that exits cleanly exports the spans it still holds (a SIGKILL loses them).
+    # A pool child that exits cleanly exports the spans it still holds (a SIGKILL loses them),
+    # and sends the events its stream writer still holds: it leaves by os._exit, which runs
+    # no atexit hook (I28: a watcher's stream, never the answer).
     rt = runtime.current()
     if rt is not None:
+        rt.events.flush(EXIT_WAIT)
         telemetry.shutdown(rt)
 
 
@@ -519,6 +523,7 @@ def _shutdown(**_: Any) -> None:
     if rt is not None and rt.presence is not None:
         rt.presence.stop()
     if rt is not None:
+        rt.events.flush(EXIT_WAIT)
         telemetry.shutdown(rt)
     if _metrics_server is not None:
         _metrics_server.stop()

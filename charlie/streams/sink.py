@@ -55,6 +55,8 @@ class EventSink(Protocol):
 
     def model_stream(self, task_id: str, turn: int, call: str, **fields: Any) -> ModelStream: ...
 
+    def flush(self, timeout: float = 5.0) -> bool: ...
+
 
 class NoEvents:
     """Streaming is off: nothing is built or sent."""
@@ -66,6 +68,9 @@ class NoEvents:
 
     def model_stream(self, task_id: str, turn: int, call: str, **fields: Any) -> ModelStream:
         return ModelStream(self, task_id, turn, call)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return True
 
 
 NO_EVENTS: EventSink = NoEvents()
