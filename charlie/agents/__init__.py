@@ -59,16 +59,35 @@ def model_for(spec: str, tools: ToolRegistry) -> Model:
 
 def find_tool(tools: ToolRegistry, name: str) -> bool:
     """Register the tools of the agent a tool name belongs to (``module:attr.tool``), if it
-    names one that can be imported here; True when it did."""
-    ref, dot, _ = name.rpartition(".")
-    if not dot or ":" not in ref or name.startswith("mcp__"):
+    names one that can be imported here; True when the name is registered now.
+
+    The agent's reference may hold dots (``module:holder.agent``), and so may the tool's name
+    (an MCP server's ``fs.read``): each dot after the colon is tried as the split, the last
+    first, until one registers the name."""
+    module, colon, rest = name.partition(":")
+    if not colon or not module or "." not in rest or name.startswith("mcp__"):
         return False
     try:
         from charlie.agents import pydantic_ai
     except ImportError:
         return False  # no framework here: no agent's tool either
-    # (ToolUnavailable: the agent's, not made here now; its function tools are)
-    return pydantic_ai.register_agent_tools(ref, tools, name)
+    from charlie.tools.registry import ToolUnavailable
+
+    unavailable: ToolUnavailable | None = None
+    splits = [at for at, char in enumerate(rest) if char == "."]
+    for at in reversed(splits):
+        try:
+            pydantic_ai.register_agent_tools(f"{module}:{rest[:at]}", tools, name)
+        except ToolUnavailable as exc:
+            # the agent's, not made here now (one of its MCP servers did not answer); another
+            # split may still name an agent that has it
+            unavailable = exc
+            continue
+        if tools.get_registered(name) is not None:
+            return True
+    if unavailable is not None:
+        raise unavailable
+    return False
 
 
 def register_module_agents(module: Any, tools: ToolRegistry) -> None:

@@ -364,15 +364,9 @@ def _replace_every_worker(cluster: Cluster) -> None:
 
 
 def _parked_on_task(task_id: str, call_id: str) -> bool:
-    from tests.mcp.test_cluster import call_row
+    from tests.mcp.test_tasks import parked_on_task
 
-    row = call_row(task_id, call_id)
-    return bool(
-        row is not None
-        and row.state == "started"
-        and (row.handle or "").startswith("task:")
-        and row.lease_owner is None
-    )
+    return parked_on_task(task_id, call_id)
 
 
 def _server_ran(servers: McpServers, event: str, key: str | None) -> list[dict[str, Any]]:

@@ -942,3 +942,25 @@ def test_a_function_tools_retry_beside_a_valid_output_goes_on_as_agent_run_goes_
     assert len(SEEN) == 2, "the task ended with the output agent.run set aside"
     assert _parts_shown(SEEN[1][0]) == by_run
     assert json.loads(second.output[-1].payload["content"]) == {"account": "a", "cents": 2}
+
+
+class _Holder:
+    """An agent reached through a dotted reference (``module:holder.agent``) whose tool's own
+    name holds a dot, as an MCP server's tools may (``fs.read``)."""
+
+    agent = Agent(TestModel(), name="dotted")
+
+
+@_Holder.agent.tool_plain(name="fs.read", metadata={"effect": "read"})
+def _fs_read(path: str) -> str:
+    return path
+
+
+def test_a_tool_is_found_when_its_name_and_its_agents_reference_both_hold_dots() -> None:
+    # (a take-over in a fresh worker finds an agent's tool by this name alone, I10)
+    registry = ToolRegistry()
+    name = f"{HERE}:_Holder.agent.fs.read"
+    assert agents.find_tool(registry, name)
+    found = registry.get_registered(name)
+    assert found is not None and found.effect is Effect.READ
+    assert not agents.find_tool(registry, f"{HERE}:_Holder.agent.fs.nothing")
