@@ -194,9 +194,13 @@ IDENTITY = "charlie_database"
 #: since). A change of either only costs each run one read of its transcript.
 #: The same statement reads the two ends of this connection as the server sees them, for
 #: _reaches_server_directly.
+#: the connection's ends as the server sees them, and its process (_reaches_server_directly)
+_ENDS = (
+    "host(inet_server_addr()), inet_server_port(), host(inet_client_addr()), "
+    "inet_client_port(), pg_backend_pid()"
+)
 _SERVER_IDENTITY = (
-    "SELECT d.oid, pg_postmaster_start_time(), host(inet_server_addr()), inet_server_port(), "
-    "host(inet_client_addr()), inet_client_port(), pg_backend_pid() FROM pg_database d "
+    f"SELECT d.oid, pg_postmaster_start_time(), {_ENDS} FROM pg_database d "
     "WHERE d.datname = current_database()"
 )
 #: a pooled connection's info key: the connection's ends as the server saw them
@@ -243,12 +247,6 @@ def _reaches_server_directly(dbapi_conn: Any, server_ends: tuple[Any, ...] | Non
     )
 
 
-_ENDS = (
-    "SELECT host(inet_server_addr()), inet_server_port(), host(inet_client_addr()), "
-    "inet_client_port(), pg_backend_pid()"
-)
-
-
 def prepares_fused_commits(conn: Connection, prepare: Prepare) -> bool | None:
     """Whether a worker's connection like ``conn`` prepares the fused commits under
     ``prepare`` (what ``charlie doctor`` reports); None when its driver never prepares on the
@@ -257,7 +255,7 @@ def prepares_fused_commits(conn: Connection, prepare: Prepare) -> bool | None:
         return None
     if prepare is not Prepare.AUTO:
         return prepare is Prepare.ON
-    ends = conn.exec_driver_sql(_ENDS).one()
+    ends = conn.exec_driver_sql(f"SELECT {_ENDS}").one()
     return _reaches_server_directly(conn.connection.dbapi_connection, tuple(ends))
 
 
