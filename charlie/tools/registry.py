@@ -7,6 +7,7 @@ what is validated before the handler runs are the same thing.
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -204,6 +205,9 @@ class ToolRegistry:
     iterating it never sees it change under it."""
 
     def __init__(self) -> None:
+        #: writers take it (import time, MCP discovery, a finder in a tick's thread): each
+        #: copies the mapping and puts a new one in place, and two at once would lose one
+        self._writing = threading.Lock()
         self._tools: dict[str, ToolDef] = {}
         self._implementations: tuple[dict[str, ToolDef], tuple[tuple[str, str], ...]] | None = None
         #: asked, in order, for a name no tool is registered under: each may register tools
@@ -212,22 +216,25 @@ class ToolRegistry:
         self._finders: tuple[Callable[[ToolRegistry, str], bool], ...] = ()
 
     def add_finder(self, finder: Callable[[ToolRegistry, str], bool]) -> None:
-        if finder not in self._finders:
-            self._finders = (*self._finders, finder)
+        with self._writing:
+            if finder not in self._finders:
+                self._finders = (*self._finders, finder)
 
     def add(self, definition: ToolDef) -> ToolDef:
-        existing = self._tools.get(definition.name)
-        if existing is not None and existing.handler is not definition.handler:
-            raise ToolDefinitionError(f"a tool named {definition.name!r} is already registered")
-        self._tools = {**self._tools, definition.name: definition}
-        self._implementations = None
+        with self._writing:
+            existing = self._tools.get(definition.name)
+            if existing is not None and existing.handler is not definition.handler:
+                raise ToolDefinitionError(f"a tool named {definition.name!r} is already registered")
+            self._tools = {**self._tools, definition.name: definition}
+            self._implementations = None
         return definition
 
     def replace(self, definition: ToolDef) -> ToolDef:
         """Register ``definition`` in place of the tool of the same name, if there is one (the
         devbox's tools take the local ones' names, so the model sees one tool set)."""
-        self._tools = {**self._tools, definition.name: definition}
-        self._implementations = None
+        with self._writing:
+            self._tools = {**self._tools, definition.name: definition}
+            self._implementations = None
         return definition
 
     def implementations(self) -> tuple[tuple[str, str], ...]:
