@@ -17,6 +17,7 @@ from sqlalchemy import (
     case,
     exists,
     func,
+    literal_column,
     null,
     or_,
     select,
@@ -962,9 +963,10 @@ def record_late_report(
 
 
 #: Resumable waits settled past their deadline whose outside work has not been seen to end.
+#: (The outcome is said as the literal of the partial index of migration 0018 holds.)
 OVERDUE_WAIT = and_(
     _c.state == CallState.SETTLED.value,
-    _c.outcome == Outcome.DEADLINE_EXCEEDED.value,
+    _c.outcome == literal_column(f"'{Outcome.DEADLINE_EXCEEDED.value}'"),
     _c.resumable.is_(True),
     _c.handle.is_not(None),
     _c.late_reports == 0,

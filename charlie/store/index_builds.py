@@ -35,9 +35,11 @@ def index_validity(name: str) -> bool | None:
     return None if found is None else True
 
 
-def create_index_concurrently(name: str, table: str, columns: Sequence[str], where: str) -> None:
-    """A partial index built without blocking writes, in an autocommit block (the caller's),
-    that an earlier interrupted attempt does not stop."""
+def create_index_concurrently(
+    name: str, table: str, columns: Sequence[str], where: str | None = None
+) -> None:
+    """An index (partial, given ``where``) built without blocking writes, in an autocommit
+    block (the caller's), that an earlier interrupted attempt does not stop."""
     valid = index_validity(name)
     if valid:
         return
@@ -48,6 +50,14 @@ def create_index_concurrently(name: str, table: str, columns: Sequence[str], whe
         table,
         list(columns),
         postgresql_concurrently=True,
-        postgresql_where=sa.text(where),
-        sqlite_where=sa.text(where),
+        postgresql_where=None if where is None else sa.text(where),
+        sqlite_where=None if where is None else sa.text(where),
     )
+
+
+def drop_index_concurrently(name: str, table: str) -> None:
+    """An index dropped without blocking writes, in an autocommit block (the caller's); none
+    of its name is already what was asked (an earlier attempt dropped it)."""
+    if index_validity(name) is None:
+        return
+    op.drop_index(name, table_name=table, postgresql_concurrently=True)

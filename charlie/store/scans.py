@@ -51,6 +51,8 @@ OPEN_CALL = _c.state != literal_column("'settled'")
 #: may wait for hours, for a tool or a person). The partial index of migration 0016 holds
 #: these, so a scan for stalled runs reads the runs in motion, not the runs that wait.
 MOVING_RUN = and_(LIVE_RUN, _e.phase != literal_column("'await_tools'"))
+#: Started calls: the orphan scan's, said as the partial index of migration 0018 holds them
+STARTED_CALL = _c.state == literal_column("'started'")
 #: Calls in flight: open and held for no person (an approval, a question, a verdict). The
 #: partial index of migration 0016 holds these, so the scans for lost and abandoned calls read
 #: the calls in flight, not the calls waiting for people.
@@ -265,7 +267,7 @@ def orphaned_calls(conn: Connection, now: datetime, stall: timedelta, limit: int
                 _RUN_PRIORITY,
             )
             .where(
-                _c.state == CallState.STARTED.value,
+                STARTED_CALL,
                 _lapsed(now),
                 _throttle(_c.swept_at, now, stall),
                 _run_live(),
@@ -376,7 +378,7 @@ def fleet_gauges(conn: Connection, now: datetime, stall: timedelta) -> dict[str,
     waiting = {h.value: 0 for h in Hold}
     for hold, calls, runs in conn.execute(
         select(_c.hold, func.count(), func.count(distinct(_c.execution_id)))
-        .where(_c.state.in_((CallState.PENDING.value, CallState.STARTED.value)))
+        .where(OPEN_CALL)  # pending or started: read through the open calls' partial index
         .group_by(_c.hold)
     ).all():
         open_calls += calls

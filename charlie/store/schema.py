@@ -58,6 +58,16 @@ JSONDoc = JSON().with_variant(JSONB(), "postgresql")
 #: calls open and held for no person.
 MOVING_RUN_WHERE = "phase <> 'done' AND phase <> 'await_tools'"
 IN_FLIGHT_CALL_WHERE = "state <> 'settled' AND hold IS NULL"
+#: the partial indexes of migration 0018: the rows a scan looks for, not every row a turn
+#: writes (a steady turn's updates are not HOT: each index takes an entry at each write)
+STARTED_CALL_WHERE = "state = 'started'"
+HANDLE_SET_WHERE = "handle IS NOT NULL"
+DEADLINE_SETTLED_WHERE = "outcome = 'deadline_exceeded'"
+WAKE_SET_WHERE = "wake_at IS NOT NULL"
+
+
+def _partial(name: str, column: str, where: str) -> Index:
+    return Index(name, column, postgresql_where=text(where), sqlite_where=text(where))
 
 
 class Base(DeclarativeBase):
@@ -76,9 +86,8 @@ class Task(Base):
     )
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    parent_id: Mapped[str | None] = mapped_column(
-        String(128), ForeignKey("tasks.id"), index=True, default=None
-    )
+    #: (found by ix_tasks_parent_created, whose first column it is)
+    parent_id: Mapped[str | None] = mapped_column(String(128), ForeignKey("tasks.id"), default=None)
     parent_call_id: Mapped[str | None] = mapped_column(String(200), default=None)
     prompt: Mapped[str] = mapped_column(Text)
     model: Mapped[str] = mapped_column(String(500))
@@ -86,7 +95,8 @@ class Task(Base):
     #: tool names whose calls wait for an approve in this task (submit(approve=...), I23).
     approve: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSONDoc, default=dict)
-    status: Mapped[str] = mapped_column(String(16), index=True)
+    #: (found by ix_tasks_status_created, whose first column it is)
+    status: Mapped[str] = mapped_column(String(16))
     result: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     error: Mapped[Any | None] = mapped_column(JSONDoc, default=None)
     timeout_at: Mapped[datetime | None] = mapped_column(index=True, default=None)
@@ -117,7 +127,8 @@ class Execution(Base):
     __tablename__ = "executions"
     __table_args__ = (
         Index("ix_executions_phase_lease", "phase", "lease_until"),
-        Index("ix_executions_wake_at", "wake_at"),
+        # the wake scan's (migration 0018): a run in motion has no wake-up
+        _partial("ix_executions_wake_set", "wake_at", WAKE_SET_WHERE),
         # the live runs the sweeps scan (migration 0015; the literal is scans.LIVE_RUN's)
         Index(
             "ix_executions_live_updated",
@@ -181,10 +192,11 @@ class ToolCall(Base):
     __tablename__ = "tool_calls"
     __table_args__ = (
         UniqueConstraint("execution_id", "turn", "call_id", name="uq_tool_call"),
-        Index("ix_tool_calls_state_lease", "state", "lease_until"),
-        Index("ix_tool_calls_state_deadline", "state", "deadline_at"),
-        Index("ix_tool_calls_handle", "handle"),
-        Index("ix_tool_calls_outcome_settled", "outcome", "settled_at"),
+        # the orphan scan's started calls, the waits on a task, and the waits the late watch
+        # observes (migration 0018; scans.STARTED_CALL, calls.OVERDUE_WAIT)
+        _partial("ix_tool_calls_started_lease", "lease_until", STARTED_CALL_WHERE),
+        _partial("ix_tool_calls_handle_set", "handle", HANDLE_SET_WHERE),
+        _partial("ix_tool_calls_deadline_settled", "settled_at", DEADLINE_SETTLED_WHERE),
         # the open calls the sweeps scan (migration 0015; the literal is scans.OPEN_CALL's)
         Index(
             "ix_tool_calls_open_deadline",
