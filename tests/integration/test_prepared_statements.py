@@ -26,6 +26,7 @@ from charlie.doctor import Context
 from charlie.store.engine import PREPARED, Prepare, get_engine
 from charlie.store.fused import PREPARED_EXECUTION
 from tests.conftest import BACKEND
+from tests.support.databases import own_database
 
 pytestmark = pytest.mark.skipif(
     not (BACKEND.database_url or "").startswith("postgresql"),
@@ -35,11 +36,21 @@ pytestmark = pytest.mark.skipif(
 STATEMENT = "SELECT CAST(%(n)s AS integer) * 2 AS doubled"
 
 
+@pytest.fixture(scope="module")
+def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A migrated database of this module's own: these tests start no cluster, so the
+    session's database may not exist yet when they run first."""
+    with own_database(tmp_path_factory, "prepared") as engine:
+        yield engine.url.render_as_string(hide_password=False)
+
+
 @contextmanager
-def engine_for(tag: str, prepare: Prepare, unix_sockets: Path | None = None) -> Iterator[Engine]:
+def engine_for(
+    database_url: str, tag: str, prepare: Prepare, unix_sockets: Path | None = None
+) -> Iterator[Engine]:
     """An engine of its own (engines are cached per URL: the tag makes the URL unique), over
-    TCP as the suite's URL says or through the Unix socket in ``unix_sockets``."""
-    url = make_url(BACKEND.database_url or "")
+    TCP as ``database_url`` says or through the Unix socket in ``unix_sockets``."""
+    url = make_url(database_url)
     query = {**url.query, "application_name": f"charlie-test-{tag}"}
     if unix_sockets is not None:
         url, query = url.set(host=None), {**query, "host": str(unix_sockets)}
@@ -62,8 +73,10 @@ def run_many(conn: Connection, times: int = 8, prepared: bool = True) -> None:
         assert conn.exec_driver_sql(STATEMENT, {"n": n}, options).scalar() == 2 * n
 
 
-def test_a_direct_connection_prepares_the_statements_asked_to_and_no_others() -> None:
-    with engine_for("direct", Prepare.AUTO) as engine, engine.connect() as conn:
+def test_a_direct_connection_prepares_the_statements_asked_to_and_no_others(
+    database_url: str,
+) -> None:
+    with engine_for(database_url, "direct", Prepare.AUTO) as engine, engine.connect() as conn:
         assert conn.info[PREPARED] is True
         auto = conn.execution_options(isolation_level="AUTOCOMMIT")
         # past psycopg's own threshold (5): a statement not asked to stays unprepared
@@ -73,9 +86,9 @@ def test_a_direct_connection_prepares_the_statements_asked_to_and_no_others() ->
         assert prepared_here(auto) == ["SELECT CAST($1 AS integer) * 2 AS doubled"]
 
 
-def test_an_executemany_is_not_prepared_beside_a_statement_that_is() -> None:
+def test_an_executemany_is_not_prepared_beside_a_statement_that_is(database_url: str) -> None:
     # psycopg asks to prepare every executemany: only the statements Charlie asks for are
-    with engine_for("many", Prepare.AUTO) as engine, engine.connect() as conn:
+    with engine_for(database_url, "many", Prepare.AUTO) as engine, engine.connect() as conn:
         many = [{"n": n} for n in range(8)]
         conn.exec_driver_sql(STATEMENT, many)
         assert prepared_here(conn) == []
@@ -84,23 +97,25 @@ def test_an_executemany_is_not_prepared_beside_a_statement_that_is() -> None:
         assert prepared_here(conn) == ["SELECT CAST($1 AS integer) * 2 AS doubled"]
 
 
-def test_off_prepares_nothing() -> None:
-    with engine_for("off", Prepare.OFF) as engine, engine.connect() as conn:
+def test_off_prepares_nothing(database_url: str) -> None:
+    with engine_for(database_url, "off", Prepare.OFF) as engine, engine.connect() as conn:
         assert PREPARED not in conn.info
         run_many(conn)
         assert prepared_here(conn) == []
 
 
-def test_a_unix_socket_counts_as_not_direct_unless_told() -> None:
+def test_a_unix_socket_counts_as_not_direct_unless_told(database_url: str) -> None:
     sockets = Path("/var/run/postgresql")
-    port = make_url(BACKEND.database_url or "").port or 5432
+    port = make_url(database_url).port or 5432
     if not (sockets / f".s.PGSQL.{port}").exists():
         pytest.skip(f"no PostgreSQL Unix socket in {sockets} for port {port}")
-    with engine_for("unix-auto", Prepare.AUTO, sockets) as engine, engine.connect() as conn:
+    unix_auto = engine_for(database_url, "unix-auto", Prepare.AUTO, sockets)
+    with unix_auto as engine, engine.connect() as conn:
         assert conn.info[PREPARED] is False
         run_many(conn)
         assert prepared_here(conn) == []
-    with engine_for("unix-on", Prepare.ON, sockets) as engine, engine.connect() as conn:
+    unix_on = engine_for(database_url, "unix-on", Prepare.ON, sockets)
+    with unix_on as engine, engine.connect() as conn:
         assert conn.info[PREPARED] is True
         run_many(conn)
         assert len(prepared_here(conn)) == 1
@@ -113,7 +128,9 @@ def test_a_unix_socket_counts_as_not_direct_unless_told() -> None:
         ("off", "a turn's commits are not prepared (CHARLIE_DB_PREPARE=off: off)"),
     ],
 )
-def test_doctor_says_whether_a_turn_is_prepared(tmp_path: Path, prepare: str, said: str) -> None:
-    s = replace(load_settings(), home=tmp_path, database_url=BACKEND.database_url or "")
+def test_doctor_says_whether_a_turn_is_prepared(
+    database_url: str, tmp_path: Path, prepare: str, said: str
+) -> None:
+    s = replace(load_settings(), home=tmp_path, database_url=database_url)
     check = doctor.check_database(Context(replace(s, db_prepare=prepare), 2.0))
     assert check.status == "ok" and check.detail.endswith(said), check.detail
