@@ -314,3 +314,52 @@ def test_a_cancel_that_commits_while_the_turns_last_settle_waits_is_seen(engine:
     assert out == [None]
     assert _written(engine, claim) == before
     assert _call_state(engine, claim) == ("started", None, None)
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Asia/Kolkata", "America/St_Johns"])
+@pytest.mark.parametrize(
+    ("timeout_at", "budget"),
+    [
+        (
+            "2026-12-06 12:00:00.12345+00",
+            '{"usd": 0.5, "tokens": 1000, "n": {"a": [1, 2.5, null]}}',
+        ),
+        ("2026-12-06 12:00:00+00", "null"),
+        (None, None),
+    ],
+)
+def test_the_values_a_commit_returns_read_as_their_columns_would(
+    engine: Engine, zone: str, timeout_at: str | None, budget: str | None
+) -> None:
+    """What a fused commit returns of its run and task (one JSON array, runs.Fresh) is what the
+    same values read as columns are: the same instant of a timeout to the microsecond whatever
+    the session's time zone (the next commit compares it with the task's, I18), the same
+    budget (I31), token counts and flag."""
+    values = (
+        "SELECT 3 AS inbox, 4 AS model_calls, 'running'::varchar AS status, "
+        "CAST(%(timeout)s AS timestamptz) AS timeout_at, CAST(%(budget)s AS jsonb) AS budget, "
+        "10 AS input_tokens, 20 AS output_tokens, 30 AS reasoning_tokens, "
+        "40 AS cache_read_tokens, 50 AS cache_write_tokens, true AS delegated"
+    )
+    params = {"timeout": timeout_at, "budget": budget}
+    with engine.connect() as conn:
+        conn.exec_driver_sql(f"SET TIME ZONE '{zone}'")
+        as_columns = conn.exec_driver_sql(values, params).one()
+        as_array = conn.exec_driver_sql(
+            f"SELECT {fused._fresh_array('v', 'v', 'v.delegated')} FROM ({values}) v", params
+        ).scalar_one()
+        conn.rollback()
+    got = fused._fresh(as_array, "t1")
+    assert got == runs.Fresh(
+        3,
+        4,
+        "running",
+        as_columns.timeout_at,
+        as_columns.budget,
+        "t1",
+        (10, 20, 30, 40, 50),
+        delegated=True,
+    )
+    if got.timeout_at is not None:
+        assert got.timeout_at.utcoffset() == timedelta(0)
+        assert got.timeout_at.microsecond == as_columns.timeout_at.microsecond

@@ -63,10 +63,11 @@ def test_the_comparison_sees_an_index_one_side_lacks(migrated: Engine) -> None:
 def test_the_concurrent_index_migrations_run_again_after_an_interrupted_build(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """0015 and 0016 build their indexes CONCURRENTLY: an interrupted build leaves an INVALID
-    index of the name (PostgreSQL), and an interruption between two builds leaves the first
-    one built with the revision not recorded. `charlie db upgrade` run again drops the invalid
-    one and builds it, takes the valid one as it is, and ends with every index valid."""
+    """0015, 0016 and 0018 build (and 0018 drops) indexes CONCURRENTLY: an interrupted build
+    or drop leaves an INVALID index of the name (PostgreSQL), and an interruption between two
+    steps leaves the first one done with the revision not recorded. `charlie db upgrade` run
+    again drops the invalid one and builds it, takes the valid one as it is, drops what is
+    still to drop, and ends with every index valid and the schema the code declares."""
     if BACKEND_PROBLEM:
         pytest.skip(BACKEND_PROBLEM)
     postgres = (BACKEND.database_url or "").startswith("postgresql")
@@ -94,13 +95,23 @@ def test_the_concurrent_index_migrations_run_again_after_an_interrupted_build(
                     "WHERE state <> 'settled' AND hold IS NULL"
                 )
             )
-            if postgres:
-                conn.execute(
-                    text(
-                        "UPDATE pg_index SET indisvalid = false "
-                        "WHERE indexrelid = 'ix_executions_live_updated'::regclass"
-                    )
+            # 0018 stopped midway: one of its builds done, one of its drops done, and one
+            # drop interrupted (DROP INDEX CONCURRENTLY leaves the index INVALID)
+            conn.execute(
+                text(
+                    "CREATE INDEX ix_tool_calls_handle_set ON tool_calls (handle) "
+                    "WHERE handle IS NOT NULL"
                 )
+            )
+            conn.execute(text("DROP INDEX ix_tasks_status"))
+            if postgres:
+                for name in ("ix_executions_live_updated", "ix_tool_calls_handle"):
+                    conn.execute(
+                        text(
+                            "UPDATE pg_index SET indisvalid = false "
+                            f"WHERE indexrelid = '{name}'::regclass"
+                        )
+                    )
         upgrade(url)
         assert current_revision(url) == head_revision()
         if postgres:
@@ -115,3 +126,32 @@ def test_the_concurrent_index_migrations_run_again_after_an_interrupted_build(
         assert _differences(engine, Base.metadata) == []
     finally:
         engine.dispose()
+
+
+def test_the_indexes_are_the_ones_the_code_declares_to_their_predicates(migrated: Engine) -> None:
+    """The comparison above reads an index's columns, not a partial index's predicate: here
+    every index of the migrated database, as PostgreSQL prints it whole, is the one a database
+    made from charlie/store/schema.py has (a predicate the scans say as a literal, and the
+    migration built otherwise, would leave a scan reading the whole table)."""
+    if migrated.dialect.name != "postgresql":
+        pytest.skip("PostgreSQL prints an index's predicate normalized; SQLite keeps its text")
+    declared_url = migrated.url.set(database=f"{migrated.url.database}_declared")
+    rendered = declared_url.render_as_string(hide_password=False)
+    recreate_postgres_database(rendered)
+    declared = get_engine(rendered)
+    try:
+        Base.metadata.create_all(declared)
+
+        def indexes(engine: Engine) -> dict[str, str]:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    text(
+                        "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = "
+                        "current_schema() AND tablename <> 'alembic_version'"
+                    )
+                ).all()
+            return {str(name): str(definition) for name, definition in rows}
+
+        assert indexes(migrated) == indexes(declared)
+    finally:
+        declared.dispose()
