@@ -188,17 +188,18 @@ def _mark_used(_dbapi_conn: Any, record: Any) -> None:
 #: a pooled connection's info key for database_identity
 IDENTITY = "charlie_database"
 
-#: Which database a server connection reaches, read once when it connects (never per tick): the
-#: database's oid (a database dropped and created again under its name gets another) and when
-#: the server started (a restored backup or a recreated cluster is served by a server started
-#: since). A change of either only costs each run one read of its transcript.
-#: The same statement reads the two ends of this connection as the server sees them, for
-#: _reaches_server_directly.
 #: the connection's ends as the server sees them, and its process (_reaches_server_directly)
 _ENDS = (
     "host(inet_server_addr()), inet_server_port(), host(inet_client_addr()), "
     "inet_client_port(), pg_backend_pid()"
 )
+
+#: Which database a server connection reaches, read once when it connects (never per tick): the
+#: database's oid (a database dropped and created again under its name gets another) and when
+#: the server started (a restored backup or a recreated cluster is served by a server started
+#: since). A change of either only costs each run one read of its transcript.
+#: The same statement reads the two ends of this connection as the server sees them, and its
+#: server process, for _reaches_server_directly (``_ENDS``).
 _SERVER_IDENTITY = (
     f"SELECT d.oid, pg_postmaster_start_time(), {_ENDS} FROM pg_database d "
     "WHERE d.datname = current_database()"

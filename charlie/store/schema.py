@@ -130,19 +130,9 @@ class Execution(Base):
         # the wake scan's (migration 0018): a run in motion has no wake-up
         _partial("ix_executions_wake_set", "wake_at", WAKE_SET_WHERE),
         # the live runs the sweeps scan (migration 0015; the literal is scans.LIVE_RUN's)
-        Index(
-            "ix_executions_live_updated",
-            "updated_at",
-            postgresql_where=text("phase <> 'done'"),
-            sqlite_where=text("phase <> 'done'"),
-        ),
+        _partial("ix_executions_live_updated", "updated_at", "phase <> 'done'"),
         # the runs in motion the stalled scan reads (migration 0016; scans.MOVING_RUN)
-        Index(
-            "ix_executions_moving_updated",
-            "updated_at",
-            postgresql_where=text(MOVING_RUN_WHERE),
-            sqlite_where=text(MOVING_RUN_WHERE),
-        ),
+        _partial("ix_executions_moving_updated", "updated_at", MOVING_RUN_WHERE),
     )
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -198,20 +188,10 @@ class ToolCall(Base):
         _partial("ix_tool_calls_handle_set", "handle", HANDLE_SET_WHERE),
         _partial("ix_tool_calls_deadline_settled", "settled_at", DEADLINE_SETTLED_WHERE),
         # the open calls the sweeps scan (migration 0015; the literal is scans.OPEN_CALL's)
-        Index(
-            "ix_tool_calls_open_deadline",
-            "deadline_at",
-            postgresql_where=text("state <> 'settled'"),
-            sqlite_where=text("state <> 'settled'"),
-        ),
+        _partial("ix_tool_calls_open_deadline", "deadline_at", "state <> 'settled'"),
         # the calls in flight the lost and abandoned scans read (migration 0016;
         # scans.IN_FLIGHT_CALL)
-        Index(
-            "ix_tool_calls_in_flight",
-            "queued_at",
-            postgresql_where=text(IN_FLIGHT_CALL_WHERE),
-            sqlite_where=text(IN_FLIGHT_CALL_WHERE),
-        ),
+        _partial("ix_tool_calls_in_flight", "queued_at", IN_FLIGHT_CALL_WHERE),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
