@@ -347,6 +347,9 @@ class RunView:
     last_error: JSON | None = None
     #: the messages waiting for this boundary, in commit order (loaded only when some are).
     messages: list[Message] = field(default_factory=list)
+    #: what this process already knows of ``items``: (n, k), the newest ``compaction`` item
+    #: among ``items[:n]`` is at index k (-1: none); None when nothing is known
+    compaction_known: tuple[int, int] | None = None
 
 
 @dataclass

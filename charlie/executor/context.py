@@ -257,10 +257,26 @@ def _head_end(items: Sequence[Item]) -> int:
     return len(items)
 
 
-def _latest_compaction(items: Sequence[Item], stop: int) -> Item | None:
-    for n in range(len(items) - 1, stop - 1, -1):
+def _latest_compaction(
+    items: Sequence[Item], stop: int, known: tuple[int, int] | None = None
+) -> Item | None:
+    """The newest compaction item at ``stop`` or after. ``known`` (n, k): the newest among
+    ``items[:n]`` is at k (-1: none), so only the items after n are looked at (a long run's
+    transcript is not walked at every turn). Items are only ever appended, so what held of a
+    prefix holds of any longer transcript of the same run; a ``known`` that cannot be of these
+    items is ignored."""
+    end = -1
+    if known is not None:
+        through, newest = known
+        if 0 <= through <= len(items) and (
+            newest == -1 or (0 <= newest < through and items[newest].kind is ItemKind.COMPACTION)
+        ):
+            end = max(stop, through) - 1
+    for n in range(len(items) - 1, max(stop - 1, end), -1):
         if items[n].kind is ItemKind.COMPACTION:
             return items[n]
+    if end >= stop and known is not None and known[1] >= stop:
+        return items[known[1]]
     return None
 
 
@@ -319,14 +335,16 @@ def plan(
     tools: Sequence[ToolSpec] = (),
     *,
     recall: bool = False,
+    compaction_known: tuple[int, int] | None = None,
 ) -> Plan:
     """The model input for the call of ``turn`` from the committed ``items`` (seq 0, 1, ...:
-    ``items[n].seq == n``), or the summary to make first."""
+    ``items[n].seq == n``), or the summary to make first. ``compaction_known``: what is known
+    of the items' compactions already (RunView.compaction_known)."""
     context = _state(state)
     ratio = _ratio(context)
     raw_tools = tools_tokens(tools)
     head_end = _head_end(items)
-    compaction = _latest_compaction(items, head_end)
+    compaction = _latest_compaction(items, head_end, compaction_known)
     if window is None and compaction is None:
         # No window known: the transcript as it is; its estimate only if a refusal needs it
         # (the ordinary turn does no work here that grows with the transcript).

@@ -253,6 +253,9 @@ def view_of(
         if conn is None:
             raise NeedsRead("the mailbox")
         messages = runs.load_messages(conn, claim.task_id)
+    items, compaction_known = (
+        transcript_of(rt, conn, claim, wrote) if "items" in wanted else ([], None)
+    )
     return RunView(
         execution_id=claim.execution_id,
         phase=claim.phase,
@@ -262,23 +265,27 @@ def view_of(
         attempts=claim.attempts,
         task=task,
         now=now,
-        items=transcript_of(rt, conn, claim, wrote) if "items" in wanted else [],
+        items=items,
         calls=known_calls if "calls" in wanted and known_calls is not None else [],
         last_error=claim.last_error,
         messages=messages,
+        compaction_known=compaction_known,
     )
 
 
 def transcript_of(
     rt: Runtime, conn: Connection | None, claim: runs.Claim, wrote: Sequence[Wrote]
-) -> list[Item]:
+) -> tuple[list[Item], tuple[int, int] | None]:
     """The run's transcript for the model: the committed prefix this process remembers, the
     items this transaction wrote, and a read of only what else has committed since; no read
-    at all when the claim's next_seq says there is nothing else."""
-    known = list(rt.transcripts.get(claim.execution_id, claim.identity))
+    at all when the claim's next_seq says there is nothing else. With it, what the remembered
+    prefix says of its compactions (RunView.compaction_known)."""
+    remembered, newest = rt.transcripts.remembered(claim.execution_id, claim.identity)
+    known = list(remembered)
     if len(known) > claim.next_seq:
         known = []  # (cannot happen: a remembered prefix has committed) read it all
     cursor = len(known)
+    compaction_known = (cursor, newest) if known else None
     pending: list[Item] = []
     for next_seq, items in wrote:
         if items is None or next_seq != cursor + len(pending):
@@ -286,10 +293,10 @@ def transcript_of(
         pending.extend(items)
     else:
         if cursor + len(pending) == claim.next_seq:
-            return [*known, *pending]
+            return [*known, *pending], compaction_known
     if conn is None:
         raise NeedsRead("the transcript")
-    return runs.load_items(conn, claim.execution_id, known)
+    return runs.load_items(conn, claim.execution_id, known), compaction_known
 
 
 def remember_transcript(

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from charlie.domain import Item
+from charlie.domain import Item, ItemKind
 
 #: runs remembered per process; a worker runs a few at once, so this is plenty (a long run's
 #: transcript can be megabytes, and a finished run is forgotten at once)
@@ -34,8 +34,10 @@ class TranscriptCache:
 
     def __init__(self, size: int = RUNS) -> None:
         self._size = size
-        #: execution id -> (the run's identity, its items)
-        self._runs: OrderedDict[str, tuple[object, tuple[Item, ...]]] = OrderedDict()
+        #: execution id -> (the run's identity, its items, the index of the newest compaction
+        #: item among them or -1): found as items are put, so a model call's input planning
+        #: does not walk the whole transcript for it at every turn
+        self._runs: OrderedDict[str, tuple[object, tuple[Item, ...], int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, execution_id: str, identity: object) -> tuple[Item, ...]:
@@ -43,15 +45,20 @@ class TranscriptCache:
         database and the run's incarnation): nothing when what is remembered under its id is
         another run's (a recreated database, a restored backup, a task id used again), which
         is forgotten."""
+        return self.remembered(execution_id, identity)[0]
+
+    def remembered(self, execution_id: str, identity: object) -> tuple[tuple[Item, ...], int]:
+        """The remembered prefix (as :meth:`get`) and the index of its newest ``compaction``
+        item (-1: none)."""
         with self._lock:
             entry = self._runs.get(execution_id)
             if entry is None:
-                return ()
+                return (), -1
             if entry[0] != identity or identity is None:
                 del self._runs[execution_id]
-                return ()
+                return (), -1
             self._runs.move_to_end(execution_id)
-            return entry[1]
+            return entry[1], entry[2]
 
     def forget(self, execution_id: str) -> None:
         """The run finished: nothing will read its transcript here again."""
@@ -67,16 +74,23 @@ class TranscriptCache:
             # Items numbered 0, 1, ...: checked only past the remembered prefix when they
             # extend it with its very objects (checked when it was put; a tuple comparison
             # tries identity first, in C), so a long run's put does not walk it all in Python.
-            checked = 0
+            checked, newest = 0, -1
             if known is not None and known[0] == identity and 0 < len(known[1]) <= len(items):
                 prefix = known[1]
                 if items[len(prefix) - 1] is prefix[-1] and tuple(items[: len(prefix)]) == prefix:
-                    checked = len(prefix)
-            if identity is None or any(items[n].seq != n for n in range(checked, len(items))):
+                    checked, newest = len(prefix), known[2]
+            for n in range(checked, len(items)):
+                item = items[n]
+                if identity is None or item.seq != n:
+                    self._runs.pop(execution_id, None)
+                    return
+                if item.kind is ItemKind.COMPACTION:
+                    newest = n
+            if identity is None:
                 self._runs.pop(execution_id, None)
                 return
             if known is None or known[0] != identity or len(items) >= len(known[1]):
-                self._runs[execution_id] = (identity, tuple(items))
+                self._runs[execution_id] = (identity, tuple(items), newest)
                 self._runs.move_to_end(execution_id)
             while len(self._runs) > self._size:
                 self._runs.popitem(last=False)

@@ -83,7 +83,7 @@ def _append(worker: Any, engine: Engine, claim: runs.Claim, text_: str) -> runs.
 
 def _model_input(worker: Any, engine: Engine, claim: runs.Claim) -> list[str]:
     with write(engine) as conn:
-        items: list[Item] = transcript_of(worker, conn, claim, ())
+        items: list[Item] = transcript_of(worker, conn, claim, ())[0]
     return [str(i.payload.get("content")) for i in items]
 
 

@@ -184,6 +184,34 @@ def test_assembly_is_bounded_by_the_window_not_the_transcript() -> None:
     assert reads(2000) == reads(50)
 
 
+def test_what_is_known_of_a_prefix_spares_the_walk_and_changes_nothing() -> None:
+    """A long run's turn without a window reads only the items after the prefix whose
+    compactions the worker already knows (the transcript cache's), not the whole transcript;
+    the plan is the one a full walk makes. What cannot be of these items is ignored."""
+    items = transcript(2000)
+    counted = _CountingItems(items)
+    context.plan(counted, 2000, None, {})
+    known = _CountingItems(items)
+    plan = context.plan(known, 2000, None, {}, compaction_known=(len(items) - 2, -1))
+    assert plan.items == items and plan.compaction is None
+    # (both copy the items once, as the counting sequence is no list: the walk is the rest)
+    assert counted.read - known.read >= len(items) - 4
+
+    compacted = [*items[:-2], compaction(len(items) - 2, 1998, (2, 900)), items[-1]]
+    compacted[-1] = Item(len(compacted) - 1, 1999, ItemKind.TOOL_RESULT, "c", {"content": "x"})
+    full = context.plan(compacted, 2000, None, {})
+    for hint in (
+        (len(compacted) - 1, len(compacted) - 2),  # the compaction inside the known prefix
+        (len(compacted) - 2, -1),  # the compaction after it
+        (10, -1),
+        (len(compacted) + 5, -1),  # longer than the items: ignored
+        (len(compacted) - 1, 7),  # names an item that is no compaction: ignored
+    ):
+        hinted = context.plan(compacted, 2000, None, {}, compaction_known=hint)
+        assert hinted.compaction == full.compaction == compacted[-2], hint
+        assert hinted.items == full.items
+
+
 def test_a_window_per_model_wins_over_the_default_and_a_refusal_lowers_it() -> None:
     limits = PhaseLimits(context_tokens=8000, context_tokens_by_model={"GPT_4_1": 1000})
     own = context.window_for("openai:gpt-4.1", limits, {})

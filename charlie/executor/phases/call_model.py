@@ -139,7 +139,15 @@ def _run(view: RunView, deps: PhaseDeps, enabled: list[ToolDef]) -> Transition:
     # The input under the model's window (I29): the transcript, elided or summarised.
     window = context.window_for(task.model, deps.limits, view.state)
     recall = any(t.name == context.RECALL_TOOL for t in enabled)
-    plan = context.plan(view.items, view.turn, window, view.state, tools, recall=recall)
+    plan = context.plan(
+        view.items,
+        view.turn,
+        window,
+        view.state,
+        tools,
+        recall=recall,
+        compaction_known=view.compaction_known,
+    )
     if plan.summary is not None:
         return _compact(view, deps, plan, retries)
     request = ModelRequest(
