@@ -27,6 +27,12 @@ Two more shapes, each for a figure of ``scripts/bench.py`` (``--figure``):
     ``{"version", "wall_s", "turns", "turns_per_s", "wal_bytes_per_turn"}`` (WAL: the
     server's ``pg_current_wal_lsn`` before and after, the whole server's).
 
+``paired``
+    Serves the turn figure's single workflow on request, for a comparison taken in pairs: it
+    prints ``{"ready": version}`` once DBOS is launched and warm, then for each line of stdin
+    (a number of turns) runs one workflow of that many turns and prints ``{"turn_ms": ...}``.
+    Ends at the end of stdin.
+
 A queue polls for work every ``--queue-poll`` seconds (DBOS's default, 1 s, unless
 ``BENCH_DBOS_QUEUE_POLL`` says otherwise): up to one interval of each wall is the wait for the
 first poll.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -211,10 +218,31 @@ def fleet(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def paired(args: argparse.Namespace) -> None:
+    """One workflow of the turns each stdin line asks for, timed, one JSON line each: the
+    caller alternates these with its own runs, so a machine whose speed drifts moves both."""
+    from dbos import DBOS
+
+    DBOS(config={"name": "charlie-bench", "system_database_url": args.database_url})
+    agent = _turns_workflow()
+    DBOS.launch()
+    try:
+        agent(2)  # warm up
+        print(json.dumps({"ready": version("dbos")}), flush=True)
+        for line in sys.stdin:
+            turns = int(line)
+            started = time.perf_counter()
+            agent(turns)
+            elapsed = time.perf_counter() - started
+            print(json.dumps({"turn_ms": elapsed / turns * 1000}), flush=True)
+    finally:
+        DBOS.destroy()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--database-url", required=True)
-    p.add_argument("--figure", choices=["turns", "inflight", "fleet"], default="turns")
+    p.add_argument("--figure", choices=["turns", "inflight", "fleet", "paired"], default="turns")
     p.add_argument("--turns", type=int, default=20, help="turns of the single workflow")
     p.add_argument("--runs", type=int, default=50, help="concurrent workflows")
     p.add_argument("--runs-turns", type=int, default=5, help="turns of each of them")
@@ -230,6 +258,9 @@ def main() -> None:
     )
     args = p.parse_args()
     recreate(args.database_url)
+    if args.figure == "paired":
+        paired(args)
+        return
     if args.figure != "turns":
         print(json.dumps(inflight(args) if args.figure == "inflight" else fleet(args)))
         return

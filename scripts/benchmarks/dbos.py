@@ -5,7 +5,9 @@ step and a tool step as a DBOS workflow (``scripts/_bench_dbos.py``), same datab
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
+import time
 
 from benchmarks.harness import PG_URL, SCRIPTS, Row, progress
 
@@ -53,6 +55,59 @@ class DbosFigure:
             if a and b and b[-1]:
                 self.results.add(name, a[-1] / b[-1])
         progress(f"DBOS {doc['version']}: {turn_ms:.1f} ms per turn (a model and a tool step)")
+        self.dbos_pairs()
+
+    def dbos_pairs(self) -> None:
+        """Charlie's single run and DBOS's single workflow of the same turns, alternated
+        ``dbos_pairs`` times (each pair's order swapped from the last's), one DBOS process
+        serving them. The trial's figure is the median of the pairs' ratios: two runs taken
+        a second apart see the same machine, where the trial's other figures are a minute
+        apart (on this project's CI machines the speed of the same loop drifts by up to half
+        from one second to the next)."""
+        s = self.sizes
+        argv = [str(self.dbos_python), str(SCRIPTS / "_bench_dbos.py"), "--figure", "paired"]
+        argv += ["--database-url", f"{PG_URL}_dbos"]
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        ours, theirs, ratios = [], [], []
+        try:
+            json.loads(proc.stdout.readline())["ready"]
+            for n in range(s.dbos_pairs):
+                pair: dict[str, float] = {}
+                for who in ("charlie", "dbos") if n % 2 == 0 else ("dbos", "charlie"):
+                    time.sleep(0.2)  # the last run's after-work (events, a sweep) settles
+                    if who == "charlie":
+                        pair[who] = self.charlie_turn_wall(s.turns_one)
+                    else:
+                        proc.stdin.write(f"{s.turns_one}\n")
+                        proc.stdin.flush()
+                        pair[who] = float(json.loads(proc.stdout.readline())["turn_ms"])
+                ours.append(pair["charlie"])
+                theirs.append(pair["dbos"])
+                ratios.append(pair["charlie"] / pair["dbos"])
+        except (OSError, ValueError, KeyError) as exc:
+            self.results.notes.append(f"DBOS pairs failed: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.results.add("paired.charlie_ms", statistics.median(ours))
+        self.results.add("paired.dbos_ms", statistics.median(theirs))
+        self.results.add("paired.ratio", statistics.median(ratios))
+        progress(
+            f"{len(ratios)} pairs: Charlie {statistics.median(ours):.2f} ms, DBOS "
+            f"{statistics.median(theirs):.2f} ms per turn; ratio "
+            f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})"
+        )
 
 
 ROWS: list[Row | str] = [
@@ -62,6 +117,12 @@ ROWS: list[Row | str] = [
     Row("Charlie whole turn (wall / turns) / DBOS per turn", "whole_turn_vs_dbos", 2, "≤ 1.5"),
     Row("... trial by trial", "whole_turn_vs_dbos", 2, "", "all"),
     Row("... per-turn overhead / DBOS per turn, trial by trial", "turn_vs_dbos", 2, "", "all"),
+    "*Taken in pairs*: a Charlie run and a DBOS workflow of the same turns, alternated; each "
+    "trial's figure the median of its pairs",
+    Row("Charlie, 1 run: ms per turn (wall / turns), paired", "paired.charlie_ms", 2),
+    Row("DBOS, 1 workflow: ms per turn, paired", "paired.dbos_ms", 2),
+    Row("**Charlie whole turn / DBOS turn, paired**", "paired.ratio", 2, "≤ 0.5"),
+    Row("... trial by trial", "paired.ratio", 2, "", "all"),
     Row("DBOS, 50 workflows: ms per turn (wall / all turns)", "dbos.many_turn_ms", 2),
     Row("Charlie 50 runs / DBOS 50 workflows, per turn", "many_turn_vs_dbos", 2),
     Row("... trial by trial", "many_turn_vs_dbos", 2, "", "all"),

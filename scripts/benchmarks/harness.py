@@ -128,6 +128,10 @@ class Sizes:
     inflight_prefork: int = 60
     inflight_latency: float = 2.0
     inflight_worker_args: str = ""
+    #: the DBOS comparison taken in pairs: a Charlie run and a DBOS workflow of the same turns,
+    #: alternated this many times a trial (the machine's speed drifts between two far-apart
+    #: runs: each pair is taken within a second)
+    dbos_pairs: int = 9
     #: the fleet figure: runs at once, turns of each, the worker's arguments
     fleet_runs: int = 50
     fleet_turns: int = 20
@@ -169,6 +173,7 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
             inflight_prefork=2,
             fleet_runs=20,
             fleet_turns=2,
+            dbos_pairs=2,
         )
     else:
         # The single run and the single floor chain do about the same work (203 transitions,
@@ -657,6 +662,15 @@ class CellBase:
             message += f", {statistics.median(overheads) * 1000:.1f} ms per turn"
         progress(message)
         return rate
+
+    def charlie_turn_wall(self, turns: int) -> float:
+        """One run of ``turns`` turns, nothing else read around it: its ms per turn, from the
+        submit to its last transition (as ``charlie_runs`` takes ``turn_wall_ms``)."""
+        prefix = self.new_prefix("pair")
+        self.submit(self.turns_script(turns), prefix, 1)
+        self.wait_done(prefix, 1, timeout=60 + turns, every=0.02)
+        rows = self.transitions(prefix)
+        return (max(ts(r.at) for r in rows) - self.first_submit(prefix)) * 1000 / turns
 
     def pg_counters(self, database: str, *, settle_first: bool) -> tuple[int, int] | None:
         """PostgreSQL's own counts: ``pg_stat_database.xact_commit`` of
