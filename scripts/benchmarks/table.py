@@ -144,7 +144,11 @@ def render(
             "in a process of its own (no broker, no worker pool), checkpointing each step "
             "in PostgreSQL. Per turn: the workflow's time / its turns. In the in-flight and "
             "fleet rows the workflows are enqueued at once on a DBOS queue (polled every "
-            "second, DBOS's default)."
+            "second, DBOS's default). Taken in pairs: after each trial, one DBOS process "
+            "serves a workflow of the single run's turns on request, alternated with a Charlie "
+            "run of the same turns (each run a second or less apart, the order swapped each "
+            "pair); Charlie's time runs from the submit to its last transition, DBOS's is its "
+            "workflow call's; a trial's figure is the median of its pairs' ratios."
         )
     else:
         out.append(
