@@ -79,16 +79,16 @@ class TranscriptCache:
                 prefix = known[1]
                 if items[len(prefix) - 1] is prefix[-1] and tuple(items[: len(prefix)]) == prefix:
                     checked, newest = len(prefix), known[2]
+            if identity is None:
+                self._runs.pop(execution_id, None)
+                return
             for n in range(checked, len(items)):
                 item = items[n]
-                if identity is None or item.seq != n:
+                if item.seq != n:
                     self._runs.pop(execution_id, None)
                     return
                 if item.kind is ItemKind.COMPACTION:
                     newest = n
-            if identity is None:
-                self._runs.pop(execution_id, None)
-                return
             if known is None or known[0] != identity or len(items) >= len(known[1]):
                 self._runs[execution_id] = (identity, tuple(items), newest)
                 self._runs.move_to_end(execution_id)
