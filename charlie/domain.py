@@ -348,7 +348,8 @@ class RunView:
     #: the messages waiting for this boundary, in commit order (loaded only when some are).
     messages: list[Message] = field(default_factory=list)
     #: what this process already knows of ``items``: (n, k), the newest ``compaction`` item
-    #: among ``items[:n]`` is at index k (-1: none); None when nothing is known
+    #: among ``items[:n]`` is at index k (-1: none); None when nothing is known. It holds of
+    #: these ``items`` only: a view given other items must not keep it (the planning trusts it)
     compaction_known: tuple[int, int] | None = None
 
 

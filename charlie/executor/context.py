@@ -263,8 +263,9 @@ def _latest_compaction(
     """The newest compaction item at ``stop`` or after. ``known`` (n, k): the newest among
     ``items[:n]`` is at k (-1: none), so only the items after n are looked at (a long run's
     transcript is not walked at every turn). Items are only ever appended, so what held of a
-    prefix holds of any longer transcript of the same run; a ``known`` that cannot be of these
-    items is ignored."""
+    prefix holds of any longer transcript of the same run. ``known`` is trusted: it must come
+    with these items (RunView.compaction_known); one that plainly cannot (n past the end, k
+    not a compaction) is ignored, but a wrong "none" cannot be told from a true one."""
     end = -1
     if known is not None:
         through, newest = known

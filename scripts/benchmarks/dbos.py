@@ -4,12 +4,18 @@ step and a tool step as a DBOS workflow (``scripts/_bench_dbos.py``), same datab
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
+import tempfile
+import threading
 import time
 
 from benchmarks.harness import PG_URL, SCRIPTS, Row, progress
+
+#: seconds the DBOS process may take to start and warm up, before its pairs' own allowance
+PAIRS_TIMEOUT = 120.0
 
 
 class DbosFigure:
@@ -67,39 +73,36 @@ class DbosFigure:
         s = self.sizes
         argv = [str(self.dbos_python), str(SCRIPTS / "_bench_dbos.py"), "--figure", "paired"]
         argv += ["--database-url", f"{PG_URL}_dbos"]
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        ours, theirs, ratios = [], [], []
-        try:
-            json.loads(proc.stdout.readline())["ready"]
-            for n in range(s.dbos_pairs):
-                pair: dict[str, float] = {}
-                for who in ("charlie", "dbos") if n % 2 == 0 else ("dbos", "charlie"):
-                    time.sleep(0.2)  # the last run's after-work (events, a sweep) settles
-                    if who == "charlie":
-                        pair[who] = self.charlie_turn_wall(s.turns_one)
-                    else:
-                        proc.stdin.write(f"{s.turns_one}\n")
-                        proc.stdin.flush()
-                        pair[who] = float(json.loads(proc.stdout.readline())["turn_ms"])
-                ours.append(pair["charlie"])
-                theirs.append(pair["dbos"])
-                ratios.append(pair["charlie"] / pair["dbos"])
-        except (OSError, ValueError, KeyError) as exc:
-            self.results.notes.append(f"DBOS pairs failed: {type(exc).__name__}: {exc}")
-            return
-        finally:
-            proc.stdin.close()
+        ours: list[float] = []
+        theirs: list[float] = []
+        with tempfile.TemporaryFile(mode="w+") as errors:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True
+            )
+            # a DBOS process that hangs is killed, and its read then ends (at EOF)
+            watchdog = threading.Timer(PAIRS_TIMEOUT + 60.0 * s.dbos_pairs, proc.kill)
+            watchdog.start()
             try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                self._pairs(proc, ours, theirs)
+            except (OSError, ValueError, EOFError, RuntimeError, TimeoutError) as exc:
+                errors.seek(0)
+                tail = " ".join(errors.read().split()[-40:])
+                self.results.notes.append(
+                    f"DBOS pairs failed after {len(ours)} of {s.dbos_pairs}: "
+                    f"{type(exc).__name__}: {exc}" + (f" (DBOS said: {tail})" if tail else "")
+                )
+                return
+            finally:
+                watchdog.cancel()
+                with contextlib.suppress(OSError):
+                    assert proc.stdin is not None
+                    proc.stdin.close()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
         self.results.add("paired.charlie_ms", statistics.median(ours))
         self.results.add("paired.dbos_ms", statistics.median(theirs))
         self.results.add("paired.ratio", statistics.median(ratios))
@@ -108,6 +111,36 @@ class DbosFigure:
             f"{statistics.median(theirs):.2f} ms per turn; ratio "
             f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})"
         )
+
+    def _pairs(self, proc: subprocess.Popen[str], ours: list[float], theirs: list[float]) -> None:
+        """Take the pairs into ``ours`` and ``theirs`` (ms per turn), with ``proc`` serving
+        DBOS's side."""
+        s = self.sizes
+        assert proc.stdin is not None and proc.stdout is not None
+        stdout = proc.stdout
+
+        def answer(key: str) -> float:
+            """The value of ``key`` in the next JSON line DBOS prints (other lines skipped)."""
+            for line in stdout:
+                with contextlib.suppress(ValueError):
+                    doc = json.loads(line)
+                    if isinstance(doc, dict) and key in doc:
+                        return float(doc[key]) if key != "ready" else 0.0
+            raise EOFError(f"DBOS ended (exit {proc.poll()}) before it printed {key!r}")
+
+        answer("ready")
+        for n in range(s.dbos_pairs):
+            pair: dict[str, float] = {}
+            for who in ("charlie", "dbos") if n % 2 == 0 else ("dbos", "charlie"):
+                time.sleep(0.2)  # the last run's after-work (events, a sweep) settles
+                if who == "charlie":
+                    pair[who] = self.charlie_turn_wall(s.turns_one)
+                else:
+                    proc.stdin.write(f"{s.turns_one}\n")
+                    proc.stdin.flush()
+                    pair[who] = answer("turn_ms")
+            ours.append(pair["charlie"])
+            theirs.append(pair["dbos"])
 
 
 ROWS: list[Row | str] = [

@@ -67,13 +67,16 @@ def _submit(engine: Engine, task_id: str, prompt: str) -> runs.Claim:
     return _claim(engine, submitted.execution_id, 7)
 
 
-def _append(worker: Any, engine: Engine, claim: runs.Claim, text_: str) -> runs.Claim:
+def _append(
+    worker: Any, engine: Engine, claim: runs.Claim, text_: str, kind: ItemKind = ItemKind.INPUT
+) -> runs.Claim:
     """Commit one item as a step of the run (call_model -> call_model) and remember it as a
     worker does after the COMMIT of a step that read no transcript (load_context, a tool
     phase: what it remembers, then what it wrote); returns the next step's claim."""
-    moved = Transition(
-        to=Phase.CALL_MODEL, items=[NewItem(ItemKind.INPUT, {"role": "user", "content": text_})]
-    )
+    payload: dict[str, Any] = {"role": "user", "content": text_}
+    if kind is ItemKind.COMPACTION:
+        payload = {"covers": [1, 2], "content": text_, "model": "m", "usage": {}}
+    moved = Transition(to=Phase.CALL_MODEL, items=[NewItem(kind, payload)])
     with write(engine) as conn:
         assert runs.commit_transition(conn, claim, moved, owner=OWNER, now=utcnow(), duration_ms=1)
         wrote = [(claim.next_seq, runs.written_items(conn, claim, moved))]
@@ -169,3 +172,25 @@ def test_a_database_restored_from_a_backup_is_not_mixed_with_what_was_remembered
         "the first input",
         "what the restored run wrote instead",
     ]
+
+
+def test_what_a_worker_knows_of_a_runs_compactions_is_what_a_walk_finds(engine: Engine) -> None:
+    """The transcript a model call plans from comes with where its newest compaction is in the
+    prefix this worker remembers (I29: the planning walks only what follows); a worker that
+    remembers nothing knows nothing, and reads the whole transcript."""
+    worker = _worker()
+    claim = _submit(engine, "compacted", "prompt")
+    for n in range(3):
+        claim = _append(worker, engine, claim, f"input {n}")
+    claim = _append(worker, engine, claim, "the summary", ItemKind.COMPACTION)
+    claim = _append(worker, engine, claim, "input after it")
+    with write(engine) as conn:
+        items, known = transcript_of(worker, conn, claim, ())
+        cold, nothing = transcript_of(_worker(), conn, claim, ())
+    newest = max(n for n, i in enumerate(items) if i.kind is ItemKind.COMPACTION)
+    assert known == (len(items), newest) and items[newest].payload["content"] == "the summary"
+    assert [i.seq for i in cold] == [i.seq for i in items] and nothing is None
+    claim = _append(worker, engine, claim, "a newer summary", ItemKind.COMPACTION)
+    with write(engine) as conn:
+        items, known = transcript_of(worker, conn, claim, ())
+    assert known == (len(items), len(items) - 1)

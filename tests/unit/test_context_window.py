@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any, overload
@@ -210,6 +211,33 @@ def test_what_is_known_of_a_prefix_spares_the_walk_and_changes_nothing() -> None
         hinted = context.plan(compacted, 2000, None, {}, compaction_known=hint)
         assert hinted.compaction == full.compaction == compacted[-2], hint
         assert hinted.items == full.items
+
+    # an older compaction inside the known prefix, a newer one after it: the newer wins
+    older = compaction(500, 600, (2, 400), "older")
+    both = [*compacted[:500], older, *compacted[501:]]
+    both[500] = Item(500, 600, ItemKind.COMPACTION, None, older.payload)
+    assert context.plan(both, 2000, None, {}, compaction_known=(1000, 500)).compaction == both[-2]
+    assert context.plan(both, 2000, None, {}, compaction_known=(len(both), len(both) - 2)) == (
+        context.plan(both, 2000, None, {})
+    )
+
+
+def test_a_model_call_plans_with_what_its_view_knows_of_the_compactions() -> None:
+    """call_model hands the view's ``compaction_known`` to the planning: told (wrongly, on
+    purpose) that the remembered prefix holds no compaction, it sends the items whole; told
+    nothing, it finds the compaction and sends its summary."""
+    items = transcript(6, size=16)
+    items.append(compaction(len(items), 5, (2, len(items) - 1), "the summary"))
+    model = FakeModel(ModelResponse(output=[]))
+    call_model.run(view(Phase.CALL_MODEL, items=items), deps(model))
+    summarised = model.requests[-1].items
+    assert any(str(i.payload.get("content")).startswith("[Summary of") for i in summarised)
+    assert len(summarised) < len(items)
+    told = dataclasses.replace(
+        view(Phase.CALL_MODEL, items=items), compaction_known=(len(items), -1)
+    )
+    call_model.run(told, deps(model))
+    assert model.requests[-1].items == items
 
 
 def test_a_window_per_model_wins_over_the_default_and_a_refusal_lowers_it() -> None:

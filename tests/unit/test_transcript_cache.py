@@ -39,6 +39,9 @@ def test_a_prefix_put_anew_is_walked_whole() -> None:
     again = [item(0), item(1, ItemKind.COMPACTION), item(2), item(3)]
     cache.put("x", "run", again)
     assert cache.remembered("x", "run") == (tuple(again), 1)
+    plain = [item(0), item(1), item(2), item(3), item(4)]  # read anew: no compaction now
+    cache.put("x", "run", plain)
+    assert cache.remembered("x", "run") == (tuple(plain), -1)
 
 
 def test_another_runs_items_are_not_its_compactions() -> None:
