@@ -22,6 +22,7 @@ from __future__ import annotations
 import getpass
 import hashlib
 import json
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -85,6 +86,17 @@ class NotHeld(ActionRefused):
 
 class NotResumable(ActionRefused):
     pass
+
+
+class StillReporting(NotResumable):
+    """The task has ended but its run has not finished reporting it: the task's status is
+    written a moment before the run's last step, so a resume right after ``wait`` can find
+    the run one step short of ``done``. A resume waits up to ``REPORTING_WAIT`` for it."""
+
+
+#: seconds a resume waits for a run that is still reporting its task's end (a report takes
+#: milliseconds; one whose worker died is re-published by the sweep, later than this)
+REPORTING_WAIT = 10.0
 
 
 class ForkRefused(ActionRefused):
@@ -806,7 +818,9 @@ def resume(
     a resume never just fails again at the next model call.
     A turn whose calls were closed when it ended keeps their results (the model was shown
     them, I8): the run re-enters at that turn's next model call, and no call runs again. A
-    succeeded or canceled task is refused (fork it instead)."""
+    succeeded or canceled task is refused (fork it instead). Right after the task ends its run
+    may be a step short of ``done`` (reporting the end): the resume waits for it, up to
+    ``REPORTING_WAIT`` seconds."""
     rt = get_producer()
     note = _note(note)
     if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
@@ -833,7 +847,7 @@ def resume(
         if status not in (TaskStatus.FAILED.value, TaskStatus.TIMED_OUT.value):
             raise NotResumable(f"task {task_id!r} is {status}, not failed or timed out")
         if run.phase != Phase.DONE.value:
-            raise NotResumable(
+            raise StillReporting(
                 f"task {task_id!r} is {status} but its run is still reporting it "
                 f"({run.phase}); try again in a moment"
             )
@@ -890,7 +904,15 @@ def resume(
         )
         return rid, phase, run.version + 1, run.priority
 
-    done, recorded = _once(rt, request_id, "resume a task", act)
+    waited_until = time.monotonic() + REPORTING_WAIT
+    while True:
+        try:
+            done, recorded = _once(rt, request_id, "resume a task", act)
+            break
+        except StillReporting:
+            if time.monotonic() >= waited_until:
+                raise
+            time.sleep(0.1)
     if recorded is not None:
         return recorded
     assert done is not None

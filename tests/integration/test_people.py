@@ -4,14 +4,16 @@ uncertainty, resume, fork, and the evidence each leaves (I22-I27)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 import charlie
-from charlie import api
-from charlie.domain import TaskStatus
+from charlie import api, people
+from charlie.domain import Phase, TaskStatus, execution_id_for
 from tests.conftest import model_calls, wait_for
 from tests.integration.test_loop import assert_every_call_has_one_result
 from tests.support.cluster import Cluster
@@ -442,6 +444,53 @@ def test_verdicts_on_the_wrong_call_are_refused_clearly(cluster: Cluster, script
 
 
 # -- resume ------------------------------------------------------------------------------------
+
+
+def _set_phase(task_id: str, phase: Phase) -> None:
+    from sqlalchemy import update
+
+    from charlie.runtime import get_producer
+    from charlie.store.engine import write
+    from charlie.store.schema import executions
+
+    with write(get_producer().engine) as conn:
+        conn.execute(
+            update(executions)
+            .where(executions.c.id == execution_id_for(task_id))
+            .values(phase=phase.value)
+        )
+
+
+def test_a_resume_right_after_the_end_waits_for_the_run_to_finish_reporting(
+    cluster: Cluster, script, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wait`` returns once the task's status says failed; its run reaches ``done`` a step
+    later. A resume in between waits for that step instead of refusing (the moment is held
+    open here by putting the run back in report_failure for half a second); one whose run
+    stays short of ``done`` past the wait is refused with the reason."""
+    model, _ = script([{"raise": "the model is down", "say": "x", "tool_calls": []}])
+    task_id = charlie.submit("resume at once", model=model, task_id=tid())
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED
+    wait_for(lambda: charlie.get_task(task_id).phase is Phase.DONE)
+
+    _set_phase(task_id, Phase.REPORT_FAILURE)
+    reported = threading.Timer(0.5, _set_phase, (task_id, Phase.DONE))
+    reported.start()
+    started = time.monotonic()
+    record = charlie.resume(task_id)
+    reported.join()
+    assert time.monotonic() - started >= 0.4
+    assert record.detail["from_status"] == "failed"
+
+    assert charlie.wait(task_id, timeout=60).status is TaskStatus.FAILED  # the model is down
+    wait_for(lambda: charlie.get_task(task_id).phase is Phase.DONE)
+    monkeypatch.setattr(people, "REPORTING_WAIT", 0.3)
+    _set_phase(task_id, Phase.REPORT_FAILURE)
+    try:
+        with pytest.raises(api.NotResumable, match="still reporting it"):
+            charlie.resume(task_id)
+    finally:
+        _set_phase(task_id, Phase.DONE)
 
 
 def test_a_failed_task_resumes_at_its_phase_with_a_fresh_budget(
