@@ -19,7 +19,7 @@ import shlex
 import subprocess
 import sys
 
-from benchmarks.harness import PG_ADMIN, PG_URL, SCRIPTS, Row, progress, ts
+from benchmarks.harness import PG_ADMIN, PG_URL, SCRIPTS, Row, progress
 
 
 class FleetFigure:
@@ -69,7 +69,7 @@ class FleetFigure:
         self.wait_done(prefix, runs, timeout=60 + runs * turns * 0.5)
         lsn1 = self.wal_position()
         rows = self.transitions(prefix)
-        wall = max(ts(r.at) for r in rows) - self.first_submit(prefix)
+        wall = self.wall(prefix, rows)
         all_turns = runs * turns
         r = self.results
         r.add("fleet.turns_per_s", all_turns / wall)

@@ -634,7 +634,7 @@ class CellBase:
         rows = self.transitions(prefix)
         if len(rows) != expected:
             self.results.notes.append(f"{key}: {len(rows)} transitions, expected {expected}")
-        wall = max(ts(r.at) for r in rows) - self.first_submit(prefix)
+        wall = self.wall(prefix, rows)
         rate = len(rows) / wall
         self.results.add(f"{key}.tps", rate)
         self.results.add(f"{key}.ms", 1000 / rate)
@@ -669,8 +669,11 @@ class CellBase:
         prefix = self.new_prefix("pair")
         self.submit(self.turns_script(turns), prefix, 1)
         self.wait_done(prefix, 1, timeout=60 + turns, every=0.02)
-        rows = self.transitions(prefix)
-        return (max(ts(r.at) for r in rows) - self.first_submit(prefix)) * 1000 / turns
+        return self.wall(prefix, self.transitions(prefix)) * 1000 / turns
+
+    def wall(self, prefix: str, rows: list[Any]) -> float:
+        """Seconds from the first submit of ``prefix`` to the last of its ``rows``' transitions."""
+        return max(ts(r.at) for r in rows) - self.first_submit(prefix)
 
     def pg_counters(self, database: str, *, settle_first: bool) -> tuple[int, int] | None:
         """PostgreSQL's own counts: ``pg_stat_database.xact_commit`` of

@@ -26,7 +26,7 @@ import sys
 import threading
 from typing import Any
 
-from benchmarks.harness import PG_URL, SCRIPTS, Row, progress, ts
+from benchmarks.harness import PG_URL, SCRIPTS, Row, progress
 
 #: the model the tasks name: the fake provider behind CHARLIE_MODEL_BASE_URL
 MODEL = "openai:bench-model"
@@ -124,7 +124,7 @@ class InflightFigure:
         finally:
             self.procs.kill("inflight")
         rows = self.transitions(prefix)
-        wall = max(ts(r.at) for r in rows) - self.first_submit(prefix)
+        wall = self.wall(prefix, rows)
         concurrency = worker_concurrency(worker_args)
         ideal = ideal_seconds(n, concurrency, latency)
         r = self.results
