@@ -323,7 +323,9 @@ _FRESH_RUN = ("inbox", "model_calls")
 def _fresh_array(run: str, task: str, delegated: str) -> str:
     """``_FRESH_RUN`` then ``_FRESH_TASK`` as one JSON array: a row of one column is read for a
     fraction of the CPU of a row of a dozen (a driver's and SQLAlchemy's work per column, at
-    every turn's two commits)."""
+    every turn's two commits), and its one type (json) survives a migration that changes a
+    returned column's: a statement prepared on the server fails at every execution once the
+    types of what it returns change (0A000, "cached plan must not change result type")."""
     values = [f"{run}.{name}" for name in _FRESH_RUN]
     values += [f"{task}.{name}" for name in _FRESH_TASK[:-1]] + [delegated]
     return f"json_build_array({', '.join(values)})"

@@ -21,7 +21,7 @@ from sqlalchemy import Engine, func, insert, select, update
 from charlie import scheduler
 from charlie.domain import CallState, Phase, TaskStatus, utcnow
 from charlie.store import fused, runs
-from charlie.store.engine import write, write_one
+from charlie.store.engine import PREPARED, write, write_one
 from charlie.store.schema import executions, tasks, tool_calls, transcript_items, transitions
 from tests.conftest import BACKEND
 from tests.support.databases import own_database
@@ -363,3 +363,32 @@ def test_the_values_a_commit_returns_read_as_their_columns_would(
     if got.timeout_at is not None:
         assert got.timeout_at.utcoffset() == timedelta(0)
         assert got.timeout_at.microsecond == as_columns.timeout_at.microsecond
+
+
+def test_a_column_type_changed_by_a_migration_leaves_prepared_commits_working(
+    engine: Engine,
+) -> None:
+    """A rolling upgrade (docs/production/pgbouncer.md): a migration run while old workers are
+    up may change the type of a column a fused commit reads and returns (here the run's
+    ``inbox``, integer to bigint). A statement prepared on the server whose result's types
+    would change by it fails with 0A000 ("cached plan must not change result type") at every
+    later execution on that connection; the fused commit returns one JSON array, whose type
+    does not change, so the connection's next turn commits (I3: the run goes on)."""
+    first = _run_at(engine, Phase.CALL_MODEL, leased=True)
+    second = _run_at(engine, Phase.CALL_MODEL, leased=True)
+    with write_one(engine) as conn:
+        assert conn.info[PREPARED] is True  # a direct connection: the commit is prepared
+        assert fused.commit_fused(conn, _model_turn(first)) is not None
+        prepared = conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements")
+        assert prepared.scalar_one() == 1
+        with engine.connect() as other:  # (another connection: this one is checked out)
+            other.exec_driver_sql("ALTER TABLE executions ALTER COLUMN inbox TYPE bigint")
+            other.commit()
+        try:
+            fresh = fused.commit_fused(conn, _model_turn(second))
+        finally:
+            with engine.connect() as other:
+                other.exec_driver_sql("ALTER TABLE executions ALTER COLUMN inbox TYPE integer")
+                other.commit()
+    assert fresh is not None and fresh.inbox == 0
+    assert _written(engine, second) == _written(engine, first)
