@@ -379,8 +379,11 @@ def test_a_column_type_changed_by_a_migration_leaves_prepared_commits_working(
     with write_one(engine) as conn:
         assert conn.info[PREPARED] is True  # a direct connection: the commit is prepared
         assert fused.commit_fused(conn, _model_turn(first)) is not None
-        prepared = conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements")
-        assert prepared.scalar_one() == 1
+        # (the module's earlier tests may have prepared other shapes on this connection)
+        prepared = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'WITH run AS %%'"
+        )
+        assert prepared.scalar_one() >= 1
         with engine.connect() as other:  # (another connection: this one is checked out)
             other.exec_driver_sql("ALTER TABLE executions ALTER COLUMN inbox TYPE bigint")
             other.commit()
